@@ -1,0 +1,209 @@
+"""The decoder: pure functions over a params pytree.
+
+Two entry points share every layer's code and differ only in attention:
+
+1. `forward(params, cache, batch, cfg=..., attn_impl=...)`: the engine's step. A flat
+   ragged batch of T tokens from S sequences (decode rows and prompt chunks mixed),
+   K/V written into the paged cache through `batch.slot_mapping`, attention through
+   `pallas_kernels.ragged_paged_attention` (bottom-right causal), logits only for
+   `batch.logits_rows`.
+2. `forward_dense(params, cfg, token_ids)`: plain causal attention over whole
+   sequences `[B, L]`, for training and as an independent check.
+
+Params layout (one spec per array in `param_specs`; layer weights stacked on a
+leading `L` axis so the layer loop is a `lax.scan`, which keeps compile time flat
+in depth). Linear weights are stored `[in, out]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from arcjax.config import ModelConfig, rope_inv_freq
+
+Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"?}
+Cache = dict  # {"k": [L, num_blocks, block_size, Hkv, D], "v": same}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    shape: tuple[int, ...]
+    init: str  # "normal" | "ones" | "zeros"
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """One spec per array: init, loading and export all derive from this tree."""
+    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers = {
+        "attn_norm": ParamSpec((L, H), "ones"),
+        "wq": ParamSpec((L, H, q_dim), "normal"),
+        "wk": ParamSpec((L, H, kv_dim), "normal"),
+        "wv": ParamSpec((L, H, kv_dim), "normal"),
+        "wo": ParamSpec((L, q_dim, H), "normal"),
+        "mlp_norm": ParamSpec((L, H), "ones"),
+        "w_gate": ParamSpec((L, H, I), "normal"),
+        "w_up": ParamSpec((L, H, I), "normal"),
+        "w_down": ParamSpec((L, I, H), "normal"),
+    }
+    if cfg.qkv_bias:
+        layers |= {"bq": ParamSpec((L, q_dim), "zeros"), "bk": ParamSpec((L, kv_dim), "zeros"),
+                   "bv": ParamSpec((L, kv_dim), "zeros")}
+    if cfg.o_bias:
+        layers["bo"] = ParamSpec((L, H), "zeros")
+    if cfg.qk_norm:
+        layers |= {"q_norm": ParamSpec((L, cfg.head_dim), "ones"),
+                   "k_norm": ParamSpec((L, cfg.head_dim), "ones")}
+    specs = {"embed": ParamSpec((V, H), "normal"), "layers": layers,
+             "final_norm": ParamSpec((H,), "ones")}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = ParamSpec((H, V), "normal")
+    return specs
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random params (normal(0, std) weights, unit norms, zero biases)."""
+    specs = param_specs(cfg)
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for spec, k in zip(leaves, keys):
+        if spec.init == "normal":
+            out.append((std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype))
+        else:
+            out.append(jnp.full(spec.shape, 1.0 if spec.init == "ones" else 0.0, dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def make_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> Cache:
+    """A zeroed paged KV cache for every layer."""
+    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """Device inputs of one engine step, padded to a (T, S) bucket."""
+
+    token_ids: jax.Array  # [T] int32
+    positions: jax.Array  # [T] int32, absolute position of each token
+    slot_mapping: jax.Array  # [T] int32, cache slot per token; padding: out of range
+    cu_seqlens_q: jax.Array  # [S+1] int32
+    kv_lens: jax.Array  # [S] int32, keys per sequence, this step's included
+    block_tables: jax.Array  # [S, max_blocks] int32
+    num_seqs: jax.Array  # [] int32, real sequences (the rest is padding)
+    logits_rows: jax.Array  # [S] int32, token row whose logits sequence s needs
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Rotary embedding, Hugging Face's rotate-half layout. x: [..., T, Hx, D]."""
+    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)  # [D/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
+    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+    """Projections, q/k norm and rope. x: [..., T, H] -> q [..., T, Hq, D], k/v [..., T, Hkv, D]."""
+    dt = x.dtype
+    q, k, v = x @ lp["wq"].astype(dt), x @ lp["wk"].astype(dt), x @ lp["wv"].astype(dt)
+    if cfg.qkv_bias:
+        q, k, v = q + lp["bq"].astype(dt), k + lp["bk"].astype(dt), v + lp["bv"].astype(dt)
+    lead = x.shape[:-1]
+    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    return rope(q, positions, cfg), rope(k, positions, cfg), v
+
+
+def _block(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, attend):
+    """One decoder layer. `attend(q, k, v) -> ([..., T, Hq, D], aux)` is the only difference
+    between the paged and dense modes."""
+    dt = x.dtype
+    with jax.named_scope("qkv"):
+        q, k, v = _qkv(lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, cfg)
+    with jax.named_scope("attention"):
+        attn, aux = attend(q, k, v)
+    with jax.named_scope("o_proj"):
+        out = attn.reshape(*attn.shape[:-2], -1) @ lp["wo"].astype(dt)
+        if cfg.o_bias:
+            out = out + lp["bo"].astype(dt)
+        x = x + out
+    with jax.named_scope("mlp"):
+        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+        h = jax.nn.silu(h @ lp["w_gate"].astype(dt)) * (h @ lp["w_up"].astype(dt))
+        x = x + h @ lp["w_down"].astype(dt)
+    return x, aux
+
+
+def _lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return (h @ w.astype(h.dtype)).astype(jnp.float32)
+
+
+def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
+            attn_impl: str = "auto", dtype=jnp.float32) -> tuple[jax.Array, Cache]:
+    """One ragged step over the paged cache.
+
+    Returns:
+      logits [S, V] float32 at `batch.logits_rows`, and the updated cache.
+    """
+    x = params["embed"][batch.token_ids].astype(dtype)  # [T, H]
+
+    def layer(x, xs):
+        lp, k_pages, v_pages = xs
+
+        def attend(q, k, v):
+            kp, vp = pallas_kernels.write_kv(k_pages, v_pages, k.astype(k_pages.dtype),
+                                             v.astype(v_pages.dtype), batch.slot_mapping)
+            out = pallas_kernels.ragged_paged_attention(
+                q, kp, vp, batch.block_tables, batch.kv_lens, batch.cu_seqlens_q,
+                batch.num_seqs, impl=attn_impl)
+            return out.astype(q.dtype), (kp, vp)
+
+        x, (kp, vp) = _block(lp, x, batch.positions, cfg, attend)
+        return x, (kp, vp)
+
+    x, (k_new, v_new) = jax.lax.scan(layer, x, (params["layers"], cache["k"], cache["v"]))
+    logits = _lm_head(params, cfg, x[batch.logits_rows])  # [S, V]
+    return logits, {"k": k_new, "v": v_new}
+
+
+def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
+                  dtype=jnp.float32) -> jax.Array:
+    """Causal full-sequence forward. token_ids [B, L] -> logits [B, L, V] float32."""
+    B, L = token_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    x = params["embed"][token_ids].astype(dtype)  # [B, L, H]
+    causal = jnp.tril(jnp.ones((L, L), bool))
+
+    def attend(q, k, v):  # q [B, L, Hq, D], k/v [B, L, Hkv, D]
+        k = jnp.repeat(k, cfg.q_per_kv, axis=2)
+        v = jnp.repeat(v, cfg.q_per_kv, axis=2)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        s = jnp.where(causal, s * cfg.head_dim ** -0.5, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v), None
+
+    def layer(x, lp):
+        x, _ = _block(lp, x, positions, cfg, attend)
+        return x, None
+
+    x, _ = jax.lax.scan(layer, x, params["layers"])
+    return _lm_head(params, cfg, x)
