@@ -1,0 +1,219 @@
+"""Tokenizer: a Hugging Face `tokenizer.json` plus the model's special-token ids.
+
+`Tokenizer.from_dir(model_dir)` reads:
+  - `tokenizer.json` (required) with the `tokenizers` library;
+  - `generation_config.json` (optional): `eos_token_id` (int or list), `bos_token_id`;
+  - `tokenizer_config.json` (optional): `eos_token` / `bos_token` (a string or a dict with
+    "content") and `add_bos_token`;
+  - `config.json` (optional): `eos_token_id` / `bos_token_id`, used only when neither file above
+    names them.
+
+`IncrementalDetokenizer` turns a stream of token ids into text deltas for streaming output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import tokenizers
+
+REPLACEMENT_CHAR = "\ufffd"
+# Tokens of left context decoded with each new token, so decoders whose output depends on the
+# previous token (Metaspace's leading space, WordPiece's "##") render the new text correctly.
+_CONTEXT_TOKENS = 5
+
+
+class TokenizerFileError(ValueError):
+    """A tokenizer file is missing, unreadable or malformed. `path` names the file."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+
+
+class TokenizerFileNotFoundError(TokenizerFileError, FileNotFoundError):
+    """A required tokenizer file does not exist."""
+
+
+def _read_json(path: str, *, required: bool) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        if required:
+            raise TokenizerFileNotFoundError(path, "file not found")
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerFileError(path, f"cannot parse JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise TokenizerFileError(path, f"expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A tokenizer_config special token: "<s>" or {"content": "<s>", ...} or null."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_list(value: Any, path: str, field: str) -> list[int]:
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+        raise TokenizerFileError(path, f"{field} must be a non-negative int or a list of them, got {value!r}")
+    return list(items)
+
+
+class Tokenizer:
+    """Text <-> token ids for one model, with its EOS/BOS ids."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        bos_token_id: int | None = None,
+        add_bos_token: bool = False,
+    ):
+        self._tok = tokenizer
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
+        self.bos_token_id: int | None = bos_token_id
+        # NOTE: some tokenizer.json files add BOS in their post-processor (Llama 3); prepend it
+        # ourselves only when add_bos_token asks for it and the post-processor does not.
+        post_adds_bos = bos_token_id is not None and tokenizer.encode("").ids[:1] == [bos_token_id]
+        self._prepend_bos = add_bos_token and bos_token_id is not None and not post_adds_bos
+
+    @classmethod
+    def from_dir(cls, model_dir: str | os.PathLike) -> Tokenizer:
+        """Loads the tokenizer of a Hugging Face-format model directory.
+
+        Raises:
+          TokenizerFileNotFoundError: tokenizer.json is missing.
+          TokenizerFileError: a file is unreadable, malformed, or names an unknown special token.
+        """
+        model_dir = os.fspath(model_dir)
+        tok_path = os.path.join(model_dir, "tokenizer.json")
+        _read_json(tok_path, required=True)  # typed errors for missing / non-JSON files
+        try:
+            tok = tokenizers.Tokenizer.from_file(tok_path)
+        except Exception as e:  # the Rust side raises a bare Exception for schema errors
+            raise TokenizerFileError(tok_path, f"not a valid tokenizer.json ({e})") from e
+
+        gen_path = os.path.join(model_dir, "generation_config.json")
+        tcfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        cfg_path = os.path.join(model_dir, "config.json")
+        gen = _read_json(gen_path, required=False) or {}
+        tcfg = _read_json(tcfg_path, required=False) or {}
+
+        def token_id(name: str | None, field: str) -> list[int]:
+            if name is None:
+                return []
+            tid = tok.token_to_id(name)
+            if tid is None:
+                raise TokenizerFileError(tcfg_path, f"{field} {name!r} is not in the vocabulary")
+            return [tid]
+
+        eos = _as_id_list(gen.get("eos_token_id"), gen_path, "eos_token_id")
+        eos += token_id(_token_content(tcfg.get("eos_token")), "eos_token")
+        bos = _as_id_list(gen.get("bos_token_id"), gen_path, "bos_token_id")
+        bos += token_id(_token_content(tcfg.get("bos_token")), "bos_token")
+        if not eos or not bos:
+            cfg = _read_json(cfg_path, required=False) or {}
+            eos = eos or _as_id_list(cfg.get("eos_token_id"), cfg_path, "eos_token_id")
+            bos = bos or _as_id_list(cfg.get("bos_token_id"), cfg_path, "bos_token_id")
+        return cls(
+            tok,
+            eos_token_ids=eos,
+            bos_token_id=bos[0] if bos else None,
+            add_bos_token=bool(tcfg.get("add_bos_token", False)),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer can produce, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying `tokenizers.Tokenizer`."""
+        return self._tok
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens`, BOS is added where the model expects it."""
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self._prepend_bos:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; incomplete UTF-8 sequences decode to U+FFFD."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+class IncrementalDetokenizer:
+    """Streams the text of generated tokens, one delta per `add`.
+
+    A byte-level BPE token can hold part of a multi-byte UTF-8 character; the delta for it is ""
+    until the character is complete, so no U+FFFD is emitted for a character still being spelled.
+    Every `add` decodes a small window: tokens [prefix_offset, read_offset) are text already
+    emitted (kept as left context), [read_offset, end) is text not yet emitted (vLLM's scheme).
+
+    NOTE: "".join(deltas) + flush() == tokenizer.decode(ids) for byte-level tokenizers (the
+    boundary at read_offset always falls between complete characters). With `prompt_ids` (context
+    only, never emitted) the same holds for decode(prompt + ids) minus decode(prompt), provided the
+    prompt ends on a complete character.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: Sequence[int] = (),
+        *,
+        skip_special_tokens: bool = True,
+    ):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids)
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._pieces)
+
+    def add(self, token_id: int) -> str:
+        """Appends one token id; returns the newly completed text (possibly "")."""
+        self._ids.append(token_id)
+        emitted, full = self._window_texts()
+        if len(full) <= len(emitted) or full.endswith(REPLACEMENT_CHAR):
+            return ""  # nothing new, or a character still incomplete: wait for more tokens
+        delta = full[len(emitted):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._pieces.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """Emits whatever is held back (an unfinished character decodes to U+FFFD); call at the end."""
+        emitted, full = self._window_texts()
+        delta = full[len(emitted):] if len(full) > len(emitted) else ""
+        self._prefix_offset = self._read_offset = len(self._ids)
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+    def _window_texts(self) -> tuple[str, str]:
+        decode = self._tok.decode
+        emitted = decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
+        full = decode(self._ids[self._prefix_offset :], self._skip)
+        return emitted, full
