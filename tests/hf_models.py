@@ -1,0 +1,72 @@
+"""Factories for tiny random-weight Hugging Face models, saved in safetensors.
+
+Shared by the model, engine and benchmark tests. torch/transformers are the
+reference implementation only; arcjax never imports them at run time.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+
+ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+_COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               bos_token_id=1, eos_token_id=2)
+_EXTRA = {
+    # llama3 rope scaling with a short original context, so scaling really acts.
+    "LlamaForCausalLM": dict(rope_scaling={"rope_type": "llama3", "factor": 4.0,
+                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                           "original_max_position_embeddings": 32}),
+    "MistralForCausalLM": dict(num_key_value_heads=1, sliding_window=None,
+                               rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "Qwen2ForCausalLM": dict(tie_word_embeddings=True, rope_theta=1e6),
+    "Qwen3ForCausalLM": dict(head_dim=32),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model_dir(arch: str = "LlamaForCausalLM", seed: int = 0) -> str:
+    """Builds, perturbs (so norms and biases are not trivial) and saves a tiny model."""
+    import torch
+    import transformers
+
+    cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    model_cls = getattr(transformers, arch)
+    cfg = cfg_cls(**{**_COMMON, **_EXTRA[arch]})
+    cfg.architectures = [arch]
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    path = tempfile.mkdtemp(prefix=f"arcjax-{arch}-")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def hf_model(path: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+
+
+def hf_logits(path: str, ids) -> "np.ndarray":
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        return hf_model(path)(torch.tensor([list(ids)])).logits[0].numpy().astype(np.float32)
+
+
+def hf_greedy(path: str, ids, n: int) -> list[int]:
+    """transformers' greedy continuation of `ids` (n new tokens, EOS ignored)."""
+    import torch
+
+    with torch.no_grad():
+        out = hf_model(path).generate(torch.tensor([list(ids)]), do_sample=False,
+                                      max_new_tokens=n, min_new_tokens=n,
+                                      pad_token_id=0, eos_token_id=None)
+    return out[0, len(ids):].tolist()
