@@ -158,8 +158,12 @@ def _lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 
 def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
-            attn_impl: str = "auto", dtype=jnp.float32) -> tuple[jax.Array, Cache]:
+            attn_impl: str = "auto", dtype=jnp.float32,
+            max_q_len: int | None = None) -> tuple[jax.Array, Cache]:
     """One ragged step over the paged cache.
+
+    `max_q_len` (static) bounds every sequence's chunk length in this batch (1 for a
+    decode-only bucket); it lets the attention kernel size its query tiles.
 
     Returns:
       logits [S, V] float32 at `batch.logits_rows`, and the updated cache.
@@ -174,7 +178,7 @@ def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
                                              v.astype(v_pages.dtype), batch.slot_mapping)
             out = pallas_kernels.ragged_paged_attention(
                 q, kp, vp, batch.block_tables, batch.kv_lens, batch.cu_seqlens_q,
-                batch.num_seqs, impl=attn_impl)
+                batch.num_seqs, impl=attn_impl, max_q_len=max_q_len)
             return out.astype(q.dtype), (kp, vp)
 
         x, (kp, vp) = _block(lp, x, batch.positions, cfg, attend)

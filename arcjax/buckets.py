@@ -1,0 +1,82 @@
+"""Bucket shapes: every jitted step shape is enumerated here from the config.
+
+A step of t tokens over n sequences runs in bucket (T, S, max_q_len):
+- mixed/prefill steps: T = the smallest rung of the token ladder >= t (multiples of
+  the tile: doubling up to 8 tiles, then steps of 4 tiles), S = the smallest power of
+  two >= n (from 8), max_q_len = T;
+- decode-only steps (every chunk has length 1): T = S, max_q_len = 1, so a decode
+  step never pays for a prefill-sized tile.
+The engine warms exactly `all_buckets(...)`; tests assert nothing else compiles.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Bucket:
+    tokens: int  # T
+    seqs: int  # S
+    max_q_len: int  # static bound on a chunk's length in this bucket
+
+    @property
+    def decode_only(self) -> bool:
+        return self.max_q_len == 1
+
+
+def token_ladder(tile: int, max_tokens: int) -> tuple[int, ...]:
+    """Multiples of `tile` covering 1..max_tokens: doubling, then linear steps."""
+    top = -(-max_tokens // tile) * tile
+    rungs, b = [], tile
+    while b < top and b < 8 * tile:
+        rungs.append(b)
+        b *= 2
+    while b < top:
+        rungs.append(b)
+        b += 4 * tile
+    rungs.append(top)
+    return tuple(sorted(set(rungs)))
+
+
+def seq_ladder(max_seqs: int) -> tuple[int, ...]:
+    rungs, b = [8], 8
+    while b < max_seqs:
+        b *= 2
+        rungs.append(b)
+    return tuple(rungs)
+
+
+def pad_to_bucket(n: int, ladder: tuple[int, ...]) -> int:
+    """The smallest rung >= n."""
+    i = bisect.bisect_left(ladder, n)
+    if i == len(ladder):
+        raise ValueError(f"{n} exceeds the largest bucket {ladder[-1]}")
+    return ladder[i]
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketSet:
+    token_rungs: tuple[int, ...]
+    seq_rungs: tuple[int, ...]
+
+    @classmethod
+    def create(cls, *, tile: int, max_tokens: int, max_seqs: int) -> "BucketSet":
+        return cls(token_ladder(tile, max_tokens), seq_ladder(max_seqs))
+
+    def select(self, num_tokens: int, num_seqs: int, decode_only: bool) -> Bucket:
+        s = pad_to_bucket(num_seqs, self.seq_rungs)
+        if decode_only:
+            return Bucket(s, s, 1)
+        t = pad_to_bucket(num_tokens, self.token_rungs)
+        return Bucket(t, s, t)
+
+    def all(self) -> tuple[Bucket, ...]:
+        """Every bucket a step can select (pairs no step can reach are left out)."""
+        out = [Bucket(s, s, 1) for s in self.seq_rungs]
+        for t in self.token_rungs:
+            for s in self.seq_rungs:
+                if s == self.seq_rungs[0] or s // 2 < t:  # some n in (s/2, s] fits t
+                    out.append(Bucket(t, s, t))
+        return tuple(sorted(out))

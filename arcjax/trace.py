@@ -1,0 +1,105 @@
+"""Per-step trace: one record per engine step, a run summary, JSONL export.
+
+NOTE: step times are taken after the device result is on the host, so the sum of
+step durations is a lower bound of the wall time spent in `step()`; the self-check
+reports that fraction (the rest is host work between steps: emitting outputs,
+detokenizing, the caller's own code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from typing import Iterable, Mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    index: int
+    start: float
+    end: float
+    prefill_tokens: int
+    decode_tokens: int
+    num_seqs: int
+    bucket: tuple[int, int, int]  # (T, S, max_q_len)
+    compiled: bool  # this step compiled its bucket (never after warm-up)
+    engaged: Mapping  # the plan's record of what each scheduling knob did
+    sampled: Mapping[str, int] = dataclasses.field(default_factory=dict)  # request -> tokens
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def kind(self) -> str:
+        if self.prefill_tokens and self.decode_tokens:
+            return "mixed"
+        return "prompt" if self.prefill_tokens else "decode"
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["engaged"] = _jsonable(dict(self.engaged))
+        return d
+
+
+def _jsonable(x):
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def _engaged_now(value) -> bool:
+    """Whether a knob's entry in `engaged` records that it acted this step."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value > 0
+    if isinstance(value, (list, tuple, dict, str)):
+        return len(value) > 0
+    return value is not None
+
+
+def engagement(records: Iterable[StepRecord]) -> dict[str, int]:
+    """How many steps each knob engaged in (knobs that never engaged map to 0)."""
+    counts: Counter = Counter()
+    for r in records:
+        for knob, value in r.engaged.items():
+            counts[knob] += int(_engaged_now(value))
+    return dict(counts)
+
+
+def summarize(records: list[StepRecord], wall_time: float,
+              configured_knobs: Mapping[str, object] = ()) -> dict:
+    """Run summary: step counts by kind, step-time coverage of wall time, and for every
+    configured knob whether it ever engaged and how often."""
+    kinds = Counter(r.kind for r in records)
+    busy = sum(r.duration for r in records)
+    counts = engagement(records)
+    knobs = {}
+    for knob, value in dict(configured_knobs).items():
+        n = counts.get(knob, 0)
+        knobs[knob] = {"value": value, "engaged_steps": n, "engaged": n > 0}
+    return {
+        "steps": len(records),
+        "steps_by_kind": dict(kinds),
+        "compiles_in_run": sum(r.compiled for r in records),
+        "step_time_s": busy,
+        "wall_time_s": wall_time,
+        "step_time_fraction_of_wall": busy / wall_time if wall_time > 0 else None,
+        "knobs": knobs,
+        "knobs_never_engaged": [k for k, v in knobs.items() if not v["engaged"]],
+    }
+
+
+def write_jsonl(records: Iterable[StepRecord], path) -> None:
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r.to_json()) + "\n")
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
