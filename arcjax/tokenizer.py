@@ -38,10 +38,9 @@ class TokenizerFileNotFoundError(TokenizerFileError, FileNotFoundError):
     """A required tokenizer file does not exist."""
 
 
-def _read_json(path: str, *, required: bool) -> dict[str, Any] | None:
+def _read_json(path: str) -> dict[str, Any] | None:
+    """The parsed JSON object at `path`, or None if there is no such file."""
     if not os.path.isfile(path):
-        if required:
-            raise TokenizerFileNotFoundError(path, "file not found")
         return None
     try:
         with open(path, encoding="utf-8") as f:
@@ -98,17 +97,18 @@ class Tokenizer:
         """
         model_dir = os.fspath(model_dir)
         tok_path = os.path.join(model_dir, "tokenizer.json")
-        _read_json(tok_path, required=True)  # typed errors for missing / non-JSON files
+        if not os.path.isfile(tok_path):
+            raise TokenizerFileNotFoundError(tok_path, "file not found")
         try:
             tok = tokenizers.Tokenizer.from_file(tok_path)
-        except Exception as e:  # the Rust side raises a bare Exception for schema errors
+        except Exception as e:  # the Rust side raises a bare Exception for every parse error
             raise TokenizerFileError(tok_path, f"not a valid tokenizer.json ({e})") from e
 
         gen_path = os.path.join(model_dir, "generation_config.json")
         tcfg_path = os.path.join(model_dir, "tokenizer_config.json")
         cfg_path = os.path.join(model_dir, "config.json")
-        gen = _read_json(gen_path, required=False) or {}
-        tcfg = _read_json(tcfg_path, required=False) or {}
+        gen = _read_json(gen_path) or {}
+        tcfg = _read_json(tcfg_path) or {}
 
         def token_id(name: str | None, field: str) -> list[int]:
             if name is None:
@@ -123,7 +123,7 @@ class Tokenizer:
         bos = _as_id_list(gen.get("bos_token_id"), gen_path, "bos_token_id")
         bos += token_id(_token_content(tcfg.get("bos_token")), "bos_token")
         if not eos or not bos:
-            cfg = _read_json(cfg_path, required=False) or {}
+            cfg = _read_json(cfg_path) or {}
             eos = eos or _as_id_list(cfg.get("eos_token_id"), cfg_path, "eos_token_id")
             bos = bos or _as_id_list(cfg.get("bos_token_id"), cfg_path, "bos_token_id")
         return cls(

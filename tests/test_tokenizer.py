@@ -121,9 +121,10 @@ def test_corrupt_generation_config_and_unknown_token(tmp_path, backend):
     with pytest.raises(TokenizerFileError, match="generation_config.json"):
         Tokenizer.from_dir(d)
     (tmp_path / "generation_config.json").unlink()
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
-    with pytest.raises(TokenizerFileError, match="tokenizer_config.json"):
-        Tokenizer.from_dir(d)
+    for bad in (json.dumps({"eos_token": "<nope>"}), "{oops"):
+        (tmp_path / "tokenizer_config.json").write_text(bad)
+        with pytest.raises(TokenizerFileError, match="tokenizer_config.json"):
+            Tokenizer.from_dir(d)
 
 
 def _stream(tok, ids, prompt_ids=()):
