@@ -51,6 +51,18 @@ def _jsonable(x):
     return x
 
 
+# Scheduler config field -> the `engaged` entry that records it acting.
+KNOB_ENGAGEMENT = {
+    "prefill_max_seqs": "cap_deferred",
+    "prefill_floor_steps": "floor_held",
+    "long_prefill_token_threshold": "long_prefill_capped",
+    "max_num_partial_prefills": "partial_limit",
+    "max_num_batched_tokens": "budget_full_at",
+    "max_num_seqs": "seqs_full",
+    "chunk_tile": "tile_trimmed",
+}
+
+
 def _engaged_now(value) -> bool:
     """Whether a knob's entry in `engaged` records that it acted this step."""
     if isinstance(value, bool):
@@ -80,7 +92,7 @@ def summarize(records: list[StepRecord], wall_time: float,
     counts = engagement(records)
     knobs = {}
     for knob, value in dict(configured_knobs).items():
-        n = counts.get(knob, 0)
+        n = counts.get(KNOB_ENGAGEMENT.get(knob, knob), 0)
         knobs[knob] = {"value": value, "engaged_steps": n, "engaged": n > 0}
     return {
         "steps": len(records),

@@ -70,3 +70,34 @@ def hf_greedy(path: str, ids, n: int) -> list[int]:
                                       max_new_tokens=n, min_new_tokens=n,
                                       pad_token_id=0, eos_token_id=None)
     return out[0, len(ids):].tolist()
+
+
+_TOKENIZER_TEXT = (
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    "The quick brown fox jumps over the lazy dog. Naïve café, 東京, emoji 🙂 and more text.\n"
+) * 20
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model_with_tokenizer(arch: str = "LlamaForCausalLM") -> str:
+    """A tiny model directory that also has a byte-level BPE tokenizer.json (vocab 384)."""
+    import json
+    import os
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    src = tiny_model_dir(arch)
+    path = tempfile.mkdtemp(prefix=f"arcjax-tok-{arch}-")
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=_COMMON["vocab_size"], special_tokens=[
+        "<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_TOKENIZER_TEXT], trainer)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}, f)
+    return path

@@ -1,0 +1,219 @@
+"""The engine end to end on tiny random-weight models: exactness across schedules (and
+against transformers), sampling, stop conditions, warm-up, bad input, abort, trace."""
+
+import functools
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import arcjax
+from arcjax import LLM, RequestError, SamplingParams, UnknownRequestError
+from hf_models import hf_greedy, tiny_model_dir, tiny_model_with_tokenizer
+
+ARCH = "LlamaForCausalLM"
+PROMPT_LENS = (3, 17, 40, 9, 66, 1, 25)
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+# One cache geometry for every engine here, so compiled steps are shared between them.
+GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
+                attention_impl="xla")
+
+
+def _prompts():
+    rs = np.random.RandomState(11)
+    return [rs.randint(3, 384, n).tolist() for n in PROMPT_LENS]
+
+
+@functools.lru_cache(maxsize=None)
+def _expected(arch=ARCH):
+    return [hf_greedy(tiny_model_dir(arch), p, MAX_TOKENS) for p in _prompts()]
+
+
+def _llm(arch=ARCH, **options):
+    return LLM(tiny_model_dir(arch), **{**GEOMETRY, **options})
+
+
+def _run_greedy(llm):
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    assert llm.engine.blocks_in_use() == 0
+    llm.engine.check_trace()
+    return [list(o.token_ids) for o in outs]
+
+
+SCHEDULES = st.one_of(
+    st.builds(dict, policy=st.just("prefill_first"), prefill_max_seqs=st.sampled_from([0, 2]),
+              prefill_floor_steps=st.sampled_from([0, 2])),
+    st.builds(dict, policy=st.just("alternate"), max_num_partial_prefills=st.integers(1, 3)),
+    st.builds(dict, policy=st.just("token_budget"), max_num_partial_prefills=st.integers(1, 3),
+              long_prefill_token_threshold=st.sampled_from([0, 32])),
+).flatmap(lambda d: st.tuples(st.just(d), st.sampled_from([16, 32, 64, 128]),
+                              st.sampled_from([128, 256, 512, 2048])))
+
+
+@settings(max_examples=8, suppress_health_check=list(HealthCheck), deadline=None)
+@given(SCHEDULES)
+def test_greedy_is_identical_under_every_schedule_and_equals_transformers(schedule):
+    options, tile, budget = schedule
+    if options.get("long_prefill_token_threshold", 0) and options["long_prefill_token_threshold"] < tile:
+        options = {**options, "long_prefill_token_threshold": tile}
+    llm = _llm(chunk_tile=tile, max_num_batched_tokens=budget, **options)
+    assert _run_greedy(llm) == _expected()
+
+
+@pytest.mark.parametrize("policy", ["prefill_first", "token_budget"])
+def test_tiny_kv_cache_forces_preemption_and_keeps_outputs(policy):
+    # 12 blocks of 8 tokens: the 66+8-token prompt alone needs 10, so sequences must
+    # be preempted and recomputed.
+    llm = _llm(num_kv_blocks=12, chunk_tile=16, max_num_batched_tokens=128, policy=policy)
+    assert _run_greedy(llm) == _expected()
+    preempted = sum(len(r.engaged["preempted"]) for r in llm.engine.trace)
+    assert preempted > 0
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
+def test_other_architectures_match_transformers(arch):
+    llm = _llm(arch, chunk_tile=16, max_num_batched_tokens=64)
+    assert _run_greedy(llm) == _expected(arch)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    llm = _llm(chunk_tile=16, max_num_batched_tokens=128)
+    p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    prompt = _prompts()[2]
+    alone = llm.generate([prompt], p, use_tqdm=False)[0].token_ids
+    noisy = [SamplingParams(max_tokens=5 + i, temperature=0.7, ignore_eos=True) for i in range(4)]
+    batch = llm.generate(_prompts()[:4] + [prompt], noisy + [p], use_tqdm=False)
+    assert batch[-1].token_ids == alone
+    top1 = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_k=1, ignore_eos=True)
+    assert [list(o.token_ids) for o in llm.generate(_prompts(), top1, use_tqdm=False)] == _expected()
+
+
+def test_stop_token_ids_and_stop_strings():
+    llm = LLM(tiny_model_with_tokenizer(ARCH), **GEOMETRY, chunk_tile=16,
+              max_num_batched_tokens=128)
+    prompt = "def fibonacci(n):"
+    free = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 24
+    stop_id = free.token_ids[5]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True,
+                                                stop_token_ids=(stop_id,)), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:first + 1]
+    text = free.text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    if stop.strip():
+        out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0,
+                                                    ignore_eos=True, stop=(stop,)), use_tqdm=False)[0]
+        assert out.finish_reason == "stop"
+        assert out.text == text[:text.index(stop)]
+    # Streaming deltas concatenate to the final text.
+    deltas = [o.delta_text for o in llm.stream([prompt], SamplingParams(
+        max_tokens=24, temperature=0, ignore_eos=True))]
+    assert "".join(deltas) == text
+
+
+def test_no_compile_after_warmup_on_a_varied_workload():
+    # A cache geometry no other test uses, so every executable is compiled here.
+    llm = _llm(chunk_tile=32, max_num_batched_tokens=128, max_num_seqs=8, num_kv_blocks=97)
+    llm.warmup()
+    runner = llm.engine.runner
+    assert runner.compile_count == len(runner.buckets.all()) == 4
+    before = runner.compile_count
+    rs = np.random.RandomState(5)
+    prompts = [rs.randint(3, 384, rs.randint(1, 120)).tolist() for _ in range(14)]
+    params = [SamplingParams(max_tokens=int(rs.randint(1, 20)), temperature=float(t),
+                             ignore_eos=True) for t in rs.choice([0.0, 0.8], 14)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.runner.compile_count == before
+    assert not any(r.compiled for r in llm.engine.trace)
+
+
+def test_bad_input_is_rejected_with_typed_errors_and_others_continue():
+    llm = _llm(chunk_tile=16, max_num_batched_tokens=128)
+    good = llm.add_request(_prompts()[1], GREEDY, request_id="good")
+    cases = [
+        ([], GREEDY, "empty"),
+        ([5] * 300, GREEDY, "max_model_len"),
+        ([5] * 10, SamplingParams(max_tokens=250), "max_model_len"),
+        ([5, 999], GREEDY, "vocabulary"),
+        ([-1, 5], GREEDY, "vocabulary"),
+        ([5, 6], "greedy", "SamplingParams"),
+    ]
+    for prompt, params, match in cases:
+        with pytest.raises(RequestError, match=match):
+            llm.add_request(prompt, params)
+    with pytest.raises(RequestError, match="already in use"):
+        llm.add_request([5, 6], GREEDY, request_id="good")
+    with pytest.raises(UnknownRequestError, match="nope"):
+        llm.abort("nope")
+    with pytest.raises(ValueError, match="capacity"):
+        small = _llm(num_kv_blocks=4, chunk_tile=16, max_num_batched_tokens=128)
+        small.add_request([5] * 30, SamplingParams(max_tokens=10))
+    for kwargs in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2)):
+        with pytest.raises(ValueError):
+            SamplingParams(**kwargs)
+    with pytest.raises(RequestError):  # a batch with one bad prompt queues nothing
+        llm.generate([_prompts()[0], []], GREEDY, use_tqdm=False)
+    outs = []
+    while llm.has_unfinished():
+        outs += [o for o in llm.step() if o.finished]
+    assert [o.request_id for o in outs] == ["good"]
+    assert list(outs[0].token_ids) == _expected()[1]
+    assert llm.engine.blocks_in_use() == 0
+
+
+def test_abort_frees_blocks_at_once():
+    llm = _llm(chunk_tile=16, max_num_batched_tokens=64)
+    ids = [llm.add_request(p, GREEDY) for p in _prompts()]
+    llm.step()
+    llm.step()
+    assert llm.engine.blocks_in_use() > 0
+    for rid in ids[::2]:
+        llm.abort(rid)
+    finished = {}
+    while llm.has_unfinished():
+        for o in llm.step():
+            if o.finished:
+                finished[o.request_id] = o
+    aborted = {rid for rid, o in finished.items() if o.finish_reason == "abort"}
+    assert aborted == set(ids[::2])
+    for i in range(1, len(ids), 2):
+        assert list(finished[ids[i]].token_ids) == _expected()[i]
+    assert llm.engine.blocks_in_use() == 0
+    with pytest.raises(UnknownRequestError):
+        llm.abort(ids[1])
+
+
+def test_trace_metrics_summary_and_jsonl(tmp_path):
+    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, prefill_max_seqs=2,
+               long_prefill_token_threshold=32)
+    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    for o in outs:
+        m = o.metrics
+        assert m.ttft > 0 and m.queue_time >= 0 and m.e2e_latency >= m.ttft
+        assert len(m.token_times) == MAX_TOKENS and len(m.itl) == MAX_TOKENS - 1
+        assert m.tpot == pytest.approx(np.mean(m.itl))
+    trace = llm.engine.trace
+    assert sum(r.prefill_tokens for r in trace) == sum(PROMPT_LENS)
+    wall = trace[-1].end - trace[0].start
+    summary = llm.trace_summary(wall)
+    assert 0 < summary["step_time_fraction_of_wall"] <= 1
+    assert summary["knobs"]["prefill_max_seqs"]["engaged"]
+    assert summary["knobs"]["long_prefill_token_threshold"]["engaged"]
+    llm.export_trace(tmp_path / "trace.jsonl")
+    rows = [json.loads(line) for line in open(tmp_path / "trace.jsonl")]
+    assert len(rows) == len(trace) and rows[0]["engaged"].keys() == trace[0].engaged.keys()
+
+
+def test_default_model_is_used_when_model_is_none():
+    if not (arcjax.api.DEFAULT_MODEL_DIR / "config.json").is_file():
+        with pytest.raises(FileNotFoundError, match="default model"):
+            LLM()
+    else:
+        out = LLM(max_model_len=128).generate(["def add(a, b):"], SamplingParams(
+            max_tokens=8, temperature=0), use_tqdm=False)[0]
+        assert out.token_ids and out.finish_reason in ("length", "stop")
