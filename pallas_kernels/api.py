@@ -3,11 +3,14 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import plan as plan_lib
 from pallas_kernels.errors import KernelArgumentError
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.xla import ragged_paged_attention_xla
 
 IMPLS = ("auto", "reference", "xla", "pallas_gpu")
+XLA_BLOCK_Q = 128  # query tokens per tile on the xla path
+XLA_BLOCK_K = 512  # keys per online-softmax step on the xla path
 
 
 def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, impl):
@@ -98,6 +101,9 @@ def ragged_paged_attention(
         q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,
         interpret=interpret)
   num_seqs = jnp.asarray(num_seqs, jnp.int32)
+  tiles = plan_lib.make_plan(
+      num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
+      max_q_len=max_q_len, block_q=XLA_BLOCK_Q, block_k=XLA_BLOCK_K)
   return ragged_paged_attention_xla(
-      q, k_pages, v_pages, block_tables, kv_lens.astype(jnp.int32),
-      cu_seqlens_q.astype(jnp.int32), num_seqs, sm_scale, max_q_len)
+      q, k_pages, v_pages, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
+      cu_seqlens_q.astype(jnp.int32), num_seqs, sm_scale, tiles)
