@@ -1,0 +1,28 @@
+"""Pure host-side step planning for arcjax.
+
+Imports only the standard library: no JAX, no clocks (time is an argument), no randomness, no I/O,
+and nothing here mutates its inputs. One engine step:
+
+  1. plan = schedule(state, config)              which tokens of which sequences run now
+  2. the engine runs plan's rows and samples      (outside this package)
+  3. state, finished = commit(plan.state, plan, sampled_token_ids, now, finished_ids)
+
+Requests enter with add_request(state, Request(...)) and leave through commit or abort.
+"""
+
+from scheduler.blocks import BlockPool, blocks_for
+from scheduler.commit import commit
+from scheduler.config import POLICIES, SchedulerConfig
+from scheduler.errors import CommitError, ConfigError, DuplicateRequestError, RequestError
+from scheduler.errors import RequestTooLargeError, StepOrderError, UnknownRequestError
+from scheduler.plan import Chunk, Engaged, StepPlan
+from scheduler.policies import schedule
+from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, Request, RequestId
+from scheduler.state import SchedulerState, abort, add_request
+
+__all__ = [
+    "BlockPool", "Chunk", "CommitError", "ConfigError", "DuplicateRequestError", "Engaged",
+    "FINISH_LENGTH", "FINISH_STOP", "Finished", "POLICIES", "Request", "RequestError", "RequestId",
+    "RequestTooLargeError", "SchedulerConfig", "SchedulerState", "StepOrderError", "StepPlan",
+    "UnknownRequestError", "abort", "add_request", "blocks_for", "commit", "schedule",
+]

@@ -1,0 +1,135 @@
+"""`commit`: folds one step's results into the state.
+
+  1. Check the plan is the one in flight and the sampled tokens match its sampling rows.
+  2. Decode rows (a prefix of the decode table): cursor + 1, push the sampled token; rows that
+     reached max_tokens ("length") or that the engine stopped ("stop") finish and free blocks.
+  3. Prefill rows: cursor + chunk length; a final chunk pushes its sampled token and the sequence
+     becomes decode-ready (or finishes at once, e.g. max_tokens == 1).
+
+NOTE: sequences aborted between `schedule` and `commit` are skipped: their rows are matched by id
+when the decode table is not the plan's own. Their sampled tokens are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence as SequenceOf
+from itertools import compress
+from operator import le
+
+from scheduler.errors import CommitError, StepOrderError
+from scheduler.plan import StepPlan
+from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId
+from scheduler.state import DecodeTable, Partial, SchedulerState
+
+
+def _check(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...],
+           stopped: frozenset) -> None:
+    if not state.in_flight or state.step != plan.state.step:
+        raise StepOrderError(
+            f"plan of step {plan.state.step} does not belong to this state (step {state.step}, "
+            f"in flight: {state.in_flight})")
+    if len(sampled) != plan.num_sampled:
+        raise CommitError("sampled_token_ids",
+                          f"expected {plan.num_sampled} tokens (one per sampling row), "
+                          f"got {len(sampled)}")
+    if stopped:
+        sampling = {rid for rid, s in zip(plan.request_ids, plan.samples) if s}
+        strangers = stopped - sampling
+        if strangers:
+            raise CommitError("finished_ids",
+                              f"{sorted(map(str, strangers))} sampled nothing this step")
+
+
+def _advance_decodes(dec: DecodeTable, plan: StepPlan,
+                     sampled: tuple[int, ...]) -> tuple[DecodeTable, SequenceOf[int], list[int]]:
+    """Cursor + 1 and the sampled token for each decode row.
+
+    Returns the table, the rows that decoded, and those of them that reached max_tokens.
+    """
+    k = plan.num_decode_rows
+    if dec is plan.state.decoding:  # fast path: rows 0..k-1 are the plan's decode rows
+        advanced = [c + 1 for c in dec.computed[:k]]
+        at_limit = list(compress(range(k), map(le, dec.limits, advanced)))
+        computed = tuple(advanced) + dec.computed[k:]
+        gens = tuple(zip(sampled[:k], dec.gens[:k])) + dec.gens[k:]
+        return dec.with_progress(computed, gens, dec.tables), range(k), at_limit
+    position = {rid: i for i, rid in enumerate(dec.ids)}
+    computed, gens, rows = list(dec.computed), list(dec.gens), []
+    for rid, token in zip(plan.request_ids[:k], sampled[:k]):
+        i = position.get(rid)
+        if i is not None:
+            computed[i] += 1
+            gens[i] = (token, gens[i])
+            rows.append(i)
+    at_limit = [i for i in rows if computed[i] >= dec.limits[i]]
+    return dec.with_progress(tuple(computed), tuple(gens), dec.tables), rows, at_limit
+
+
+def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[int], now: float,
+           finished_ids: Iterable[RequestId] = ()) -> tuple[SchedulerState, tuple[Finished, ...]]:
+    """Applies a step's results. Pure: returns a new state.
+
+    Args:
+      state: `plan.state`, possibly after `add_request` / `abort` calls.
+      plan: the plan the engine ran.
+      sampled_token_ids: one token per sampling row, in row order.
+      now: the caller's clock at the end of the step (recorded as finish_time).
+      finished_ids: sequences the engine stopped this step (EOS or a stop condition); each must
+        have sampled this step. Their last sampled token is kept in the output.
+
+    Returns:
+      (new state, finished records: decode rows first, then prefill rows, each in row order).
+
+    Raises:
+      StepOrderError: the plan is not the one in flight for this state.
+      CommitError: wrong number of sampled tokens, or finished_ids naming a non-sampling row.
+    """
+    sampled = tuple(sampled_token_ids)
+    stopped = frozenset(finished_ids)
+    _check(state, plan, sampled, stopped)
+    pool = state.pool
+    finished: list[Finished] = []
+
+    # 2. decode rows
+    dec, rows, done = _advance_decodes(state.decoding, plan, sampled)
+    if stopped:
+        done = sorted(set(done).union(i for i in rows if dec.ids[i] in stopped))
+    for i in done:
+        reason = FINISH_STOP if dec.ids[i] in stopped else FINISH_LENGTH
+        finished.append(Finished(request_id=dec.ids[i], output_token_ids=dec.outputs(i),
+                                 reason=reason, finish_time=now))
+        pool = pool.give(dec.tables[i])
+    dec = dec.without(set(done))
+
+    # 3. prefill rows
+    partial = {p.seq.request_id: p for p in state.partial}
+    ready = []  # (sequence, computed, gens, table) of sequences whose prefill completed
+    s = plan.num_decode_rows
+    for r in range(plan.num_decode_rows, len(plan.request_ids)):
+        token = None
+        if plan.samples[r]:
+            token, s = sampled[s], s + 1
+        part = partial.get(plan.request_ids[r])
+        if part is None:  # aborted after schedule
+            continue
+        seq, computed = part.seq, part.computed + plan.lengths[r]
+        if token is None:
+            partial[seq.request_id] = Partial(seq=seq, computed=computed, table=part.table)
+            continue
+        del partial[seq.request_id]
+        if computed >= seq.limit or seq.request_id in stopped:
+            reason = FINISH_STOP if seq.request_id in stopped else FINISH_LENGTH
+            finished.append(Finished(request_id=seq.request_id,
+                                     output_token_ids=seq.kept_outputs() + (token,),
+                                     reason=reason, finish_time=now))
+            pool = pool.give(part.table)
+        else:
+            ready.append((seq, computed, (token, None), part.table))
+    dec = dec.inserted(ready)
+
+    new_state = SchedulerState(
+        config=state.config, waiting=state.waiting, partial=tuple(partial.values()),
+        decoding=dec, pool=pool, step=state.step,
+        decode_steps_since_prefill=state.decode_steps_since_prefill,
+        next_ticket=state.next_ticket, in_flight=False)
+    return new_state, tuple(finished)

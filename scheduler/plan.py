@@ -1,0 +1,167 @@
+"""What `schedule` returns: the step's rows as columns, the knobs that engaged, the next state.
+
+Rows are ordered: first the decode rows (length 1, each samples), then the prefill chunks.
+The columns are what the engine builds its arrays from (`token_ids[T]`, `cu_seqlens_q[S+1]`,
+`kv_lens[S]`, `block_tables[S, max_blocks]`); `chunks` is the same data as one record per row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from scheduler.blocks import BlockTable
+from scheduler.request import RequestId
+from scheduler.state import SchedulerState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Chunk:
+    """One row of a step: `length` tokens of one sequence starting at position `start`.
+
+    Attributes:
+      request_id: the sequence.
+      start: position of the chunk's first token (= its num_computed_tokens before the step).
+      length: tokens in the chunk; 1 for a decode.
+      samples: whether this row samples a token (decode rows and final prefill chunks only).
+      token_ids: the chunk's tokens.
+      block_table: the sequence's KV blocks, allocated for start + length tokens.
+    """
+
+    request_id: RequestId
+    start: int
+    length: int
+    samples: bool
+    token_ids: tuple[int, ...]
+    block_table: BlockTable
+
+    @property
+    def kv_len(self) -> int:
+        """Keys this row attends over, its own tokens included."""
+        return self.start + self.length
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Engaged:
+    """What each knob did this step; zero / False / () means it did not engage.
+
+    Attributes:
+      cap_deferred: prefill_max_seqs was reached; this many waiting sequences stayed waiting.
+      floor_held: prefill work waited for the decode floor (prefill_floor_steps, or the decode turn
+        of "alternate").
+      budget_full_at: max_num_batched_tokens stopped or shortened work; the step's token count.
+      seqs_full: max_num_seqs stopped admissions or decode rows.
+      decodes_deferred: decode-ready sequences that got no token this step.
+      preempted: ids preempted (recompute) for KV blocks, in preemption order.
+      tile_trimmed: chunks shortened to a multiple of chunk_tile.
+      long_prefill_capped: chunks capped by long_prefill_token_threshold.
+      partial_limit: max_num_partial_prefills stopped an admission.
+      partials_held: mid-prefill sequences that got no chunk (budget or blocks); admissions then
+        wait too, so a later arrival never takes the room an earlier prompt needs.
+      block_limited: KV blocks (watermark included) stopped or shortened a prefill chunk or admission.
+      oversize_prompt: legacy whole-prompt prefill ran one lone prompt longer than the budget.
+    """
+
+    cap_deferred: int = 0
+    floor_held: bool = False
+    budget_full_at: int = 0
+    seqs_full: bool = False
+    decodes_deferred: int = 0
+    preempted: tuple[RequestId, ...] = ()
+    tile_trimmed: int = 0
+    long_prefill_capped: int = 0
+    partial_limit: bool = False
+    partials_held: int = 0
+    block_limited: bool = False
+    oversize_prompt: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        """Every knob and its detail (JSON-friendly: tuples become lists)."""
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in dataclasses.fields(self)}
+
+    def active(self) -> tuple[str, ...]:
+        """Names of the knobs that engaged, for counting in a trace."""
+        return tuple(f.name for f in dataclasses.fields(self) if getattr(self, f.name))
+
+
+NOTHING_ENGAGED = Engaged()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepPlan:
+    """One engine step.
+
+    Attributes:
+      state: the state after planning (blocks allocated, preemptions and admissions applied,
+        cursors not yet advanced); pass it to `commit` with the step's results.
+      request_ids, starts, lengths, samples, block_tables: one entry per row, in row order.
+      token_ids: every row's tokens, concatenated in row order (length num_tokens).
+      num_decode_rows: the first rows that are decodes.
+      preempted: ids preempted this step (back to the front of the waiting queue).
+      engaged: what each knob did.
+    """
+
+    state: SchedulerState
+    request_ids: tuple[RequestId, ...]
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    samples: tuple[bool, ...]
+    token_ids: tuple[int, ...]
+    block_tables: tuple[BlockTable, ...]
+    num_decode_rows: int
+    preempted: tuple[RequestId, ...]
+    engaged: Engaged
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.request_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_rows
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return len(self.token_ids) - self.num_decode_rows
+
+    @property
+    def num_sampled(self) -> int:
+        return self.samples.count(True)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.request_ids
+
+    @property
+    def kind(self) -> str:
+        """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle"."""
+        prefill = len(self.token_ids) > self.num_decode_rows
+        if self.num_decode_rows:
+            return "mixed" if prefill else "decode"
+        return "prompt" if prefill else "idle"
+
+    @property
+    def cu_seqlens(self) -> tuple[int, ...]:
+        """Prefix sums of row lengths: row i's tokens are token_ids[cu[i]:cu[i + 1]]."""
+        return (0,) + tuple(itertools.accumulate(self.lengths))
+
+    @property
+    def kv_lens(self) -> tuple[int, ...]:
+        """Keys each row attends over, its own tokens included."""
+        return tuple(s + n for s, n in zip(self.starts, self.lengths))
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """The rows as records (built on each access; the columns are the fast path)."""
+        cu = self.cu_seqlens
+        return tuple(
+            Chunk(request_id=rid, start=start, length=length, samples=samples,
+                  token_ids=self.token_ids[cu[i]:cu[i + 1]], block_table=table)
+            for i, (rid, start, length, samples, table) in enumerate(zip(
+                self.request_ids, self.starts, self.lengths, self.samples, self.block_tables))
+        )

@@ -1,0 +1,349 @@
+"""The mechanics of one step, shared by every policy: decode rows, partial prefills, admissions.
+
+`policies.schedule` decides which of the three phases a step runs; `StepBuilder` runs them in this
+order and then assembles the plan:
+
+  1. run_decodes: decode-ready rows in key order, one token each, within the budget and
+     max_num_seqs. A row opening a new block takes one from the pool; if the pool is empty the
+     lowest-ranked running sequence not yet scheduled (largest key) is preempted, possibly the row
+     itself (vLLM's rule).
+  2. run_partials: mid-prefill sequences in key order, one chunk each (whole in legacy mode). A
+     chunk shrinks to the free blocks; if not even a minimal chunk fits, lower-ranked unscheduled
+     sequences are preempted, but only when that makes room. A partial is never preempted for
+     itself: it waits, holding its blocks.
+  3. admit: waiting sequences in key order (FCFS within a priority), stopping at the first that
+     cannot be admitted so nobody overtakes it. Admissions need blocks beyond the watermark, never
+     preempt, and do not happen in a step that preempted or held a partial back.
+  4. build: the plan's columns and the post-schedule state.
+
+NOTE: the builder mutates only its own scratch (lists, counters); every input stays untouched.
+NOTE: victims always come from the tail of a key-ordered collection, so the decode rows a step
+schedules are always a prefix of the (post-preemption) decode table; `commit` relies on it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from itertools import chain
+from operator import itemgetter
+
+from scheduler.blocks import BlockTable, blocks_for
+from scheduler.config import SchedulerConfig
+from scheduler.plan import Engaged, NOTHING_ENGAGED, StepPlan
+from scheduler.request import Sequence, SeqKey, stack_to_tuple
+from scheduler.state import DecodeTable, Partial, SchedulerState
+
+_key_of_seq = lambda seq: seq.key  # noqa: E731
+_key_of_partial = lambda part: part.seq.key  # noqa: E731
+_newest_token = itemgetter(0)
+
+
+class StepBuilder:
+    """Scratch space for one `schedule` call; never escapes it."""
+
+    def __init__(self, state: SchedulerState, config: SchedulerConfig):
+        self.state = state
+        self.config = config
+        self.dec = state.decoding
+        self.partial = list(state.partial)  # key order; entries get their allocated tables
+        self.pool = state.pool
+        self.budget = config.max_num_batched_tokens
+        self.num_decode_rows = 0
+        self.prefill_rows: list[tuple[Partial, int]] = []  # (sequence after allocation, length)
+        self.admitted: list[Partial] = []
+        self.waiting_from = 0  # state.waiting[waiting_from:] is still waiting
+        self.preempted: list[Sequence] = []
+        self.partials_after = len(state.partial)  # mid-prefill once this step commits
+        self.engaged: dict[str, object] = {}
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _note(self, knob: str, value: object = True) -> None:
+        self.engaged[knob] = value
+
+    def _count(self, knob: str) -> None:
+        self.engaged[knob] = self.engaged.get(knob, 0) + 1
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_decode_rows + len(self.prefill_rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.config.max_num_batched_tokens - self.budget
+
+    def _size(self, remaining: int, by_blocks: int) -> tuple[int, tuple[str, ...]]:
+        """Chunk length for a sequence with `remaining` prompt tokens (0 = no progress possible).
+
+        Bounded by the budget, long_prefill_token_threshold and `by_blocks`; a non-final chunk is
+        cut down to a multiple of chunk_tile. Also returns the knobs that shortened it, for
+        `_use` to record once the chunk is actually scheduled.
+        """
+        threshold = self.config.long_prefill_token_threshold or remaining
+        n = min(remaining, self.budget, threshold, by_blocks)
+        if n == remaining:
+            return n, ()
+        if n == by_blocks and by_blocks < min(self.budget, threshold):
+            reasons = ("block_limited",)
+        elif n == threshold and threshold < self.budget:
+            reasons = ("long_prefill_capped",)
+        else:
+            reasons = ("budget_full_at",)
+        trimmed = n - n % self.config.chunk_tile
+        if trimmed != n and trimmed:
+            reasons += ("tile_trimmed",)
+        return trimmed, reasons
+
+    def _use(self, reasons: tuple[str, ...]) -> None:
+        """Records the knobs that shaped a scheduled chunk (or stopped one)."""
+        for knob in reasons:
+            if knob in ("long_prefill_capped", "tile_trimmed"):
+                self._count(knob)
+            else:
+                self._note(knob)
+
+    def _tokens_by_blocks(self, computed: int, table_len: int, free: int) -> int:
+        """Tokens a sequence can still schedule with its blocks plus `free` more."""
+        return (table_len + free) * self.config.block_size - computed
+
+    # ---- preemption --------------------------------------------------------------------------
+
+    def _lowest_victim(self, key: SeqKey, dec_from: int, partial_from: int) -> str | None:
+        """Which collection holds the lowest-ranked unscheduled sequence ranked below `key`.
+
+        Candidates are decode rows >= dec_from and partials >= partial_from; both collections are
+        key-ordered, so only their last entries compete. Returns "decode", "partial" or None.
+        """
+        best, where = key, None
+        if len(self.dec) > dec_from and self.dec.keys[-1] > best:
+            best, where = self.dec.keys[-1], "decode"
+        if len(self.partial) > partial_from and self.partial[-1].seq.key > best:
+            where = "partial"
+        return where
+
+    def _preempt(self, where: str) -> None:
+        """Preempts the last sequence of `where` by recompute: blocks freed, back to waiting."""
+        if where == "decode":
+            dec = self.dec
+            seq = dec.seqs[-1]
+            kept = seq.tokens + stack_to_tuple(dec.gens[-1])
+            self.preempted.append(Sequence(request=seq.request, key=seq.key, tokens=kept))
+            self.pool = self.pool.give(dec.tables[-1])
+            self.dec = dec.without({len(dec) - 1})
+        else:
+            part = self.partial.pop()
+            self.preempted.append(part.seq)
+            self.pool = self.pool.give(part.table)
+            self.partials_after -= 1
+
+    def _reclaimable(self, key: SeqKey, dec_from: int, partial_from: int) -> int:
+        """Blocks held by unscheduled sequences ranked below `key`."""
+        dec = self.dec
+        total = sum(len(dec.tables[i]) for i in range(dec_from, len(dec)) if dec.keys[i] > key)
+        return total + sum(len(p.table) for p in self.partial[partial_from:] if p.seq.key > key)
+
+    # ---- 1. decodes --------------------------------------------------------------------------
+
+    def run_decodes(self) -> None:
+        """Schedules decode rows: a key-order prefix of the decode table, one token each."""
+        dec = self.dec
+        n = min(len(dec), self.budget, self.config.max_num_seqs)
+        bs = self.config.block_size
+        computed = dec.computed
+        opening = [i for i, c in enumerate(computed[:n]) if not c % bs]  # token opens a block
+        if len(opening) <= self.pool.num_free:
+            if opening:
+                blocks, self.pool = self.pool.take(len(opening))
+                tables = list(dec.tables)
+                for row, block in zip(opening, blocks):
+                    tables[row] += (block,)
+                self.dec = dec.with_progress(dec.computed, dec.gens, tuple(tables))
+        else:
+            n = self._decodes_under_pressure(n, opening)
+        self.num_decode_rows = n
+        self.budget -= n
+        deferred = len(self.dec) - n
+        if deferred:
+            self._note("decodes_deferred", deferred)
+            if n == self.config.max_num_seqs:
+                self._note("seqs_full")
+            elif self.budget == 0:
+                self._note("budget_full_at")
+
+    def _decodes_under_pressure(self, n: int, opening: list[int]) -> int:
+        """Allocates one block per opening row, preempting when the pool runs dry; returns rows."""
+        for row in opening:
+            if row >= n:
+                break
+            while self.pool.num_free == 0:
+                where = self._lowest_victim(self.dec.keys[row], row + 1, 0)
+                if where is None:  # the row itself ranks lowest: it is the last decode row
+                    self._preempt("decode")
+                    return row
+                self._preempt(where)
+                n = min(n, len(self.dec))
+            block, self.pool = self.pool.take(1)
+            dec = self.dec
+            tables = dec.tables[:row] + (dec.tables[row] + block,) + dec.tables[row + 1:]
+            self.dec = dec.with_progress(dec.computed, dec.gens, tables)
+        return n
+
+    # ---- 2. partial prefills -----------------------------------------------------------------
+
+    def run_partials(self, whole: bool) -> None:
+        """Continues mid-prefill sequences in key order: chunks (or whole remainders, legacy)."""
+        j = 0
+        while j < len(self.partial):
+            part = self.partial[j]
+            n = self._partial_chunk(j, part, whole)
+            if n:
+                table = self._grow(part.table, part.computed + n)
+                part = Partial(seq=part.seq, computed=part.computed, table=table)
+                self.partial[j] = part
+                self._add_prefill_row(part, n)
+                if part.computed + n == len(part.seq.tokens):
+                    self.partials_after -= 1
+            else:
+                self._count("partials_held")
+            j += 1
+
+    def _partial_chunk(self, j: int, part: Partial, whole: bool) -> int:
+        """Chunk length for partial j, preempting lower-ranked sequences if it cannot move at all."""
+        remaining = len(part.seq.tokens) - part.computed
+        if whole:
+            if remaining > self.budget:
+                if self.num_rows:
+                    self._note("budget_full_at")
+                    return 0
+                self._note("oversize_prompt")  # lone legacy prompt longer than the budget
+            minimal = remaining
+        else:
+            n, reasons = self._size(remaining, remaining)
+            if not n:
+                self._use(reasons)
+                return 0
+            minimal = min(remaining, self.config.chunk_tile)
+        need = blocks_for(part.computed + minimal, self.config.block_size) - len(part.table)
+        if need > self.pool.num_free:
+            key = part.seq.key
+            if self.pool.num_free + self._reclaimable(key, self.num_decode_rows, j + 1) < need:
+                self._note("block_limited")
+                return 0
+            while self.pool.num_free < need:
+                self._preempt(self._lowest_victim(key, self.num_decode_rows, j + 1))
+        by_blocks = self._tokens_by_blocks(part.computed, len(part.table), self.pool.num_free)
+        if whole:
+            return remaining if remaining <= by_blocks else 0
+        n, reasons = self._size(remaining, by_blocks)
+        self._use(reasons)
+        return n
+
+    def _grow(self, table: BlockTable, num_tokens: int) -> BlockTable:
+        """`table` extended to hold `num_tokens` (the blocks must be free)."""
+        need = blocks_for(num_tokens, self.config.block_size) - len(table)
+        if need <= 0:
+            return table
+        blocks, self.pool = self.pool.take(need)
+        return table + blocks
+
+    def _add_prefill_row(self, part: Partial, n: int) -> None:
+        self.prefill_rows.append((part, n))
+        self.budget -= n
+
+    # ---- 3. admissions -----------------------------------------------------------------------
+
+    def admit(self, whole: bool) -> None:
+        """Admits waiting sequences in key order until one cannot be admitted (no overtaking)."""
+        waiting = self.state.waiting
+        if not waiting or self.preempted or self.engaged.get("partials_held"):
+            return
+        config = self.config
+        cap = config.prefill_max_seqs
+        i = 0
+        while i < len(waiting):
+            if len(self.dec) + len(self.partial) + len(self.admitted) >= config.max_num_seqs:
+                self._note("seqs_full")
+                break
+            if cap and len(self.admitted) >= cap:
+                self._note("cap_deferred", len(waiting) - i)
+                break
+            n = self._admission_chunk(waiting[i], whole)
+            if not n:
+                break
+            seq = waiting[i]
+            part = Partial(seq=seq, computed=0, table=self._grow((), n))
+            self.admitted.append(part)
+            self._add_prefill_row(part, n)
+            if n < len(seq.tokens):
+                self.partials_after += 1
+            i += 1
+        self.waiting_from = i
+
+    def _admission_chunk(self, seq: Sequence, whole: bool) -> int:
+        """First chunk of a waiting sequence, or 0 if it cannot be admitted this step."""
+        total = len(seq.tokens)
+        usable = self.pool.num_free - self.config.watermark_blocks
+        by_blocks = max(0, self._tokens_by_blocks(0, 0, usable))
+        if whole:
+            if total > self.budget:
+                if self.num_rows:
+                    self._note("budget_full_at")
+                    return 0
+                self._note("oversize_prompt")  # lone legacy prompt longer than the budget
+            if total > by_blocks:
+                self._note("block_limited")
+                return 0
+            return total
+        n, reasons = self._size(total, by_blocks)
+        if n and n < total and self.partials_after >= self.config.max_num_partial_prefills:
+            self._note("partial_limit")
+            return 0
+        self._use(reasons)
+        return n
+
+    # ---- 4. the plan -------------------------------------------------------------------------
+
+    def build(self) -> StepPlan:
+        """Assembles the plan and the post-schedule state."""
+        state, dec, k = self.state, self.dec, self.num_decode_rows
+        rows = self.prefill_rows
+        decode_tokens = tuple(map(_newest_token, dec.gens[:k]))
+        if rows:
+            token_ids = tuple(chain(decode_tokens, *(
+                part.seq.tokens[part.computed:part.computed + n] for part, n in rows)))
+        else:
+            token_ids = decode_tokens
+        if rows:
+            since = 0
+        elif k:
+            since = state.decode_steps_since_prefill + 1
+        else:
+            since = state.decode_steps_since_prefill
+        partial = tuple(heapq.merge(self.partial, self.admitted, key=_key_of_partial))
+        waiting = state.waiting[self.waiting_from:]
+        if self.preempted:
+            preempted = sorted(self.preempted, key=_key_of_seq)
+            waiting = tuple(heapq.merge(preempted, waiting, key=_key_of_seq))
+        new_state = SchedulerState(
+            config=state.config, waiting=waiting, partial=partial, decoding=dec, pool=self.pool,
+            step=state.step + 1, decode_steps_since_prefill=since,
+            next_ticket=state.next_ticket, in_flight=True)
+        preempted_ids = tuple(seq.request_id for seq in self.preempted)
+        if preempted_ids:
+            self._note("preempted", preempted_ids)
+        engaged = self.engaged
+        if "budget_full_at" in engaged:
+            engaged["budget_full_at"] = self.num_tokens
+        return StepPlan(
+            state=new_state,
+            request_ids=dec.ids[:k] + tuple(part.seq.request_id for part, _ in rows),
+            starts=dec.computed[:k] + tuple(part.computed for part, _ in rows),
+            lengths=(1,) * k + tuple(n for _, n in rows),
+            samples=(True,) * k + tuple(part.computed + n == len(part.seq.tokens)
+                                        for part, n in rows),
+            token_ids=token_ids,
+            block_tables=dec.tables[:k] + tuple(part.table for part, _ in rows),
+            num_decode_rows=k,
+            preempted=preempted_ids,
+            engaged=Engaged(**engaged) if engaged else NOTHING_ENGAGED,
+        )

@@ -1,0 +1,71 @@
+"""`schedule`: which phases each policy runs in a step. The mechanics live in planner.py.
+
+  prefill_first  (legacy) a step is prefill-only or decode-only. If prefill work can run (floor
+                 permitting), the step admits waiting prompts whole, FCFS, while blocks, the budget
+                 and the cap allow; otherwise every decode-ready sequence decodes one token.
+  alternate      prefill steps (partials, then new prompts, chunked to the budget) alternate with
+                 decode steps: at least max(1, prefill_floor_steps) decode steps between two
+                 prefill steps while anything decodes.
+  token_budget   (default, stall-free) every step: decodes first, then partial prefills, then new
+                 prompts, chunked to fill what is left of the budget. The floor, if set, holds the
+                 prefill part back for F steps after a step with prefill; decodes always run.
+
+Knobs common to all policies: prefill_max_seqs caps admissions (waiting -> running) per step;
+prefill_floor_steps counts steps that had decode rows and no prefill; max_num_seqs bounds running
+sequences; watermark_blocks is kept free by admissions.
+
+NOTE: legacy whole-prompt prefill cannot split a prompt, so a lone prompt longer than
+max_num_batched_tokens runs alone in its step (engaged.oversize_prompt). It is the only case where
+a step exceeds the budget.
+"""
+
+from __future__ import annotations
+
+from scheduler.config import SchedulerConfig
+from scheduler.errors import ConfigError, StepOrderError
+from scheduler.plan import StepPlan
+from scheduler.planner import StepBuilder
+from scheduler.state import SchedulerState
+
+
+def schedule(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
+    """Plans one step. Pure: reads only its arguments, returns new values, mutates nothing.
+
+    Args:
+      state: the state after the previous commit (not one with a plan in flight).
+      config: the knobs for this step; may differ from the state's config except for the cache
+        geometry (block_size, num_blocks).
+
+    Returns:
+      The plan; `plan.state` is what `commit` takes with the step's sampled tokens.
+
+    Raises:
+      StepOrderError: `state` already has a plan in flight.
+      ConfigError: `config` describes another KV cache than the state's.
+    """
+    if state.in_flight:
+        raise StepOrderError(f"step {state.step}: commit the plan in flight before scheduling")
+    if config is not state.config and not config.same_cache(state.config):
+        raise ConfigError("num_blocks", "block_size and num_blocks must match the state's config")
+    builder = StepBuilder(state, config)
+    decoding = len(state.decoding) > 0
+    prefill_work = bool(state.partial or state.waiting)
+    floor = config.prefill_floor_steps
+    if config.policy == "alternate":
+        floor = max(1, floor)
+    floor_open = not decoding or state.decode_steps_since_prefill >= floor
+    if prefill_work and not floor_open:
+        builder._note("floor_held")
+    if config.policy == "token_budget":
+        builder.run_decodes()
+        if floor_open:
+            builder.run_partials(whole=False)
+            builder.admit(whole=False)
+    else:
+        whole = config.policy == "prefill_first"
+        if floor_open and prefill_work:
+            builder.run_partials(whole)
+            builder.admit(whole)
+        if not builder.num_rows:
+            builder.run_decodes()
+    return builder.build()

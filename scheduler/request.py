@@ -1,0 +1,98 @@
+"""Records the planner moves around: the user's `Request`, the internal `Sequence`, `Finished`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TypeAlias
+
+RequestId: TypeAlias = int | str
+
+# Sort key of a sequence: (priority, arrival_time, ticket). Smaller is served first; the ticket is
+# the order of `add_request` calls and breaks ties between equal arrival times.
+SeqKey: TypeAlias = tuple[int, float, int]
+
+# Tokens generated since a sequence was (re)admitted, newest first, as a persistent cons list:
+# (token, older) or None. Pushing a token is O(1) and shares the older tokens.
+TokenStack: TypeAlias = "tuple[int, TokenStack] | None"
+
+FINISH_LENGTH = "length"
+FINISH_STOP = "stop"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Request:
+    """A generation request as the engine submits it (validated by `add_request`).
+
+    Attributes:
+      request_id: unique among waiting and running requests.
+      prompt_token_ids: the prompt (stored as a tuple).
+      max_tokens: tokens to generate at most.
+      arrival_time: when it arrived (seconds on the caller's clock); orders FCFS.
+      priority: smaller is served first (vLLM convention); equal priorities are FCFS.
+    """
+
+    request_id: RequestId
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    arrival_time: float = 0.0
+    priority: int = 0
+
+    def __post_init__(self):
+        if not isinstance(self.prompt_token_ids, tuple):
+            object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Sequence:
+    """A request inside the scheduler, waiting or running.
+
+    Attributes:
+      request: the submitted request.
+      key: (priority, arrival_time, ticket): the waiting order, and the rank while running (the
+        largest key is preempted first).
+      tokens: what a (re)admission computes: the prompt, then any outputs kept across preemptions.
+    """
+
+    request: Request
+    key: SeqKey
+    tokens: tuple[int, ...]
+
+    @property
+    def request_id(self) -> RequestId:
+        return self.request.request_id
+
+    @property
+    def limit(self) -> int:
+        """num_computed_tokens at which max_tokens outputs exist (the last one is never fed back)."""
+        return len(self.request.prompt_token_ids) + self.request.max_tokens - 1
+
+    def kept_outputs(self) -> tuple[int, ...]:
+        """Outputs generated before the last preemption."""
+        return self.tokens[len(self.request.prompt_token_ids):]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Finished:
+    """A request that left the scheduler through `commit`.
+
+    Attributes:
+      request_id: the request.
+      output_token_ids: every generated token, in order.
+      reason: "length" (max_tokens reached) or "stop" (the engine saw EOS or a stop condition).
+      finish_time: the `now` passed to the commit that finished it.
+    """
+
+    request_id: RequestId
+    output_token_ids: tuple[int, ...]
+    reason: str
+    finish_time: float
+
+
+def stack_to_tuple(stack: TokenStack) -> tuple[int, ...]:
+    """Oldest-first tuple of a token stack."""
+    out = []
+    while stack is not None:
+        token, stack = stack
+        out.append(token)
+    out.reverse()
+    return tuple(out)

@@ -1,0 +1,128 @@
+"""Times one schedule + commit pair of the pure planner, for each policy.
+
+  1. Build a state with `running` decode-ready sequences and `waiting` queued prompts (by driving
+     the planner itself, so the state is one a real run reaches).
+  2. "same state": time schedule + commit from that one state, repeated (purity makes it exact).
+  3. "rolling": time `steps` consecutive schedule + commit pairs starting from it.
+
+Usage: python scripts/bench_scheduler.py [--policies=token_budget,alternate,prefill_first]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+from absl import app, flags
+
+import scheduler
+
+_POLICIES = flags.DEFINE_list("policies", list(scheduler.POLICIES), "policies to time")
+_RUNNING = flags.DEFINE_integer("running", 256, "decode-ready sequences")
+_WAITING = flags.DEFINE_integer("waiting", 1024, "queued sequences")
+_MAX_NUM_SEQS = flags.DEFINE_list("max_num_seqs", ["256", "512"],
+                                  "max_num_seqs values: 256 = running set full (decode steps), "
+                                  "larger = prompts admitted every step")
+_PROMPT = flags.DEFINE_integer("prompt_tokens", 512, "prompt length of every request")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 4096, "max_tokens (large: nobody finishes)")
+_STAGGER = flags.DEFINE_boolean(
+    "stagger", True, "vary prompt lengths (by up to 63 tokens) so rows open KV blocks on different "
+    "steps; --nostagger makes every row open a block on the same step (the worst case)")
+_REPEATS = flags.DEFINE_integer("repeats", 2000, "pairs timed per 'same state' figure")
+_STEPS = flags.DEFINE_integer("steps", 200, "pairs in the 'rolling' figure")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    policies: tuple[str, ...]
+    running: int
+    waiting: int
+    max_num_seqs: tuple[int, ...]
+    prompt_tokens: int
+    max_tokens: int
+    stagger: bool
+    repeats: int
+    steps: int
+
+
+def _request(i: int, bench: BenchConfig) -> scheduler.Request:
+    length = bench.prompt_tokens - ((i * 37) % 64 if bench.stagger else 0)
+    prompt = tuple(1 + (i * 31 + j) % 30000 for j in range(length))
+    return scheduler.Request(request_id=i, prompt_token_ids=prompt, max_tokens=bench.max_tokens,
+                             arrival_time=float(i))
+
+
+def _step(state, config):
+    plan = scheduler.schedule(state, config)
+    state, _ = scheduler.commit(plan.state, plan, [1] * plan.num_sampled, 0.0)
+    return state
+
+
+def build_state(bench: BenchConfig, config: scheduler.SchedulerConfig) -> scheduler.SchedulerState:
+    """`running` decode-ready sequences (admitted by token_budget) plus `waiting` queued ones."""
+    fill = dataclasses.replace(config, policy="token_budget", max_num_seqs=bench.running)
+    state = scheduler.SchedulerState.empty(config)
+    for i in range(bench.running):
+        state = scheduler.add_request(state, _request(i, bench))
+    while state.waiting or state.partial:
+        state = _step(state, fill)
+    for i in range(bench.running, bench.running + bench.waiting):
+        state = scheduler.add_request(state, _request(i, bench))
+    return state
+
+
+def time_pairs(state, config, repeats: int) -> tuple[float, float]:
+    """(best, median) microseconds per schedule + commit from the same state, over 10 rounds.
+
+    The best round is the figure least disturbed by other processes sharing the CPU.
+    """
+    rounds = []
+    per_round = max(1, repeats // 10)
+    for _ in range(10):
+        start = time.perf_counter()
+        for _ in range(per_round):
+            plan = scheduler.schedule(state, config)
+            scheduler.commit(plan.state, plan, (1,) * plan.num_sampled, 0.0)
+        rounds.append((time.perf_counter() - start) / per_round * 1e6)
+    return min(rounds), statistics.median(rounds)
+
+
+def time_rolling(state, config, steps: int) -> tuple[float, str]:
+    """Mean microseconds per pair over `steps` consecutive steps, and the step kinds seen."""
+    kinds = {}
+    start = time.perf_counter()
+    for _ in range(steps):
+        plan = scheduler.schedule(state, config)
+        kinds[plan.kind] = kinds.get(plan.kind, 0) + 1
+        state, _ = scheduler.commit(plan.state, plan, (1,) * plan.num_sampled, 0.0)
+    elapsed = (time.perf_counter() - start) / steps * 1e6
+    return elapsed, ",".join(f"{k}:{v}" for k, v in sorted(kinds.items()))
+
+
+def main(argv):
+    del argv
+    bench = BenchConfig(
+        policies=tuple(_POLICIES.value), running=_RUNNING.value, waiting=_WAITING.value,
+        max_num_seqs=tuple(int(v) for v in _MAX_NUM_SEQS.value), prompt_tokens=_PROMPT.value,
+        max_tokens=_MAX_TOKENS.value, stagger=_STAGGER.value, repeats=_REPEATS.value,
+        steps=_STEPS.value)
+    needed = (bench.running + bench.waiting) * -(-(bench.prompt_tokens + bench.max_tokens) // 16)
+    print(f"{bench.running} running, {bench.waiting} waiting, prompts of {bench.prompt_tokens}"
+          " tokens, max_num_batched_tokens 2048, block_size 16")
+    print(f"{'policy':<14} {'max_num_seqs':>12} {'same state: best':>16} {'median':>7} "
+          f"{'rolling: mean':>14}  first plan / rolling step kinds   (us per pair)")
+    for max_num_seqs in bench.max_num_seqs:
+        for policy in bench.policies:
+            config = scheduler.SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
+                                               num_blocks=needed)
+            state = build_state(bench, config)
+            first = scheduler.schedule(state, config)
+            best, median = time_pairs(state, config, bench.repeats)
+            rolling, kinds = time_rolling(state, config, bench.steps)
+            print(f"{policy:<14} {max_num_seqs:>12} {best:>16.1f} {median:>7.1f} {rolling:>14.1f}  "
+                  f"{first.kind} ({first.num_seqs} rows, {first.num_tokens} tokens) / {kinds}")
+
+
+if __name__ == "__main__":
+    app.run(main)

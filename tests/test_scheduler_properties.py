@@ -1,0 +1,446 @@
+"""Property-based tests of the step planner: random workloads driven through schedule/commit.
+
+The harness (`drive`) keeps its own mirror of every request (prompt + outputs it was told about)
+and checks each plan and each committed state against it, independently of the planner's code:
+
+  1. plan: budgets, row order, cursors, chunk tiles, sampling rows, token ids, block slots,
+     admissions (cap, FCFS), preemptions, stall-freedom (token_budget);
+  2. state after commit: every block free or owned by exactly one sequence, tables sized to the
+     cursors, queues ordered, the partial-prefill limit;
+  3. trace: the decode floor, liveness (see `test_liveness_*`), finished outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler import POLICIES, Request, SchedulerConfig, SchedulerState
+from scheduler import abort, add_request, blocks_for, commit, schedule
+
+_SETTINGS = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """Requests arrive at step `arrival_time`; `stop_after[i]` outputs make the engine stop
+    request i; `aborts` are (step, request index, in_flight) events."""
+
+    config: SchedulerConfig
+    requests: tuple[Request, ...]
+    stop_after: tuple[int | None, ...]
+    aborts: tuple[tuple[int, int, bool], ...] = ()
+
+    @property
+    def last_arrival(self) -> int:
+        return max(int(r.arrival_time) for r in self.requests)
+
+    @property
+    def total_work(self) -> int:
+        return sum(len(r.prompt_token_ids) + r.max_tokens - 1 for r in self.requests)
+
+    @property
+    def longest(self) -> int:
+        return max(len(r.prompt_token_ids) + r.max_tokens - 1 for r in self.requests)
+
+
+@st.composite
+def workloads(draw, *, policy=None, pressure=True, aborts=False, stops=True, priorities=True,
+              max_requests=10, **fixed):
+    tile = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    block_size = draw(st.sampled_from([1, 2, 4, 8]))
+    watermark = draw(st.integers(0, 2))
+    n = draw(st.integers(1, max_requests))
+    use_priority = priorities and draw(st.booleans())
+    requests = []
+    for i in range(n):
+        prompt_len = draw(st.integers(1, 48))
+        requests.append(Request(
+            request_id=i,
+            prompt_token_ids=tuple((i * 97 + j) % 5000 for j in range(prompt_len)),
+            max_tokens=draw(st.integers(1, 12)),
+            arrival_time=float(draw(st.integers(0, 8))),
+            priority=draw(st.integers(0, 2)) if use_priority else 0))
+    requests.sort(key=lambda r: r.arrival_time)  # added in arrival order
+    needs = [blocks_for(len(r.prompt_token_ids) + r.max_tokens - 1, block_size) for r in requests]
+    if pressure:
+        num_blocks = max(needs) + watermark + draw(st.integers(0, 6))
+    else:
+        num_blocks = sum(needs) + watermark + 1
+    values = dict(
+        policy=policy or draw(st.sampled_from(POLICIES)),
+        chunk_tile=tile,
+        max_num_batched_tokens=tile * draw(st.integers(1, 6)) + draw(st.integers(0, tile - 1)),
+        max_num_seqs=draw(st.integers(1, 6)),
+        prefill_max_seqs=draw(st.sampled_from([0, 0, 1, 2, 3])),
+        prefill_floor_steps=draw(st.sampled_from([0, 0, 1, 2, 3])),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, tile, 2 * tile + 1])),
+        max_num_partial_prefills=draw(st.integers(1, 3)),
+        block_size=block_size, num_blocks=num_blocks, watermark_blocks=watermark)
+    values.update(fixed)
+    stop_after = tuple(draw(st.sampled_from([None, None, 1, 2, 5])) if stops else None
+                       for _ in requests)
+    events = ()
+    if aborts:
+        events = tuple(draw(st.lists(
+            st.tuples(st.integers(0, 30), st.integers(0, n - 1), st.booleans()), max_size=3)))
+    return Workload(config=SchedulerConfig(**values), requests=tuple(requests),
+                    stop_after=stop_after, aborts=events)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Mirror:
+    """What the test knows about one request, independently of the scheduler."""
+
+    request: Request
+    outputs: list[int] = dataclasses.field(default_factory=list)
+    status: str = "pending"  # pending, live, finished, aborted
+
+    def tokens(self) -> tuple[int, ...]:
+        return self.request.prompt_token_ids + tuple(self.outputs)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Trace:
+    steps: list[tuple[SchedulerState, object]]  # (state before schedule, plan)
+    finished_at: dict
+    num_preempted: int
+
+
+def _all_keys(state: SchedulerState) -> dict:
+    keys = {s.request_id: s.key for s in state.waiting}
+    keys.update((p.seq.request_id, p.seq.key) for p in state.partial)
+    keys.update(zip(state.decoding.ids, state.decoding.keys))
+    return keys
+
+
+def check_blocks(state: SchedulerState, config: SchedulerConfig, *, exact: bool) -> None:
+    """Free + owned == all blocks, no block owned twice; outside a step, tables fit the cursors."""
+    free = state.pool.free_blocks()
+    assert len(free) == state.pool.num_free
+    owned = state.owned_blocks()
+    everything = list(free) + [b for table in owned.values() for b in table]
+    assert sorted(everything) == list(range(config.num_blocks)), "a block leaked or is shared"
+    if exact:
+        for part in state.partial:
+            assert len(part.table) == blocks_for(part.computed, config.block_size)
+        for computed, table in zip(state.decoding.computed, state.decoding.tables):
+            assert len(table) == blocks_for(computed, config.block_size)
+
+
+def check_plan(pre: SchedulerState, plan, config: SchedulerConfig, mirror: dict) -> None:
+    k = plan.num_decode_rows
+    # budgets
+    assert plan.num_tokens == sum(plan.lengths)
+    if plan.num_tokens > config.max_num_batched_tokens:  # the documented legacy exception
+        assert config.policy == "prefill_first" and plan.num_seqs == 1 and k == 0
+        assert plan.engaged.oversize_prompt
+    assert plan.num_seqs <= config.max_num_seqs
+    assert plan.state.num_running <= config.max_num_seqs
+    assert len(set(plan.request_ids)) == plan.num_seqs
+    waiting_before = {s.request_id: s for s in pre.waiting}
+    admitted = [rid for rid in plan.request_ids if rid in waiting_before]
+    if config.prefill_max_seqs:
+        assert len(admitted) <= config.prefill_max_seqs
+    if config.policy != "token_budget":
+        assert plan.kind in ("prompt", "decode", "idle"), "legacy/alternate steps are one kind"
+    # rows: cursors, chunks, sampling, tokens, slots
+    cu = plan.cu_seqlens
+    for i, rid in enumerate(plan.request_ids):
+        start, length, table = plan.starts[i], plan.lengths[i], plan.block_tables[i]
+        full = mirror[rid].tokens()
+        assert start == (0 if rid in waiting_before else pre.num_computed(rid)), "cursor jumped"
+        assert 1 <= length and start + length <= len(full), "chunk passes the known tokens"
+        assert plan.token_ids[cu[i]:cu[i + 1]] == full[start:start + length]
+        final = start + length == len(full)
+        assert plan.samples[i] == final, "only final chunks and decodes sample"
+        if i < k:
+            assert length == 1 and rid in pre.decoding.ids
+        else:
+            assert rid not in pre.decoding.ids
+            if not final:
+                assert length % config.chunk_tile == 0, "non-final chunk not a tile multiple"
+                if config.long_prefill_token_threshold:
+                    assert length <= config.long_prefill_token_threshold
+        assert len(table) >= blocks_for(start + length, config.block_size), "token without slot"
+    # preemption: running before, waiting now with its cursor back at 0
+    for rid in plan.preempted:
+        assert rid not in waiting_before and rid not in plan.request_ids
+        assert plan.state.num_computed(rid) == 0
+        assert any(s.request_id == rid for s in plan.state.waiting)
+    keys = _all_keys(pre)
+    if keys:  # liveness lemma: the best-ranked request is never preempted
+        assert min(keys, key=keys.get) not in plan.preempted
+    if plan.preempted:  # victims are the lowest-ranked: no idle survivor ranks below one
+        idle = [key for rid, key in _all_keys(plan.state).items()
+                if rid not in plan.request_ids and rid not in waiting_before
+                and rid not in plan.preempted and not any(
+                    s.request_id == rid for s in plan.state.waiting)]
+        assert all(key < keys[v] for v in plan.preempted for key in idle), "wrong victim"
+    # FCFS: no admission overtakes an earlier waiting request of the same priority, including
+    # one preempted in this very step
+    for rid in admitted:
+        key = waiting_before[rid].key
+        assert not any(s.key[0] == key[0] and s.key < key for s in plan.state.waiting), "overtaken"
+    # an admitted prompt that gets no chunk holds newcomers back (no starvation by later arrivals)
+    if admitted:
+        assert all(p.seq.request_id in plan.request_ids for p in pre.partial)
+    # progress: a plan with work to do is never empty unless it preempted
+    if pre.has_work():
+        assert plan.num_seqs or plan.preempted
+    # stall-freedom: decodes that fit the budget and their blocks all run, every step
+    if config.policy == "token_budget":
+        dec = pre.decoding
+        need = sum(blocks_for(c + 1, config.block_size) > len(t)
+                   for c, t in zip(dec.computed, dec.tables))
+        if (len(dec) <= min(config.max_num_batched_tokens, config.max_num_seqs)
+                and need <= pre.pool.num_free):
+            assert plan.request_ids[:k] == dec.ids, "a decode stalled"
+        if len(dec) <= min(config.max_num_batched_tokens, config.max_num_seqs):
+            # under KV pressure too: a decode-ready sequence decodes or is preempted, never idles
+            assert set(plan.request_ids[:k]) | set(plan.preempted) >= set(dec.ids)
+    check_blocks(plan.state, config, exact=False)
+
+
+def check_state(state: SchedulerState, config: SchedulerConfig, mirror: dict) -> None:
+    check_blocks(state, config, exact=True)
+    ids = state.request_ids()
+    assert len(ids) == len(set(ids))
+    assert all(mirror[rid].status == "live" for rid in ids)
+    assert list(state.waiting) == sorted(state.waiting, key=lambda s: s.key)
+    assert list(state.decoding.keys) == sorted(state.decoding.keys)
+    assert len(state.partial) <= (0 if config.policy == "prefill_first"
+                                  else config.max_num_partial_prefills)
+    for part in state.partial:
+        assert 0 < part.computed < len(part.seq.tokens)
+        assert part.seq.tokens == mirror[part.seq.request_id].tokens()
+    for row, rid in enumerate(state.decoding.ids):
+        assert state.decoding.computed[row] == len(mirror[rid].tokens()) - 1
+        assert state.decoding.outputs(row) == tuple(mirror[rid].outputs)
+
+
+def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = False,
+          config_for_step=None) -> Trace:
+    """Runs the workload to completion, checking every plan and state; returns the trace."""
+    config = workload.config
+    mirror = {r.request_id: Mirror(request=r) for r in workload.requests}
+    pending = list(workload.requests)
+    stop_after = {r.request_id: s for r, s in zip(workload.requests, workload.stop_after)}
+    state = SchedulerState.empty(config)
+    trace = Trace(steps=[], finished_at={}, num_preempted=0)
+    limit = step_limit or workload.last_arrival + 1 + workload.total_work * (len(mirror) + 2)
+    step = 0
+    while pending or state.has_work():
+        assert step <= limit, f"not finished within {limit} steps"
+        while pending and pending[0].arrival_time <= step:
+            request = pending.pop(0)
+            state = add_request(state, request)
+            mirror[request.request_id].status = "live"
+        in_flight_aborts = []
+        for when, index, in_flight in workload.aborts:
+            rid = workload.requests[index].request_id
+            if when == step and mirror[rid].status == "live" and rid not in in_flight_aborts:
+                if in_flight:
+                    in_flight_aborts.append(rid)
+                else:
+                    state = abort(state, rid)
+                    mirror[rid].status = "aborted"
+        step_config = config_for_step(step) if config_for_step else config
+        if purity:
+            snapshot = copy.deepcopy(state)
+        plan = schedule(state, step_config)
+        if purity:
+            assert state == snapshot, "schedule mutated its input"
+            assert schedule(state, step_config) == plan, "equal inputs, different plans"
+        check_plan(state, plan, step_config, mirror)
+        trace.steps.append((state, plan))
+        trace.num_preempted += len(plan.preempted)
+        after = plan.state
+        for rid in in_flight_aborts:
+            after = abort(after, rid)
+            mirror[rid].status = "aborted"
+        sampled, stopped = [], []
+        for row, (rid, samples) in enumerate(zip(plan.request_ids, plan.samples)):
+            if samples:
+                token = (step * 131 + row * 7) % 1000
+                sampled.append(token)
+                if mirror[rid].status == "live":
+                    mirror[rid].outputs.append(token)
+                    if len(mirror[rid].outputs) == stop_after[rid]:
+                        stopped.append(rid)
+        if purity:
+            snapshot = copy.deepcopy((after, plan))
+        state, finished = commit(after, plan, sampled, float(step), stopped)
+        if purity:
+            assert (after, plan) == snapshot, "commit mutated its input"
+        for record in finished:
+            m = mirror[record.request_id]
+            assert record.output_token_ids == tuple(m.outputs)
+            if record.request_id in stopped:
+                assert record.reason == "stop"
+            else:
+                assert record.reason == "length"
+                assert len(m.outputs) == m.request.max_tokens
+            m.status = "finished"
+            trace.finished_at[record.request_id] = step
+        for rid, m in mirror.items():  # nobody runs past max_tokens or a stop
+            if m.status == "live":
+                assert len(m.outputs) < m.request.max_tokens and rid not in stopped
+        check_state(state, config, mirror)
+        step += 1
+    assert all(m.status in ("finished", "aborted") for m in mirror.values())
+    assert state.pool.num_free == config.num_blocks, "blocks not all free at the end"
+    return trace
+
+
+# ---- budgets, chunks, blocks, FCFS, stall-freedom: checked on every step of random workloads ----
+
+@settings(max_examples=150, **_SETTINGS)
+@given(workloads())
+def test_random_workloads_keep_every_invariant(workload):
+    drive(workload)
+
+
+@settings(max_examples=60, **_SETTINGS)
+@given(workloads(aborts=True))
+def test_aborts_free_everything(workload):
+    drive(workload)
+
+
+@settings(max_examples=25, **_SETTINGS)
+@given(workloads(max_requests=6))
+def test_purity_inputs_unchanged_and_plans_repeatable(workload):
+    drive(workload, purity=True)
+
+
+@settings(max_examples=60, **_SETTINGS)
+@given(workloads(policy="token_budget", pressure=False, prefill_floor_steps=0))
+def test_token_budget_mixes_prefill_and_decode_in_one_step(workload):
+    """Stall-freedom itself is checked on every step by check_plan; here: whenever a prompt and a
+    decode both have room, they share the step (no decode-only step while a prompt waits with
+    budget, blocks and slots left)."""
+    trace = drive(workload)
+    for pre, plan in trace.steps:
+        if plan.num_decode_rows and not plan.num_prefill_tokens:
+            assert not pre.partial or plan.engaged.partials_held or plan.preempted
+            assert not pre.waiting or plan.engaged.active(), "prompt left out for no reason"
+
+
+# ---- the cap ---------------------------------------------------------------------------------
+
+def _columns(plan):
+    return (plan.request_ids, plan.starts, plan.lengths, plan.samples, plan.token_ids,
+            plan.block_tables, plan.preempted)
+
+
+@settings(max_examples=60, **_SETTINGS)
+@given(workloads(prefill_max_seqs=0))
+def test_cap_zero_reproduces_uncapped_plans(workload):
+    uncapped = dataclasses.replace(workload, config=dataclasses.replace(
+        workload.config, prefill_max_seqs=10**9))
+    a, b = drive(workload), drive(uncapped)
+    assert [_columns(p) for _, p in a.steps] == [_columns(p) for _, p in b.steps]
+
+
+def test_cap_limits_admissions_in_legacy_burst():
+    config = SchedulerConfig(policy="prefill_first", max_num_batched_tokens=4096,
+                             prefill_max_seqs=4, max_num_seqs=64, block_size=16, num_blocks=4096)
+    requests = tuple(Request(request_id=i, prompt_token_ids=(1,) * 100, max_tokens=3)
+                     for i in range(10))
+    trace = drive(Workload(config=config, requests=requests, stop_after=(None,) * 10))
+    first = trace.steps[0][1]
+    assert first.num_seqs == 4 and first.engaged.cap_deferred == 6
+
+
+# ---- the floor -------------------------------------------------------------------------------
+
+@settings(max_examples=80, **_SETTINGS)
+@given(workloads(), st.sampled_from(POLICIES), st.integers(0, 3))
+def test_floor_keeps_decode_steps_between_prefill_steps(workload, policy, floor):
+    config = dataclasses.replace(workload.config, policy=policy, prefill_floor_steps=floor)
+    trace = drive(dataclasses.replace(workload, config=config))
+    required = max(1, floor) if policy == "alternate" else floor
+    decode_only = None  # decode-only steps since the last step with prefill; None: no prefill yet
+    for pre, plan in trace.steps:
+        if plan.num_prefill_tokens:
+            if decode_only is not None and len(pre.decoding):
+                assert decode_only >= required, f"prefill after {decode_only} decode steps"
+            decode_only = 0
+        elif plan.num_decode_rows and decode_only is not None:
+            decode_only += 1
+
+
+# ---- liveness --------------------------------------------------------------------------------
+
+def _liveness_bound(workload: Workload, preemptions: int) -> int:
+    """Steps within which everything finishes; see the test docstrings for the derivation."""
+    return workload.last_arrival + 1 + workload.total_work + preemptions * workload.longest
+
+
+@settings(max_examples=100, **_SETTINGS)
+@given(workloads(pressure=False))
+def test_liveness_without_kv_pressure(workload):
+    """Without KV pressure nothing is preempted and, once every request has arrived, every step
+    computes at least one token of some request (check_plan: no empty plan while work exists).
+    A request computes at most prompt + max_tokens - 1 tokens, so all requests finish within
+    last_arrival + 1 + sum(prompt + max_tokens - 1) steps."""
+    trace = drive(workload)
+    assert trace.num_preempted == 0
+    assert len(trace.steps) <= _liveness_bound(workload, 0)
+
+
+@settings(max_examples=150, **_SETTINGS)
+@given(workloads(pressure=True, aborts=True))
+def test_liveness_under_kv_pressure_and_aborts(workload):
+    """Under KV pressure a preemption throws away at most longest - 1 computed tokens and can cost
+    one step with no token, so the bound grows by `longest` per preemption. Preemptions stay
+    finite because the best-ranked unfinished request is never preempted (checked on every step
+    by check_plan) and so finishes, then the next one, and so on. `drive` also fails if a run
+    exceeds last_arrival + 1 + total_work * (requests + 2) steps (a livelock guard)."""
+    trace = drive(workload)
+    assert len(trace.steps) <= _liveness_bound(workload, trace.num_preempted)
+
+
+def test_preemption_happens_and_recompute_keeps_outputs():
+    """Two sequences that cannot both grow in a tiny cache: the later one is preempted, recomputes
+    prompt + outputs, and its outputs survive (the harness checks them token by token)."""
+    config = SchedulerConfig(policy="token_budget", max_num_batched_tokens=8, chunk_tile=4,
+                             block_size=2, num_blocks=6, max_num_seqs=4)
+    requests = tuple(Request(request_id=i, prompt_token_ids=(5, 6, 7), max_tokens=8)
+                     for i in range(2))
+    trace = drive(Workload(config=config, requests=requests, stop_after=(None, None)))
+    assert trace.num_preempted >= 1
+    preempted = {rid for _, plan in trace.steps for rid in plan.preempted}
+    assert preempted == {1}, "the most recently admitted sequence is the victim"
+    recompute = [plan for _, plan in trace.steps
+                 if 1 in plan.request_ids and plan.starts[plan.request_ids.index(1)] == 0]
+    assert len(recompute) >= 2 and recompute[-1].lengths[recompute[-1].request_ids.index(1)] > 3
+
+
+@settings(max_examples=40, **_SETTINGS)
+@given(workloads(), st.data())
+def test_knobs_may_change_between_steps(workload, data):
+    """The state is policy-agnostic: switching policy and knobs each step keeps every invariant."""
+    configs = [dataclasses.replace(workload.config, policy=p, prefill_floor_steps=f)
+               for p in POLICIES for f in (0, 1)]
+    choices = data.draw(st.lists(st.integers(0, len(configs) - 1), min_size=1, max_size=50))
+    pick = lambda step: configs[choices[step % len(choices)]]  # noqa: E731
+    drive(dataclasses.replace(workload, config=dataclasses.replace(
+        workload.config, policy="token_budget")), config_for_step=pick)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_long_prompt_never_blocks_forever(policy):
+    """A prompt longer than the budget is chunked (or, legacy, run alone) and finishes."""
+    config = SchedulerConfig(policy=policy, max_num_batched_tokens=16, chunk_tile=8,
+                             block_size=4, num_blocks=64)
+    requests = (Request(request_id="long", prompt_token_ids=tuple(range(100)), max_tokens=2),
+                Request(request_id="short", prompt_token_ids=(1, 2), max_tokens=3))
+    trace = drive(Workload(config=config, requests=requests, stop_after=(None, None)))
+    assert set(trace.finished_at) == {"long", "short"}
+    if policy == "prefill_first":
+        assert any(plan.engaged.oversize_prompt for _, plan in trace.steps)
