@@ -3,6 +3,8 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import gpu_plan as gpu_plan_lib
+from pallas_kernels import pallas_gpu
 from pallas_kernels import plan as plan_lib
 from pallas_kernels.errors import KernelArgumentError
 from pallas_kernels.reference import ragged_paged_attention_reference
@@ -40,6 +42,14 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs
   for name, x in (("block_tables", block_tables), ("kv_lens", kv_lens), ("cu_seqlens_q", cu_seqlens_q)):
     if not jnp.issubdtype(x.dtype, jnp.integer):
       raise KernelArgumentError(name, f"expected an integer dtype, got {x.dtype}")
+
+
+def _validate_gpu_shapes(q, k_pages):
+  d, page_size = q.shape[2], k_pages.shape[1]
+  if not gpu_plan_lib.is_pow2(d) or d < gpu_plan_lib.MIN_DOT:
+    raise KernelArgumentError("q", f'impl="pallas_gpu" needs a power-of-two head dim >= 16, got {d}')
+  if not gpu_plan_lib.is_pow2(page_size):
+    raise KernelArgumentError("k_pages", f'impl="pallas_gpu" needs a power-of-two block_size, got {page_size}')
 
 
 def ragged_paged_attention(
@@ -90,20 +100,25 @@ def ragged_paged_attention(
     raise KernelArgumentError("max_q_len", f"expected a positive int, got {max_q_len!r}")
   max_q_len = min(max_q_len, t)
   if impl == "auto":
-    impl = "xla"  # pallas_gpu joins once it lands
+    impl = "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
   if impl == "reference":
     return ragged_paged_attention_reference(
         q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale)
-  if impl == "pallas_gpu":
-    from pallas_kernels.pallas_gpu import ragged_paged_attention_pallas_gpu  # noqa: PLC0415
-
-    return ragged_paged_attention_pallas_gpu(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,
-        interpret=interpret)
   num_seqs = jnp.asarray(num_seqs, jnp.int32)
+  block_tables = block_tables.astype(jnp.int32)
+  kv_lens = kv_lens.astype(jnp.int32)
+  cu_seqlens_q = cu_seqlens_q.astype(jnp.int32)
+  if impl == "pallas_gpu":
+    _validate_gpu_shapes(q, k_pages)
+    plan = gpu_plan_lib.make_gpu_plan(
+        num_tokens=t, num_seqs=block_tables.shape[0], num_heads=q.shape[1],
+        num_kv_heads=k_pages.shape[2], head_dim=d, page_size=k_pages.shape[1],
+        max_blocks=block_tables.shape[1], max_q_len=max_q_len)
+    return pallas_gpu.ragged_paged_attention_pallas_gpu(
+        q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, plan,
+        interpret=interpret)
   tiles = plan_lib.make_plan(
       num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
       max_q_len=max_q_len, block_q=XLA_BLOCK_Q, block_k=XLA_BLOCK_K)
   return ragged_paged_attention_xla(
-      q, k_pages, v_pages, block_tables.astype(jnp.int32), kv_lens.astype(jnp.int32),
-      cu_seqlens_q.astype(jnp.int32), num_seqs, sm_scale, tiles)
+      q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, tiles)

@@ -39,7 +39,7 @@ class TilePlan:
 
 
 def make_plan(*, num_tokens: int, num_seqs: int, page_size: int, max_q_len: int,
-              block_q: int, block_k: int) -> TilePlan:
+              block_q: int, block_k: int, pow2_block_q: bool = False) -> TilePlan:
   """Builds the static plan for a bucket of `num_tokens` rows and `num_seqs` sequences.
 
   Args:
@@ -49,8 +49,11 @@ def make_plan(*, num_tokens: int, num_seqs: int, page_size: int, max_q_len: int,
     max_q_len: static bound on any sequence's query length.
     block_q: query tokens per tile; clipped to max_q_len.
     block_k: target keys per inner step; rounded up to whole pages.
+    pow2_block_q: clip block_q to the power of two at or above max_q_len
+      instead of to max_q_len itself (GPU tiles need power-of-two shapes).
   """
-  block_q = max(1, min(block_q, max_q_len))
+  cap = 1 << (max_q_len - 1).bit_length() if pow2_block_q else max_q_len
+  block_q = max(1, min(block_q, cap))
   pages = max(1, cdiv(block_k, page_size))
   # sum_s cdiv(q_len_s, block_q) <= sum_s (q_len_s // block_q + 1) <= T // block_q + S.
   num_tiles = min(num_tokens // block_q + num_seqs, num_seqs * cdiv(max_q_len, block_q))
@@ -89,19 +92,24 @@ def tile_metadata(plan: TilePlan, kv_lens: jax.Array, cu_seqlens_q: jax.Array,
   seq = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right"), s_max - 1).astype(jnp.int32)
   tile_in_seq = w - (tiles_end[seq] - tiles[seq])  # [W]
   q_rel = tile_in_seq * plan.block_q  # [W] first row inside the chunk
+  num_live = tiles_end[-1]
+  idle = w >= num_live  # idle tiles get an empty row range at row 0
   kv_len = kv_lens[seq]  # [W]
+  q_start = jnp.where(idle, 0, cu_seqlens_q[seq] + q_rel)
   return TileMetadata(
       seq=seq,
-      q_start=cu_seqlens_q[seq] + q_rel,
-      q_end=cu_seqlens_q[seq] + q_lens[seq],
-      first_pos=kv_len - q_lens[seq] + q_rel,
+      q_start=q_start,
+      q_end=jnp.where(idle, 0, cu_seqlens_q[seq] + q_lens[seq]),
+      first_pos=jnp.where(idle, 0, kv_len - q_lens[seq] + q_rel),
       kv_len=kv_len,
-      num_live=tiles_end[-1],
+      num_live=num_live,
   )
 
 
 def kv_steps(plan: TilePlan, first_pos: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Inner-loop bounds of a tile with `rows` real rows starting at `first_pos`.
+
+  A tile with no rows has no steps.
 
   Returns:
     (unmasked, total): steps `[0, unmasked)` hold only keys every row may see
@@ -109,6 +117,6 @@ def kv_steps(plan: TilePlan, first_pos: jax.Array, rows: jax.Array) -> tuple[jax
     steps past `total` are fully masked and skipped.
   """
   last_pos = first_pos + rows - 1
-  total = cdiv(last_pos + 1, plan.block_k)
+  total = jnp.where(rows > 0, cdiv(last_pos + 1, plan.block_k), 0)
   unmasked = (first_pos + 1) // plan.block_k
   return jnp.minimum(unmasked, total), total
