@@ -86,6 +86,8 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
     """
     sampled = tuple(sampled_token_ids)
     stopped = frozenset(finished_ids)
+    if plan.is_empty and state.step == plan.state.step and not sampled and not stopped:
+        return state, ()  # nothing ran; an empty plan leaves nothing in flight
     _check(state, plan, sampled, stopped)
     pool = state.pool
     finished: list[Finished] = []

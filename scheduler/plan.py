@@ -94,7 +94,8 @@ class StepPlan:
 
     Attributes:
       state: the state after planning (blocks allocated, preemptions and admissions applied,
-        cursors not yet advanced); pass it to `commit` with the step's results.
+        cursors not yet advanced); pass it to `commit` with the step's results. An empty plan
+        leaves nothing in flight: its state may be scheduled again directly.
       request_ids, starts, lengths, samples, block_tables: one entry per row, in row order.
       token_ids: every row's tokens, concatenated in row order (length num_tokens).
       num_decode_rows: the first rows that are decodes.

@@ -1,0 +1,100 @@
+"""Prints the burst table of BACKGROUND.md from the simulator: K users at once, P-token prompts.
+
+Each --variants entry is one column: a policy, optionally with knob overrides, e.g.
+  python scripts/simulate.py --users=32 --prompt_tokens=380 --max_num_batched_tokens=4096 \
+      --variants=prefill_first,prefill_first:prefill_max_seqs=4,token_budget
+  python scripts/simulate.py --users=128 --window_s=140 --variants=prefill_first,token_budget
+
+The default cost model is fitted to the legacy server measured in BACKGROUND.md; pass
+--cost_json (a file holding CostModel.to_json()) or the --c_* flags for another machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from absl import app, flags
+
+from scheduler import SchedulerConfig
+from scheduler.metrics import format_table, summarize
+from scheduler.simulate import CostModel, burst, simulate
+
+_USERS = flags.DEFINE_integer("users", 32, "K: users arriving at once")
+_PROMPT = flags.DEFINE_integer("prompt_tokens", 380, "P: prompt tokens per user (256 words ~ 380)")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "tokens generated per user")
+_WINDOW = flags.DEFINE_float("window_s", 0.0, "measurement window from the burst; 0 = until done")
+_VARIANTS = flags.DEFINE_list("variants", ["prefill_first", "prefill_first:prefill_max_seqs=4",
+                                           "alternate", "token_budget"],
+                              "columns: policy[:knob=value[:knob=value...]]")
+_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 2048, "token budget per step")
+_MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 256, "running sequences at most")
+_TILE = flags.DEFINE_integer("chunk_tile", 128, "non-final chunks are multiples of it")
+_BLOCK = flags.DEFINE_integer("block_size", 16, "tokens per KV block")
+_BLOCKS = flags.DEFINE_integer("num_blocks", 0, "KV blocks; 0 = enough for every user at once")
+_COST_JSON = flags.DEFINE_string("cost_json", None, "file with a CostModel as JSON")
+_C0 = flags.DEFINE_float("c0", CostModel.c0, "seconds per step")
+_C_PREFILL = flags.DEFINE_float("c_prefill", CostModel.c_prefill, "seconds per prompt token")
+_C_DECODE = flags.DEFINE_float("c_decode", CostModel.c_decode, "seconds per decode row")
+_C_KV = flags.DEFINE_float("c_kv", CostModel.c_kv, "seconds per key read")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SimulateConfig:
+    users: int
+    prompt_tokens: int
+    max_tokens: int
+    window_s: float
+    variants: tuple[str, ...]
+    base: SchedulerConfig
+    cost: CostModel
+
+
+def parse_variant(text: str, base: SchedulerConfig) -> SchedulerConfig:
+    """"policy[:knob=value...]" -> a config derived from `base`."""
+    policy, *knobs = text.split(":")
+    overrides = {"policy": policy}
+    for knob in knobs:
+        name, _, value = knob.partition("=")
+        overrides[name] = int(value)
+    return dataclasses.replace(base, **overrides)
+
+
+def read_flags() -> SimulateConfig:
+    num_blocks = _BLOCKS.value or _USERS.value * -(-(_PROMPT.value + _MAX_TOKENS.value)
+                                                   // _BLOCK.value)
+    if _COST_JSON.value:
+        with open(_COST_JSON.value) as f:
+            cost = CostModel.from_json(json.load(f))
+    else:
+        cost = CostModel(c0=_C0.value, c_prefill=_C_PREFILL.value, c_decode=_C_DECODE.value,
+                         c_kv=_C_KV.value)
+    base = SchedulerConfig(max_num_batched_tokens=_BUDGET.value, max_num_seqs=_MAX_SEQS.value,
+                           chunk_tile=_TILE.value, block_size=_BLOCK.value, num_blocks=num_blocks)
+    return SimulateConfig(users=_USERS.value, prompt_tokens=_PROMPT.value,
+                          max_tokens=_MAX_TOKENS.value, window_s=_WINDOW.value,
+                          variants=tuple(_VARIANTS.value), base=base, cost=cost)
+
+
+def main(argv):
+    del argv
+    sim = read_flags()
+    requests = burst(sim.users, sim.prompt_tokens, sim.max_tokens)
+    window = (0.0, sim.window_s) if sim.window_s else None
+    columns, engaged = {}, {}
+    for variant in sim.variants:
+        config = parse_variant(variant, sim.base)
+        result = simulate(config, sim.cost, requests, until=sim.window_s or None)
+        columns[variant] = summarize(result.requests, result.steps, window)
+        engaged[variant] = result.engagement()
+    print(f"K = {sim.users} users at once, {sim.prompt_tokens}-token prompts, "
+          f"{sim.max_tokens} tokens each; budget {sim.base.max_num_batched_tokens}, "
+          f"tile {sim.base.chunk_tile}; cost {json.dumps(sim.cost.to_json())}")
+    print(format_table(columns))
+    for variant, counts in engaged.items():
+        print(f"knobs engaged ({variant}): "
+              + (", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none"))
+
+
+if __name__ == "__main__":
+    app.run(main)
