@@ -15,41 +15,43 @@ XLA_BLOCK_Q = 128  # query tokens per tile on the xla path
 XLA_BLOCK_K = 512  # keys per online-softmax step on the xla path
 
 
+def _require(ok: bool, argument: str, message: str) -> None:
+    if not ok:
+        raise KernelArgumentError(argument, message)
+
+
 def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, impl):
-  if impl not in IMPLS:
-    raise KernelArgumentError("impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
-  if q.ndim != 3:
-    raise KernelArgumentError("q", f"expected rank 3 [T, Hq, D], got shape {q.shape}")
-  if k_pages.ndim != 4:
-    raise KernelArgumentError("k_pages", f"expected rank 4 [num_blocks, block_size, Hkv, D], got shape {k_pages.shape}")
-  if v_pages.shape != k_pages.shape:
-    raise KernelArgumentError("v_pages", f"shape {v_pages.shape} differs from k_pages {k_pages.shape}")
-  _, hq, d = q.shape
-  hkv = k_pages.shape[2]
-  if k_pages.shape[3] != d:
-    raise KernelArgumentError("k_pages", f"head dim {k_pages.shape[3]} differs from q's {d}")
-  if hq % hkv:
-    raise KernelArgumentError("k_pages", f"query heads Hq={hq} are not a multiple of KV heads Hkv={hkv}")
-  if block_tables.ndim != 2:
-    raise KernelArgumentError("block_tables", f"expected rank 2 [S, max_blocks], got shape {block_tables.shape}")
-  s = block_tables.shape[0]
-  if kv_lens.shape != (s,):
-    raise KernelArgumentError("kv_lens", f"expected shape ({s},), got {kv_lens.shape}")
-  if cu_seqlens_q.shape != (s + 1,):
-    raise KernelArgumentError("cu_seqlens_q", f"expected shape ({s + 1},), got {cu_seqlens_q.shape}")
-  if jnp.ndim(num_seqs) != 0:
-    raise KernelArgumentError("num_seqs", f"expected a scalar, got shape {jnp.shape(num_seqs)}")
-  for name, x in (("block_tables", block_tables), ("kv_lens", kv_lens), ("cu_seqlens_q", cu_seqlens_q)):
-    if not jnp.issubdtype(x.dtype, jnp.integer):
-      raise KernelArgumentError(name, f"expected an integer dtype, got {x.dtype}")
+    _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    _require(q.ndim == 3, "q", f"expected rank 3 [T, Hq, D], got shape {q.shape}")
+    _require(k_pages.ndim == 4, "k_pages",
+             f"expected rank 4 [num_blocks, block_size, Hkv, D], got shape {k_pages.shape}")
+    _require(v_pages.shape == k_pages.shape, "v_pages",
+             f"shape {v_pages.shape} differs from k_pages {k_pages.shape}")
+    _, hq, d = q.shape
+    hkv = k_pages.shape[2]
+    _require(k_pages.shape[3] == d, "k_pages", f"head dim {k_pages.shape[3]} differs from q's {d}")
+    _require(hq % hkv == 0, "k_pages",
+             f"query heads Hq={hq} are not a multiple of KV heads Hkv={hkv}")
+    _require(block_tables.ndim == 2, "block_tables",
+             f"expected rank 2 [S, max_blocks], got shape {block_tables.shape}")
+    s = block_tables.shape[0]
+    _require(kv_lens.shape == (s,), "kv_lens", f"expected shape ({s},), got {kv_lens.shape}")
+    _require(cu_seqlens_q.shape == (s + 1,), "cu_seqlens_q",
+             f"expected shape ({s + 1},), got {cu_seqlens_q.shape}")
+    _require(jnp.ndim(num_seqs) == 0, "num_seqs",
+             f"expected a scalar, got shape {jnp.shape(num_seqs)}")
+    for name, x in (("block_tables", block_tables), ("kv_lens", kv_lens),
+                    ("cu_seqlens_q", cu_seqlens_q)):
+        _require(jnp.issubdtype(x.dtype, jnp.integer), name,
+                 f"expected an integer dtype, got {x.dtype}")
 
 
 def _validate_gpu_shapes(q, k_pages):
-  d, page_size = q.shape[2], k_pages.shape[1]
-  if not gpu_plan_lib.is_pow2(d) or d < gpu_plan_lib.MIN_DOT:
-    raise KernelArgumentError("q", f'impl="pallas_gpu" needs a power-of-two head dim >= 16, got {d}')
-  if not gpu_plan_lib.is_pow2(page_size):
-    raise KernelArgumentError("k_pages", f'impl="pallas_gpu" needs a power-of-two block_size, got {page_size}')
+    d, page_size = q.shape[2], k_pages.shape[1]
+    _require(gpu_plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT, "q",
+             f'impl="pallas_gpu" needs a power-of-two head dim >= 16, got {d}')
+    _require(gpu_plan_lib.is_pow2(page_size), "k_pages",
+             f'impl="pallas_gpu" needs a power-of-two block_size, got {page_size}')
 
 
 def ragged_paged_attention(
@@ -66,59 +68,60 @@ def ragged_paged_attention(
     interpret: bool = False,
     max_q_len: int | None = None,
 ) -> jax.Array:  # [T, Hq, D]
-  """Causal attention of a flat ragged batch of query chunks over a paged KV cache.
+    """Causal attention of a flat ragged batch of query chunks over a paged KV cache.
 
-  Sequence `s < num_seqs` owns query rows `cu_seqlens_q[s] : cu_seqlens_q[s+1]`;
-  row `i` of a chunk of `q_len` rows sits at absolute position
-  `kv_lens[s] - q_len + i` and attends keys `0 ..` that position (bottom-right
-  causal). Query head `h` reads KV head `h // (Hq // Hkv)`. Rows at and past
-  `cu_seqlens_q[num_seqs]` are padding and come out as exact zeros. Page
-  contents beyond `kv_lens` (even NaN) never reach the output.
+    Sequence `s < num_seqs` owns query rows `cu_seqlens_q[s] : cu_seqlens_q[s+1]`;
+    row `i` of a chunk of `q_len` rows sits at absolute position
+    `kv_lens[s] - q_len + i` and attends keys `0 ..` that position (bottom-right
+    causal). Query head `h` reads KV head `h // (Hq // Hkv)`. Rows at and past
+    `cu_seqlens_q[num_seqs]` are padding and come out as exact zeros. Page
+    contents beyond `kv_lens` (even NaN) never reach the output.
 
-  Args:
-    q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q: see the shapes.
-    num_seqs: how many of the S sequence rows are real; traced, so it never
-      causes a recompile.
-    sm_scale: softmax scale; defaults to `D ** -0.5`.
-    impl: "reference" (host-side oracle, not for jit), "xla", "pallas_gpu", or
-      "auto" (pallas_gpu on a GPU, xla elsewhere). Static.
-    interpret: run a Pallas kernel in interpret mode (CPU tests). Static.
-    max_q_len: static upper bound on any sequence's query length (e.g. the
-      token bucket's largest chunk). Defaults to T. Smaller bounds shrink the
-      xla path's work; a chunk longer than it gives undefined results.
+    Args:
+        q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q: see the shapes.
+        num_seqs: how many of the S sequence rows are real; traced, so it never
+            causes a recompile.
+        sm_scale: softmax scale; defaults to `D ** -0.5`.
+        impl: "reference" (host-side oracle, not for jit), "xla", "pallas_gpu", or
+            "auto" (pallas_gpu on a GPU, xla elsewhere). Static.
+        interpret: run a Pallas kernel in interpret mode (CPU tests). Static.
+        max_q_len: static upper bound on any sequence's query length (e.g. the
+            token bucket's largest chunk). Defaults to T. Smaller bounds shrink the
+            xla path's work; a chunk longer than it gives undefined results.
 
-  Returns:
-    The attention output `[T, Hq, D]` in q's dtype.
-  """
-  _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, impl)
-  t, _, d = q.shape
-  if sm_scale is None:
-    sm_scale = d**-0.5
-  if max_q_len is None:
-    max_q_len = t
-  if not isinstance(max_q_len, int) or max_q_len < 1:
-    raise KernelArgumentError("max_q_len", f"expected a positive int, got {max_q_len!r}")
-  max_q_len = min(max_q_len, t)
-  if impl == "auto":
-    impl = "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
-  if impl == "reference":
-    return ragged_paged_attention_reference(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale)
-  num_seqs = jnp.asarray(num_seqs, jnp.int32)
-  block_tables = block_tables.astype(jnp.int32)
-  kv_lens = kv_lens.astype(jnp.int32)
-  cu_seqlens_q = cu_seqlens_q.astype(jnp.int32)
-  if impl == "pallas_gpu":
-    _validate_gpu_shapes(q, k_pages)
-    plan = gpu_plan_lib.make_gpu_plan(
-        num_tokens=t, num_seqs=block_tables.shape[0], num_heads=q.shape[1],
-        num_kv_heads=k_pages.shape[2], head_dim=d, page_size=k_pages.shape[1],
-        max_blocks=block_tables.shape[1], max_q_len=max_q_len)
-    return pallas_gpu.ragged_paged_attention_pallas_gpu(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, plan,
-        interpret=interpret)
-  tiles = plan_lib.make_plan(
-      num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
-      max_q_len=max_q_len, block_q=XLA_BLOCK_Q, block_k=XLA_BLOCK_K)
-  return ragged_paged_attention_xla(
-      q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, tiles)
+    Returns:
+        The attention output `[T, Hq, D]` in q's dtype.
+    """
+    _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, impl)
+    t, _, d = q.shape
+    if sm_scale is None:
+        sm_scale = d**-0.5
+    if max_q_len is None:
+        max_q_len = t
+    if not isinstance(max_q_len, int) or max_q_len < 1:
+        raise KernelArgumentError("max_q_len",
+                                  f"expected a positive int, got {max_q_len!r}")
+    max_q_len = min(max_q_len, t)
+    if impl == "auto":
+        impl = "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
+    if impl == "reference":
+        return ragged_paged_attention_reference(
+            q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale)
+    num_seqs = jnp.asarray(num_seqs, jnp.int32)
+    block_tables = block_tables.astype(jnp.int32)
+    kv_lens = kv_lens.astype(jnp.int32)
+    cu_seqlens_q = cu_seqlens_q.astype(jnp.int32)
+    if impl == "pallas_gpu":
+        _validate_gpu_shapes(q, k_pages)
+        plan = gpu_plan_lib.make_gpu_plan(
+            num_tokens=t, num_seqs=block_tables.shape[0], num_heads=q.shape[1],
+            num_kv_heads=k_pages.shape[2], head_dim=d, page_size=k_pages.shape[1],
+            max_blocks=block_tables.shape[1], max_q_len=max_q_len)
+        return pallas_gpu.ragged_paged_attention_pallas_gpu(
+            q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, plan,
+            interpret=interpret)
+    tiles = plan_lib.make_plan(
+        num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
+        max_q_len=max_q_len, block_q=XLA_BLOCK_Q, block_k=XLA_BLOCK_K)
+    return ragged_paged_attention_xla(
+        q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, tiles)

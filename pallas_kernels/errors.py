@@ -2,12 +2,12 @@
 
 
 class KernelArgumentError(ValueError):
-  """A kernel argument has the wrong rank, shape, dtype or value.
+    """A kernel argument has the wrong rank, shape, dtype or value.
 
-  Attributes:
-    argument: the name of the offending argument, as spelled in the signature.
-  """
+    Attributes:
+        argument: the name of the offending argument, as spelled in the signature.
+    """
 
-  def __init__(self, argument: str, message: str):
-    super().__init__(f"{argument}: {message}")
-    self.argument = argument
+    def __init__(self, argument: str, message: str):
+        super().__init__(f"{argument}: {message}")
+        self.argument = argument

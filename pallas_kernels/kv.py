@@ -13,39 +13,43 @@ def write_kv(
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # [T] int32
 ) -> tuple[jax.Array, jax.Array]:
-  """Scatters token `t`'s key/value into slot `slot_mapping[t]` of the pages.
+    """Scatters token `t`'s key/value into slot `slot_mapping[t]` of the pages.
 
-  A slot is `block * block_size + offset`. A slot outside
-  `[0, num_blocks * block_size)` writes nothing: bucket padding rows carry one.
+    A slot is `block * block_size + offset`. A slot outside
+    `[0, num_blocks * block_size)` writes nothing: bucket padding rows carry one.
 
-  Args:
-    k_pages, v_pages: the cache pages of one layer (donate them under jit).
-    k, v: this step's keys and values, cast to the pages' dtype.
-    slot_mapping: destination slot of every token.
+    Args:
+        k_pages, v_pages: the cache pages of one layer (donate them under jit).
+        k, v: this step's keys and values, cast to the pages' dtype.
+        slot_mapping: destination slot of every token.
 
-  Returns:
-    The updated `(k_pages, v_pages)`.
-  """
-  if k_pages.ndim != 4:
-    raise KernelArgumentError("k_pages", f"expected rank 4 [num_blocks, block_size, Hkv, D], got shape {k_pages.shape}")
-  if v_pages.shape != k_pages.shape:
-    raise KernelArgumentError("v_pages", f"shape {v_pages.shape} differs from k_pages {k_pages.shape}")
-  num_blocks, block_size, hkv, d = k_pages.shape
-  if k.ndim != 3 or k.shape[1:] != (hkv, d):
-    raise KernelArgumentError("k", f"expected [T, {hkv}, {d}], got shape {k.shape}")
-  if v.shape != k.shape:
-    raise KernelArgumentError("v", f"shape {v.shape} differs from k {k.shape}")
-  if slot_mapping.shape != (k.shape[0],):
-    raise KernelArgumentError("slot_mapping", f"expected shape ({k.shape[0]},), got {slot_mapping.shape}")
-  if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
-    raise KernelArgumentError("slot_mapping", f"expected an integer dtype, got {slot_mapping.dtype}")
+    Returns:
+        The updated `(k_pages, v_pages)`.
+    """
+    if k_pages.ndim != 4:
+        raise KernelArgumentError(
+            "k_pages", f"expected rank 4 [num_blocks, block_size, Hkv, D], got {k_pages.shape}")
+    if v_pages.shape != k_pages.shape:
+        raise KernelArgumentError(
+            "v_pages", f"shape {v_pages.shape} differs from k_pages {k_pages.shape}")
+    num_blocks, block_size, hkv, d = k_pages.shape
+    if k.ndim != 3 or k.shape[1:] != (hkv, d):
+        raise KernelArgumentError("k", f"expected [T, {hkv}, {d}], got shape {k.shape}")
+    if v.shape != k.shape:
+        raise KernelArgumentError("v", f"shape {v.shape} differs from k {k.shape}")
+    if slot_mapping.shape != (k.shape[0],):
+        raise KernelArgumentError(
+            "slot_mapping", f"expected shape ({k.shape[0]},), got {slot_mapping.shape}")
+    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise KernelArgumentError(
+            "slot_mapping", f"expected an integer dtype, got {slot_mapping.dtype}")
 
-  num_slots = num_blocks * block_size
-  slots = slot_mapping.astype(jnp.int32)
-  # NOTE: jnp indexing wraps negative indices before mode="drop" applies, so a
-  # negative slot is moved past the end to be dropped like any other padding.
-  slots = jnp.where(slots < 0, num_slots, slots)  # [T]
-  flat_shape = (num_slots, hkv, d)
-  k_flat = k_pages.reshape(flat_shape).at[slots].set(k.astype(k_pages.dtype), mode="drop")
-  v_flat = v_pages.reshape(flat_shape).at[slots].set(v.astype(v_pages.dtype), mode="drop")
-  return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+    num_slots = num_blocks * block_size
+    slots = slot_mapping.astype(jnp.int32)
+    # NOTE: jnp indexing wraps negative indices before mode="drop" applies, so a
+    # negative slot is moved past the end to be dropped like any other padding.
+    slots = jnp.where(slots < 0, num_slots, slots)  # [T]
+    flat_shape = (num_slots, hkv, d)
+    k_flat = k_pages.reshape(flat_shape).at[slots].set(k.astype(k_pages.dtype), mode="drop")
+    v_flat = v_pages.reshape(flat_shape).at[slots].set(v.astype(v_pages.dtype), mode="drop")
+    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)

@@ -21,102 +21,102 @@ import jax.numpy as jnp
 
 
 def cdiv(a, b):
-  return (a + b - 1) // b
+    return (a + b - 1) // b
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TilePlan:
-  """Static tile sizes; hashable, so it can be a jit static."""
+    """Static tile sizes; hashable, so it can be a jit static."""
 
-  block_q: int  # query tokens per tile
-  block_k: int  # keys per inner step; a multiple of the page size
-  page_size: int  # the cache's block_size
-  num_tiles: int  # static upper bound on live tiles
+    block_q: int  # query tokens per tile
+    block_k: int  # keys per inner step; a multiple of the page size
+    page_size: int  # the cache's block_size
+    num_tiles: int  # static upper bound on live tiles
 
-  @property
-  def pages_per_step(self) -> int:
-    return self.block_k // self.page_size
+    @property
+    def pages_per_step(self) -> int:
+        return self.block_k // self.page_size
 
 
 def make_plan(*, num_tokens: int, num_seqs: int, page_size: int, max_q_len: int,
               block_q: int, block_k: int, pow2_block_q: bool = False) -> TilePlan:
-  """Builds the static plan for a bucket of `num_tokens` rows and `num_seqs` sequences.
+    """Builds the static plan for a bucket of `num_tokens` rows and `num_seqs` sequences.
 
-  Args:
-    num_tokens: T, rows of q (the token bucket).
-    num_seqs: S, rows of block_tables (the sequence bucket).
-    page_size: keys per cache page.
-    max_q_len: static bound on any sequence's query length.
-    block_q: query tokens per tile; clipped to max_q_len.
-    block_k: target keys per inner step; rounded up to whole pages.
-    pow2_block_q: clip block_q to the power of two at or above max_q_len
-      instead of to max_q_len itself (GPU tiles need power-of-two shapes).
-  """
-  cap = 1 << (max_q_len - 1).bit_length() if pow2_block_q else max_q_len
-  block_q = max(1, min(block_q, cap))
-  pages = max(1, cdiv(block_k, page_size))
-  # sum_s cdiv(q_len_s, block_q) <= sum_s (q_len_s // block_q + 1) <= T // block_q + S.
-  num_tiles = min(num_tokens // block_q + num_seqs, num_seqs * cdiv(max_q_len, block_q))
-  return TilePlan(block_q=block_q, block_k=pages * page_size, page_size=page_size,
-                  num_tiles=max(1, num_tiles))
+    Args:
+        num_tokens: T, rows of q (the token bucket).
+        num_seqs: S, rows of block_tables (the sequence bucket).
+        page_size: keys per cache page.
+        max_q_len: static bound on any sequence's query length.
+        block_q: query tokens per tile; clipped to max_q_len.
+        block_k: target keys per inner step; rounded up to whole pages.
+        pow2_block_q: clip block_q to the power of two at or above max_q_len
+            instead of to max_q_len itself (GPU tiles need power-of-two shapes).
+    """
+    cap = 1 << (max_q_len - 1).bit_length() if pow2_block_q else max_q_len
+    block_q = max(1, min(block_q, cap))
+    pages = max(1, cdiv(block_k, page_size))
+    # sum_s cdiv(q_len_s, block_q) <= sum_s (q_len_s // block_q + 1) <= T // block_q + S.
+    num_tiles = min(num_tokens // block_q + num_seqs, num_seqs * cdiv(max_q_len, block_q))
+    return TilePlan(block_q=block_q, block_k=pages * page_size, page_size=page_size,
+                    num_tiles=max(1, num_tiles))
 
 
 class TileMetadata(NamedTuple):
-  """Per-tile device arrays, each `[num_tiles]` int32, plus the live count."""
+    """Per-tile device arrays, each `[num_tiles]` int32, plus the live count."""
 
-  seq: jax.Array  # sequence owning the tile
-  q_start: jax.Array  # first flat query row
-  q_end: jax.Array  # end (exclusive) of the sequence's rows; rows past it are idle
-  first_pos: jax.Array  # absolute position of the tile's first row
-  kv_len: jax.Array  # keys of the tile's sequence
-  num_live: jax.Array  # scalar: tiles `>= num_live` do nothing
+    seq: jax.Array  # sequence owning the tile
+    q_start: jax.Array  # first flat query row
+    q_end: jax.Array  # end (exclusive) of the sequence's rows; rows past it are idle
+    first_pos: jax.Array  # absolute position of the tile's first row
+    kv_len: jax.Array  # keys of the tile's sequence
+    num_live: jax.Array  # scalar: tiles `>= num_live` do nothing
 
 
 def tile_metadata(plan: TilePlan, kv_lens: jax.Array, cu_seqlens_q: jax.Array,
                   num_seqs: jax.Array) -> TileMetadata:
-  """Assigns query tiles to sequences; traced, static shapes only.
+    """Assigns query tiles to sequences; traced, static shapes only.
 
-  Args:
-    plan: the static plan.
-    kv_lens: [S] keys per sequence, this step's included.
-    cu_seqlens_q: [S + 1] prefix sums of query lengths.
-    num_seqs: scalar, live sequences.
-  """
-  s_max = kv_lens.shape[0]
-  live = jnp.arange(s_max) < num_seqs  # [S]
-  q_lens = jnp.where(live, cu_seqlens_q[1:] - cu_seqlens_q[:-1], 0)  # [S]
-  tiles = cdiv(q_lens, plan.block_q)  # [S]
-  tiles_end = jnp.cumsum(tiles)  # [S] inclusive prefix sums
-  w = jnp.arange(plan.num_tiles, dtype=jnp.int32)  # [W]
-  # First sequence whose tile range ends after w; idle tiles clamp to the last.
-  seq = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right"), s_max - 1).astype(jnp.int32)
-  tile_in_seq = w - (tiles_end[seq] - tiles[seq])  # [W]
-  q_rel = tile_in_seq * plan.block_q  # [W] first row inside the chunk
-  num_live = tiles_end[-1]
-  idle = w >= num_live  # idle tiles get an empty row range at row 0
-  kv_len = kv_lens[seq]  # [W]
-  q_start = jnp.where(idle, 0, cu_seqlens_q[seq] + q_rel)
-  return TileMetadata(
-      seq=seq,
-      q_start=q_start,
-      q_end=jnp.where(idle, 0, cu_seqlens_q[seq] + q_lens[seq]),
-      first_pos=jnp.where(idle, 0, kv_len - q_lens[seq] + q_rel),
-      kv_len=kv_len,
-      num_live=num_live,
-  )
+    Args:
+        plan: the static plan.
+        kv_lens: [S] keys per sequence, this step's included.
+        cu_seqlens_q: [S + 1] prefix sums of query lengths.
+        num_seqs: scalar, live sequences.
+    """
+    s_max = kv_lens.shape[0]
+    live = jnp.arange(s_max) < num_seqs  # [S]
+    q_lens = jnp.where(live, cu_seqlens_q[1:] - cu_seqlens_q[:-1], 0)  # [S]
+    tiles = cdiv(q_lens, plan.block_q)  # [S]
+    tiles_end = jnp.cumsum(tiles)  # [S] inclusive prefix sums
+    w = jnp.arange(plan.num_tiles, dtype=jnp.int32)  # [W]
+    # First sequence whose tile range ends after w; idle tiles clamp to the last.
+    seq = jnp.minimum(jnp.searchsorted(tiles_end, w, side="right"), s_max - 1).astype(jnp.int32)
+    tile_in_seq = w - (tiles_end[seq] - tiles[seq])  # [W]
+    q_rel = tile_in_seq * plan.block_q  # [W] first row inside the chunk
+    num_live = tiles_end[-1]
+    idle = w >= num_live  # idle tiles get an empty row range at row 0
+    kv_len = kv_lens[seq]  # [W]
+    q_start = jnp.where(idle, 0, cu_seqlens_q[seq] + q_rel)
+    return TileMetadata(
+        seq=seq,
+        q_start=q_start,
+        q_end=jnp.where(idle, 0, cu_seqlens_q[seq] + q_lens[seq]),
+        first_pos=jnp.where(idle, 0, kv_len - q_lens[seq] + q_rel),
+        kv_len=kv_len,
+        num_live=num_live,
+    )
 
 
 def kv_steps(plan: TilePlan, first_pos: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Inner-loop bounds of a tile with `rows` real rows starting at `first_pos`.
+    """Inner-loop bounds of a tile with `rows` real rows starting at `first_pos`.
 
-  A tile with no rows has no steps.
+    A tile with no rows has no steps.
 
-  Returns:
-    (unmasked, total): steps `[0, unmasked)` hold only keys every row may see
-    (no mask needed); steps `[unmasked, total)` straddle the causal diagonal;
-    steps past `total` are fully masked and skipped.
-  """
-  last_pos = first_pos + rows - 1
-  total = jnp.where(rows > 0, cdiv(last_pos + 1, plan.block_k), 0)
-  unmasked = (first_pos + 1) // plan.block_k
-  return jnp.minimum(unmasked, total), total
+    Returns:
+        (unmasked, total): steps `[0, unmasked)` hold only keys every row may see
+        (no mask needed); steps `[unmasked, total)` straddle the causal diagonal;
+        steps past `total` are fully masked and skipped.
+    """
+    last_pos = first_pos + rows - 1
+    total = jnp.where(rows > 0, cdiv(last_pos + 1, plan.block_k), 0)
+    unmasked = (first_pos + 1) // plan.block_k
+    return jnp.minimum(unmasked, total), total

@@ -15,17 +15,17 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Batch:
-  q: jax.Array  # [T, Hq, D]
-  k_pages: jax.Array  # [num_blocks, block_size, Hkv, D]
-  v_pages: jax.Array  # [num_blocks, block_size, Hkv, D]
-  block_tables: jax.Array  # [S, max_blocks] int32
-  kv_lens: jax.Array  # [S] int32
-  cu_seqlens_q: jax.Array  # [S + 1] int32
-  num_seqs: jax.Array  # scalar int32
+    q: jax.Array  # [T, Hq, D]
+    k_pages: jax.Array  # [num_blocks, block_size, Hkv, D]
+    v_pages: jax.Array  # [num_blocks, block_size, Hkv, D]
+    block_tables: jax.Array  # [S, max_blocks] int32
+    kv_lens: jax.Array  # [S] int32
+    cu_seqlens_q: jax.Array  # [S + 1] int32
+    num_seqs: jax.Array  # scalar int32
 
-  def args(self) -> tuple[jax.Array, ...]:
-    return (self.q, self.k_pages, self.v_pages, self.block_tables, self.kv_lens,
-            self.cu_seqlens_q, self.num_seqs)
+    def args(self) -> tuple[jax.Array, ...]:
+        return (self.q, self.k_pages, self.v_pages, self.block_tables, self.kv_lens,
+                self.cu_seqlens_q, self.num_seqs)
 
 
 def make_batch(
@@ -44,64 +44,65 @@ def make_batch(
     nan_fill: bool = True,
     seed: int = 0,
 ) -> Batch:
-  """A ragged batch with random q/k/v, pages allocated per sequence.
+    """A ragged batch with random q/k/v, pages allocated per sequence.
 
-  Args:
-    seqs: `(q_len, kv_len)` per live sequence; needs `q_len <= kv_len`.
-    num_heads, num_kv_heads, head_dim: Hq, Hkv, D.
-    block_size: keys per page.
-    num_tokens: T (token bucket); defaults to the total query length.
-    seq_bucket: S (sequence bucket); defaults to `len(seqs)`.
-    max_blocks: block-table width; defaults to what the longest sequence needs.
-    num_blocks: pages in the cache; defaults to what the sequences need plus
-      one unowned page (garbage / NaN).
-    dtype: q and page dtype.
-    scramble: hand pages out in a random order instead of 0, 1, 2, ...
-    nan_fill: fill every cache slot past a sequence's kv_len, every unowned
-      page and every padding query row with NaN.
-    seed: numpy seed.
-  """
-  rng = np.random.default_rng(seed)
-  q_lens = np.array([ql for ql, _ in seqs], np.int32)
-  kv_lens = np.array([kl for _, kl in seqs], np.int32)
-  if np.any(q_lens > kv_lens):
-    raise ValueError(f"seqs: q_len must not exceed kv_len, got {seqs}")
-  n = len(seqs)
-  s_bucket = n if seq_bucket is None else seq_bucket
-  t = int(q_lens.sum()) if num_tokens is None else num_tokens
-  t = max(t, 1)
-  pages_needed = -(-kv_lens // block_size)  # [n]
-  width = max(1, int(pages_needed.max(initial=0))) if max_blocks is None else max_blocks
-  if num_blocks is None:
-    num_blocks = int(pages_needed.sum()) + 1
-  if num_blocks < pages_needed.sum():
-    raise ValueError(f"num_blocks: {num_blocks} pages cannot hold {seqs} at block_size {block_size}")
-  order = rng.permutation(num_blocks) if scramble else np.arange(num_blocks)
+    Args:
+        seqs: `(q_len, kv_len)` per live sequence; needs `q_len <= kv_len`.
+        num_heads, num_kv_heads, head_dim: Hq, Hkv, D.
+        block_size: keys per page.
+        num_tokens: T (token bucket); defaults to the total query length.
+        seq_bucket: S (sequence bucket); defaults to `len(seqs)`.
+        max_blocks: block-table width; defaults to what the longest sequence needs.
+        num_blocks: pages in the cache; defaults to what the sequences need plus
+            one unowned page (garbage / NaN).
+        dtype: q and page dtype.
+        scramble: hand pages out in a random order instead of 0, 1, 2, ...
+        nan_fill: fill every cache slot past a sequence's kv_len, every unowned
+            page and every padding query row with NaN.
+        seed: numpy seed.
+    """
+    rng = np.random.default_rng(seed)
+    q_lens = np.array([ql for ql, _ in seqs], np.int32)
+    kv_lens = np.array([kl for _, kl in seqs], np.int32)
+    if np.any(q_lens > kv_lens):
+        raise ValueError(f"seqs: q_len must not exceed kv_len, got {seqs}")
+    n = len(seqs)
+    s_bucket = n if seq_bucket is None else seq_bucket
+    t = int(q_lens.sum()) if num_tokens is None else num_tokens
+    t = max(t, 1)
+    pages_needed = -(-kv_lens // block_size)  # [n]
+    width = max(1, int(pages_needed.max(initial=0))) if max_blocks is None else max_blocks
+    if num_blocks is None:
+        num_blocks = int(pages_needed.sum()) + 1
+    if num_blocks < pages_needed.sum():
+        raise ValueError(
+            f"num_blocks: {num_blocks} pages cannot hold {seqs} at block_size {block_size}")
+    order = rng.permutation(num_blocks) if scramble else np.arange(num_blocks)
 
-  tables = rng.integers(0, num_blocks, size=(s_bucket, width)).astype(np.int32)
-  k = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
-  v = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
-  owned = np.zeros((num_blocks, block_size), bool)
-  next_page = 0
-  for s in range(n):
-    pages = order[next_page:next_page + pages_needed[s]]
-    next_page += pages_needed[s]
-    tables[s, :len(pages)] = pages
-    keys = np.arange(kv_lens[s])
-    owned[pages[keys // block_size], keys % block_size] = True
-  if nan_fill:
-    k[~owned] = np.nan
-    v[~owned] = np.nan
+    tables = rng.integers(0, num_blocks, size=(s_bucket, width)).astype(np.int32)
+    k = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
+    v = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
+    owned = np.zeros((num_blocks, block_size), bool)
+    next_page = 0
+    for s in range(n):
+        pages = order[next_page:next_page + pages_needed[s]]
+        next_page += pages_needed[s]
+        tables[s, :len(pages)] = pages
+        keys = np.arange(kv_lens[s])
+        owned[pages[keys // block_size], keys % block_size] = True
+    if nan_fill:
+        k[~owned] = np.nan
+        v[~owned] = np.nan
 
-  q = rng.standard_normal((t, num_heads, head_dim), np.float32)
-  cu = np.zeros(s_bucket + 1, np.int32)
-  cu[1:n + 1] = np.cumsum(q_lens)
-  cu[n + 1:] = cu[n]
-  if nan_fill:
-    q[cu[n]:] = np.nan
-  kv_full = np.zeros(s_bucket, np.int32)
-  kv_full[:n] = kv_lens
-  return Batch(
-      q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k, dtype), v_pages=jnp.asarray(v, dtype),
-      block_tables=jnp.asarray(tables), kv_lens=jnp.asarray(kv_full),
-      cu_seqlens_q=jnp.asarray(cu), num_seqs=jnp.int32(n))
+    q = rng.standard_normal((t, num_heads, head_dim), np.float32)
+    cu = np.zeros(s_bucket + 1, np.int32)
+    cu[1:n + 1] = np.cumsum(q_lens)
+    cu[n + 1:] = cu[n]
+    if nan_fill:
+        q[cu[n]:] = np.nan
+    kv_full = np.zeros(s_bucket, np.int32)
+    kv_full[:n] = kv_lens
+    return Batch(
+        q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k, dtype), v_pages=jnp.asarray(v, dtype),
+        block_tables=jnp.asarray(tables), kv_lens=jnp.asarray(kv_full),
+        cu_seqlens_q=jnp.asarray(cu), num_seqs=jnp.int32(n))

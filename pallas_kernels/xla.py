@@ -1,16 +1,16 @@
 """Vectorized jnp ragged paged attention: the CPU engine's path and the fallback.
 
 Dataflow:
-  1. `plan.tile_metadata` cuts the ragged batch into query tiles of up to
-     `block_q` tokens of one sequence (static count; idle tiles marked).
-  2. A loop walks the live tiles only (traced bound). Each tile picks, by its
-     real row count, the narrowest of a few static row widths (`ROW_WIDTHS`),
-     so a decode row costs one row of work, not `block_q`.
-  3. Inside a tile, an online softmax walks the keys `block_k` at a time, up
-     to the tile's causal frontier (traced bound): fully masked key blocks are
-     never touched.
-  4. Real rows are written back into the flat `[T, Hq, D]` output; padding rows
-     stay exactly zero.
+    1. `plan.tile_metadata` cuts the ragged batch into query tiles of up to
+          `block_q` tokens of one sequence (static count; idle tiles marked).
+    2. A loop walks the live tiles only (traced bound). Each tile picks, by its
+          real row count, the narrowest of a few static row widths (`ROW_WIDTHS`),
+          so a decode row costs one row of work, not `block_q`.
+    3. Inside a tile, an online softmax walks the keys `block_k` at a time, up
+          to the tile's causal frontier (traced bound): fully masked key blocks are
+          never touched.
+    4. Real rows are written back into the flat `[T, Hq, D]` output; padding rows
+          stay exactly zero.
 
 Memory is `Hq x block_q x block_k` scores per step: never `T x total_keys`.
 Math is float32 whatever the input dtype.
@@ -39,42 +39,44 @@ def _tile_attention(
     n_rows: jax.Array,  # scalar: real rows, <= rows
     sm_scale: float,
 ) -> jax.Array:  # [rows, Hq, D] float32
-  _, hq, d = q.shape
-  hkv = k_pages.shape[2]
-  group = hq // hkv
-  bk, pps = tiles.block_k, tiles.pages_per_step
-  r = jnp.arange(rows)
-  pos = jnp.where(r < n_rows, first_pos + r, -1)  # [rows]; idle rows see no key
-  qt = jax.lax.dynamic_slice_in_dim(q, q_start, rows).astype(jnp.float32) * sm_scale
-  qt = jnp.where((r < n_rows)[:, None, None], qt, 0)  # [rows, Hq, D], NaN-free
-  qt = qt.reshape(rows, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rows * group, d)
-  pos_m = jnp.repeat(pos, group)  # [M] with M = rows * G, row-major (row, g)
-  _, total = plan_lib.kv_steps(tiles, first_pos, n_rows)
+    _, hq, d = q.shape
+    hkv = k_pages.shape[2]
+    group = hq // hkv
+    bk, pps = tiles.block_k, tiles.pages_per_step
+    r = jnp.arange(rows)
+    pos = jnp.where(r < n_rows, first_pos + r, -1)  # [rows]; idle rows see no key
+    qt = jax.lax.dynamic_slice_in_dim(q, q_start, rows).astype(jnp.float32) * sm_scale
+    qt = jnp.where((r < n_rows)[:, None, None], qt, 0)  # [rows, Hq, D], NaN-free
+    qt = qt.reshape(rows, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rows * group, d)
+    pos_m = jnp.repeat(pos, group)  # [M] with M = rows * G, row-major (row, g)
+    _, total = plan_lib.kv_steps(tiles, first_pos, n_rows)
 
-  def step(i, carry):
-    m, l, acc = carry  # [Hkv, M], [Hkv, M], [Hkv, M, D]
-    pages = jax.lax.dynamic_slice_in_dim(table, i * pps, pps)  # [pps]
-    keys = i * bk + jnp.arange(bk)  # [bk]
-    key_ok = keys < kv_len
-    k = k_pages[pages].reshape(bk, hkv, d).transpose(1, 0, 2).astype(jnp.float32)  # [Hkv, bk, D]
-    v = v_pages[pages].reshape(bk, hkv, d).transpose(1, 0, 2)  # [Hkv, bk, D]
-    v = jnp.where(key_ok[None, :, None], v, 0).astype(jnp.float32)
-    s = jnp.einsum("hmd,hkd->hmk", qt, k)  # [Hkv, M, bk]
-    ok = key_ok[None, :] & (keys[None, :] <= pos_m[:, None])  # [M, bk]
-    s = jnp.where(ok, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
-    p = jnp.where(ok, jnp.exp(s - m_safe[..., None]), 0)  # [Hkv, M, bk]
-    alpha = jnp.exp(m - m_safe)
-    l = alpha * l + jnp.sum(p, axis=-1)
-    acc = alpha[..., None] * acc + jnp.einsum("hmk,hkd->hmd", p, v)
-    return m_new, l, acc
+    def step(i, carry):
+        m, l, acc = carry  # [Hkv, M], [Hkv, M], [Hkv, M, D]
+        pages = jax.lax.dynamic_slice_in_dim(table, i * pps, pps)  # [pps]
+        keys = i * bk + jnp.arange(bk)  # [bk]
+        key_ok = keys < kv_len
+        k = k_pages[pages].reshape(bk, hkv, d).transpose(1, 0, 2)  # [Hkv, bk, D]
+        v = v_pages[pages].reshape(bk, hkv, d).transpose(1, 0, 2)  # [Hkv, bk, D]
+        k = k.astype(jnp.float32)
+        v = jnp.where(key_ok[None, :, None], v, 0).astype(jnp.float32)
+        s = jnp.einsum("hmd,hkd->hmk", qt, k)  # [Hkv, M, bk]
+        ok = key_ok[None, :] & (keys[None, :] <= pos_m[:, None])  # [M, bk]
+        s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
+        p = jnp.where(ok, jnp.exp(s - m_safe[..., None]), 0)  # [Hkv, M, bk]
+        alpha = jnp.exp(m - m_safe)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum("hmk,hkd->hmd", p, v)
+        return m_new, l, acc
 
-  m_rows = rows * group
-  init = (jnp.full((hkv, m_rows), -jnp.inf), jnp.zeros((hkv, m_rows)), jnp.zeros((hkv, m_rows, d)))
-  _, l, acc = jax.lax.fori_loop(0, total, step, init)
-  o = acc / jnp.where(l > 0, l, 1)[..., None]  # [Hkv, M, D]
-  return o.reshape(hkv, rows, group, d).transpose(1, 0, 2, 3).reshape(rows, hq, d)
+    m_rows = rows * group
+    init = (jnp.full((hkv, m_rows), -jnp.inf), jnp.zeros((hkv, m_rows)),
+            jnp.zeros((hkv, m_rows, d)))
+    _, l, acc = jax.lax.fori_loop(0, total, step, init)
+    o = acc / jnp.where(l > 0, l, 1)[..., None]  # [Hkv, M, D]
+    return o.reshape(hkv, rows, group, d).transpose(1, 0, 2, 3).reshape(rows, hq, d)
 
 
 def ragged_paged_attention_xla(
@@ -88,32 +90,31 @@ def ragged_paged_attention_xla(
     sm_scale: float,
     tiles: plan_lib.TilePlan,
 ) -> jax.Array:  # [T, Hq, D]
-  t, hq, d = q.shape
-  max_blocks = block_tables.shape[1]
-  num_blocks = k_pages.shape[0]
-  bq = tiles.block_q
-  meta = plan_lib.tile_metadata(tiles, kv_lens, cu_seqlens_q, num_seqs)
-  pad = (-max_blocks) % tiles.pages_per_step
-  # Clipping keeps table entries past kv_len (whatever they hold) in bounds.
-  tables = jnp.pad(jnp.clip(block_tables, 0, num_blocks - 1), ((0, 0), (0, pad)))
-  q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))  # [T + bq, Hq, D]
-  widths = tuple(w for w in ROW_WIDTHS if w < bq) + (bq,)
-  branches = [functools.partial(_tile_attention, w, tiles) for w in widths]
+    t, hq, d = q.shape
+    max_blocks = block_tables.shape[1]
+    num_blocks = k_pages.shape[0]
+    bq = tiles.block_q
+    meta = plan_lib.tile_metadata(tiles, kv_lens, cu_seqlens_q, num_seqs)
+    pad = (-max_blocks) % tiles.pages_per_step
+    # Clipping keeps table entries past kv_len (whatever they hold) in bounds.
+    tables = jnp.pad(jnp.clip(block_tables, 0, num_blocks - 1), ((0, 0), (0, pad)))
+    q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))  # [T + bq, Hq, D]
+    widths = tuple(w for w in ROW_WIDTHS if w < bq) + (bq,)
 
-  def write(width, o, out, q_start, n_rows):
-    r = jnp.arange(width)
-    old = jax.lax.dynamic_slice_in_dim(out, q_start, width)
-    new = jnp.where((r < n_rows)[:, None, None], o.astype(out.dtype), old)
-    return jax.lax.dynamic_update_slice_in_dim(out, new, q_start, 0)
+    def tile(w, out):  # out: [T + bq, Hq, D]
+        q_start = meta.q_start[w]
+        n_rows = jnp.minimum(meta.q_end[w] - q_start, bq)
 
-  def tile(w, out):  # out: [T + bq, Hq, D]
-    n_rows = jnp.minimum(meta.q_end[w] - meta.q_start[w], bq)
-    args = (q_pad, k_pages, v_pages, tables[meta.seq[w]], meta.q_start[w], meta.first_pos[w],
-            meta.kv_len[w], n_rows, sm_scale)
-    which = jnp.searchsorted(jnp.array(widths), n_rows)  # narrowest width that fits
-    return jax.lax.switch(which, [
-        functools.partial(lambda wd, br, out: write(wd, br(*args), out, meta.q_start[w], n_rows), wd, br)
-        for wd, br in zip(widths, branches)], out)
+        def attend_and_write(width, out):
+            o = _tile_attention(width, tiles, q_pad, k_pages, v_pages, tables[meta.seq[w]],
+                                q_start, meta.first_pos[w], meta.kv_len[w], n_rows, sm_scale)
+            old = jax.lax.dynamic_slice_in_dim(out, q_start, width)
+            new = jnp.where((jnp.arange(width) < n_rows)[:, None, None], o.astype(out.dtype), old)
+            return jax.lax.dynamic_update_slice_in_dim(out, new, q_start, 0)
 
-  out = jax.lax.fori_loop(0, meta.num_live, tile, jnp.zeros((t + bq, hq, d), q.dtype))
-  return out[:t]
+        which = jnp.searchsorted(jnp.array(widths), n_rows)  # narrowest width that fits
+        branches = [functools.partial(attend_and_write, wd) for wd in widths]
+        return jax.lax.switch(which, branches, out)
+
+    out = jax.lax.fori_loop(0, meta.num_live, tile, jnp.zeros((t + bq, hq, d), q.dtype))
+    return out[:t]

@@ -17,19 +17,19 @@ from pallas_kernels.testing import make_batch
 from test_kernels_attention import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
 
 try:
-  has_gpu = bool(jax.devices("gpu"))
+    has_gpu = bool(jax.devices("gpu"))
 except RuntimeError:
-  has_gpu = False
+    has_gpu = False
 
 
 def _check(batch, dtype, *, interpret=True, **kwargs):
-  ref = np.asarray(ragged_paged_attention(*batch.args(), impl="reference"), np.float32)
-  out = attention(*batch.args(), impl="pallas_gpu", interpret=interpret, **kwargs)
-  assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
-  out = np.asarray(out, np.float32)
-  assert not np.isnan(out).any()
-  np.testing.assert_array_equal(out[int(batch.cu_seqlens_q[batch.num_seqs]):], 0.0)
-  np.testing.assert_allclose(out, ref, **TOLERANCES[dtype])
+    ref = np.asarray(ragged_paged_attention(*batch.args(), impl="reference"), np.float32)
+    out = attention(*batch.args(), impl="pallas_gpu", interpret=interpret, **kwargs)
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    out = np.asarray(out, np.float32)
+    assert not np.isnan(out).any()
+    np.testing.assert_array_equal(out[int(batch.cu_seqlens_q[batch.num_seqs]):], 0.0)
+    np.testing.assert_allclose(out, ref, **TOLERANCES[dtype])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -37,63 +37,63 @@ def _check(batch, dtype, *, interpret=True, **kwargs):
 @settings(max_examples=4)
 @given(data=st.data())
 def test_interpret_matches_reference(layout, dtype, data):
-  _check(draw_batch(data, layout, dtype, num_tokens=32, seq_bucket=5, max_seqs=4, max_kv=24),
-         dtype)
+    _check(draw_batch(data, layout, dtype, num_tokens=32, seq_bucket=5, max_seqs=4, max_kv=24),
+           dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_interpret_decode_split_k(dtype):
-  # max_q_len=1 makes a decode-only plan: one row per tile, keys split across programs.
-  batch = make_batch([(1, 70), (1, 3), (1, 33), (0, 9)], num_heads=8, num_kv_heads=2,
-                     head_dim=64, block_size=8, num_tokens=6, seq_bucket=6, max_blocks=10,
-                     dtype=dtype, seed=5)
-  _check(batch, dtype, max_q_len=1)
+    # max_q_len=1 makes a decode-only plan: one row per tile, keys split across programs.
+    batch = make_batch([(1, 70), (1, 3), (1, 33), (0, 9)], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=8, num_tokens=6, seq_bucket=6, max_blocks=10,
+                       dtype=dtype, seed=5)
+    _check(batch, dtype, max_q_len=1)
 
 
 def test_interpret_long_chunk_spans_tiles_and_unmasked_steps():
-  # 90 query rows over 150 keys: several tiles, unmasked and diagonal key steps.
-  batch = make_batch([(90, 150), (1, 100), (7, 7)], num_heads=2, num_kv_heads=1, head_dim=64,
-                     block_size=16, num_tokens=100, seq_bucket=4, seed=11)
-  _check(batch, jnp.float32)
+    # 90 query rows over 150 keys: several tiles, unmasked and diagonal key steps.
+    batch = make_batch([(90, 150), (1, 100), (7, 7)], num_heads=2, num_kv_heads=1, head_dim=64,
+                       block_size=16, num_tokens=100, seq_bucket=4, seed=11)
+    _check(batch, jnp.float32)
 
 
 def test_interpret_group_not_a_power_of_two():
-  batch = make_batch([(5, 20), (1, 9)], num_heads=6, num_kv_heads=2, head_dim=64, block_size=4,
-                     num_tokens=8, seq_bucket=3, seed=2)
-  _check(batch, jnp.float32)
+    batch = make_batch([(5, 20), (1, 9)], num_heads=6, num_kv_heads=2, head_dim=64, block_size=4,
+                       num_tokens=8, seq_bucket=3, seed=2)
+    _check(batch, jnp.float32)
 
 
 def test_interpret_later_chunk_matches_xla_bottom_right():
-  # The xla path's alignment is checked against dense numpy attention elsewhere.
-  batch = make_batch([(6, 20)], num_heads=2, num_kv_heads=2, head_dim=64, block_size=4, seed=7)
-  np.testing.assert_allclose(attention(*batch.args(), impl="pallas_gpu", interpret=True),
-                             attention(*batch.args(), impl="xla"), atol=2e-5, rtol=2e-5)
+    # The xla path's alignment is checked against dense numpy attention elsewhere.
+    batch = make_batch([(6, 20)], num_heads=2, num_kv_heads=2, head_dim=64, block_size=4, seed=7)
+    np.testing.assert_allclose(attention(*batch.args(), impl="pallas_gpu", interpret=True),
+                               attention(*batch.args(), impl="xla"), atol=2e-5, rtol=2e-5)
 
 
 def test_rejects_head_dim_the_gpu_cannot_tile():
-  batch = make_batch([(2, 5)], num_heads=2, num_kv_heads=1, head_dim=80, block_size=4)
-  with pytest.raises(KernelArgumentError, match="^q:"):
-    ragged_paged_attention(*batch.args(), impl="pallas_gpu", interpret=True)
+    batch = make_batch([(2, 5)], num_heads=2, num_kv_heads=1, head_dim=80, block_size=4)
+    with pytest.raises(KernelArgumentError, match="^q:"):
+        ragged_paged_attention(*batch.args(), impl="pallas_gpu", interpret=True)
 
 
 @pytest.mark.parametrize("max_q_len", [None, 1], ids=["mixed", "decode"])
 @pytest.mark.parametrize("layout", [(8, 4, 128, 16), (2, 1, 64, 16), (1, 8, 64, 32)],
                          ids=["hkv8-g4-d128", "hkv2-g1-d64", "hkv1-g8-d64"])
 def test_triton_lowering_accepts_kernel(layout, max_q_len):
-  hkv, group, head_dim, block_size = layout
-  batch = make_batch([(1, 300), (40, 60), (1, 5)], num_heads=hkv * group, num_kv_heads=hkv,
-                     head_dim=head_dim, block_size=block_size, num_tokens=64, seq_bucket=8,
-                     max_blocks=32, dtype=jnp.bfloat16)
-  lowered = jax.jit(ragged_paged_attention, static_argnames=("impl", "max_q_len")).trace(
-      *batch.args(), impl="pallas_gpu", max_q_len=max_q_len).lower(lowering_platforms=("cuda",))
-  assert "triton" in lowered.as_text()
+    hkv, group, head_dim, block_size = layout
+    batch = make_batch([(1, 300), (40, 60), (1, 5)], num_heads=hkv * group, num_kv_heads=hkv,
+                       head_dim=head_dim, block_size=block_size, num_tokens=64, seq_bucket=8,
+                       max_blocks=32, dtype=jnp.bfloat16)
+    lowered = jax.jit(ragged_paged_attention, static_argnames=("impl", "max_q_len")).trace(
+        *batch.args(), impl="pallas_gpu", max_q_len=max_q_len).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("max_q_len", [None, 1], ids=["mixed", "decode"])
 def test_compiled_kernel_on_gpu(max_q_len):
-  seqs = [(1, 900), (1, 17)] if max_q_len == 1 else [(300, 700), (1, 513), (37, 37), (0, 9)]
-  batch = make_batch(seqs, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-                     num_tokens=384, seq_bucket=8, dtype=jnp.bfloat16, seed=3)
-  _check(batch, jnp.bfloat16, interpret=False, max_q_len=max_q_len)
+    seqs = [(1, 900), (1, 17)] if max_q_len == 1 else [(300, 700), (1, 513), (37, 37), (0, 9)]
+    batch = make_batch(seqs, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                       num_tokens=384, seq_bucket=8, dtype=jnp.bfloat16, seed=3)
+    _check(batch, jnp.bfloat16, interpret=False, max_q_len=max_q_len)

@@ -9,42 +9,42 @@ from pallas_kernels import KernelArgumentError, write_kv
 
 
 def _pages(num_blocks=3, block_size=4, hkv=2, d=8, dtype=jnp.float32):
-  shape = (num_blocks, block_size, hkv, d)
-  k = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape).astype(dtype)
-  return k, -k
+    shape = (num_blocks, block_size, hkv, d)
+    k = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape).astype(dtype)
+    return k, -k
 
 
 def test_writes_land_at_block_and_offset():
-  k_pages, v_pages = _pages()
-  k = jnp.full((3, 2, 8), 7.0)
-  v = jnp.full((3, 2, 8), -7.0)
-  slots = jnp.array([0, 2 * 4 + 3, 5], jnp.int32)  # (0,0), (2,3), (1,1)
-  new_k, new_v = jax.jit(write_kv)(k_pages, v_pages, k, v, slots)
-  expected_k, expected_v = np.array(k_pages), np.array(v_pages)
-  for block, offset in [(0, 0), (2, 3), (1, 1)]:
-    expected_k[block, offset] = 7.0
-    expected_v[block, offset] = -7.0
-  np.testing.assert_array_equal(new_k, expected_k)
-  np.testing.assert_array_equal(new_v, expected_v)
+    k_pages, v_pages = _pages()
+    k = jnp.full((3, 2, 8), 7.0)
+    v = jnp.full((3, 2, 8), -7.0)
+    slots = jnp.array([0, 2 * 4 + 3, 5], jnp.int32)  # (0,0), (2,3), (1,1)
+    new_k, new_v = jax.jit(write_kv)(k_pages, v_pages, k, v, slots)
+    expected_k, expected_v = np.array(k_pages), np.array(v_pages)
+    for block, offset in [(0, 0), (2, 3), (1, 1)]:
+        expected_k[block, offset] = 7.0
+        expected_v[block, offset] = -7.0
+    np.testing.assert_array_equal(new_k, expected_k)
+    np.testing.assert_array_equal(new_v, expected_v)
 
 
 def test_padding_slots_are_dropped():
-  k_pages, v_pages = _pages()
-  k = jnp.ones((4, 2, 8))
-  slots = jnp.array([12, 10**6, -1, 1], jnp.int32)  # only slot 1 is real
-  new_k, new_v = jax.jit(write_kv)(k_pages, v_pages, k, k, slots)
-  expected = np.array(k_pages)
-  expected[0, 1] = 1.0
-  np.testing.assert_array_equal(new_k, expected)
-  assert np.count_nonzero(np.asarray(new_v) != np.asarray(v_pages)) == 16
+    k_pages, v_pages = _pages()
+    k = jnp.ones((4, 2, 8))
+    slots = jnp.array([12, 10**6, -1, 1], jnp.int32)  # only slot 1 is real
+    new_k, new_v = jax.jit(write_kv)(k_pages, v_pages, k, k, slots)
+    expected = np.array(k_pages)
+    expected[0, 1] = 1.0
+    np.testing.assert_array_equal(new_k, expected)
+    assert np.count_nonzero(np.asarray(new_v) != np.asarray(v_pages)) == 16
 
 
 def test_casts_to_page_dtype():
-  k_pages, v_pages = _pages(dtype=jnp.bfloat16)
-  new_k, _ = write_kv(k_pages, v_pages, jnp.full((1, 2, 8), 0.5), jnp.ones((1, 2, 8)),
-                      jnp.array([3], jnp.int32))
-  assert new_k.dtype == jnp.bfloat16
-  assert float(new_k[0, 3, 0, 0]) == 0.5
+    k_pages, v_pages = _pages(dtype=jnp.bfloat16)
+    new_k, _ = write_kv(k_pages, v_pages, jnp.full((1, 2, 8), 0.5), jnp.ones((1, 2, 8)),
+                        jnp.array([3], jnp.int32))
+    assert new_k.dtype == jnp.bfloat16
+    assert float(new_k[0, 3, 0, 0]) == 0.5
 
 
 @pytest.mark.parametrize("argument, kwargs", [
@@ -56,9 +56,9 @@ def test_casts_to_page_dtype():
     ("slot_mapping", dict(slot_mapping=jnp.zeros((2,), jnp.float32))),
 ])
 def test_invalid_inputs_name_the_argument(argument, kwargs):
-  k_pages, v_pages = _pages()
-  args = dict(k_pages=k_pages, v_pages=v_pages, k=jnp.zeros((2, 2, 8)), v=jnp.zeros((2, 2, 8)),
-              slot_mapping=jnp.zeros((2,), jnp.int32))
-  args.update(kwargs)
-  with pytest.raises(KernelArgumentError, match=f"^{argument}:"):
-    write_kv(**args)
+    k_pages, v_pages = _pages()
+    args = dict(k_pages=k_pages, v_pages=v_pages, k=jnp.zeros((2, 2, 8)), v=jnp.zeros((2, 2, 8)),
+                slot_mapping=jnp.zeros((2,), jnp.int32))
+    args.update(kwargs)
+    with pytest.raises(KernelArgumentError, match=f"^{argument}:"):
+        write_kv(**args)
