@@ -3,15 +3,19 @@
 Rows are ordered: first the decode rows (length 1, each samples), then the prefill chunks.
 The columns are what the engine builds its arrays from (`token_ids[T]`, `cu_seqlens_q[S+1]`,
 `kv_lens[S]`, `block_tables[S, max_blocks]`); `chunks` is the same data as one record per row.
+Token ids are views: the plan keeps references to the sequences' token tuples and slices them
+only when `token_ids`, `row_token_ids` or `chunks` is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from itertools import chain
+from operator import itemgetter
 
 from scheduler.blocks import BlockTable
-from scheduler.request import RequestId
+from scheduler.request import RequestId, TokenStack
 from scheduler.state import SchedulerState
 
 
@@ -86,6 +90,7 @@ class Engaged:
 
 
 NOTHING_ENGAGED = Engaged()
+_newest_token = itemgetter(0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,10 +102,14 @@ class StepPlan:
         cursors not yet advanced); pass it to `commit` with the step's results. An empty plan
         leaves nothing in flight: its state may be scheduled again directly.
       request_ids, starts, lengths, samples, block_tables: one entry per row, in row order.
-      token_ids: every row's tokens, concatenated in row order (length num_tokens).
       num_decode_rows: the first rows that are decodes.
+      num_sampled: rows that sample (decode rows and final prefill chunks).
+      num_tokens: tokens in the step (sum of lengths).
       preempted: ids preempted this step (back to the front of the waiting queue).
       engaged: what each knob did.
+      _decode_stacks, _prefill_sources: where the rows' token ids come from (shared with the
+        state, so planning copies no tokens); read them through `token_ids`, `row_token_ids`
+        or `chunks`.
     """
 
     state: SchedulerState
@@ -108,19 +117,18 @@ class StepPlan:
     starts: tuple[int, ...]
     lengths: tuple[int, ...]
     samples: tuple[bool, ...]
-    token_ids: tuple[int, ...]
     block_tables: tuple[BlockTable, ...]
     num_decode_rows: int
+    num_sampled: int
+    num_tokens: int
     preempted: tuple[RequestId, ...]
     engaged: Engaged
+    _decode_stacks: tuple[TokenStack, ...]
+    _prefill_sources: tuple[tuple[int, ...], ...]
 
     @property
     def num_seqs(self) -> int:
         return len(self.request_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
     @property
     def num_decode_tokens(self) -> int:
@@ -128,11 +136,7 @@ class StepPlan:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return len(self.token_ids) - self.num_decode_rows
-
-    @property
-    def num_sampled(self) -> int:
-        return self.samples.count(True)
+        return self.num_tokens - self.num_decode_rows
 
     @property
     def is_empty(self) -> bool:
@@ -141,7 +145,7 @@ class StepPlan:
     @property
     def kind(self) -> str:
         """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle"."""
-        prefill = len(self.token_ids) > self.num_decode_rows
+        prefill = self.num_tokens > self.num_decode_rows
         if self.num_decode_rows:
             return "mixed" if prefill else "decode"
         return "prompt" if prefill else "idle"
@@ -156,13 +160,29 @@ class StepPlan:
         """Keys each row attends over, its own tokens included."""
         return tuple(s + n for s, n in zip(self.starts, self.lengths))
 
+    def row_token_ids(self, row: int) -> tuple[int, ...]:
+        """The tokens row `row` feeds to the model."""
+        k = self.num_decode_rows
+        if row < k:
+            return (self._decode_stacks[row][0],)
+        start = self.starts[row]
+        return self._prefill_sources[row - k][start:start + self.lengths[row]]
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Every row's tokens, concatenated in row order (built on each access)."""
+        k = self.num_decode_rows
+        return tuple(chain(
+            map(_newest_token, self._decode_stacks),
+            *(tokens[start:start + n] for tokens, start, n in zip(
+                self._prefill_sources, self.starts[k:], self.lengths[k:]))))
+
     @property
     def chunks(self) -> tuple[Chunk, ...]:
         """The rows as records (built on each access; the columns are the fast path)."""
-        cu = self.cu_seqlens
         return tuple(
             Chunk(request_id=rid, start=start, length=length, samples=samples,
-                  token_ids=self.token_ids[cu[i]:cu[i + 1]], block_table=table)
+                  token_ids=self.row_token_ids(i), block_table=table)
             for i, (rid, start, length, samples, table) in enumerate(zip(
                 self.request_ids, self.starts, self.lengths, self.samples, self.block_tables))
         )

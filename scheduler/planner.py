@@ -24,18 +24,15 @@ schedules are always a prefix of the (post-preemption) decode table; `commit` re
 from __future__ import annotations
 
 import heapq
-from itertools import chain
-from operator import itemgetter
 
 from scheduler.blocks import BlockTable, blocks_for
 from scheduler.config import SchedulerConfig
 from scheduler.plan import Engaged, NOTHING_ENGAGED, StepPlan
 from scheduler.request import Sequence, SeqKey, stack_to_tuple
-from scheduler.state import DecodeTable, Partial, SchedulerState
+from scheduler.state import Partial, SchedulerState
 
 _key_of_seq = lambda seq: seq.key  # noqa: E731
 _key_of_partial = lambda part: part.seq.key  # noqa: E731
-_newest_token = itemgetter(0)
 
 
 class StepBuilder:
@@ -307,12 +304,6 @@ class StepBuilder:
         """Assembles the plan and the post-schedule state."""
         state, dec, k = self.state, self.dec, self.num_decode_rows
         rows = self.prefill_rows
-        decode_tokens = tuple(map(_newest_token, dec.gens[:k]))
-        if rows:
-            token_ids = tuple(chain(decode_tokens, *(
-                part.seq.tokens[part.computed:part.computed + n] for part, n in rows)))
-        else:
-            token_ids = decode_tokens
         if rows:
             since = 0
         elif k:
@@ -334,16 +325,19 @@ class StepBuilder:
         engaged = self.engaged
         if "budget_full_at" in engaged:
             engaged["budget_full_at"] = self.num_tokens
+        finals = tuple(part.computed + n == len(part.seq.tokens) for part, n in rows)
         return StepPlan(
             state=new_state,
             request_ids=dec.ids[:k] + tuple(part.seq.request_id for part, _ in rows),
             starts=dec.computed[:k] + tuple(part.computed for part, _ in rows),
             lengths=(1,) * k + tuple(n for _, n in rows),
-            samples=(True,) * k + tuple(part.computed + n == len(part.seq.tokens)
-                                        for part, n in rows),
-            token_ids=token_ids,
+            samples=(True,) * k + finals,
             block_tables=dec.tables[:k] + tuple(part.table for part, _ in rows),
             num_decode_rows=k,
+            num_sampled=k + finals.count(True),
+            num_tokens=self.num_tokens,
             preempted=preempted_ids,
             engaged=Engaged(**engaged) if engaged else NOTHING_ENGAGED,
+            _decode_stacks=dec.gens[:k],
+            _prefill_sources=tuple(part.seq.tokens for part, _ in rows),
         )

@@ -22,7 +22,7 @@ import bisect
 import dataclasses
 from itertools import chain
 
-from scheduler.blocks import BlockPool, BlockTable, blocks_for
+from scheduler.blocks import BlockPool, BlockTable
 from scheduler.config import SchedulerConfig
 from scheduler.errors import DuplicateRequestError, RequestError, RequestTooLargeError
 from scheduler.errors import UnknownRequestError
@@ -248,8 +248,3 @@ def abort(state: SchedulerState, request_id: RequestId) -> SchedulerState:
         return dataclasses.replace(state, decoding=dec.without({row}),
                                    pool=state.pool.give(dec.tables[row]))
     raise UnknownRequestError(request_id)
-
-
-def check_table_size(computed: int, table: BlockTable, block_size: int) -> bool:
-    """Whether a table holds exactly the blocks `computed` tokens need (the block invariant)."""
-    return len(table) == blocks_for(computed, block_size)

@@ -16,8 +16,9 @@ import copy
 import dataclasses
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 
 from scheduler import POLICIES, Request, SchedulerConfig, SchedulerState
 from scheduler import abort, add_request, blocks_for, commit, schedule
@@ -150,6 +151,12 @@ def check_plan(pre: SchedulerState, plan, config: SchedulerConfig, mirror: dict)
         assert plan.kind in ("prompt", "decode", "idle"), "legacy/alternate steps are one kind"
     # rows: cursors, chunks, sampling, tokens, slots
     cu = plan.cu_seqlens
+    chunks = plan.chunks
+    assert tuple(c.token_ids for c in chunks) == tuple(
+        plan.token_ids[cu[i]:cu[i + 1]] for i in range(plan.num_seqs))
+    assert [(c.request_id, c.start, c.length, c.samples, c.block_table) for c in chunks] == list(
+        zip(plan.request_ids, plan.starts, plan.lengths, plan.samples, plan.block_tables))
+    assert plan.num_sampled == sum(plan.samples) and plan.num_tokens == len(plan.token_ids)
     for i, rid in enumerate(plan.request_ids):
         start, length, table = plan.starts[i], plan.lengths[i], plan.block_tables[i]
         full = mirror[rid].tokens()
@@ -294,6 +301,10 @@ def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = F
         step += 1
     assert all(m.status in ("finished", "aborted") for m in mirror.values())
     assert state.pool.num_free == config.num_blocks, "blocks not all free at the end"
+    if currently_in_test_context():  # shown by --hypothesis-show-statistics
+        event(f"policy {config.policy}")
+        for knob in sorted({k for _, plan in trace.steps for k in plan.engaged.active()}):
+            event(f"engaged {knob}")
     return trace
 
 

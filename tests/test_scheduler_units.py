@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
+import pathlib
+import sys
 
 import pytest
 
@@ -364,3 +367,23 @@ def test_block_pool_take_give():
     pool = pool.give(first)
     again, pool = pool.take(3)
     assert again == (0, 1, 2) and pool.free_blocks() == (3, 4, 5)
+
+
+def test_scheduler_imports_only_the_standard_library_and_no_clock_or_randomness():
+    allowed = set(sys.stdlib_module_names) - {"time", "random", "secrets", "datetime", "socket",
+                                              "threading", "asyncio", "uuid"}
+    package = pathlib.Path(__file__).resolve().parents[1] / "scheduler"
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules = [node.module]
+            else:
+                continue
+            for module in modules:
+                top = module.split(".")[0]
+                assert top in allowed | {"scheduler", "__future__"}, f"{path.name} imports {module}"
+        if path.name != "config.py":  # from_env is the one reader of the environment
+            assert "os.environ" not in path.read_text() and "getenv" not in path.read_text()
