@@ -17,6 +17,7 @@ from itertools import compress
 from operator import le
 
 from scheduler.errors import CommitError, StepOrderError
+from scheduler.blocks import BlockPool
 from scheduler.plan import StepPlan
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId
 from scheduler.state import DecodeTable, Partial, SchedulerState
@@ -103,6 +104,9 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
         pool = pool.give(dec.tables[i])
     dec = dec.without(set(done))
 
+    if plan.num_decode_rows == len(plan.request_ids):  # no prefill rows: partials unchanged
+        return _replaced(state, dec, pool, state.partial), tuple(finished)
+
     # 3. prefill rows
     partial = {p.seq.request_id: p for p in state.partial}
     ready = []  # (sequence, computed, gens, table) of sequences whose prefill completed
@@ -129,9 +133,13 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
             ready.append((seq, computed, (token, None), part.table))
     dec = dec.inserted(ready)
 
-    new_state = SchedulerState(
-        config=state.config, waiting=state.waiting, partial=tuple(partial.values()),
-        decoding=dec, pool=pool, step=state.step,
-        decode_steps_since_prefill=state.decode_steps_since_prefill,
+    return _replaced(state, dec, pool, tuple(partial.values())), tuple(finished)
+
+
+def _replaced(state: SchedulerState, dec: DecodeTable, pool: BlockPool,
+              partial: tuple[Partial, ...]) -> SchedulerState:
+    """`state` after a commit: new running sequences and pool, nothing in flight."""
+    return SchedulerState(
+        config=state.config, waiting=state.waiting, partial=partial, decoding=dec, pool=pool,
+        step=state.step, decode_steps_since_prefill=state.decode_steps_since_prefill,
         next_ticket=state.next_ticket, in_flight=False)
-    return new_state, tuple(finished)

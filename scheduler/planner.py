@@ -99,6 +99,19 @@ class StepBuilder:
             else:
                 self._note(knob)
 
+    def _whole(self, remaining: int, by_blocks: int) -> int:
+        """Legacy whole-prompt chunk: all `remaining` tokens, or 0 if the blocks cannot hold them.
+
+        Called only when the prompt fits the budget or is the step's first row: a lone prompt
+        longer than the budget runs alone (legacy prefill cannot split it).
+        """
+        if remaining > by_blocks:
+            self._note("block_limited")
+            return 0
+        if remaining > self.budget:
+            self._note("oversize_prompt")
+        return remaining
+
     def _tokens_by_blocks(self, computed: int, table_len: int, free: int) -> int:
         """Tokens a sequence can still schedule with its blocks plus `free` more."""
         return (table_len + free) * self.config.block_size - computed
@@ -208,11 +221,9 @@ class StepBuilder:
         """Chunk length for partial j, preempting lower-ranked sequences if it cannot move at all."""
         remaining = len(part.seq.tokens) - part.computed
         if whole:
-            if remaining > self.budget:
-                if self.num_rows:
-                    self._note("budget_full_at")
-                    return 0
-                self._note("oversize_prompt")  # lone legacy prompt longer than the budget
+            if remaining > self.budget and self.num_rows:
+                self._note("budget_full_at")
+                return 0
             minimal = remaining
         else:
             n, reasons = self._size(remaining, remaining)
@@ -230,7 +241,7 @@ class StepBuilder:
                 self._preempt(self._lowest_victim(key, self.num_decode_rows, j + 1))
         by_blocks = self._tokens_by_blocks(part.computed, len(part.table), self.pool.num_free)
         if whole:
-            return remaining if remaining <= by_blocks else 0
+            return self._whole(remaining, by_blocks)
         n, reasons = self._size(remaining, by_blocks)
         self._use(reasons)
         return n
@@ -282,15 +293,10 @@ class StepBuilder:
         usable = self.pool.num_free - self.config.watermark_blocks
         by_blocks = max(0, self._tokens_by_blocks(0, 0, usable))
         if whole:
-            if total > self.budget:
-                if self.num_rows:
-                    self._note("budget_full_at")
-                    return 0
-                self._note("oversize_prompt")  # lone legacy prompt longer than the budget
-            if total > by_blocks:
-                self._note("block_limited")
+            if total > self.budget and self.num_rows:
+                self._note("budget_full_at")
                 return 0
-            return total
+            return self._whole(total, by_blocks)
         n, reasons = self._size(total, by_blocks)
         if n and n < total and self.partials_after >= self.config.max_num_partial_prefills:
             self._note("partial_limit")
@@ -310,7 +316,10 @@ class StepBuilder:
             since = state.decode_steps_since_prefill + 1
         else:
             since = state.decode_steps_since_prefill
-        partial = tuple(heapq.merge(self.partial, self.admitted, key=_key_of_partial))
+        if rows or len(self.partial) != len(state.partial):
+            partial = tuple(heapq.merge(self.partial, self.admitted, key=_key_of_partial))
+        else:  # no chunk ran, nobody was preempted: the partial prefills are unchanged
+            partial = state.partial
         waiting = state.waiting[self.waiting_from:]
         if self.preempted:
             preempted = sorted(self.preempted, key=_key_of_seq)
@@ -325,19 +334,21 @@ class StepBuilder:
         engaged = self.engaged
         if "budget_full_at" in engaged:
             engaged["budget_full_at"] = self.num_tokens
+        # prefill rows as columns: ids, starts, lengths, samples, tables, token sources
+        parts = [part for part, _ in rows]
         finals = tuple(part.computed + n == len(part.seq.tokens) for part, n in rows)
         return StepPlan(
             state=new_state,
-            request_ids=dec.ids[:k] + tuple(part.seq.request_id for part, _ in rows),
-            starts=dec.computed[:k] + tuple(part.computed for part, _ in rows),
+            request_ids=dec.ids[:k] + tuple(part.seq.request.request_id for part in parts),
+            starts=dec.computed[:k] + tuple(part.computed for part in parts),
             lengths=(1,) * k + tuple(n for _, n in rows),
             samples=(True,) * k + finals,
-            block_tables=dec.tables[:k] + tuple(part.table for part, _ in rows),
+            block_tables=dec.tables[:k] + tuple(part.table for part in parts),
             num_decode_rows=k,
             num_sampled=k + finals.count(True),
             num_tokens=self.num_tokens,
             preempted=preempted_ids,
             engaged=Engaged(**engaged) if engaged else NOTHING_ENGAGED,
             _decode_stacks=dec.gens[:k],
-            _prefill_sources=tuple(part.seq.tokens for part, _ in rows),
+            _prefill_sources=tuple(part.seq.tokens for part in parts),
         )

@@ -17,6 +17,17 @@ sequences; watermark_blocks is kept free by admissions.
 NOTE: legacy whole-prompt prefill cannot split a prompt, so a lone prompt longer than
 max_num_batched_tokens runs alone in its step (engaged.oversize_prompt). It is the only case where
 a step exceeds the budget.
+
+NOTE: liveness. add_request refuses what cannot fit alone in the cache, so the best-ranked
+unfinished request (smallest key) always fits once the others leave. It is never preempted:
+victims rank below their requester, and a decode row preempts itself only when it ranks lowest
+of all unscheduled sequences, which the best-ranked one never does while others run. Decoding,
+it moves every step (token_budget), every other step (alternate) or after at most one prompt step
+per waiting request (prefill_first). Waiting for blocks or budget, it keeps everyone behind it out
+(FCFS; a held partial blocks admissions), so the others only finish or leave. A plan is never empty
+while work exists unless it preempted. Hence every request finishes: without preemption within
+last_arrival + 1 + sum(prompt + max_tokens - 1) steps, each preemption adding at most the longest
+request's length (checked in tests/test_scheduler_properties.py).
 """
 
 from __future__ import annotations
