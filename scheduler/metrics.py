@@ -68,6 +68,11 @@ def throughput(requests: Iterable[RequestTimes], start: float, end: float) -> fl
     return tokens_in_window(requests, start, end) / (end - start) if end > start else math.nan
 
 
+def inter_token_gaps(request: RequestTimes) -> list[float]:
+    """Times between consecutive tokens of one request."""
+    return [b - a for a, b in zip(request.token_times, request.token_times[1:])]
+
+
 def longest_gap(requests: Iterable[RequestTimes]) -> float:
     """Longest time between two consecutive tokens of any one request (0 if none has two)."""
     return max((b - a for r in requests for a, b in zip(r.token_times, r.token_times[1:])),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Mapping
 
+from scheduler import metrics
 from scheduler.commit import commit
 from scheduler.config import SchedulerConfig
 from scheduler.plan import StepPlan
@@ -82,10 +83,17 @@ class StepRecord:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SimResult:
+    """A simulated run: per-request token times (TTFT and inter-token gaps follow from them, see
+    scheduler.metrics), per-step records, the clock at the end, and requests left unfinished."""
+
     requests: tuple[RequestRecord, ...]
     steps: tuple[StepRecord, ...]
     end_time: float
     unfinished: int
+
+    def summary(self, window: tuple[float, float] | None = None) -> metrics.BurstSummary:
+        """The burst metrics of this run (scheduler.metrics.summarize)."""
+        return metrics.summarize(self.requests, self.steps, window)
 
     def engagement(self) -> dict[str, int]:
         """Steps in which each knob engaged."""

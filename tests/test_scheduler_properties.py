@@ -262,7 +262,8 @@ def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = F
         plan = schedule(state, step_config)
         if purity:
             assert state == snapshot, "schedule mutated its input"
-            assert schedule(state, step_config) == plan, "equal inputs, different plans"
+            assert schedule(state, step_config) == plan, "same inputs, different plans"
+            assert schedule(snapshot, copy.deepcopy(step_config)) == plan, "equal inputs differ"
         check_plan(state, plan, step_config, mirror)
         trace.steps.append((state, plan))
         trace.num_preempted += len(plan.preempted)
@@ -284,6 +285,9 @@ def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = F
         state, finished = commit(after, plan, sampled, float(step), stopped)
         if purity:
             assert (after, plan) == snapshot, "commit mutated its input"
+            # equal but not identical inputs (commit then matches rows by id) give equal results
+            assert commit(copy.deepcopy(after), copy.deepcopy(plan), sampled, float(step),
+                          stopped) == (state, finished)
         for record in finished:
             m = mirror[record.request_id]
             assert record.output_token_ids == tuple(m.outputs)

@@ -51,6 +51,7 @@ def test_metrics_on_a_hand_made_run():
     assert metrics.users_with_first_token(requests, 0.0, 2.0) == 1
     assert metrics.throughput(requests, 0.0, 4.0) == pytest.approx(3 / 4)
     assert metrics.longest_gap(requests) == 3.0
+    assert metrics.inter_token_gaps(requests[0]) == [1.0, 3.0]
     kinds = metrics.steps_by_kind(steps)
     assert (kinds["prompt"].count, kinds["mixed"].count, kinds["decode"].count) == (1, 1, 2)
     assert kinds["decode"].mean_s == pytest.approx(1.5)
@@ -96,6 +97,7 @@ def test_simulation_delivers_every_token_deterministically(policy):
         assert len(record.token_times) == request.max_tokens
         assert record.token_times[0] > record.arrival_time
         assert list(record.token_times) == sorted(record.token_times)
+    assert first.summary().tokens_delivered == sum(r.max_tokens for r in requests)
     gaps = [(a.end, b.start) for a, b in zip(first.steps, first.steps[1:]) if a.end != b.start]
     assert gaps == [(gaps[0][0], 3.0)] and gaps[0][0] < 3.0  # idle only until "late" arrives
 
