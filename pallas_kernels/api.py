@@ -46,6 +46,11 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs
                  f"expected an integer dtype, got {x.dtype}")
 
 
+def _gpu_can_tile(q, k_pages) -> bool:
+    d, page_size = q.shape[2], k_pages.shape[1]
+    return gpu_plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT and gpu_plan_lib.is_pow2(page_size)
+
+
 def _validate_gpu_shapes(q, k_pages):
     d, page_size = q.shape[2], k_pages.shape[1]
     _require(gpu_plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT, "q",
@@ -83,7 +88,8 @@ def ragged_paged_attention(
             causes a recompile.
         sm_scale: softmax scale; defaults to `D ** -0.5`.
         impl: "reference" (host-side oracle, not for jit), "xla", "pallas_gpu", or
-            "auto" (pallas_gpu on a GPU, xla elsewhere). Static.
+            "auto" (pallas_gpu on a GPU when D and block_size are powers of two,
+            xla otherwise). Static.
         interpret: run a Pallas kernel in interpret mode (CPU tests). Static.
         max_q_len: static upper bound on any sequence's query length (e.g. the
             token bucket's largest chunk). Defaults to T. Smaller bounds shrink the
@@ -103,7 +109,8 @@ def ragged_paged_attention(
                                   f"expected a positive int, got {max_q_len!r}")
     max_q_len = min(max_q_len, t)
     if impl == "auto":
-        impl = "pallas_gpu" if jax.default_backend() == "gpu" else "xla"
+        on_gpu = jax.default_backend() == "gpu"
+        impl = "pallas_gpu" if on_gpu and _gpu_can_tile(q, k_pages) else "xla"
     if impl == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale)
@@ -122,6 +129,7 @@ def ragged_paged_attention(
             interpret=interpret)
     tiles = plan_lib.make_plan(
         num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
-        max_q_len=max_q_len, block_q=XLA_BLOCK_Q, block_k=XLA_BLOCK_K)
+        max_blocks=block_tables.shape[1], max_q_len=max_q_len, block_q=XLA_BLOCK_Q,
+        block_k=XLA_BLOCK_K)
     return ragged_paged_attention_xla(
         q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, tiles)

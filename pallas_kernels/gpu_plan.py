@@ -70,8 +70,9 @@ def make_gpu_plan(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_head
     """
     group = next_pow2(num_heads // num_kv_heads)
     tiles = plan_lib.make_plan(num_tokens=num_tokens, num_seqs=num_seqs, page_size=page_size,
-                               max_q_len=max_q_len, block_q=max(1, block_m // group),
-                               block_k=max(block_k, MIN_DOT), pow2_block_q=True)
+                               max_blocks=max_blocks, max_q_len=max_q_len,
+                               block_q=max(1, block_m // group), block_k=block_k,
+                               pow2_tiles=True, min_block_k=MIN_DOT)
     rows = max(tiles.block_q * group, MIN_DOT)
     max_steps = plan_lib.cdiv(max_blocks * page_size, tiles.block_k)
     if num_splits is None:

@@ -24,6 +24,10 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TilePlan:
     """Static tile sizes; hashable, so it can be a jit static."""
@@ -38,23 +42,31 @@ class TilePlan:
         return self.block_k // self.page_size
 
 
-def make_plan(*, num_tokens: int, num_seqs: int, page_size: int, max_q_len: int,
-              block_q: int, block_k: int, pow2_block_q: bool = False) -> TilePlan:
+def make_plan(*, num_tokens: int, num_seqs: int, page_size: int, max_blocks: int,
+              max_q_len: int, block_q: int, block_k: int,
+              pow2_tiles: bool = False, min_block_k: int = 1) -> TilePlan:
     """Builds the static plan for a bucket of `num_tokens` rows and `num_seqs` sequences.
 
     Args:
         num_tokens: T, rows of q (the token bucket).
         num_seqs: S, rows of block_tables (the sequence bucket).
         page_size: keys per cache page.
+        max_blocks: block-table width; no sequence has more keys than
+            `max_blocks * page_size`, so block_k never needs to exceed that.
         max_q_len: static bound on any sequence's query length.
         block_q: query tokens per tile; clipped to max_q_len.
-        block_k: target keys per inner step; rounded up to whole pages.
-        pow2_block_q: clip block_q to the power of two at or above max_q_len
-            instead of to max_q_len itself (GPU tiles need power-of-two shapes).
+        block_k: target keys per inner step; rounded up to whole pages and
+            capped at a whole table.
+        pow2_tiles: keep block_q and the pages per step powers of two (GPU
+            tiles need power-of-two shapes): caps round up, not down.
+        min_block_k: smallest block_k allowed (a GPU matmul dimension).
     """
-    cap = 1 << (max_q_len - 1).bit_length() if pow2_block_q else max_q_len
+    cap = _pow2_at_least(max_q_len) if pow2_tiles else max_q_len
     block_q = max(1, min(block_q, cap))
-    pages = max(1, cdiv(block_k, page_size))
+    pages = min(cdiv(block_k, page_size), max_blocks)
+    pages = max(pages, cdiv(min_block_k, page_size), 1)
+    if pow2_tiles:
+        pages = _pow2_at_least(pages)
     # sum_s cdiv(q_len_s, block_q) <= sum_s (q_len_s // block_q + 1) <= T // block_q + S.
     num_tiles = min(num_tokens // block_q + num_seqs, num_seqs * cdiv(max_q_len, block_q))
     return TilePlan(block_q=block_q, block_k=pages * page_size, page_size=page_size,

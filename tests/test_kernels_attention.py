@@ -27,7 +27,8 @@ attention = jax.jit(ragged_paged_attention,
 
 
 def _check(batch, impl, dtype, **kwargs):
-    ref = ragged_paged_attention(*batch.args(), impl="reference")
+    ref = ragged_paged_attention(*batch.args(), impl="reference",
+                                 sm_scale=kwargs.get("sm_scale"))
     out = attention(*batch.args(), impl=impl, **kwargs)
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -42,8 +43,11 @@ LAYOUTS = [(2, 1, 64, 4), (1, 2, 128, 8), (2, 4, 64, 8), (1, 8, 128, 4)]
 LAYOUT_IDS = [f"hkv{h}-g{g}-d{d}-bs{b}" for h, g, d, b in LAYOUTS]
 
 
+KINDS = ("decode", "first", "later", "empty")
+
+
 @st.composite
-def ragged_seqs(draw, *, max_seqs, max_kv, max_tokens):
+def ragged_seqs(draw, *, max_seqs, max_kv, max_tokens, kinds=KINDS):
     """(q_len, kv_len) per live sequence: decode, first chunk, later chunk or idle.
 
     Query lengths are trimmed so the batch fits `max_tokens` rows (a trimmed
@@ -51,7 +55,7 @@ def ragged_seqs(draw, *, max_seqs, max_kv, max_tokens):
     """
     seqs, budget = [], max_tokens
     for _ in range(draw(st.integers(1, max_seqs))):
-        kind = draw(st.sampled_from(["decode", "first", "later", "empty"]))
+        kind = draw(st.sampled_from(kinds))
         kv = draw(st.integers(2, max_kv))
         q = {"decode": 1, "first": kv, "later": draw(st.integers(1, kv - 1)), "empty": 0}[kind]
         q = min(q, budget)
@@ -60,11 +64,12 @@ def ragged_seqs(draw, *, max_seqs, max_kv, max_tokens):
     return seqs
 
 
-def draw_batch(data, layout, dtype, *, max_seqs=5, max_kv=40, num_tokens=48, seq_bucket=6):
+def draw_batch(data, layout, dtype, *, max_seqs=5, max_kv=40, num_tokens=48, seq_bucket=6,
+               kinds=KINDS):
     """A batch with fixed bucket shapes for `layout`, so each layout compiles once."""
     hkv, group, head_dim, block_size = layout
-    seqs = data.draw(ragged_seqs(max_seqs=max_seqs, max_kv=max_kv, max_tokens=num_tokens),
-                     label="(q_len, kv_len)")
+    seqs = data.draw(ragged_seqs(max_seqs=max_seqs, max_kv=max_kv, max_tokens=num_tokens,
+                                 kinds=kinds), label="(q_len, kv_len)")
     max_blocks = -(-max_kv // block_size) + 1  # one spare column of garbage
     return make_batch(
         seqs, num_heads=hkv * group, num_kv_heads=hkv, head_dim=head_dim, block_size=block_size,
@@ -82,6 +87,14 @@ def test_xla_matches_reference(layout, dtype, data):
     _check(draw_batch(data, layout, dtype), "xla", dtype)
 
 
+@pytest.mark.parametrize("kind", ["decode", "first", "later"])
+@settings(max_examples=6)
+@given(data=st.data())
+def test_xla_single_kind_batches(kind, data):
+    # Decode-only, first-chunks-only and later-chunks-only batches.
+    _check(draw_batch(data, LAYOUTS[2], jnp.float32, kinds=(kind,)), "xla", jnp.float32)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_xla_long_chunks_use_every_tile_width(dtype):
     # Chunks longer than one tile (128 rows), plus decode rows, in one batch.
@@ -94,7 +107,7 @@ def test_xla_long_chunks_use_every_tile_width(dtype):
 def test_xla_max_q_len_bound():
     batch = make_batch([(1, 30), (1, 7), (1, 64)], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=8, num_tokens=8, seq_bucket=4)
-    _check(batch, "xla", jnp.float32, max_q_len=1)
+    _check(batch, "xla", jnp.float32, max_q_len=1, sm_scale=0.3)
 
 
 def test_traced_num_seqs_does_not_recompile():
@@ -149,10 +162,11 @@ def test_later_chunk_is_bottom_right_aligned(impl):
 
 
 def test_default_scale_is_inverse_sqrt_head_dim():
+    # The default is resolved before dispatch, so the oracle shows it for every impl.
     batch = make_batch([(3, 10)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=4)
-    a = ragged_paged_attention(*batch.args(), impl="xla")
-    b = ragged_paged_attention(*batch.args(), impl="xla", sm_scale=64**-0.5)
-    c = ragged_paged_attention(*batch.args(), impl="xla", sm_scale=1.0)
+    a = ragged_paged_attention(*batch.args(), impl="reference")
+    b = ragged_paged_attention(*batch.args(), impl="reference", sm_scale=64**-0.5)
+    c = ragged_paged_attention(*batch.args(), impl="reference", sm_scale=1.0)
     np.testing.assert_array_equal(a, b)
     assert np.abs(np.asarray(a) - np.asarray(c)).max() > 1e-3
 
@@ -180,6 +194,11 @@ def test_invalid_inputs_name_the_argument(index, bad, argument):
         ragged_paged_attention(*args, impl="xla")
     assert info.value.argument == argument
     assert isinstance(info.value, ValueError)
+
+
+def test_reference_refuses_jit():
+    with pytest.raises(TypeError, match="under jit"):
+        attention(*_valid_args(), impl="reference")
 
 
 def test_unknown_impl_is_rejected():

@@ -23,7 +23,8 @@ except RuntimeError:
 
 
 def _check(batch, dtype, *, interpret=True, **kwargs):
-    ref = np.asarray(ragged_paged_attention(*batch.args(), impl="reference"), np.float32)
+    ref = ragged_paged_attention(*batch.args(), impl="reference", sm_scale=kwargs.get("sm_scale"))
+    ref = np.asarray(ref, np.float32)
     out = attention(*batch.args(), impl="pallas_gpu", interpret=interpret, **kwargs)
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     out = np.asarray(out, np.float32)
@@ -41,13 +42,22 @@ def test_interpret_matches_reference(layout, dtype, data):
            dtype)
 
 
+@pytest.mark.parametrize("kind", ["decode", "first", "later"])
+@settings(max_examples=3)
+@given(data=st.data())
+def test_interpret_single_kind_batches(kind, data):
+    batch = draw_batch(data, LAYOUTS[2], jnp.float32, num_tokens=32, seq_bucket=5, max_seqs=4,
+                       max_kv=24, kinds=(kind,))
+    _check(batch, jnp.float32)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_interpret_decode_split_k(dtype):
     # max_q_len=1 makes a decode-only plan: one row per tile, keys split across programs.
     batch = make_batch([(1, 70), (1, 3), (1, 33), (0, 9)], num_heads=8, num_kv_heads=2,
                        head_dim=64, block_size=8, num_tokens=6, seq_bucket=6, max_blocks=10,
                        dtype=dtype, seed=5)
-    _check(batch, dtype, max_q_len=1)
+    _check(batch, dtype, max_q_len=1, sm_scale=0.2)
 
 
 def test_interpret_long_chunk_spans_tiles_and_unmasked_steps():
