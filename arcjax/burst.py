@@ -1,0 +1,345 @@
+"""The burst experiment: K users arrive at once, each with a P-word prompt.
+
+1. `burst_prompts` builds K deterministic synthetic prompts of exactly P words (words drawn,
+   with a seed, from the tokenizer's own vocabulary).
+2. `parse_arm` reads an arm spec such as "token_budget:budget=512" or "prefill_first:cap=4";
+   `Arm.config` turns it into a `scheduler.SchedulerConfig` over the base config's cache.
+3. `run_arm` submits the burst to a fresh `Engine` over an already warmed runner (same
+   params, KV cache and compiled executables for every arm) and steps it until every user is
+   done or the window closes. It returns a `BurstRun`: step records and token times.
+4. `burst_metrics` reduces a `BurstRun`, real or simulated, to the rows of the burst table.
+
+NOTE: the window starts at the burst (every request's arrival time) and closes at
+`t0 + window_s` or at the end of the last step, whichever is first. Only steps that start
+inside it and tokens delivered inside it count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from typing import Mapping, Sequence
+
+import scheduler
+from arcjax.engine import Engine
+from arcjax.sampling import SamplingParams
+from arcjax.tokenizer import Tokenizer
+from arcjax.trace import KNOB_ENGAGEMENT, engagement
+from scheduler import metrics
+from scheduler.simulate import RequestRecord
+
+# A fallback word list for tokenizers whose vocabulary holds too few whole words.
+_FALLBACK_WORDS = tuple(
+    "the of and to in is for that with as on by this be are from or it at an not which can "
+    "value list data file name line return import class self type error test path index key "
+    "time string number object function module result state table model token block step "
+    "cache query batch prompt user server request output input first last next order queue".split())
+_MIN_POOL = 32
+
+
+def word_pool(tokenizer: Tokenizer | None) -> tuple[str, ...]:
+    """Whole ASCII words (>= 2 letters) in the tokenizer's vocabulary, sorted; or a fixed list."""
+    if tokenizer is None:
+        return _FALLBACK_WORDS
+    words = set()
+    for i in range(tokenizer.vocab_size):
+        w = tokenizer.decode([i]).strip()
+        if len(w) >= 2 and w.isascii() and w.isalpha():
+            words.add(w)
+    return tuple(sorted(words)) if len(words) >= _MIN_POOL else _FALLBACK_WORDS
+
+
+def burst_prompts(pool: Sequence[str], num_users: int, num_words: int, seed: int) -> list[str]:
+    """`num_users` prompts of exactly `num_words` space-separated words; same seed, same prompts."""
+    if num_users < 1 or num_words < 1:
+        raise ValueError(f"need num_users >= 1 and num_words >= 1, got {num_users}, {num_words}")
+    out = []
+    for user in range(num_users):
+        rng = random.Random(f"{seed}:{user}")  # str seeds hash deterministically (sha512)
+        out.append(" ".join(rng.choice(pool) for _ in range(num_words)))
+    return out
+
+
+# --- arms ------------------------------------------------------------------------------------
+
+# Arm spec key -> SchedulerConfig field.
+ARM_KEYS = {
+    "budget": "max_num_batched_tokens",
+    "cap": "prefill_max_seqs",
+    "floor": "prefill_floor_steps",
+    "tile": "chunk_tile",
+    "threshold": "long_prefill_token_threshold",
+    "partials": "max_num_partial_prefills",
+    "seqs": "max_num_seqs",
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Arm:
+    """One scheduling configuration of the experiment.
+
+    Attributes:
+      name: the spec it was parsed from ("policy[:key=value]...").
+      policy: a scheduler policy.
+      overrides: SchedulerConfig field -> value, as the spec set them.
+    """
+
+    name: str
+    policy: str
+    overrides: Mapping[str, int]
+
+    def config(self, base: scheduler.SchedulerConfig) -> scheduler.SchedulerConfig:
+        """`base` with this arm's policy and knobs (same cache geometry)."""
+        return dataclasses.replace(base, policy=self.policy, **self.overrides)
+
+    @property
+    def configured_knobs(self) -> dict[str, int]:
+        """The knobs this arm sets explicitly; each must engage at least once in a run."""
+        return {k: v for k, v in self.overrides.items() if v}
+
+
+def parse_arm(spec: str) -> Arm:
+    """Parses "policy[:key=value]...". Keys: the short names of ARM_KEYS (budget, cap, floor,
+    tile, threshold, partials, seqs) or SchedulerConfig field names (as scripts/simulate.py).
+
+    Raises:
+      ValueError: unknown policy or key, or a value that is not an integer.
+    """
+    policy, *pairs = spec.strip().split(":")
+    if policy not in scheduler.POLICIES:
+        raise ValueError(f"arm {spec!r}: policy must be one of {scheduler.POLICIES}")
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        field = ARM_KEYS.get(key, key)
+        if not sep or field not in ARM_KEYS.values():
+            raise ValueError(f"arm {spec!r}: expected key=value with key in {sorted(ARM_KEYS)}, "
+                             f"got {pair!r}")
+        try:
+            overrides[field] = int(value)
+        except ValueError:
+            raise ValueError(f"arm {spec!r}: {key} must be an integer, got {value!r}") from None
+    return Arm(name=spec.strip(), policy=policy, overrides=overrides)
+
+
+
+# --- one run ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BurstRun:
+    """What one arm produced, on the engine or in the simulator (one clock, seconds).
+
+    Attributes:
+      arm: the arm's name.
+      t0: the burst (every request's arrival time).
+      window_s: the configured window length.
+      requests: per user: arrival_time and token_times (scheduler.simulate.RequestRecord).
+      steps: every step run, in order: start, end, prefill_tokens, decode_tokens, engaged
+        (arcjax.trace.StepRecord on the engine, scheduler.simulate.StepRecord in simulation).
+      configured_knobs: SchedulerConfig field -> value the arm set explicitly.
+    """
+
+    arm: str
+    t0: float
+    window_s: float
+    requests: tuple[RequestRecord, ...]
+    steps: tuple
+    configured_knobs: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def window(self) -> tuple[float, float]:
+        """[burst, burst + window_s], closed early at the last step's end."""
+        last = self.steps[-1].end if self.steps else self.t0
+        return self.t0, min(self.t0 + self.window_s, last)
+
+
+def run_arm(warm: Engine, arm: Arm, base: scheduler.SchedulerConfig,
+            prompts: Sequence[Sequence[int]], max_new_tokens: int,
+            window_s: float) -> tuple[BurstRun, Engine]:
+    """Runs one burst on a fresh `Engine` over `warm`'s runner (params, KV cache, compiled
+    executables) with `arm.config(base)`. Greedy, EOS ignored: every user wants exactly
+    max_new_tokens. Steps until all are done or the window closes.
+
+    Returns the run and the engine (its trace, for export).
+    """
+    config = arm.config(base)
+    if not config.same_cache(warm.sched_config):
+        raise ValueError(f"arm {arm.name}: the KV cache geometry differs from the warm engine's")
+    engine = Engine(warm.runner, warm.tokenizer, config, max_model_len=warm.max_model_len)
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    for ids in prompts:  # validate everything before the clock starts
+        engine.check(ids, params)
+    t0 = engine.clock()
+    for i, ids in enumerate(prompts):
+        engine.add_request(ids, params, request_id=str(i), arrival_time=t0)
+    deadline = t0 + window_s
+    while engine.has_unfinished() and engine.clock() < deadline:
+        engine.step()
+    requests = tuple(RequestRecord(request_id=rid, arrival_time=r.arrival,
+                                   token_times=tuple(r.token_times))
+                     for rid, r in engine.requests.items())
+    run = BurstRun(arm=arm.name, t0=t0, window_s=window_s, requests=requests,
+                   steps=tuple(engine.trace), configured_knobs=arm.configured_knobs)
+    return run, engine
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+def engaged_counts(steps) -> dict[str, int]:
+    """Steps in which each `Engaged` field acted; reads engine records (a mapping per step)
+    and simulated ones (a tuple of the names that acted)."""
+    counts = engagement(s for s in steps if isinstance(s.engaged, Mapping))
+    for s in steps:
+        if not isinstance(s.engaged, Mapping):
+            for name in s.engaged:
+                counts[name] = counts.get(name, 0) + 1
+    return {k: n for k, n in counts.items() if n}
+
+
+def knob_report(counts: Mapping[str, int], configured: Mapping[str, int]) -> dict:
+    """For every configured knob: its value, and in how many steps it engaged."""
+    return {knob: {"value": value, "engaged_steps": counts.get(KNOB_ENGAGEMENT.get(knob, knob), 0),
+                   "engaged": counts.get(KNOB_ENGAGEMENT.get(knob, knob), 0) > 0}
+            for knob, value in configured.items()}
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or math.isnan(x) else x
+
+
+def burst_metrics(run: BurstRun) -> dict:
+    """The burst table's rows for one run; the same code for real and simulated runs.
+
+    Everything in BACKGROUND.md's tables comes from `scheduler.metrics.summarize` over the
+    window (TTFT percentiles are over the users served in it: read them with
+    users_with_first_token). Added here: "mean_step_s", the wall time per step over the window
+    (step work plus host work between steps), which a decode gap is compared with, and the
+    knobs' engagement. Times are seconds; None where undefined.
+    """
+    start, end = run.window
+    s = metrics.summarize(run.requests, run.steps, (start, end))
+    inside = [st for st in run.steps if st.end <= end]
+    mean_step = (inside[-1].end - inside[0].start) / len(inside) if inside else None
+    counts = engaged_counts(inside)
+    knobs = knob_report(counts, run.configured_knobs)
+    return {
+        "arm": run.arm,
+        "num_users": s.num_requests,
+        "window_s": end - start,
+        "ttft_p50_s": _finite(s.ttft_p50),
+        "ttft_p90_s": _finite(s.ttft_p90),
+        "ttft_max_s": _finite(s.ttft_max),
+        "ttft_min_s": _finite(s.ttft_min),
+        "tokens_per_s": _finite(s.throughput),
+        "tokens_delivered": s.tokens_delivered,
+        "users_with_first_token": s.users_with_first_token,
+        "steps_by_kind": {k: {"steps": v.count, "mean_ms": 1e3 * v.mean_s}
+                          for k, v in s.kinds.items()},
+        "prefill_wall_s": s.prefill_wall,
+        "prefill_tokens": sum(st.prefill_tokens for st in inside),
+        "mean_step_s": mean_step,
+        "max_decode_gap_s": s.longest_gap,
+        "gap_over_mean_step": s.longest_gap / mean_step if mean_step else None,
+        "compiles_in_run": sum(bool(getattr(st, "compiled", False)) for st in run.steps),
+        "knobs": knobs,
+        "knobs_never_engaged": [k for k, v in knobs.items() if not v["engaged"]],
+        "engagement": counts,
+        "ttft_s": metrics.ttfts(run.requests, end),
+    }
+
+
+# --- tables ----------------------------------------------------------------------------------
+
+def _s(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f} s" if x >= 1 else f"{1e3 * x:.0f} ms" if x >= 0.01 else f"{1e3 * x:.2f} ms"
+
+
+def _kind_cell(m: Mapping, kind: str) -> str:
+    k = m["steps_by_kind"][kind]
+    return f"{k['steps']} / {k['mean_ms']:,.0f} ms" if k["steps"] else "0 / -"
+
+
+def _knob_cell(m: Mapping) -> str:
+    if not m["knobs"]:
+        return "(none set)"
+    return ", ".join(f"{KNOB_SHORT.get(k, k)}={v['value']}: "
+                     + (f"{v['engaged_steps']} steps" if v["engaged"] else "NEVER")
+                     for k, v in m["knobs"].items())
+
+
+KNOB_SHORT = {field: key for key, field in ARM_KEYS.items()}
+
+_ROWS = (
+    ("TTFT p50", lambda m: _s(m["ttft_p50_s"])),
+    ("TTFT p90", lambda m: _s(m["ttft_p90_s"])),
+    ("TTFT max", lambda m: _s(m["ttft_max_s"])),
+    ("TTFT min", lambda m: _s(m["ttft_min_s"])),
+    ("TTFT p50 of every repeat", lambda m: ", ".join(
+        _s(x) for x in m.get("ttft_p50_repeats_s", ())) if len(m.get("ttft_p50_repeats_s", ())) > 1
+     else ""),
+    ("aggregate throughput over the window",
+     lambda m: "-" if m["tokens_per_s"] is None else f"{m['tokens_per_s']:.1f} tok/s"),
+    ("tokens delivered", lambda m: f"{m['tokens_delivered']}"),
+    ("users with a first token", lambda m: f"{m['users_with_first_token']} / {m['num_users']}"),
+    ("prompt-only steps / mean duration", lambda m: _kind_cell(m, "prompt")),
+    ("mixed steps / mean duration", lambda m: _kind_cell(m, "mixed")),
+    ("decode-only steps / mean duration", lambda m: _kind_cell(m, "decode")),
+    ("total prefill wall", lambda m: f"{m['prefill_wall_s']:.1f} s"),
+    ("mean step time (wall / steps)",
+     lambda m: "-" if m["mean_step_s"] is None else f"{1e3 * m['mean_step_s']:,.0f} ms"),
+    ("longest gap between two tokens of a user (x mean step)",
+     lambda m: f"{m['max_decode_gap_s']:.2f} s"
+     + ("" if m["gap_over_mean_step"] is None else f" ({m['gap_over_mean_step']:.1f}x)")),
+    ("configured knobs engaged", _knob_cell),
+    ("window", lambda m: f"{m['window_s']:.1f} s"),
+)
+
+
+def markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+    fmt = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"  # noqa: E731
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(header), rule, *map(fmt, body)])
+
+
+def format_table(results: Sequence[Mapping]) -> str:
+    """The burst table of BACKGROUND.md, one column per arm (dicts from `burst_metrics`)."""
+    body = [[label, *(cell(m) for m in results)] for label, cell in _ROWS]
+    return markdown_table(["", *(m["arm"] for m in results)],
+                          [row for row in body if any(row[1:])])
+
+
+def ratio_rows(real: Sequence[Mapping], simulated: Sequence[Mapping]) -> list[dict]:
+    """Simulation against the real run, per arm: TTFT p50/p90 predicted / measured."""
+    out = []
+    for r, s in zip(real, simulated):
+        row = {"arm": r["arm"]}
+        for q in ("p50", "p90"):
+            a, b = r[f"ttft_{q}_s"], s[f"ttft_{q}_s"]
+            row[f"{q}_real_s"], row[f"{q}_sim_s"] = a, b
+            row[f"{q}_ratio"] = b / a if a and b is not None else None
+        out.append(row)
+    return out
+
+
+def format_ratios(rows: Sequence[Mapping]) -> str:
+    f = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    return markdown_table(
+        ["arm", "TTFT p50 real", "p50 sim", "sim/real", "TTFT p90 real", "p90 sim", "sim/real"],
+        [[r["arm"], _s(r["p50_real_s"]), _s(r["p50_sim_s"]), f(r["p50_ratio"]),
+          _s(r["p90_real_s"]), _s(r["p90_sim_s"]), f(r["p90_ratio"])] for r in rows])
+
+
+def median_run(runs: Sequence[BurstRun]) -> tuple[BurstRun, dict]:
+    """Of one arm's repeated runs, the one with the median TTFT p50 (a served-nobody p50 counts
+    as infinite), with its metrics; "ttft_p50_repeats_s" lists every run's p50."""
+    scored = [(burst_metrics(r), r) for r in runs]
+    key = lambda mr: math.inf if mr[0]["ttft_p50_s"] is None else mr[0]["ttft_p50_s"]  # noqa: E731
+    ordered = sorted(scored, key=key)
+    m, run = ordered[(len(ordered) - 1) // 2]
+    m["ttft_p50_repeats_s"] = [x["ttft_p50_s"] for x, _ in scored]
+    m["ttft_p90_repeats_s"] = [x["ttft_p90_s"] for x, _ in scored]
+    return run, m
