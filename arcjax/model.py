@@ -26,7 +26,7 @@ import pallas_kernels
 from arcjax.config import ModelConfig, rope_inv_freq
 
 Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"?}
-Cache = dict  # {"k": [L, num_blocks, block_size, Hkv, D], "v": same}
+Cache = dict  # {"k": [L * num_blocks, block_size, Hkv, D], "v": same}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +80,14 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
 
 
 def make_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> Cache:
-    """A zeroed paged KV cache for every layer."""
-    shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    """A zeroed paged KV cache for every layer.
+
+    NOTE: layers are flattened into the block axis: layer l's block b is page
+    `l * num_blocks + b`. The layer loop then carries the whole cache and addresses a
+    layer by offsetting block tables and slots, so K/V writes are in-place scatters
+    into the donated buffer and no layer slice is ever copied.
+    """
+    shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
@@ -169,22 +175,32 @@ def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
       logits [S, V] float32 at `batch.logits_rows`, and the updated cache.
     """
     x = params["embed"][batch.token_ids].astype(dtype)  # [T, H]
+    block_size = cache["k"].shape[1]
+    num_blocks = cache["k"].shape[0] // cfg.num_layers  # blocks per layer
+    layer_slots = num_blocks * block_size
+    valid_slot = batch.slot_mapping < layer_slots  # padding rows carry an out-of-range slot
 
-    def layer(x, xs):
-        lp, k_pages, v_pages = xs
+    def layer(carry, xs):
+        x, k_cache, v_cache = carry
+        lp, l = xs
+        slots = jnp.where(valid_slot, batch.slot_mapping + l * layer_slots,
+                          cfg.num_layers * layer_slots)  # [T]; still out of range if padding
+        tables = batch.block_tables + l * num_blocks  # [S, max_blocks]
 
         def attend(q, k, v):
-            kp, vp = pallas_kernels.write_kv(k_pages, v_pages, k.astype(k_pages.dtype),
-                                             v.astype(v_pages.dtype), batch.slot_mapping)
+            kc, vc = pallas_kernels.write_kv(k_cache, v_cache, k.astype(k_cache.dtype),
+                                             v.astype(v_cache.dtype), slots)
             out = pallas_kernels.ragged_paged_attention(
-                q, kp, vp, batch.block_tables, batch.kv_lens, batch.cu_seqlens_q,
+                q, kc, vc, tables, batch.kv_lens, batch.cu_seqlens_q,
                 batch.num_seqs, impl=attn_impl, max_q_len=max_q_len)
-            return out.astype(q.dtype), (kp, vp)
+            return out.astype(q.dtype), (kc, vc)
 
-        x, (kp, vp) = _block(lp, x, batch.positions, cfg, attend)
-        return x, (kp, vp)
+        x, (k_cache, v_cache) = _block(lp, x, batch.positions, cfg, attend)
+        return (x, k_cache, v_cache), None
 
-    x, (k_new, v_new) = jax.lax.scan(layer, x, (params["layers"], cache["k"], cache["v"]))
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, k_new, v_new), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
+                                        (params["layers"], layer_ids))
     logits = _lm_head(params, cfg, x[batch.logits_rows])  # [S, V]
     return logits, {"k": k_new, "v": v_new}
 

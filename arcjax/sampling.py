@@ -79,20 +79,38 @@ class SamplingBatch:
         return cls(temp, top_k, top_p, min_p, seed, counter)
 
 
-def sample(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
-    """logits [S, V] float32 -> token ids [S] int32; temperature 0 rows are greedy."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    temp = jnp.where(sp.temperature > 0, sp.temperature, 1.0)
-    scaled = logits / temp[:, None]
+def _filter_mask(scaled: jax.Array, sp: SamplingBatch) -> jax.Array:
+    """Tokens kept by top-k, top-p and min-p, in vocabulary order. scaled: [S, V]."""
     order = jnp.argsort(-scaled, axis=-1, stable=True)  # [S, V], best first
-    srt = jnp.take_along_axis(scaled, order, axis=-1)
-    probs = jax.nn.softmax(srt, axis=-1)
-    ranks = jnp.arange(logits.shape[-1])[None, :]
+    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+    ranks = jnp.arange(scaled.shape[-1])[None, :]
     keep = (sp.top_k[:, None] == 0) | (ranks < sp.top_k[:, None])
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < sp.top_p[:, None]  # mass before token
     keep &= probs >= sp.min_p[:, None] * probs[:, :1]
-    masked = jnp.where(keep, srt, -jnp.inf)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(sp.seed, sp.counter)
-    choice = jax.vmap(jax.random.categorical)(keys, masked)  # [S]
-    drawn = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(sp.temperature > 0, drawn, greedy)
+    rows = jnp.arange(scaled.shape[0])[:, None]
+    return jnp.zeros_like(keep).at[rows, order].set(keep)
+
+
+def sample(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
+    """logits [S, V] float32 -> token ids [S] int32; temperature 0 rows are greedy.
+
+    Random rows use the Gumbel-max trick with noise indexed by vocabulary id, so a
+    row's draw is the same whether or not the (sorting) filter path ran for the batch.
+    The sort runs only when some row uses top-k/top-p/min-p, the noise only when some
+    row samples at all.
+    """
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    random_row = sp.temperature > 0
+    filtered_row = random_row & ((sp.top_k > 0) | (sp.top_p < 1) | (sp.min_p > 0))
+
+    def draw(_):
+        scaled = logits / jnp.where(random_row, sp.temperature, 1.0)[:, None]
+        keep = jax.lax.cond(jnp.any(filtered_row), lambda: _filter_mask(scaled, sp),
+                            lambda: jnp.ones(scaled.shape, bool))
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(
+            sp.seed, sp.counter)
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:]))(keys)  # [S, V]
+        return jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1).astype(jnp.int32)
+
+    drawn = jax.lax.cond(jnp.any(random_row), draw, lambda _: greedy, None)
+    return jnp.where(random_row, drawn, greedy)
