@@ -19,15 +19,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from typing import Mapping, Sequence
+import time
+from typing import Iterable, Mapping, Sequence
 
 import scheduler
+from arcjax.batching import build_batch
+from arcjax.buckets import Bucket, BucketSet
 from arcjax.engine import Engine
-from arcjax.sampling import SamplingParams
+from arcjax.runner import ModelRunner
+from arcjax.sampling import SamplingBatch, SamplingParams
 from arcjax.tokenizer import Tokenizer
 from arcjax.trace import KNOB_ENGAGEMENT, engagement
 from scheduler import metrics
-from scheduler.simulate import RequestRecord
+from scheduler.simulate import RequestRecord, simulate
 
 # A fallback word list for tokenizers whose vocabulary holds too few whole words.
 _FALLBACK_WORDS = tuple(
@@ -137,6 +141,8 @@ class BurstRun:
       requests: per user: arrival_time and token_times (scheduler.simulate.RequestRecord).
       steps: every step run, in order: start, end, prefill_tokens, decode_tokens, engaged
         (arcjax.trace.StepRecord on the engine, scheduler.simulate.StepRecord in simulation).
+      max_new_tokens: tokens every user asked for (a user with fewer at the window's end is
+        still waiting for its next token: an open stall).
       configured_knobs: SchedulerConfig field -> value the arm set explicitly.
     """
 
@@ -145,6 +151,7 @@ class BurstRun:
     window_s: float
     requests: tuple[RequestRecord, ...]
     steps: tuple
+    max_new_tokens: int
     configured_knobs: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @property
@@ -180,8 +187,44 @@ def run_arm(warm: Engine, arm: Arm, base: scheduler.SchedulerConfig,
                                    token_times=tuple(r.token_times))
                      for rid, r in engine.requests.items())
     run = BurstRun(arm=arm.name, t0=t0, window_s=window_s, requests=requests,
-                   steps=tuple(engine.trace), configured_knobs=arm.configured_knobs)
+                   steps=tuple(engine.trace), max_new_tokens=max_new_tokens,
+                   configured_knobs=arm.configured_knobs)
     return run, engine
+
+
+# --- warm-up ---------------------------------------------------------------------------------
+
+class _BucketRecorder:
+    """A simulator cost model that notes each plan's bucket and lasts 1 s per step."""
+
+    def __init__(self, buckets: BucketSet):
+        self.buckets, self.seen = buckets, set()
+
+    def step_time(self, plan) -> float:
+        decode_only = all(n == 1 for n in plan.lengths)  # as ModelRunner.prepare decides
+        self.seen.add(self.buckets.select(plan.num_tokens, plan.num_seqs, decode_only))
+        return 1.0
+
+
+def planned_buckets(buckets: BucketSet, config: scheduler.SchedulerConfig,
+                    requests: Sequence[scheduler.Request]) -> set[Bucket]:
+    """The buckets a run of `requests` under `config` selects, found by running the planner
+    alone (it is deterministic: with EOS ignored, the engine plans exactly the same steps)."""
+    recorder = _BucketRecorder(buckets)
+    simulate(config, recorder, requests)
+    return recorder.seen
+
+
+def warm_buckets(runner: ModelRunner, buckets: Iterable[Bucket]) -> float:
+    """Compiles (and runs once, on an all-padding batch that writes nothing) each bucket.
+    Returns seconds. The runner counts these compiles in `compile_count`."""
+    t0 = time.perf_counter()
+    for b in sorted(buckets):
+        batch = build_batch([], token_bucket=b.tokens, seq_bucket=b.seqs,
+                            max_blocks=runner.max_blocks, block_size=runner.block_size,
+                            num_blocks=runner.num_blocks)
+        runner.run(b, batch, SamplingBatch.build([], b.seqs))
+    return time.perf_counter() - t0
 
 
 # --- metrics ---------------------------------------------------------------------------------
@@ -222,6 +265,10 @@ def burst_metrics(run: BurstRun) -> dict:
     inside = [st for st in run.steps if st.end <= end]
     mean_step = (inside[-1].end - inside[0].start) / len(inside) if inside else None
     counts = engaged_counts(inside)
+    open_waits = [end - ts[-1] for ts in ([t for t in r.token_times if t <= end]
+                                          for r in run.requests)
+                  if ts and len(ts) < run.max_new_tokens]
+    stall = max([s.longest_gap, *open_waits])
     knobs = knob_report(counts, run.configured_knobs)
     return {
         "arm": run.arm,
@@ -240,7 +287,8 @@ def burst_metrics(run: BurstRun) -> dict:
         "prefill_tokens": sum(st.prefill_tokens for st in inside),
         "mean_step_s": mean_step,
         "max_decode_gap_s": s.longest_gap,
-        "gap_over_mean_step": s.longest_gap / mean_step if mean_step else None,
+        "max_stall_s": stall,
+        "stall_over_mean_step": stall / mean_step if mean_step else None,
         "compiles_in_run": sum(bool(getattr(st, "compiled", False)) for st in run.steps),
         "knobs": knobs,
         "knobs_never_engaged": [k for k, v in knobs.items() if not v["engaged"]],
@@ -290,9 +338,10 @@ _ROWS = (
     ("total prefill wall", lambda m: f"{m['prefill_wall_s']:.1f} s"),
     ("mean step time (wall / steps)",
      lambda m: "-" if m["mean_step_s"] is None else f"{1e3 * m['mean_step_s']:,.0f} ms"),
-    ("longest gap between two tokens of a user (x mean step)",
-     lambda m: f"{m['max_decode_gap_s']:.2f} s"
-     + ("" if m["gap_over_mean_step"] is None else f" ({m['gap_over_mean_step']:.1f}x)")),
+    ("longest gap between two tokens of a user", lambda m: _s(m["max_decode_gap_s"])),
+    ("longest decode stall, open ones included (x mean step)",
+     lambda m: _s(m["max_stall_s"])
+     + ("" if m["stall_over_mean_step"] is None else f" ({m['stall_over_mean_step']:.1f}x)")),
     ("configured knobs engaged", _knob_cell),
     ("window", lambda m: f"{m['window_s']:.1f} s"),
 )

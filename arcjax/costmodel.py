@@ -30,6 +30,16 @@ from scheduler.simulate import CostModel, simulate
 FEATURES = ("prefill_tokens", "decode_tokens", "kv_read")  # with a constant: c0
 COEFFS = ("c0", "c_prefill", "c_decode", "c_kv")
 
+# The legacy H200 server of BACKGROUND.md (~2B model, MTP depth 3), from its figures:
+#   c_prefill: 12,160 prompt tokens in 43.2 s (K=32) -> 3.553 ms/token (281 tok/s); K=128's total
+#     prefill wall (171.3-176.5 s for 128 x 380 = 48,640 tokens: 276-284 tok/s) agrees.
+#   c0, c_decode: the decode-only steps, at full occupancy: 32 rows 705.5 ms (mean of 709 and 702),
+#     128 rows 2,327.5 ms (mean of 2,335 and 2,320) -> 16.90 ms/row and c0 = 164.8 ms.
+#   c_kv: 0 (the figures do not separate attention reads from per-row cost).
+H200_LEGACY = CostModel(c0=0.7055 - 32 * (2.3275 - 0.7055) / 96, c_prefill=43.2 / 12160,
+                        c_decode=(2.3275 - 0.7055) / 96, c_kv=0.0)
+PRESETS = {"h200_legacy": H200_LEGACY}
+
 
 def burst_requests(prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    t0: float = 0.0) -> tuple[scheduler.Request, ...]:
@@ -182,13 +192,18 @@ def save_cost_model(model: CostModel, path) -> None:
 
 
 def load_cost_model(path) -> CostModel:
+    """A cost model JSON file, or the name of a preset (PRESETS: "h200_legacy")."""
+    if str(path) in PRESETS:
+        return PRESETS[str(path)]
     with open(path) as f:
         return CostModel.from_json(json.load(f))
 
 
 def simulate_arm(arm: Arm, base: scheduler.SchedulerConfig, requests: Sequence[scheduler.Request],
                  cost: CostModel, window_s: float) -> BurstRun:
-    """One arm through the simulator: the burst at t = 0, steps until done or window_s."""
+    """One arm through the simulator: the burst (same max_tokens for all) at t = 0, steps until
+    done or window_s."""
     result = simulate(arm.config(base), cost, requests, until=window_s)
     return BurstRun(arm=arm.name, t0=0.0, window_s=window_s, requests=result.requests,
-                    steps=result.steps, configured_knobs=arm.configured_knobs)
+                    steps=result.steps, max_new_tokens=max(r.max_tokens for r in requests),
+                    configured_knobs=arm.configured_knobs)

@@ -2,8 +2,9 @@
 with a P-word prompt; how long until each sees a first token, and does decoding stall?
 
   1. Build K deterministic P-word prompts (words from the tokenizer's vocabulary, --seed).
-  2. Real run (default): one `LLM` whose buckets cover every arm, warmed (every bucket compiled)
-     before any window opens; each arm then runs the burst on a fresh engine over the same
+  2. Real run (default): one `LLM` whose buckets cover every arm, warmed before any window opens
+     (--warmup=planned compiles the buckets the planner, run alone, says the arms will select;
+     --warmup=all every bucket); each arm then runs the burst on a fresh engine over the same
      runner, inside a window that starts at the burst. A compile inside a run is an error.
   3. Each arm's steps are replayed through the simulator to get each step's kv_read and to check
      the planner is deterministic (--trace_out writes these calibration rows as JSONL).
@@ -72,8 +73,12 @@ _COMPARE = flags.DEFINE_bool("compare", False, "after the real run, simulate the
                              "print predicted / measured TTFT")
 _CALIBRATE = flags.DEFINE_list("calibrate_from", [], "fit the cost model to these JSONL files "
                                "(--trace_out rows, or an engine trace)")
-_COST = flags.DEFINE_string("cost_model", None, "cost model JSON (CostModel.to_json())")
+_COST = flags.DEFINE_string("cost_model", None, "cost model JSON (CostModel.to_json()), or "
+                            "h200_legacy (BACKGROUND.md's server, see arcjax/costmodel.py)")
 _SAVE_COST = flags.DEFINE_string("save_cost_model", None, "write the fitted cost model here")
+_WARMUP = flags.DEFINE_enum(
+    "warmup", "planned", ["planned", "all"], "compile before any window: the buckets the "
+    "planner (run alone, deterministic) says the arms will use, or every bucket (LLM.warmup)")
 _CACHE = flags.DEFINE_string("compilation_cache_dir", None,
                              "persistent JAX compilation cache (warm-up is faster the 2nd time)")
 
@@ -102,6 +107,7 @@ class BurstConfig:
     calibrate_from: tuple[str, ...]
     cost_model: str | None
     save_cost_model: str | None
+    warmup: str
     compilation_cache_dir: str | None
 
     @classmethod
@@ -116,7 +122,7 @@ class BurstConfig:
                    trace_out=_TRACE_OUT.value, simulate=_SIMULATE.value,
                    compare=_COMPARE.value, calibrate_from=tuple(_CALIBRATE.value),
                    cost_model=_COST.value, save_cost_model=_SAVE_COST.value,
-                   compilation_cache_dir=_CACHE.value)
+                   warmup=_WARMUP.value, compilation_cache_dir=_CACHE.value)
 
 
 # --- workload ----------------------------------------------------------------------------------
@@ -188,11 +194,19 @@ def real_run(cfg: BurstConfig, prompts, base: SchedulerConfig) -> tuple[list, li
             raise SystemExit(f"arm {arm.name}: buckets ({top_tokens} tokens, {top_seqs} seqs) "
                              "do not cover it")
     load_s = time.perf_counter() - t
-    warm_s = llm.warmup()
+    requests = costmodel.burst_requests(prompts, cfg.max_new_tokens)
+    rehearsal = costmodel.burst_requests(prompts[:2], 2)
+    if cfg.warmup == "all":
+        warm_s = llm.warmup()
+    else:
+        needed = set(burst.planned_buckets(runner.buckets, arm_configs[0], rehearsal))
+        for c in arm_configs:
+            needed |= burst.planned_buckets(runner.buckets, c, requests)
+        warm_s = burst.warm_buckets(runner, needed)
     # Rehearsal (not measured): a few users through the first arm warm the host-side paths.
     burst.run_arm(llm.engine, cfg.arms[0], base, prompts[:2], 2, cfg.window_s)
-    print(f"model {llm.model_dir}: loaded in {load_s:.1f} s; warm-up compiled "
-          f"{runner.compile_count} buckets in {warm_s:.1f} s")
+    print(f"model {llm.model_dir}: loaded in {load_s:.1f} s; warm-up ({cfg.warmup}) compiled "
+          f"{runner.compile_count} of {len(runner.buckets.all())} buckets in {warm_s:.1f} s")
     facts = {"model_dir": str(llm.model_dir), "model_config": dataclasses.asdict(llm.config),
              "dtype": str(runner.dtype), "attention_impl": runner.attn_impl,
              "buckets": {"token_rungs": runner.buckets.token_rungs,
@@ -202,7 +216,6 @@ def real_run(cfg: BurstConfig, prompts, base: SchedulerConfig) -> tuple[list, li
              "num_kv_blocks": base.num_blocks}
     per_arm: list[list] = [[] for _ in cfg.arms]
     rows = []
-    requests = costmodel.burst_requests(prompts, cfg.max_new_tokens)
     for rep in range(cfg.repeats):
         for i, (arm, c) in enumerate(zip(cfg.arms, arm_configs)):
             before = runner.compile_count
@@ -269,7 +282,7 @@ def plot(results: list[dict], runs: list, path: str, title: str) -> None:
     ax.set_ylim(0, 1.02)
     ax.set_xlim(left=0)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     ax.set_title(title, fontsize=10)
     xmax = max((run.window[1] - run.t0 for run in runs), default=1.0)
     ymax = max((s.prefill_tokens + s.decode_tokens for run in runs for s in run.steps), default=1)
@@ -279,10 +292,11 @@ def plot(results: list[dict], runs: list, path: str, title: str) -> None:
         widths = [max(s.end - s.start, 1e-3) for s in run.steps]
         pre = [s.prefill_tokens for s in run.steps]
         dec = [s.decode_tokens for s in run.steps]
-        ax.bar(starts, pre, width=widths, align="edge", color="tab:orange", alpha=0.8,
-               label="prefill tokens")
+        edges = {"edgecolor": "white", "linewidth": 0.4 if len(run.steps) < 150 else 0}
+        ax.bar(starts, pre, width=widths, align="edge", color="tab:orange", alpha=0.85,
+               label="prefill tokens", **edges)
         ax.bar(starts, dec, width=widths, bottom=pre, align="edge", color="tab:blue",
-               label="decode tokens (stacked)")
+               label="decode tokens (stacked)", **edges)
         ax.set_xlim(0, xmax)
         ax.set_ylim(0, ymax * 1.08)
         ax.set_ylabel("tokens / step", fontsize=8)
@@ -389,9 +403,11 @@ def main(argv):
             json.dump(_jsonable(out), f, indent=1)
     if cfg.plot:
         what = "measured" if real is not None else "simulated"
+        prompt = (f"{cfg.prompt_tokens}-token" if cfg.simulate and cfg.prompt_tokens
+                  else f"{cfg.prompt_words}-word")
         plot(results, runs, cfg.plot,
-             f"{what}: K={cfg.num_users} users at once, {cfg.prompt_words}-word prompts, "
-             f"{cfg.max_new_tokens} new tokens each")
+             f"{what}: K={cfg.num_users} users at once, {prompt} prompts, "
+             f"{cfg.max_new_tokens} new tokens each, window {cfg.window_s:.0f} s")
     failures = [f"{m['arm']}: configured {k} never engaged" for m in results
                 for k in m["knobs_never_engaged"]]
     failures += [f"{m['arm']}: {m['compiles_in_run']} compiles inside the run"

@@ -100,7 +100,7 @@ def synthetic_run(window_s: float = 100.0, t0: float = 10.0) -> burst.BurstRun:
                 RequestRecord(request_id="b", arrival_time=t0, token_times=(14, 15, 16, 17)),
                 RequestRecord(request_id="c", arrival_time=t0, token_times=()))
     return burst.BurstRun(arm="x", t0=t0, window_s=window_s, requests=requests, steps=steps,
-                          configured_knobs={"prefill_max_seqs": 1, "prefill_floor_steps": 2})
+                          max_new_tokens=4, configured_knobs={"prefill_max_seqs": 1, "prefill_floor_steps": 2})
 
 
 def test_metrics_of_a_synthetic_trace():
@@ -118,7 +118,7 @@ def test_metrics_of_a_synthetic_trace():
     assert m["prefill_wall_s"] == 4.0 and m["prefill_tokens"] == 800
     assert m["max_decode_gap_s"] == 2.0  # user a: 12 -> 14 while b's prompt ran
     assert m["mean_step_s"] == pytest.approx(7 / 5)
-    assert m["gap_over_mean_step"] == pytest.approx(2.0 / 1.4)
+    assert m["max_stall_s"] == 2.0 and m["stall_over_mean_step"] == pytest.approx(2.0 / 1.4)
     assert m["knobs"]["prefill_max_seqs"] == {"value": 1, "engaged_steps": 2, "engaged": True}
     assert m["knobs_never_engaged"] == ["prefill_floor_steps"]
     assert m["engagement"] == {"cap_deferred": 2}
@@ -130,6 +130,12 @@ def test_metrics_inside_a_short_window():
     assert m["tokens_delivered"] == 3  # a@12, a@14, b@14
     assert m["users_with_first_token"] == 2
     assert m["steps_by_kind"]["decode"]["steps"] == 0
+    assert m["max_decode_gap_s"] == 2.0  # a: 12 -> 14
+    assert m["max_stall_s"] == 2.0  # open: a since 14, b since 14 (0.5 s each)
+    m = burst.burst_metrics(synthetic_run(window_s=5.9))  # closes at 15.9: a waits since 15
+    assert m["max_decode_gap_s"] == 2.0 and m["max_stall_s"] == pytest.approx(2.0)
+    m = burst.burst_metrics(synthetic_run(window_s=3.5))  # closes at 13.5: a waits since 12
+    assert m["max_decode_gap_s"] == 0.0 and m["max_stall_s"] == pytest.approx(1.5)
 
 
 def test_median_run_and_table():
