@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence as SequenceOf
 from itertools import compress
 from operator import le
 
-from scheduler.errors import CommitError, StepOrderError
 from scheduler.blocks import BlockPool
+from scheduler.errors import CommitError, StepOrderError
 from scheduler.plan import StepPlan
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId
 from scheduler.state import DecodeTable, Partial, SchedulerState
