@@ -3,15 +3,15 @@
 Dataflow:
     1. `plan.tile_metadata` (XLA, tiny) assigns query tiles to sequences.
     2. `gpu_plan.pack_queries` lays q out so that a tile's tokens x query heads
-          of one KV head are `rows` contiguous rows (GQA heads packed into M).
+       of one KV head are `rows` contiguous rows (GQA heads packed into M).
     3. One `pallas_call` over the grid `(num_tiles, Hkv, num_splits)`: each
-          program loads its query rows once, then walks its key steps with an
-          online softmax (base 2). Key steps below the tile's first position need
-          no mask; steps on the causal diagonal are masked with `where` on scores
-          and values; steps past the tile's last position are never visited. Each
-          step reads page ids from the block table and gathers those pages.
+       program loads its query rows once, then walks its key steps with an
+       online softmax (base 2). Key steps below the tile's first position need
+       no mask; steps on the causal diagonal are masked with `where` on scores
+       and values; steps past the tile's last position are never visited. Each
+       step reads page ids from the block table and gathers those pages.
     4. With `num_splits > 1` (decode-only batches), programs write unnormalized
-          partials that XLA combines; otherwise they write the final rows.
+       partials that XLA combines; otherwise they write the final rows.
     5. Padding rows (never written) are set to zero.
 
 Only step 3 depends on the Triton lowering; steps 1, 2, 4, 5 and the grid

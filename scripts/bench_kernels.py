@@ -10,6 +10,8 @@
      divided by the measured time.
 
 On an H200 (one command):   python scripts/bench_kernels.py --out=kernels_h200.json
+Split-K off, for contrast:  python scripts/bench_kernels.py --impl=pallas_gpu --cases=decode \
+                                --gpu_num_splits=1 --out=kernels_h200_nosplit.json
 CPU smoke test (< 1 min):   python scripts/bench_kernels.py --impl=xla --small --out=/tmp/k.json
 """
 
@@ -27,6 +29,7 @@ import numpy as np
 from absl import app, flags
 
 import pallas_kernels
+from pallas_kernels import gpu_plan, pallas_gpu
 
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas_gpu"],
                           "implementation to time (auto: pallas_gpu on GPU, xla elsewhere)")
@@ -42,6 +45,16 @@ _DENSE = flags.DEFINE_boolean("dense", True, "also time jax.nn.dot_product_atten
 _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 790.0, "measured matmul peak, TFLOP/s")
 _PEAK_TBPS = flags.DEFINE_float("peak_tbps", 4.3, "measured HBM bandwidth, TB/s")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
+_INTERPRET = flags.DEFINE_boolean(
+    "interpret", False, "Pallas interpret mode: checks the script on CPU, times nothing real")
+# Tuning knobs of the GPU kernel's plan (defaults: gpu_plan.make_gpu_plan's own). Setting
+# any of them times pallas_gpu through its internal entry point with that plan.
+_GPU_BLOCK_M = flags.DEFINE_integer("gpu_block_m", None, "packed query rows per program")
+_GPU_BLOCK_K = flags.DEFINE_integer("gpu_block_k", None, "keys per inner step")
+_GPU_SPLITS = flags.DEFINE_integer("gpu_num_splits", None,
+                                   "split-K factor (1 disables the decode split)")
+_GPU_WARPS = flags.DEFINE_integer("gpu_num_warps", None, "Triton num_warps")
+_GPU_STAGES = flags.DEFINE_integer("gpu_num_stages", None, "Triton num_stages")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,6 +70,8 @@ class BenchConfig:
     peak_tflops: float
     peak_tbps: float
     out: str | None
+    gpu_tuning: tuple[tuple[str, int], ...]  # make_gpu_plan overrides, empty for defaults
+    interpret: bool
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -185,10 +200,28 @@ def dense_attention(q, k, v, *, q_len: int, kv_len: int):
     return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
 
 
+def kernel_fn(case: Case, cfg: BenchConfig, args: tuple):
+    """The jitted attention call of one case, with the tuned GPU plan if asked for."""
+    if not cfg.gpu_tuning:
+        return jax.jit(functools.partial(pallas_kernels.ragged_paged_attention,
+                                         impl=cfg.impl, max_q_len=case.max_q_len,
+                                         interpret=cfg.interpret))
+    if cfg.impl != "pallas_gpu":
+        raise app.UsageError("--gpu_* tuning flags need --impl=pallas_gpu")
+    q, k_pages, _, tables = args[:4]
+    plan = gpu_plan.make_gpu_plan(
+        num_tokens=q.shape[0], num_seqs=tables.shape[0], num_heads=q.shape[1],
+        num_kv_heads=k_pages.shape[2], head_dim=q.shape[2], page_size=k_pages.shape[1],
+        max_blocks=tables.shape[1], max_q_len=case.max_q_len or q.shape[0],
+        **dict(cfg.gpu_tuning))
+    return jax.jit(functools.partial(pallas_gpu.ragged_paged_attention_pallas_gpu,
+                                     sm_scale=q.shape[2]**-0.5, plan=plan,
+                                     interpret=cfg.interpret))
+
+
 def run_case(case: Case, cfg: BenchConfig, dtype, key) -> dict:
     args, tables = make_paged_batch(case, cfg.block_size, dtype, key)
-    attention = jax.jit(functools.partial(pallas_kernels.ragged_paged_attention,
-                                          impl=cfg.impl, max_q_len=case.max_q_len))
+    attention = kernel_fn(case, cfg, args)
     ms = time_fn(attention, args, cfg.warmup, cfg.iters)
     flops, kv_bytes = case_work(case, jnp.dtype(dtype).itemsize)
     floor_s = max(flops / (cfg.peak_tflops * 1e12), kv_bytes / (cfg.peak_tbps * 1e12))
@@ -217,7 +250,12 @@ def main(argv):
                       iters=min(_ITERS.value, 5) if small else _ITERS.value,
                       block_size=_BLOCK_SIZE.value,
                       cases=tuple(_CASES.value), dense=_DENSE.value,
-                      peak_tflops=_PEAK_TFLOPS.value, peak_tbps=_PEAK_TBPS.value, out=_OUT.value)
+                      peak_tflops=_PEAK_TFLOPS.value, peak_tbps=_PEAK_TBPS.value, out=_OUT.value,
+                      gpu_tuning=tuple((name, flag.value) for name, flag in [
+                          ("block_m", _GPU_BLOCK_M), ("block_k", _GPU_BLOCK_K),
+                          ("num_splits", _GPU_SPLITS), ("num_warps", _GPU_WARPS),
+                          ("num_stages", _GPU_STAGES)] if flag.value is not None),
+                      interpret=_INTERPRET.value)
     on_gpu = jax.default_backend() == "gpu"
     dtype = {"auto": jnp.bfloat16 if on_gpu else jnp.float32, "bfloat16": jnp.bfloat16,
              "float32": jnp.float32}[cfg.dtype]
