@@ -48,7 +48,8 @@ class LLM:
       num_kv_blocks: KV cache size in blocks; default from kv_memory_fraction of the
         device's memory on GPU, and room for max_num_seqs full sequences on CPU.
       block_size: tokens per KV block.
-      attention_impl: "auto" | "xla" | "pallas_gpu" | "reference".
+      attention_impl: "auto" | "xla" | "pallas_gpu" (the "reference" oracle is host-side
+        numpy and cannot run inside the jitted step).
       seed: seeds requests whose SamplingParams have no seed.
       cache_dir: where converted params are cached (orbax); None = no cache.
       **scheduler options: policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
@@ -65,6 +66,9 @@ class LLM:
         if unknown:
             raise EngineConfigError(f"unknown engine options {sorted(unknown)}; scheduler "
                                     f"options are {_SCHED_OPTIONS}")
+        if attention_impl not in ("auto", "xla", "pallas_gpu"):
+            raise EngineConfigError(f"attention_impl must be 'auto', 'xla' or 'pallas_gpu', "
+                                    f"got {attention_impl!r}")
         if not 0 < kv_memory_fraction <= 1:
             raise EngineConfigError(f"kv_memory_fraction must be in (0, 1], got {kv_memory_fraction}")
         model_dir = Path(model) if model is not None else default_model_path()

@@ -217,3 +217,16 @@ def test_default_model_is_used_when_model_is_none():
         out = LLM(max_model_len=128).generate(["def add(a, b):"], SamplingParams(
             max_tokens=8, temperature=0), use_tqdm=False)[0]
         assert out.token_ids and out.finish_reason in ("length", "stop")
+
+
+def test_engine_options_are_validated():
+    from arcjax import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="unknown engine options"):
+        _llm(max_batch_tokens=64)
+    with pytest.raises(EngineConfigError, match="attention_impl"):
+        _llm(attention_impl="reference")
+    with pytest.raises(EngineConfigError, match="max_model_len"):
+        LLM(tiny_model_dir(ARCH), max_model_len=100_000)
+    with pytest.raises(ValueError, match="chunk_tile"):  # the scheduler's own ConfigError
+        _llm(chunk_tile=256, max_num_batched_tokens=128)
