@@ -230,3 +230,15 @@ def test_engine_options_are_validated():
         LLM(tiny_model_dir(ARCH), max_model_len=100_000)
     with pytest.raises(ValueError, match="chunk_tile"):  # the scheduler's own ConfigError
         _llm(chunk_tile=256, max_num_batched_tokens=128)
+
+
+def test_compilation_cache_dir_persists_executables(tmp_path):
+    import subprocess
+    import sys
+
+    code = (f"import arcjax; llm = arcjax.LLM({tiny_model_dir(ARCH)!r}, block_size=8, "
+            f"num_kv_blocks=16, max_model_len=64, max_num_seqs=8, chunk_tile=64, "
+            f"max_num_batched_tokens=64, compilation_cache_dir={str(tmp_path)!r}); llm.warmup()")
+    subprocess.run([sys.executable, "-c", code], check=True, env={
+        **__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert any(tmp_path.iterdir())
