@@ -269,6 +269,10 @@ def burst_metrics(run: BurstRun) -> dict:
                                           for r in run.requests)
                   if ts and len(ts) < run.max_new_tokens]
     stall = max([s.longest_gap, *open_waits])
+    gaps = [g for r in run.requests
+            for g in metrics.inter_token_gaps(RequestRecord(
+                request_id=r.request_id, arrival_time=r.arrival_time,
+                token_times=tuple(t for t in r.token_times if t <= end)))]
     knobs = knob_report(counts, run.configured_knobs)
     return {
         "arm": run.arm,
@@ -287,6 +291,7 @@ def burst_metrics(run: BurstRun) -> dict:
         "prefill_tokens": sum(st.prefill_tokens for st in inside),
         "mean_step_s": mean_step,
         "max_decode_gap_s": s.longest_gap,
+        "gap_p99_s": _finite(metrics.percentile(gaps, 99)),
         "max_stall_s": stall,
         "stall_over_mean_step": stall / mean_step if mean_step else None,
         "compiles_in_run": sum(bool(getattr(st, "compiled", False)) for st in run.steps),
@@ -338,7 +343,8 @@ _ROWS = (
     ("total prefill wall", lambda m: f"{m['prefill_wall_s']:.1f} s"),
     ("mean step time (wall / steps)",
      lambda m: "-" if m["mean_step_s"] is None else f"{1e3 * m['mean_step_s']:,.0f} ms"),
-    ("longest gap between two tokens of a user", lambda m: _s(m["max_decode_gap_s"])),
+    ("inter-token gap p99 / longest", lambda m: f"{_s(m['gap_p99_s'])} / "
+     f"{_s(m['max_decode_gap_s'])}"),
     ("longest decode stall, open ones included (x mean step)",
      lambda m: _s(m["max_stall_s"])
      + ("" if m["stall_over_mean_step"] is None else f" ({m['stall_over_mean_step']:.1f}x)")),

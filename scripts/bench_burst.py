@@ -171,13 +171,8 @@ def real_run(cfg: BurstConfig, prompts, base: SchedulerConfig) -> tuple[list, li
 
     Returns (each arm's runs, calibration rows, engine facts).
     """
-    import jax
-
     import arcjax
 
-    if cfg.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     arm_configs = [a.config(base) for a in cfg.arms]
     longest = max(len(p) for p in prompts)
     max_len = -(-(longest + cfg.max_new_tokens) // cfg.block_size) * cfg.block_size
@@ -186,7 +181,8 @@ def real_run(cfg: BurstConfig, prompts, base: SchedulerConfig) -> tuple[list, li
                      block_size=cfg.block_size, attention_impl=cfg.attention_impl,
                      policy="token_budget", chunk_tile=min(c.chunk_tile for c in arm_configs),
                      max_num_batched_tokens=max(c.max_num_batched_tokens for c in arm_configs),
-                     max_num_seqs=max(c.max_num_seqs for c in arm_configs))
+                     max_num_seqs=max(c.max_num_seqs for c in arm_configs),
+                     compilation_cache_dir=cfg.compilation_cache_dir)
     runner = llm.engine.runner
     top_tokens, top_seqs = runner.buckets.token_rungs[-1], runner.buckets.seq_rungs[-1]
     for arm, c in zip(cfg.arms, arm_configs):

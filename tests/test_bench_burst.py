@@ -118,6 +118,7 @@ def test_metrics_of_a_synthetic_trace():
     assert m["prefill_wall_s"] == 4.0 and m["prefill_tokens"] == 800
     assert m["max_decode_gap_s"] == 2.0  # user a: 12 -> 14 while b's prompt ran
     assert m["mean_step_s"] == pytest.approx(7 / 5)
+    assert m["gap_p99_s"] == pytest.approx(1.95)  # gaps 2, 1, 1, 1, 1, 1
     assert m["max_stall_s"] == 2.0 and m["stall_over_mean_step"] == pytest.approx(2.0 / 1.4)
     assert m["knobs"]["prefill_max_seqs"] == {"value": 1, "engaged_steps": 2, "engaged": True}
     assert m["knobs_never_engaged"] == ["prefill_floor_steps"]
