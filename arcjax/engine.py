@@ -206,6 +206,8 @@ class Engine:
         req.token_times.append(now)
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            if req.detok is not None:  # the stop token's own text is left out (as vLLM)
+                req.text += req.detok.flush()
             req.finish_reason = "stop"
             return True
         if req.detok is not None:
