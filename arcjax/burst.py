@@ -355,7 +355,10 @@ _ROWS = (
 
 def markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    fmt = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"  # noqa: E731
+
+    def fmt(line: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
+
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([fmt(header), rule, *map(fmt, body)])
 

@@ -138,7 +138,8 @@ class FitReport:
                           f"predicted {1e3 * v['predicted_s']:.1f} ms"
                           for k, v in self.by_kind.items())
         return (f"fit over {self.num_steps} steps ({', '.join(self.features)}): RMSE "
-                f"{1e3 * self.rmse_s:.1f} ms, mean |relative error| {100 * self.mean_abs_rel_err:.1f}%, "
+                f"{1e3 * self.rmse_s:.1f} ms, mean |relative error| "
+                f"{100 * self.mean_abs_rel_err:.1f}%, "
                 f"max |error| {1e3 * self.max_abs_err_s:.1f} ms, R^2 {self.r2:.3f}; {kinds}")
 
 

@@ -334,7 +334,8 @@ def _jsonable(x):
 def hardware() -> dict:
     import jax
 
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+    return {"platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
             "cpu_count": os.cpu_count(), "jax_backend": jax.default_backend(),
             "devices": [str(d) for d in jax.devices()]}
 

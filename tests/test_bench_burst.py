@@ -80,7 +80,7 @@ def test_parse_arm():
             burst.parse_arm(bad)
 
 
-# --- metrics from a synthetic trace ----------------------------------------------------------------
+# --- metrics from a synthetic trace --------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Step:
@@ -100,7 +100,8 @@ def synthetic_run(window_s: float = 100.0, t0: float = 10.0) -> burst.BurstRun:
                 RequestRecord(request_id="b", arrival_time=t0, token_times=(14, 15, 16, 17)),
                 RequestRecord(request_id="c", arrival_time=t0, token_times=()))
     return burst.BurstRun(arm="x", t0=t0, window_s=window_s, requests=requests, steps=steps,
-                          max_new_tokens=4, configured_knobs={"prefill_max_seqs": 1, "prefill_floor_steps": 2})
+                          max_new_tokens=4,
+                          configured_knobs={"prefill_max_seqs": 1, "prefill_floor_steps": 2})
 
 
 def test_metrics_of_a_synthetic_trace():
@@ -148,7 +149,7 @@ def test_median_run_and_table():
     assert "| TTFT p50" in table and "3.00 s" in table and "floor=2: NEVER" in table
 
 
-# --- cost model ------------------------------------------------------------------------------------
+# --- cost model ----------------------------------------------------------------------------------
 
 def test_fit_recovers_known_coefficients():
     rng = np.random.default_rng(0)
@@ -218,7 +219,7 @@ def test_simulate_arm_and_cycle_times():
     assert costmodel.cycle_times(steps) == pytest.approx([1.5, 0.6, 0.9 + 0.3])
 
 
-# --- end to end ------------------------------------------------------------------------------------
+# --- end to end ----------------------------------------------------------------------------------
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
