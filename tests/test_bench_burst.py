@@ -183,6 +183,25 @@ def test_fit_without_kv_read_and_save_load(tmp_path):
     assert costmodel.load_cost_model(path) == model
 
 
+def test_engine_trace_reads_as_calibration_rows(tmp_path):
+    from arcjax.trace import StepRecord, write_jsonl
+
+    records, t = [], 0.0
+    for i, (p, d) in enumerate([(512, 0), (0, 4), (256, 4), (0, 8), (128, 8)]):
+        cycle = 0.01 + 1e-4 * p + 2e-3 * d
+        records.append(StepRecord(index=i, start=t, end=t + cycle - 0.001, prefill_tokens=p,
+                                  decode_tokens=d, num_seqs=1, bucket=(512, 8, 512),
+                                  compiled=False, engaged={}))
+        t += cycle
+    write_jsonl(records, tmp_path / "trace.jsonl")
+    rows = costmodel.read_rows(tmp_path / "trace.jsonl")
+    assert [r["cycle_s"] for r in rows] == pytest.approx(
+        [0.01 + 1e-4 * r["prefill_tokens"] + 2e-3 * r["decode_tokens"] for r in rows])
+    model, report = costmodel.fit_cost_model(rows)
+    assert report.features == ("prefill_tokens", "decode_tokens")
+    assert (model.c0, model.c_prefill, model.c_decode) == pytest.approx((0.01, 1e-4, 2e-3))
+
+
 def test_replay_of_a_simulated_run_recovers_its_cost_model(tmp_path):
     """Calibrating on a run of the simulator itself must give back the simulator's costs."""
     true = CostModel(c0=0.02, c_prefill=5e-4, c_decode=3e-3, c_kv=2e-5)
