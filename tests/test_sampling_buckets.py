@@ -1,5 +1,6 @@
 """On-device sampling and the bucket ladders."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,9 +13,18 @@ def _logits(rows=6, vocab=50, seed=0):
     return jnp.asarray(np.random.RandomState(seed).randn(rows, vocab).astype(np.float32) * 3)
 
 
+_jit_sample = jax.jit(sample)
+
+
 def _sample(logits, params, seeds, counters):
     rows = [(p, s, c) for p, s, c in zip(params, seeds, counters)]
-    return np.asarray(sample(logits, SamplingBatch.build(rows, logits.shape[0])))
+    return np.asarray(_jit_sample(logits, SamplingBatch.build(rows, logits.shape[0])))
+
+
+def _draws(logits_row, params, n):
+    """n draws of one request (counters 0..n-1), as one batch of n identical rows."""
+    lg = jnp.repeat(logits_row[None], n, axis=0)
+    return set(_sample(lg, [params] * n, [0] * n, range(n)).tolist())
 
 
 def test_greedy_and_top_k_1_equal_argmax():
@@ -37,22 +47,24 @@ def test_seeded_rows_do_not_depend_on_batch_composition():
                     [1, 2, 3, 7, 4, 5, 6, 8], [0, 1, 2, 5, 3, 4, 9, 9])
     assert mixed[3] == alone
     # A different counter (a later token of the same request) draws a fresh key.
-    draws = {int(_sample(lg[3:4], [p], [7], [c])[0]) for c in range(40)}
-    assert len(draws) > 1
+    assert len(_draws(lg[3], p, 40)) > 1
 
 
 def test_top_k_and_min_p_restrict_support():
     lg = _logits(rows=1, vocab=100, seed=3)
     order = np.argsort(-np.asarray(lg[0]))
     top3 = set(order[:3].tolist())
-    got = {int(_sample(lg, [SamplingParams(temperature=5.0, top_k=3)], [0], [c])[0])
-           for c in range(200)}
+    got = _draws(lg[0], SamplingParams(temperature=5.0, top_k=3), 200)
     assert got <= top3 and len(got) > 1
     probs = np.exp(np.asarray(lg[0]) - np.asarray(lg[0]).max())
     allowed = set(np.nonzero(probs >= 0.5 * probs.max())[0].tolist())
-    got = {int(_sample(lg, [SamplingParams(temperature=1.0, min_p=0.5)], [0], [c])[0])
-           for c in range(200)}
+    got = _draws(lg[0], SamplingParams(temperature=1.0, min_p=0.5), 200)
     assert got <= allowed
+    # top_p: the smallest set of best tokens whose mass reaches p.
+    p = np.sort(probs / probs.sum())[::-1]
+    nucleus = set(order[:int(np.searchsorted(np.cumsum(p), 0.6)) + 1].tolist())
+    got = _draws(lg[0], SamplingParams(temperature=1.0, top_p=0.6), 300)
+    assert got <= nucleus and len(got) > 1
 
 
 @pytest.mark.parametrize("kwargs,field", [
