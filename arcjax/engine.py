@@ -22,7 +22,6 @@ import time
 import zlib
 from typing import Sequence
 
-import numpy as np
 
 import scheduler
 from arcjax.batching import SeqChunk

@@ -27,6 +27,7 @@ _BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 2048, "arcjax token bud
 _SEQS = flags.DEFINE_integer("max_num_seqs", 64, "arcjax max running sequences")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "only run arcjax")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
+_CC = flags.DEFINE_string("compilation_cache_dir", None, "JAX persistent compilation cache")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,7 +48,7 @@ def run_arcjax(model_dir, wl: Workload) -> dict:
 
     max_len = max(len(p) + o for p, o in zip(wl.prompts, wl.outputs))
     llm = arcjax.LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=_BUDGET.value,
-                     max_num_seqs=_SEQS.value)
+                     max_num_seqs=_SEQS.value, compilation_cache_dir=_CC.value)
     warm = llm.warmup()
     params = [arcjax.SamplingParams(max_tokens=o, temperature=0, ignore_eos=True)
               for o in wl.outputs]

@@ -53,7 +53,7 @@ def hf_model(path: str):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
 
 
-def hf_logits(path: str, ids) -> "np.ndarray":
+def hf_logits(path: str, ids):
     import numpy as np
     import torch
 

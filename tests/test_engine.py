@@ -134,7 +134,7 @@ def test_no_compile_after_warmup_on_a_varied_workload():
 
 def test_bad_input_is_rejected_with_typed_errors_and_others_continue():
     llm = _llm(chunk_tile=16, max_num_batched_tokens=128)
-    good = llm.add_request(_prompts()[1], GREEDY, request_id="good")
+    llm.add_request(_prompts()[1], GREEDY, request_id="good")
     cases = [
         ([], GREEDY, "empty"),
         ([5] * 300, GREEDY, "max_model_len"),
