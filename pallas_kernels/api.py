@@ -13,6 +13,10 @@ from pallas_kernels.xla import ragged_paged_attention_xla
 IMPLS = ("auto", "reference", "xla", "pallas_gpu")
 XLA_BLOCK_Q = 128  # query tokens per tile on the xla path
 XLA_BLOCK_K = 512  # keys per online-softmax step on the xla path
+# Decode-only batches (max_q_len == 1) step through keys in smaller blocks: every tile
+# walks to the batch's furthest key, so a smaller block wastes less past each row's
+# kv_len (64 decodes, kv 16-768, one CPU core: 8.6 ms with 512, 6.9 ms with 128).
+XLA_DECODE_BLOCK_K = 128
 
 
 def _require(ok: bool, argument: str, message: str) -> None:
@@ -130,6 +134,6 @@ def ragged_paged_attention(
     tiles = plan_lib.make_plan(
         num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
         max_blocks=block_tables.shape[1], max_q_len=max_q_len, block_q=XLA_BLOCK_Q,
-        block_k=XLA_BLOCK_K)
+        block_k=XLA_DECODE_BLOCK_K if max_q_len == 1 else XLA_BLOCK_K)
     return ragged_paged_attention_xla(
         q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, tiles)

@@ -108,6 +108,10 @@ def test_xla_max_q_len_bound():
     batch = make_batch([(1, 30), (1, 7), (1, 64)], num_heads=8, num_kv_heads=2, head_dim=64,
                        block_size=8, num_tokens=8, seq_bucket=4)
     _check(batch, "xla", jnp.float32, max_q_len=1, sm_scale=0.3)
+    # Decode rows spanning several decode key blocks (XLA_DECODE_BLOCK_K) with ragged ends.
+    batch = make_batch([(1, 700), (1, 129), (1, 1000), (1, 5)], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=16, num_tokens=8, seq_bucket=8, seed=5)
+    _check(batch, "xla", jnp.float32, max_q_len=1)
 
 
 def test_traced_num_seqs_does_not_recompile():
