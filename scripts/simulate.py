@@ -6,7 +6,10 @@ Each --variants entry is one column: a policy, optionally with knob overrides, e
   python scripts/simulate.py --users=128 --window_s=140 --variants=prefill_first,token_budget
 
 The default cost model is fitted to the legacy server measured in BACKGROUND.md; pass
---cost_json (a file holding CostModel.to_json()) or the --c_* flags for another machine.
+--cost_json (a file holding CostModel.to_json(), e.g. one saved by
+`scripts/bench_burst.py --save_cost_model`), the --c_* flags, or --calibrate_from=trace.jsonl
+(an engine trace or calibration rows; fitted by arcjax.costmodel, its error printed) for
+another machine.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ _TILE = flags.DEFINE_integer("chunk_tile", 128, "non-final chunks are multiples 
 _BLOCK = flags.DEFINE_integer("block_size", 16, "tokens per KV block")
 _BLOCKS = flags.DEFINE_integer("num_blocks", 0, "KV blocks; 0 = enough for every user at once")
 _COST_JSON = flags.DEFINE_string("cost_json", None, "file with a CostModel as JSON")
+_CALIBRATE = flags.DEFINE_list("calibrate_from", [], "fit the cost model to these JSONL "
+                               "files (engine traces or calibration rows)")
 _C0 = flags.DEFINE_float("c0", CostModel.c0, "seconds per step")
 _C_PREFILL = flags.DEFINE_float("c_prefill", CostModel.c_prefill, "seconds per prompt token")
 _C_DECODE = flags.DEFINE_float("c_decode", CostModel.c_decode, "seconds per decode row")
@@ -63,7 +68,13 @@ def parse_variant(text: str, base: SchedulerConfig) -> SchedulerConfig:
 def read_flags() -> SimulateConfig:
     num_blocks = _BLOCKS.value or _USERS.value * -(-(_PROMPT.value + _MAX_TOKENS.value)
                                                    // _BLOCK.value)
-    if _COST_JSON.value:
+    if _CALIBRATE.value:
+        from arcjax import costmodel  # numpy/scipy: only for fitting, not for simulating
+
+        rows = [r for path in _CALIBRATE.value for r in costmodel.read_rows(path)]
+        cost, report = costmodel.fit_cost_model(rows)
+        print(f"calibrated from {', '.join(_CALIBRATE.value)}: {report.describe()}")
+    elif _COST_JSON.value:
         with open(_COST_JSON.value) as f:
             cost = CostModel.from_json(json.load(f))
     else:

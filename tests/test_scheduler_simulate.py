@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import pathlib
 import subprocess
@@ -166,3 +167,21 @@ def test_bench_script_runs_small():
     out = _script("bench_scheduler.py", "--running=8", "--waiting=16", "--prompt_tokens=64",
                   "--repeats=20", "--steps=5", "--max_num_seqs=8,16")
     assert out.count("token_budget") == 2
+
+
+def test_simulate_script_calibrates_from_rows(tmp_path):
+    """--calibrate_from fits the cost model to step rows with known coefficients and
+    simulates with it (the printed model carries the recovered coefficients)."""
+    rows = []
+    for i in range(60):
+        p, d = (i * 37) % 900, (i * 7) % 40
+        rows.append({"prefill_tokens": p, "decode_tokens": d, "kv_read": 0,
+                     "cycle_s": 0.01 + 2e-4 * p + 1e-3 * d})
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = _script("simulate.py", "--users=4", "--prompt_tokens=64", "--max_tokens=4",
+                  f"--calibrate_from={path}", "--variants=token_budget")
+    assert "calibrated from" in out and "R^2 1.000" in out
+    cost = json.loads(out.split("cost ", 1)[1].splitlines()[0])
+    assert cost["c_prefill"] == pytest.approx(2e-4, rel=1e-6)
+    assert cost["c_decode"] == pytest.approx(1e-3, rel=1e-6)
