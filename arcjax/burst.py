@@ -29,7 +29,7 @@ from arcjax.engine import Engine
 from arcjax.runner import ModelRunner
 from arcjax.sampling import SamplingBatch, SamplingParams
 from arcjax.tokenizer import Tokenizer
-from arcjax.trace import KNOB_ENGAGEMENT, engagement
+from arcjax.trace import engagement, knob_report
 from scheduler import metrics
 from scheduler.simulate import RequestRecord, simulate
 
@@ -238,13 +238,6 @@ def engaged_counts(steps) -> dict[str, int]:
             for name in s.engaged:
                 counts[name] = counts.get(name, 0) + 1
     return {k: n for k, n in counts.items() if n}
-
-
-def knob_report(counts: Mapping[str, int], configured: Mapping[str, int]) -> dict:
-    """For every configured knob: its value, and in how many steps it engaged."""
-    return {knob: {"value": value, "engaged_steps": counts.get(KNOB_ENGAGEMENT.get(knob, knob), 0),
-                   "engaged": counts.get(KNOB_ENGAGEMENT.get(knob, knob), 0) > 0}
-            for knob, value in configured.items()}
 
 
 def _finite(x: float | None) -> float | None:

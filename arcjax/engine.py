@@ -16,6 +16,7 @@ NOTE: invariants.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import time
@@ -196,7 +197,7 @@ class Engine:
             prefill_tokens=plan.num_prefill_tokens, decode_tokens=plan.num_decode_tokens,
             num_seqs=plan.num_seqs, bucket=(bucket.tokens, bucket.seqs, bucket.max_q_len),
             compiled=compiled, engaged=plan.engaged.as_dict(),
-            sampled={c.request_id: 1 for c in plan_chunks if c.samples}))
+            sampled=tuple(c.request_id for c in plan_chunks if c.samples)))
         return self._emit(changed)
 
     def _append(self, req: _Request, token: int, now: float) -> bool:
@@ -230,10 +231,7 @@ class Engine:
 
     def check_trace(self) -> dict[str, int]:
         """Self-check: every request's token count equals the tokens the trace sampled."""
-        counts: dict[str, int] = {}
-        for rec in self.trace:
-            for rid, n in rec.sampled.items():
-                counts[rid] = counts.get(rid, 0) + n
+        counts = collections.Counter(rid for rec in self.trace for rid in rec.sampled)
         bad = {rid: (len(r.token_ids), counts.get(rid, 0)) for rid, r in self.requests.items()
                if len(r.token_ids) != counts.get(rid, 0)}
         if bad:

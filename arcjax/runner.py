@@ -60,7 +60,6 @@ class ModelRunner:
         self.cache = model.make_cache(cfg, num_blocks, block_size, self.dtype)
         self._compiled: dict[Bucket, object] = {}
         self.compile_count = 0
-        self.compile_seconds = 0.0
 
     def prepare(self, chunks: Sequence[SeqChunk],
                 sampling_rows: Sequence[tuple[SamplingParams, int, int]]):
@@ -80,11 +79,9 @@ class ModelRunner:
                    _signature((self.params, self.cache, batch, sampling)))
             exe = _EXECUTABLES.get(key)
             if exe is None:
-                t0 = time.perf_counter()
                 exe = _step.lower(self.params, self.cache, batch, sampling, cfg=self.cfg,
                                   attn_impl=self.attn_impl, dtype=self.dtype,
                                   max_q_len=bucket.max_q_len).compile()
-                self.compile_seconds += time.perf_counter() - t0
                 self.compile_count += 1
                 _EXECUTABLES[key] = exe
             self._compiled[bucket] = exe

@@ -25,7 +25,7 @@ class StepRecord:
     bucket: tuple[int, int, int]  # (T, S, max_q_len)
     compiled: bool  # this step compiled its bucket (never after warm-up)
     engaged: Mapping  # the plan's record of what each scheduling knob did
-    sampled: Mapping[str, int] = dataclasses.field(default_factory=dict)  # request -> tokens
+    sampled: tuple[str, ...] = ()  # requests that got a token this step
 
     @property
     def duration(self) -> float:
@@ -63,24 +63,26 @@ KNOB_ENGAGEMENT = {
 }
 
 
-def _engaged_now(value) -> bool:
-    """Whether a knob's entry in `engaged` records that it acted this step."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, float)):
-        return value > 0
-    if isinstance(value, (list, tuple, dict, str)):
-        return len(value) > 0
-    return value is not None
-
-
 def engagement(records: Iterable[StepRecord]) -> dict[str, int]:
-    """How many steps each knob engaged in (knobs that never engaged map to 0)."""
+    """How many steps each knob engaged in (knobs that never engaged map to 0).
+
+    An `engaged` entry is falsy (0, False, ()) exactly when its knob did not act.
+    """
     counts: Counter = Counter()
     for r in records:
         for knob, value in r.engaged.items():
-            counts[knob] += int(_engaged_now(value))
+            counts[knob] += bool(value)
     return dict(counts)
+
+
+def knob_report(counts: Mapping[str, int], configured: Mapping[str, object]) -> dict:
+    """For every configured knob (config field name): its value, and in how many steps
+    its `engaged` entry acted."""
+    report = {}
+    for knob, value in dict(configured).items():
+        n = counts.get(KNOB_ENGAGEMENT.get(knob, knob), 0)
+        report[knob] = {"value": value, "engaged_steps": n, "engaged": n > 0}
+    return report
 
 
 def summarize(records: list[StepRecord], wall_time: float,
@@ -89,11 +91,7 @@ def summarize(records: list[StepRecord], wall_time: float,
     configured knob whether it ever engaged and how often."""
     kinds = Counter(r.kind for r in records)
     busy = sum(r.duration for r in records)
-    counts = engagement(records)
-    knobs = {}
-    for knob, value in dict(configured_knobs).items():
-        n = counts.get(KNOB_ENGAGEMENT.get(knob, knob), 0)
-        knobs[knob] = {"value": value, "engaged_steps": n, "engaged": n > 0}
+    knobs = knob_report(engagement(records), configured_knobs)
     return {
         "steps": len(records),
         "steps_by_kind": dict(kinds),
@@ -111,7 +109,3 @@ def write_jsonl(records: Iterable[StepRecord], path) -> None:
         for r in records:
             f.write(json.dumps(r.to_json()) + "\n")
 
-
-def read_jsonl(path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

@@ -104,12 +104,12 @@ def test_stop_token_ids_and_stop_strings():
                                                 stop_token_ids=(stop_id,)), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:first + 1]
     text = free.text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
-    if stop.strip():
-        out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0,
-                                                    ignore_eos=True, stop=(stop,)), use_tqdm=False)[0]
-        assert out.finish_reason == "stop"
-        assert out.text == text[:text.index(stop)]
+    cut = next(i for i in range(len(text) // 2, len(text) - 1) if text[i:i + 2].strip())
+    stop = text[cut:cut + 2]  # a non-blank 2-character stop string from the second half
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0,
+                                                ignore_eos=True, stop=(stop,)), use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == text[:text.index(stop)]
     # Streaming deltas concatenate to the final text.
     deltas = [o.delta_text for o in llm.stream([prompt], SamplingParams(
         max_tokens=24, temperature=0, ignore_eos=True))]
