@@ -1,16 +1,46 @@
-"""Typed errors for bad requests: each is a ValueError naming the field and the limit."""
+"""arcjax's typed errors: the scheduler's hierarchy, plus the engine's own subclasses.
+
+Every error caused by bad input is an `InputError` (a `ValueError`) carrying `.field` (what was
+wrong, as the caller spelled it) and `.limit` (the bound it broke, or None). The scheduler's
+classes are the same objects here (never re-wrapped), so `.field` survives from the planner to an
+HTTP 400. Files that cannot be loaded raise `ModelFileError` subclasses naming the file.
+"""
+
+from __future__ import annotations
+
+from scheduler.errors import (CommitError, ConfigError, DuplicateRequestError, InputError,
+                              RequestError, RequestTooLargeError, StepOrderError,
+                              UnknownRequestError)
+
+__all__ = ["CommitError", "ConfigError", "DuplicateRequestError", "EngineConfigError",
+           "InputError", "ModelConfigError", "ModelFileError", "RequestError",
+           "RequestTooLargeError", "SamplingParamsError", "StepOrderError",
+           "UnknownRequestError", "WeightsError"]
 
 
-class RequestError(ValueError):
-    """A request rejected at submission; nothing else in the engine is affected."""
-
-
-class UnknownRequestError(RequestError, KeyError):
-    """abort() of an id that is not an unfinished request."""
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-class EngineConfigError(ValueError):
+class EngineConfigError(ConfigError):
     """An engine option out of range (names the option and the limit)."""
+
+
+class SamplingParamsError(RequestError):
+    """An invalid sampling parameter (field: the parameter's name)."""
+
+
+class ModelFileError(ValueError):
+    """A model file arcjax cannot use; `.path` names the file, the message says what is wrong."""
+
+    def __init__(self, path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
+
+    def __reduce__(self):
+        return type(self), (self.path, self.reason)
+
+
+class WeightsError(ModelFileError):
+    """A checkpoint that cannot be loaded (missing, truncated or mismatched tensors)."""
+
+
+class ModelConfigError(ModelFileError):
+    """A config.json that arcjax cannot run (names the field and why)."""

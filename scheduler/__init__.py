@@ -13,7 +13,7 @@ Requests enter with add_request(state, Request(...)) and leave through commit or
 from scheduler.blocks import BlockPool, blocks_for
 from scheduler.commit import commit
 from scheduler.config import POLICIES, SchedulerConfig
-from scheduler.errors import CommitError, ConfigError, DuplicateRequestError, RequestError
+from scheduler.errors import CommitError, ConfigError, DuplicateRequestError, InputError, RequestError
 from scheduler.errors import RequestTooLargeError, StepOrderError, UnknownRequestError
 from scheduler.plan import Chunk, Engaged, StepPlan
 from scheduler.policies import schedule
@@ -22,7 +22,7 @@ from scheduler.state import SchedulerState, abort, add_request
 
 __all__ = [
     "BlockPool", "Chunk", "CommitError", "ConfigError", "DuplicateRequestError", "Engaged",
-    "FINISH_LENGTH", "FINISH_STOP", "Finished", "POLICIES", "Request", "RequestError", "RequestId",
+    "FINISH_LENGTH", "FINISH_STOP", "Finished", "InputError", "POLICIES", "Request", "RequestError", "RequestId",
     "RequestTooLargeError", "SchedulerConfig", "SchedulerState", "StepOrderError", "StepPlan",
     "UnknownRequestError", "abort", "add_request", "blocks_for", "commit", "schedule",
 ]
