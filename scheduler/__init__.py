@@ -18,11 +18,12 @@ from scheduler.errors import RequestTooLargeError, StepOrderError, UnknownReques
 from scheduler.plan import Chunk, Engaged, StepPlan
 from scheduler.policies import schedule
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, Request, RequestId
-from scheduler.state import SchedulerState, abort, add_request
+from scheduler.state import SchedulerState, abort, add_request, validate_request
 
 __all__ = [
     "BlockPool", "Chunk", "CommitError", "ConfigError", "DuplicateRequestError", "Engaged",
     "FINISH_LENGTH", "FINISH_STOP", "Finished", "InputError", "POLICIES", "Request", "RequestError", "RequestId",
     "RequestTooLargeError", "SchedulerConfig", "SchedulerState", "StepOrderError", "StepPlan",
     "UnknownRequestError", "abort", "add_request", "blocks_for", "commit", "schedule",
+    "validate_request",
 ]

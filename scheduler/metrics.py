@@ -40,11 +40,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
-def step_kind(step: StepTimes) -> str:
+def step_kind(prefill_tokens: int, decode_tokens: int) -> str:
     """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle"."""
-    if step.prefill_tokens:
-        return "mixed" if step.decode_tokens else "prompt"
-    return "decode" if step.decode_tokens else "idle"
+    if prefill_tokens:
+        return "mixed" if decode_tokens else "prompt"
+    return "decode" if decode_tokens else "idle"
 
 
 def ttfts(requests: Iterable[RequestTimes], window_end: float = math.inf) -> list[float]:
@@ -91,7 +91,7 @@ def steps_by_kind(steps: Iterable[StepTimes]) -> dict[str, KindStats]:
     """Count and mean duration of prompt-only, mixed and decode-only steps."""
     durations: dict[str, list[float]] = {kind: [] for kind in STEP_KINDS}
     for step in steps:
-        kind = step_kind(step)
+        kind = step_kind(step.prefill_tokens, step.decode_tokens)
         if kind in durations:
             durations[kind].append(step.end - step.start)
     return {kind: KindStats(count=len(d), mean_s=sum(d) / len(d) if d else 0.0)

@@ -15,6 +15,7 @@ from itertools import chain
 from operator import itemgetter
 
 from scheduler.blocks import BlockTable
+from scheduler.metrics import step_kind
 from scheduler.request import RequestId, TokenStack
 from scheduler.state import SchedulerState
 
@@ -143,12 +144,14 @@ class StepPlan:
         return not self.request_ids
 
     @property
+    def decode_only(self) -> bool:
+        """Every row is a decode (length 1) and there is at least one."""
+        return bool(self.request_ids) and self.num_tokens == len(self.request_ids)
+
+    @property
     def kind(self) -> str:
         """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle"."""
-        prefill = self.num_tokens > self.num_decode_rows
-        if self.num_decode_rows:
-            return "mixed" if prefill else "decode"
-        return "prompt" if prefill else "idle"
+        return step_kind(self.num_prefill_tokens, self.num_decode_rows)
 
     @property
     def cu_seqlens(self) -> tuple[int, ...]:

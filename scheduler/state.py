@@ -183,7 +183,13 @@ class SchedulerState:
         raise UnknownRequestError(request_id)
 
 
-def _validate(request: Request, state: SchedulerState) -> None:
+def validate_request(request: Request, config: SchedulerConfig) -> None:
+    """The checks `add_request` makes that do not depend on the state (callers that queue a
+    request elsewhere, like the engine's inbox, run them at submission).
+
+    Raises:
+      RequestError (RequestTooLargeError for a request that can never fit in the cache).
+    """
     rid = request.request_id
     if not isinstance(rid, (int, str)) or isinstance(rid, bool):
         raise RequestError("request_id", f"must be an int or str, got {rid!r}")
@@ -200,7 +206,7 @@ def _validate(request: Request, state: SchedulerState) -> None:
         raise RequestError("priority", f"must be an int, got {request.priority!r}")
     if not isinstance(request.arrival_time, (int, float)) or request.arrival_time != request.arrival_time:
         raise RequestError("arrival_time", f"must be a number, got {request.arrival_time!r}")
-    limit = state.config.max_request_tokens
+    limit = config.max_request_tokens
     if len(prompt) + max_tokens > limit:
         raise RequestTooLargeError(
             "max_tokens",
@@ -208,6 +214,11 @@ def _validate(request: Request, state: SchedulerState) -> None:
             f"the limit is {limit} tokens ((num_blocks - watermark_blocks) * block_size + 1)",
             limit=limit,
         )
+
+
+def _validate(request: Request, state: SchedulerState) -> None:
+    validate_request(request, state.config)
+    rid = request.request_id
     if rid in state.request_ids():
         raise DuplicateRequestError("request_id", f"{rid!r} is already waiting or running")
 

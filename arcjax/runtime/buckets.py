@@ -19,11 +19,7 @@ import dataclasses
 class Bucket:
     tokens: int  # T
     seqs: int  # S
-    max_q_len: int  # static bound on a chunk's length in this bucket
-
-    @property
-    def decode_only(self) -> bool:
-        return self.max_q_len == 1
+    max_q_len: int  # static bound on a chunk's length in this bucket (1: decode-only)
 
 
 def token_ladder(tile: int, max_tokens: int) -> tuple[int, ...]:

@@ -48,6 +48,7 @@ class RequestOutput:
     text: str  # all generated text so far (stop string excluded)
     token_ids: tuple[int, ...]  # all generated token ids so far
     finished: bool
-    finish_reason: str | None  # "length" | "stop" | "abort" | None while running
+    finish_reason: str | None  # "length" | "stop" | "abort" | "error" | None while running
     metrics: RequestMetrics
     delta_text: str = ""  # text new since the previous output for this request
+    error: str | None = None  # why the request finished with reason "error"

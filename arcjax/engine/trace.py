@@ -13,6 +13,8 @@ import json
 from collections import Counter
 from typing import Iterable, Mapping
 
+from scheduler.metrics import step_kind
+
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
@@ -26,6 +28,7 @@ class StepRecord:
     compiled: bool  # this step compiled its bucket (never after warm-up)
     engaged: Mapping  # the plan's record of what each scheduling knob did
     sampled: tuple[str, ...] = ()  # requests that got a token this step
+    error: str | None = None  # set when the step failed (its requests finished "error")
 
     @property
     def duration(self) -> float:
@@ -33,9 +36,7 @@ class StepRecord:
 
     @property
     def kind(self) -> str:
-        if self.prefill_tokens and self.decode_tokens:
-            return "mixed"
-        return "prompt" if self.prefill_tokens else "decode"
+        return step_kind(self.prefill_tokens, self.decode_tokens)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)

@@ -20,18 +20,16 @@ from typing import Any
 
 import tokenizers
 
+from arcjax.errors import ModelFileError
+
 REPLACEMENT_CHAR = "\ufffd"
 # Tokens of left context decoded with each new token, so decoders whose output depends on the
 # previous token (Metaspace's leading space, WordPiece's "##") render the new text correctly.
 _CONTEXT_TOKENS = 5
 
 
-class TokenizerFileError(ValueError):
+class TokenizerFileError(ModelFileError):
     """A tokenizer file is missing, unreadable or malformed. `path` names the file."""
-
-    def __init__(self, path: str, reason: str):
-        super().__init__(f"{path}: {reason}")
-        self.path = path
 
 
 class TokenizerFileNotFoundError(TokenizerFileError, FileNotFoundError):
@@ -138,11 +136,6 @@ class Tokenizer:
         """Number of ids the tokenizer can produce, added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    @property
-    def backend(self) -> tokenizers.Tokenizer:
-        """The underlying `tokenizers.Tokenizer`."""
-        return self._tok
-
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; with `add_special_tokens`, BOS is added where the model expects it."""
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -211,6 +204,15 @@ class IncrementalDetokenizer:
         if delta:
             self._pieces.append(delta)
         return delta
+
+    def snapshot(self) -> tuple:
+        """The state `add`/`flush` change, in O(1) (they only append)."""
+        return len(self._ids), self._read_offset, self._prefix_offset, len(self._pieces)
+
+    def restore(self, snap: tuple) -> None:
+        n_ids, self._read_offset, self._prefix_offset, n_pieces = snap
+        del self._ids[n_ids:]
+        del self._pieces[n_pieces:]
 
     def _window_texts(self) -> tuple[str, str]:
         decode = self._tok.decode

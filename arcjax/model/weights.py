@@ -1,9 +1,10 @@
 """Hugging Face checkpoints <-> the arcjax params pytree.
 
 1. `load_hf(model_dir, dtype)` reads config.json, then every tensor of
-   model.safetensors (or the shards listed in model.safetensors.index.json) through a
-   read-only memory map, converts it once into its slot of the stacked params tree
-   (no second full copy in host memory), and moves it to the device.
+   model.safetensors (or the shards listed in model.safetensors.index.json) through
+   `safetensors.safe_open` (memory-mapped, validated by the library: truncated files and
+   absurd headers are refused), converts it once into its slot of the stacked params
+   tree (no second full copy in host memory), and moves it to the device.
 2. With `cache_dir`, the converted params are saved with orbax-checkpoint under a
    key of (files, sizes, mtimes, dtype) and restored from there next time.
 3. `save_hf(params, cfg, out_dir)` writes config.json + model.safetensors with
@@ -15,25 +16,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, which safetensors needs)
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
-from arcjax.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from arcjax.model import ParamSpec, Params, param_specs
-
-
-class WeightsError(ValueError):
-    """A checkpoint arcjax cannot load; the message names the file and the tensor."""
-
-
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-              "F64": np.float64, "I64": np.int64, "I32": np.int32}
-_ST_NAMES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+from arcjax.errors import ModelConfigError, WeightsError
+from arcjax.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from arcjax.model.specs import Params, is_spec, param_specs
 
 # arcjax name -> (Hugging Face name pattern, transpose). "{i}" is the layer index.
 _LAYER_NAMES = {
@@ -61,69 +55,65 @@ _TOP_NAMES = {
 
 
 def read_config(model_dir: str | os.PathLike) -> ModelConfig:
+    """The model's config.json as a ModelConfig.
+
+    Raises:
+      ModelConfigError: missing, unparsable, not a JSON object, missing fields or unsupported.
+    """
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise WeightsError(f"{path}: config.json not found (supported architectures: "
-                           f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ModelConfigError(path, "config.json not found (supported architectures: "
+                                     f"{', '.join(SUPPORTED_ARCHITECTURES)})")
     try:
-        return ModelConfig.from_hf_dict(json.loads(path.read_text()))
-    except (KeyError, json.JSONDecodeError) as e:
-        raise WeightsError(f"{path}: cannot read config ({e!r})") from e
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelConfigError(path, f"not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelConfigError(path, f"expected a JSON object, got {type(data).__name__}")
+    try:
+        return ModelConfig.from_hf_dict(data)
+    except ModelConfigError as e:
+        raise ModelConfigError(path, e.reason) from e
+    except KeyError as e:
+        raise ModelConfigError(path, f"required field {e.args[0]!r} is missing") from e
+    except (TypeError, ValueError) as e:
+        raise ModelConfigError(path, f"a field has the wrong type ({e})") from e
 
 
-def _read_header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise WeightsError(f"{path}: not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", raw)
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise WeightsError(f"{path}: corrupt safetensors header") from e
-    return header, 8 + n
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="numpy")
+    except SafetensorError as e:
+        raise WeightsError(path, f"not a readable safetensors file ({e})") from e
+    except OSError as e:
+        raise WeightsError(path, f"cannot open ({e})") from e
 
 
-class _SafetensorsFile:
-    """Zero-copy tensor views over one memory-mapped safetensors file."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.header, self.offset = _read_header(path)
-        self.header.pop("__metadata__", None)
-        self.mm = np.memmap(path, dtype=np.uint8, mode="r")
-
-    def get(self, name: str) -> np.ndarray:
-        meta = self.header[name]
-        if meta["dtype"] not in _ST_DTYPES:
-            raise WeightsError(f"{self.path}: tensor {name} has unsupported dtype {meta['dtype']}")
-        start, end = meta["data_offsets"]
-        buf = self.mm[self.offset + start:self.offset + end]
-        return buf.view(_ST_DTYPES[meta["dtype"]]).reshape(meta["shape"])
-
-
-def _open_checkpoint(model_dir: Path) -> dict[str, _SafetensorsFile]:
-    """Maps each tensor name to the open file that holds it."""
+def _open_checkpoint(model_dir: Path) -> dict[str, tuple[Path, object]]:
+    """Maps each tensor name to (file, open safe_open handle) that holds it."""
     index = model_dir / "model.safetensors.index.json"
     single = model_dir / "model.safetensors"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(index, f"not a valid safetensors index ({e!r})") from e
         files = {}
         for fname in sorted(set(weight_map.values())):
             if not (model_dir / fname).is_file():
-                raise WeightsError(f"{model_dir / fname}: shard listed in {index.name} is missing")
-            files[fname] = _SafetensorsFile(model_dir / fname)
+                raise WeightsError(model_dir / fname, f"shard listed in {index.name} is missing")
+            files[fname] = (model_dir / fname, _open(model_dir / fname))
         out = {}
         for name, fname in weight_map.items():
-            if name not in files[fname].header:
-                raise WeightsError(f"{model_dir / fname}: tensor {name} listed in {index.name} "
-                                   "is not in the shard")
+            path, handle = files[fname]
+            if name not in handle.keys():
+                raise WeightsError(path, f"tensor {name} listed in {index.name} is not in the shard")
             out[name] = files[fname]
         return out
     if single.is_file():
-        f = _SafetensorsFile(single)
-        return {name: f for name in f.header}
-    raise WeightsError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        handle = _open(single)
+        return {name: (single, handle) for name in handle.keys()}
+    raise WeightsError(model_dir, "no model.safetensors or model.safetensors.index.json")
 
 
 def _hf_entries(cfg: ModelConfig):
@@ -146,6 +136,13 @@ def _get(tree, path):
     return tree
 
 
+def _read_tensor(path: Path, handle, name: str) -> np.ndarray:
+    try:
+        return handle.get_tensor(name)
+    except (SafetensorError, TypeError, ValueError) as e:
+        raise WeightsError(path, f"tensor {name} cannot be read ({e})") from e
+
+
 def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
             cache_dir: str | os.PathLike | None = None) -> tuple[ModelConfig, Params]:
     """Loads a Hugging Face model directory into (config, params on device).
@@ -154,6 +151,10 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
       model_dir: directory with config.json and safetensors weights.
       dtype: the params' dtype (converted once, tensor by tensor).
       cache_dir: if set, converted params are cached there with orbax-checkpoint.
+
+    Raises:
+      ModelConfigError: config.json is missing or malformed.
+      WeightsError: a weight file is missing, truncated or inconsistent with config.json.
     """
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
@@ -164,24 +165,23 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
         if restored is not None:
             return cfg, restored
     tensors = _open_checkpoint(model_dir)
-    specs = param_specs(cfg)
     np_dtype = np.dtype(jnp.dtype(dtype))
-    host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), specs,
-                        is_leaf=lambda x: isinstance(x, ParamSpec))
+    host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), param_specs(cfg), is_leaf=is_spec)
     for path, layer, name, transpose in _hf_entries(cfg):
         if name not in tensors:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
-            raise WeightsError(f"{model_dir}: tensor {name} is missing from the checkpoint "
-                               f"(architecture {cfg.architecture})")
-        arr = tensors[name].get(name)
+            raise WeightsError(model_dir, f"tensor {name} is missing from the checkpoint "
+                                          f"(architecture {cfg.architecture})")
+        file, handle = tensors[name]
+        arr = _read_tensor(file, handle, name)
         arr = arr.T if transpose else arr
         dst = _get(host, path)
         want = dst.shape[1:] if layer is not None else dst.shape
         if tuple(arr.shape) != tuple(want):
-            raise WeightsError(f"{tensors[name].path}: tensor {name} has shape "
-                               f"{tuple(tensors[name].get(name).shape)}, config.json implies "
-                               f"{tuple(want[::-1]) if transpose else tuple(want)}")
+            hf_shape = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
+            raise WeightsError(file, f"tensor {name} has shape {hf_shape}, config.json implies "
+                                     f"{tuple(want[::-1]) if transpose else tuple(want)}")
         if layer is None:
             dst[...] = arr
         else:
@@ -205,9 +205,8 @@ def _restore_cached(path: Path, cfg: ModelConfig, dtype) -> Params | None:
         return None
     import orbax.checkpoint as ocp
 
-    specs = param_specs(cfg)
-    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)), specs,
-                          is_leaf=lambda x: isinstance(x, ParamSpec))
+    target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.dtype(dtype)),
+                          param_specs(cfg), is_leaf=is_spec)
     with ocp.StandardCheckpointer() as ckpt:
         return ckpt.restore(path.resolve(), target)
 
@@ -234,21 +233,4 @@ def save_hf(params: Params, cfg: ModelConfig, out_dir: str | os.PathLike,
         arr = np.asarray(_get(params, path))
         arr = arr[layer] if layer is not None else arr
         tensors[name] = np.ascontiguousarray((arr.T if transpose else arr).astype(np_dtype))
-    write_safetensors(out / "model.safetensors", tensors)
-
-
-def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    """Minimal safetensors writer (also for bfloat16, which numpy lacks natively)."""
-    header, offset = {}, 0
-    for name, arr in tensors.items():
-        header[name] = {"dtype": _ST_NAMES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-    header["__metadata__"] = {"format": "pt"}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for arr in tensors.values():
-            f.write(arr.tobytes())
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -12,16 +12,14 @@ import dataclasses
 import math
 from typing import Mapping
 
+from arcjax.errors import ModelConfigError
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
-
-
-class ModelConfigError(ValueError):
-    """A config.json that arcjax cannot run (names the field and why)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,13 +49,15 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) < 1:
-                raise ModelConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ModelConfigError("config.json", f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
+                "config.json",
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
+                "config.json",
                 f"architecture {self.architecture!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
 
@@ -72,11 +72,12 @@ class ModelConfig:
         arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(d.get("model_type", ""), "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
+                "config.json",
                 f"architecture {arch or d.get('model_type')!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         act = d.get("hidden_act", "silu")
         if act != "silu":
-            raise ModelConfigError(f"hidden_act {act!r} is not supported; only 'silu'")
+            raise ModelConfigError("config.json", f"hidden_act {act!r} is not supported; only 'silu'")
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         rope = dict(d.get("rope_parameters") or {})
@@ -87,7 +88,7 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         attention_bias = bool(d.get("attention_bias", False))
         if d.get("mlp_bias"):
-            raise ModelConfigError("mlp_bias=True is not supported")
+            raise ModelConfigError("config.json", "mlp_bias=True is not supported")
         if arch == "MistralForCausalLM" and d.get("sliding_window") and d.get(
                 "use_sliding_window", True) and d["sliding_window"] < d.get(
                     "max_position_embeddings", 0):
@@ -172,7 +173,7 @@ def _parse_rope_scaling(s: Mapping) -> tuple | None:
     if kind == "llama3":
         return ("llama3", float(s["factor"]), float(s["low_freq_factor"]),
                 float(s["high_freq_factor"]), int(s["original_max_position_embeddings"]))
-    raise ModelConfigError(f"rope_scaling type {kind!r} is not supported; "
+    raise ModelConfigError("config.json", f"rope_scaling type {kind!r} is not supported; "
                            "supported: default, linear, llama3")
 
 

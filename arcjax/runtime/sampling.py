@@ -9,18 +9,37 @@ is batched with, and across preemption (which keeps generated tokens).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arcjax.errors import SamplingParamsError
 
-class SamplingParamsError(ValueError):
-    """An invalid sampling parameter; the message names the field and the limit."""
+
+INT32_MAX = 2**31 - 1
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_number(x) -> bool:
+    return _is_int(x) or (isinstance(x, (float, np.floating)) and not isinstance(x, bool))
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples and when it stops (vLLM's names and meanings).
+
+    Every field is checked when the object is built: a wrong type or an out-of-range value
+    raises `SamplingParamsError` whose `.field` names it (bool is not accepted as an int,
+    floats must be finite, integers must fit the device's int32 arrays; `top_k` larger than
+    the vocabulary simply keeps every token). `stop` may be a string, a sequence of
+    strings, or None (no stop strings).
+    """
+
     max_tokens: int = 16
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = off
@@ -32,24 +51,53 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if not isinstance(self.max_tokens, (int, np.integer)) or self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, (int, np.integer)) or self.top_k < 0:
-            raise SamplingParamsError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0 < self.top_p <= 1:
-            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not 0 <= self.min_p <= 1:
-            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise SamplingParamsError(f"seed must be in [0, 2**32), got {self.seed!r}")
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        try:
+            stop = tuple(stop)
+            stop_ids = tuple(self.stop_token_ids)
+        except TypeError:
+            raise SamplingParamsError("stop", "stop and stop_token_ids must be sequences") from None
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) if _is_int(t) else t
+                                                         for t in stop_ids))
+        self._check_int("max_tokens", 1, INT32_MAX)
+        self._check_float("temperature", 0.0, None)
+        self._check_int("top_k", 0, INT32_MAX)
+        self._check_float("top_p", 0.0, 1.0, low_open=True)
+        self._check_float("min_p", 0.0, 1.0)
+        if self.seed is not None:
+            self._check_int("seed", 0, 2**32 - 1)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise SamplingParamsError("stop", f"stop strings must be str, got {self.stop!r}")
         if any(not s for s in self.stop):
-            raise SamplingParamsError("stop strings must be non-empty")
+            raise SamplingParamsError("stop", "stop strings must be non-empty")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                raise SamplingParamsError("stop_token_ids",
+                                          f"token ids must be ints >= 0, got {t!r}")
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            raise SamplingParamsError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
+
+    def _check_int(self, name: str, low: int, high: int) -> None:
+        value = getattr(self, name)
+        if not _is_int(value):
+            raise SamplingParamsError(name, f"must be an int, got {value!r}")
+        if not low <= value <= high:
+            raise SamplingParamsError(name, f"must be in [{low}, {high}], got {value}",
+                                      limit=low if value < low else high)
+        object.__setattr__(self, name, int(value))
+
+    def _check_float(self, name: str, low: float, high: float | None,
+                     low_open: bool = False) -> None:
+        value = getattr(self, name)
+        if not _is_number(value) or not math.isfinite(value):
+            raise SamplingParamsError(name, f"must be a finite number, got {value!r}")
+        bad_low = value <= low if low_open else value < low
+        if bad_low or (high is not None and value > high):
+            span = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]"
+            raise SamplingParamsError(name, f"must be in {span}, got {value}",
+                                      limit=low if bad_low else high)
+        object.__setattr__(self, name, float(value))
 
 
 @jax.tree_util.register_dataclass

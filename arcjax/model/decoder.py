@@ -10,9 +10,7 @@ Two entry points share every layer's code and differ only in attention:
 2. `forward_dense(params, cfg, token_ids)`: plain causal attention over whole
    sequences `[B, L]`, for training and as an independent check.
 
-Params layout (one spec per array in `param_specs`; layer weights stacked on a
-leading `L` axis so the layer loop is a `lax.scan`, which keeps compile time flat
-in depth). Linear weights are stored `[in, out]`.
+Params and cache layouts are declared once in `arcjax.model.specs`.
 """
 
 from __future__ import annotations
@@ -23,72 +21,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from arcjax.config import ModelConfig, rope_inv_freq
-
-Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"?}
-Cache = dict  # {"k": [L * num_blocks, block_size, Hkv, D], "v": same}
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamSpec:
-    shape: tuple[int, ...]
-    init: str  # "normal" | "ones" | "zeros"
-
-
-def param_specs(cfg: ModelConfig) -> dict:
-    """One spec per array: init, loading and export all derive from this tree."""
-    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layers = {
-        "attn_norm": ParamSpec((L, H), "ones"),
-        "wq": ParamSpec((L, H, q_dim), "normal"),
-        "wk": ParamSpec((L, H, kv_dim), "normal"),
-        "wv": ParamSpec((L, H, kv_dim), "normal"),
-        "wo": ParamSpec((L, q_dim, H), "normal"),
-        "mlp_norm": ParamSpec((L, H), "ones"),
-        "w_gate": ParamSpec((L, H, I), "normal"),
-        "w_up": ParamSpec((L, H, I), "normal"),
-        "w_down": ParamSpec((L, I, H), "normal"),
-    }
-    if cfg.qkv_bias:
-        layers |= {"bq": ParamSpec((L, q_dim), "zeros"), "bk": ParamSpec((L, kv_dim), "zeros"),
-                   "bv": ParamSpec((L, kv_dim), "zeros")}
-    if cfg.o_bias:
-        layers["bo"] = ParamSpec((L, H), "zeros")
-    if cfg.qk_norm:
-        layers |= {"q_norm": ParamSpec((L, cfg.head_dim), "ones"),
-                   "k_norm": ParamSpec((L, cfg.head_dim), "ones")}
-    specs = {"embed": ParamSpec((V, H), "normal"), "layers": layers,
-             "final_norm": ParamSpec((H,), "ones")}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = ParamSpec((H, V), "normal")
-    return specs
-
-
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
-    """Random params (normal(0, std) weights, unit norms, zero biases)."""
-    specs = param_specs(cfg)
-    leaves, treedef = jax.tree.flatten(specs, is_leaf=lambda x: isinstance(x, ParamSpec))
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for spec, k in zip(leaves, keys):
-        if spec.init == "normal":
-            out.append((std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype))
-        else:
-            out.append(jnp.full(spec.shape, 1.0 if spec.init == "ones" else 0.0, dtype))
-    return jax.tree.unflatten(treedef, out)
-
-
-def make_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> Cache:
-    """A zeroed paged KV cache for every layer.
-
-    NOTE: layers are flattened into the block axis: layer l's block b is page
-    `l * num_blocks + b`. The layer loop then carries the whole cache and addresses a
-    layer by offsetting block tables and slots, so K/V writes are in-place scatters
-    into the donated buffer and no layer slice is ever copied.
-    """
-    shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+from arcjax.model.config import ModelConfig, rope_inv_freq
+from arcjax.model.specs import Cache, Params
 
 
 @jax.tree_util.register_dataclass

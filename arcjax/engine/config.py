@@ -1,0 +1,141 @@
+"""`EngineConfig`: every engine option, frozen and validated before anything is loaded.
+
+Built from keyword arguments (`EngineConfig.from_options(model, **options)`, what `LLM`,
+`AsyncLLM` and the server pass through) and from the environment: `ARC_PREFILL_MAX_SEQS`
+and `ARC_PREFILL_FLOOR_STEPS` fill the scheduler knobs of the same meaning, explicit
+arguments winning. Every bad option raises `EngineConfigError` (a `ConfigError`) whose
+`.field` names it. `arcjax.engine.build.build_engine` turns a config into an engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import scheduler
+from arcjax.errors import ConfigError, EngineConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu")
+
+# Scheduler knobs an engine option sets directly (SchedulerConfig field names).
+SCHEDULER_OPTIONS = ("policy", "max_num_batched_tokens", "max_num_seqs", "prefill_max_seqs",
+                     "prefill_floor_steps", "chunk_tile", "long_prefill_token_threshold",
+                     "max_num_partial_prefills", "watermark_blocks")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How an engine is built and scheduled.
+
+    Attributes:
+      model: a Hugging Face-format directory (config.json, *.safetensors, tokenizer.json);
+        None = the packaged default model.
+      dtype: "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU.
+      max_model_len: longest prompt + output; None = min(model's limit, 4096).
+      num_kv_blocks: KV cache size in blocks; None = from kv_memory_fraction of the device's
+        memory on GPU, room for max_num_seqs full sequences (at most 256 MiB) on CPU.
+      kv_memory_fraction: share of free device memory the KV cache takes (GPU default).
+      block_size: tokens per KV block (a power of two).
+      attention_impl: "auto" | "xla" | "pallas_gpu".
+      seed: seeds requests whose SamplingParams have no seed.
+      cache_dir: where converted params are cached (orbax); None = no cache.
+      trace_capacity: engine steps the trace ring keeps (oldest dropped first).
+      policy ... watermark_blocks: the scheduler knobs (see scheduler.SchedulerConfig);
+        max_num_seqs defaults to 64 here.
+    """
+
+    model: str | None = None
+    dtype: str | None = None
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    kv_memory_fraction: float = 0.5
+    block_size: int = 16
+    attention_impl: str = "auto"
+    seed: int = 0
+    cache_dir: str | None = None
+    trace_capacity: int = 10_000
+    policy: str = "token_budget"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    prefill_max_seqs: int = 0
+    prefill_floor_steps: int = 0
+    chunk_tile: int = 128
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    watermark_blocks: int = 0
+
+    def __post_init__(self):
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
+            raise EngineConfigError("model", f"must be a path or None, got {self.model!r}")
+        if self.model is not None:
+            object.__setattr__(self, "model", os.fspath(self.model))
+        if self.dtype is not None and str(self.dtype) not in DTYPES:
+            raise EngineConfigError("dtype", f"must be one of {DTYPES} or None, got {self.dtype!r}")
+        if self.dtype is not None:
+            object.__setattr__(self, "dtype", str(self.dtype))
+        _int("max_model_len", self.max_model_len, 1, optional=True)
+        _int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
+        _int("block_size", self.block_size, 1)
+        if self.block_size & (self.block_size - 1):
+            raise EngineConfigError("block_size", f"must be a power of two, got {self.block_size}")
+        frac = self.kv_memory_fraction
+        if (not isinstance(frac, (int, float)) or isinstance(frac, bool)
+                or not math.isfinite(frac) or not 0 < frac <= 1):
+            raise EngineConfigError("kv_memory_fraction", f"must be in (0, 1], got {frac!r}",
+                                    limit=1)
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise EngineConfigError(
+                "attention_impl", f"must be one of {ATTENTION_IMPLS} (the 'reference' oracle "
+                f"is host-side numpy and cannot run in the jitted step), got "
+                f"{self.attention_impl!r}")
+        _int("seed", self.seed, 0)
+        _int("trace_capacity", self.trace_capacity, 1)
+        if self.cache_dir is not None:
+            object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        # The scheduler validates its own knobs (ConfigError naming the field); the cache
+        # size is not known yet, so check them against a generous stand-in.
+        self.scheduler_config(self.num_kv_blocks or 1 << 30)
+
+    @classmethod
+    def from_options(cls, model=None, **options) -> "EngineConfig":
+        """A config from keyword options and the ARC_* environment (explicit options win).
+
+        Raises:
+          EngineConfigError: an unknown option, or a value of the wrong type or range.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise EngineConfigError(unknown[0], f"unknown engine option(s) {unknown}; options "
+                                                f"are {sorted(names - {'model'})}")
+        env = {}
+        for var, field in scheduler.config.ENV_FIELDS.items():
+            raw = os.environ.get(var, "").strip()
+            if raw and field not in options:
+                try:
+                    env[field] = int(raw)
+                except ValueError:
+                    raise EngineConfigError(field, f"env {var}={raw!r} is not an integer") from None
+        try:
+            return cls(model=model, **{**env, **options})
+        except EngineConfigError:
+            raise
+        except ConfigError as e:  # the scheduler's: same field, same limit
+            raise EngineConfigError(e.field, e.message, limit=e.limit) from e
+
+    def scheduler_config(self, num_blocks: int) -> scheduler.SchedulerConfig:
+        """The scheduler's config for a cache of `num_blocks` blocks."""
+        return scheduler.SchedulerConfig(block_size=self.block_size, num_blocks=num_blocks,
+                                         **{k: getattr(self, k) for k in SCHEDULER_OPTIONS})
+
+
+def _int(name: str, value, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise EngineConfigError(name, f"must be an int{' or None' if optional else ''}, "
+                                      f"got {value!r}")
+    if value < minimum:
+        raise EngineConfigError(name, f"must be >= {minimum}, got {value}", limit=minimum)

@@ -1,0 +1,354 @@
+"""The engine loop: the imperative shell around the pure scheduler.
+
+One `step()` (the stepping thread; one step at a time):
+  1. drain the inbox: queued requests enter the scheduler, queued aborts leave it
+  2. plan = scheduler.schedule(state, config)        pure: rows, blocks, engaged
+  3. bucket, batch = runner.prepare(plan, rows)      host arrays padded to a bucket
+  4. tokens = runner.run(bucket, batch, sampling)    one compiled executable per bucket
+  5. append tokens (stop strings, detokenization), then state = scheduler.commit(...)
+  6. trace record; every changed request's output goes to its sink, or to the list the
+     next `step()` returns; a finished request is released once its final output is out
+
+NOTE: threading and lifetimes (WORKSPACE.md, "Threading and lifetimes").
+- `add_request` and `abort` may be called from any thread while one thread steps. They
+  validate in the caller's thread (errors raise there, synchronously) and enter through
+  an inbox that the stepping thread drains at the start of each step; only the stepping
+  thread touches the scheduler state and the request states.
+- A step is atomic: it commits fully, or (device call or commit failed) every appended
+  token is rolled back, the step's requests finish with reason "error" and release their
+  blocks, and the engine keeps serving the others. Aborts drained before a failure are
+  not lost (their outputs were already emitted).
+- Memory is bounded: finished requests are released once their final output is handed
+  out, the trace is a ring of `trace_capacity` steps, `has_unfinished()` is O(1).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+import scheduler
+from arcjax.engine.outputs import RequestOutput
+from arcjax.engine.request import FINISH_ABORT, FINISH_ERROR, RequestState
+from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from arcjax.engine.trace import StepRecord
+from arcjax.errors import DuplicateRequestError, RequestError, UnknownRequestError
+from arcjax.runtime.runner import ModelRunner
+from arcjax.runtime.sampling import SamplingParams
+
+Sink = Callable[[RequestOutput], None]
+
+
+class Engine:
+    """Online engine: `add_request`, `step`, `abort`, `has_unfinished` (see module NOTE)."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None,
+                 sched_config: scheduler.SchedulerConfig, *, max_model_len: int,
+                 seed: int = 0, clock=time.perf_counter, model_dir=None,
+                 trace_capacity: int = 10_000):
+        self.runner, self.tokenizer, self.model_dir = runner, tokenizer, model_dir
+        self.sched_config, self.max_model_len = sched_config, max_model_len
+        self.clock = clock
+        self.state = scheduler.SchedulerState.empty(sched_config)
+        self.requests: dict[str, RequestState] = {}  # in the scheduler, unfinished
+        self.trace: collections.deque[StepRecord] = collections.deque(maxlen=trace_capacity)
+        self.trace_sink: Callable[[StepRecord], None] | None = None  # e.g. a JSONL writer
+        self.num_steps = 0
+        self._seed = seed
+        self._lock = threading.Lock()  # guards the inbox, the id set and the pending list
+        self._step_lock = threading.Lock()  # one step (or inbox drain) at a time
+        self._inbox: list[tuple] = []  # ("add", RequestState, scheduler.Request) | ("abort", id)
+        self._unfinished: set[str] = set()  # ids submitted and not yet finished
+        self._pending: list[RequestOutput] = []  # outputs of requests without a sink
+        self._auto_ids = itertools.count()
+        self._traced: dict[str, int] = {}  # tokens the trace sampled, per held request
+        self._trace_errors: list[str] = []
+        eos = tokenizer.eos_token_ids if tokenizer else runner.cfg.eos_token_ids
+        self.eos_token_ids = frozenset(eos)
+
+    # --- submission (any thread) --------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None, *,
+                    sink: Sink | None = None) -> str:
+        """Validates and queues one request. Returns its id.
+
+        Args:
+          prompt: text, or token ids (ints, or a 1-D numpy integer array).
+          params: sampling params; None = SamplingParams().
+          request_id: unique among unfinished requests; None = a fresh id.
+          arrival_time: on the engine's clock; None = now.
+          sink: receives every output of this request (from the stepping thread); without
+            one, outputs are returned by `step()`.
+
+        Raises:
+          RequestError (a ValueError naming `.field`): the request is refused; nothing is queued.
+        """
+        params = SamplingParams() if params is None else params
+        text, ids = self.check(prompt, params)
+        if request_id is not None and not isinstance(request_id, (str, int)) or isinstance(
+                request_id, bool):
+            raise RequestError("request_id", f"must be a str, got {request_id!r}")
+        arrival = self.clock() if arrival_time is None else arrival_time
+        if not isinstance(arrival, (int, float)) or isinstance(arrival, bool):
+            raise RequestError("arrival_time", f"must be a number, got {arrival!r}")
+        with self._lock:
+            if request_id is None:
+                request_id = next(i for i in map(str, self._auto_ids) if i not in self._unfinished)
+            request_id = str(request_id)
+            if request_id in self._unfinished:
+                raise DuplicateRequestError("request_id", f"{request_id!r} is already in use")
+            request = scheduler.Request(request_id=request_id, prompt_token_ids=ids,
+                                        max_tokens=params.max_tokens, arrival_time=arrival)
+            scheduler.validate_request(request, self.sched_config)
+            seed = params.seed if params.seed is not None else zlib.crc32(
+                f"{self._seed}:{request_id}".encode())
+            detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+            state = RequestState(request_id, text, ids, params, seed, float(arrival), detok)
+            state.sink = sink
+            self._unfinished.add(request_id)
+            self._inbox.append(("add", state, request))
+        return request_id
+
+    def check(self, prompt, params: SamplingParams) -> tuple[str | None, tuple[int, ...]]:
+        """Validates a request without queueing it. Returns (prompt text, token ids)."""
+        if not isinstance(params, SamplingParams):
+            raise RequestError("params", f"must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        vocab = self.runner.cfg.vocab_size
+        if len(ids) > self.max_model_len:
+            raise RequestError("prompt", f"{len(ids)} tokens, more than max_model_len "
+                               f"{self.max_model_len}", limit=self.max_model_len)
+        if ids and len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens "
+                               f"({params.max_tokens}) exceeds max_model_len "
+                               f"{self.max_model_len}", limit=self.max_model_len - len(ids))
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError("prompt", f"token id {bad} is outside the vocabulary "
+                               f"[0, {vocab})", limit=vocab)
+        if any(not t < vocab for t in params.stop_token_ids):
+            raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab})",
+                               limit=vocab)
+        return text, ids
+
+    def _tokenize(self, prompt) -> tuple[str | None, tuple[int, ...]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt", "a string prompt needs a tokenizer; pass token ids")
+            try:
+                prompt.encode("utf-8")
+                ids = tuple(self.tokenizer.encode(prompt))
+            except (UnicodeError, TypeError) as e:
+                raise RequestError("prompt", f"text cannot be encoded ({e})") from None
+            if not ids:
+                raise RequestError("prompt", "must not be empty", limit=1)
+            return prompt, ids
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+                raise RequestError("prompt", f"a token-id array must be 1-D integers, got "
+                                   f"{prompt.dtype} with shape {prompt.shape}")
+            ids = tuple(int(t) for t in prompt)
+        elif isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+                       for t in prompt):
+                bad = next(t for t in prompt if not isinstance(t, (int, np.integer))
+                           or isinstance(t, (bool, np.bool_)))
+                raise RequestError("prompt", f"token ids must be ints, got {bad!r}")
+            ids = tuple(int(t) for t in prompt)
+        else:
+            raise RequestError("prompt", "must be a string or a list of token ids, got "
+                               f"{type(prompt).__name__}")
+        if not ids:
+            raise RequestError("prompt", "must not be empty", limit=1)
+        return None, ids
+
+    def abort(self, request_id: str) -> None:
+        """Aborts an unfinished request (any thread). Its blocks are freed at once when no
+        step is running, else at the start of the next step; its final output has reason
+        "abort".
+
+        Raises:
+          UnknownRequestError: the id is not an unfinished request.
+        """
+        rid = str(request_id)
+        with self._lock:
+            if rid not in self._unfinished:
+                raise UnknownRequestError(rid, f"{rid!r} is not an unfinished request")
+            self._inbox.append(("abort", rid))
+        if self._step_lock.acquire(blocking=False):  # nobody is stepping: apply it now
+            try:
+                self._deliver(self._drain())
+            finally:
+                self._step_lock.release()
+
+    def has_unfinished(self) -> bool:
+        """Whether any submitted request has not finished (O(1))."""
+        return bool(self._unfinished)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._unfinished)
+
+    # --- the step (one thread at a time) ---------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine iteration; returns the outputs of requests without a sink
+        (those of this step and any not yet returned)."""
+        self.run_step()
+        with self._lock:
+            out, self._pending = self._pending, []
+        return out
+
+    def run_step(self) -> None:
+        """Runs one engine iteration; outputs go to sinks or to the pending list."""
+        with self._step_lock:
+            changed = self._drain()
+            changed.update(self._iterate())
+            self._deliver(changed)
+
+    def _drain(self) -> dict[str, RequestState]:
+        """Applies queued adds and aborts (stepping thread). Returns the aborted requests."""
+        with self._lock:
+            items, self._inbox = self._inbox, []
+        changed = {}
+        now = self.clock()
+        for item in items:
+            if item[0] == "add":
+                _, req, request = item
+                self.state = scheduler.add_request(self.state, request)
+                self.requests[req.request_id] = req
+                self._traced[req.request_id] = 0
+                continue
+            rid = item[1]
+            req = self.requests.get(rid)
+            if req is None:  # already finished, or aborted twice
+                continue
+            self.state = scheduler.abort(self.state, rid)
+            req.finish(FINISH_ABORT, now)
+            changed[rid] = req
+        return changed
+
+    def _iterate(self) -> dict[str, RequestState]:
+        plan = scheduler.schedule(self.state, self.sched_config)
+        if plan.is_empty:
+            self.state = plan.state
+            return {}
+        start = self.clock()
+        reqs = [self.requests[rid] for rid in plan.request_ids]
+        for req in reqs:
+            if req.first_scheduled is None:
+                req.first_scheduled = start
+        compiled_before = self.runner.num_executables
+        try:
+            bucket, batch, sampling = self.runner.prepare(
+                plan, [(r.params, r.seed, len(r.token_ids)) for r in reqs])
+            tokens = self.runner.run(bucket, batch, sampling)
+        except Exception as e:  # noqa: BLE001  the step fails, the engine goes on
+            return self._fail(plan, reqs, start, f"device step failed: {e!r}")
+        now = self.clock()
+        compiled = self.runner.num_executables > compiled_before
+        snapshots = [(req, req.snapshot()) for req, s in zip(reqs, plan.samples) if s]
+        sampled, stopped, changed = [], [], {}
+        try:
+            for i, (req, samples) in enumerate(zip(reqs, plan.samples)):
+                if not samples:
+                    continue
+                token = int(tokens[i])
+                sampled.append(token)
+                try:
+                    if req.append(token, now, self.eos_token_ids):
+                        stopped.append(req.request_id)
+                except Exception as e:  # noqa: BLE001  one request's bug stops only it
+                    req.finish(FINISH_ERROR, now, f"output processing failed: {e!r}")
+                    stopped.append(req.request_id)
+                changed[req.request_id] = req
+            state, finished = scheduler.commit(plan.state, plan, sampled, now,
+                                               finished_ids=tuple(stopped))
+        except Exception as e:  # noqa: BLE001  commit failed: roll every request back
+            for req, snap in snapshots:
+                req.restore(snap)
+            return self._fail(plan, reqs, start, f"commit failed: {e!r}")
+        self.state = state
+        for f in finished:
+            self.requests[f.request_id].finish(f.reason, now)
+        sampled_ids = tuple(rid for rid, s in zip(plan.request_ids, plan.samples) if s)
+        for rid in sampled_ids:
+            self._traced[rid] += 1
+        self._record(StepRecord(
+            index=self.num_steps, start=start, end=now,
+            prefill_tokens=plan.num_prefill_tokens, decode_tokens=plan.num_decode_tokens,
+            num_seqs=plan.num_seqs, bucket=(bucket.tokens, bucket.seqs, bucket.max_q_len),
+            compiled=compiled, engaged=plan.engaged.as_dict(), sampled=sampled_ids))
+        return changed
+
+    def _fail(self, plan, reqs: list[RequestState], start: float,
+              message: str) -> dict[str, RequestState]:
+        """A failed step: its requests finish with "error" and free their blocks."""
+        now = self.clock()
+        changed = {}
+        for req in reqs:
+            if req.request_id in self.requests and not req.finished:
+                self.state = scheduler.abort(self.state, req.request_id)
+                req.finish(FINISH_ERROR, now, message)
+                changed[req.request_id] = req
+        if self.runner.cache_lost():  # the donated cache died with the call: start afresh
+            for rid, req in list(self.requests.items()):
+                if not req.finished:
+                    self.state = scheduler.abort(self.state, rid)
+                    req.finish(FINISH_ERROR, now, message + " (KV cache reset)")
+                    changed[rid] = req
+            self.runner.reset_cache()
+        self._record(StepRecord(
+            index=self.num_steps, start=start, end=now, prefill_tokens=0, decode_tokens=0,
+            num_seqs=plan.num_seqs, bucket=(0, 0, 0), compiled=False,
+            engaged=plan.engaged.as_dict(), sampled=(), error=message))
+        return changed
+
+    def _record(self, record: StepRecord) -> None:
+        self.num_steps += 1
+        self.trace.append(record)
+        if self.trace_sink is not None:
+            self.trace_sink(record)
+
+    def _deliver(self, changed: dict[str, RequestState]) -> None:
+        """Hands every changed request's output to its sink (or the pending list) and
+        releases finished requests."""
+        pending = []
+        for rid, req in changed.items():
+            out = req.output()
+            if req.finished:
+                self.requests.pop(rid, None)
+                traced = self._traced.pop(rid, 0)
+                if traced != len(req.token_ids):
+                    self._trace_errors.append(f"{rid}: {len(req.token_ids)} tokens, "
+                                              f"{traced} traced")
+                with self._lock:
+                    self._unfinished.discard(rid)
+            if req.sink is not None:
+                req.sink(out)
+            else:
+                pending.append(out)
+        if pending:
+            with self._lock:
+                self._pending.extend(pending)
+
+    # --- checks -------------------------------------------------------------------------
+    def check_trace(self) -> int:
+        """Self-check: every request released so far had exactly as many tokens as the
+        trace sampled for it, and every held request agrees so far. Returns the number of
+        requests held. Raises AssertionError listing disagreements."""
+        bad = list(self._trace_errors)
+        bad += [f"{rid}: {len(r.token_ids)} tokens, {self._traced.get(rid)} traced"
+                for rid, r in self.requests.items() if len(r.token_ids) != self._traced.get(rid)]
+        if bad:
+            raise AssertionError(f"trace disagrees with outputs: {bad}")
+        return len(self.requests)
+
+    def blocks_in_use(self) -> int:
+        """KV blocks held by running sequences."""
+        return self.sched_config.num_blocks - self.state.pool.num_free

@@ -1,0 +1,106 @@
+"""One spec per array: the parameter tree and the paged KV cache, described once.
+
+Every weight and the cache are declared here with shape, initializer and logical axes
+(`layers`, `embed`, `heads`, `kv_heads`, `mlp`, `vocab`, ...). Initialization, loading,
+export and cache allocation all derive from these trees; a mesh that maps logical axes
+to devices derives shardings from them too, so no shape is written twice.
+
+Params layout: layer weights are stacked on a leading `layers` axis so the layer loop is
+a `lax.scan` (compile time flat in depth). Linear weights are stored `[in, out]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from arcjax.model.config import ModelConfig
+
+Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"?}
+Cache = dict  # {"k": [L * num_blocks, block_size, Hkv, D], "v": same}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One array: its shape, how it is initialized, and the logical name of each axis."""
+
+    shape: tuple[int, ...]
+    init: str  # "normal" | "ones" | "zeros"
+    axes: tuple[str | None, ...]  # logical axis per dimension (None: never sharded)
+
+    def __post_init__(self):
+        if len(self.axes) != len(self.shape):
+            raise ValueError(f"ParamSpec: {len(self.axes)} axes for shape {self.shape}")
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The parameter tree as specs (same structure as the params)."""
+    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def s(shape, init, *axes):
+        return ParamSpec(tuple(shape), init, tuple(axes))
+
+    layers = {
+        "attn_norm": s((L, H), "ones", "layers", "embed"),
+        "wq": s((L, H, q_dim), "normal", "layers", "embed", "heads"),
+        "wk": s((L, H, kv_dim), "normal", "layers", "embed", "kv_heads"),
+        "wv": s((L, H, kv_dim), "normal", "layers", "embed", "kv_heads"),
+        "wo": s((L, q_dim, H), "normal", "layers", "heads", "embed"),
+        "mlp_norm": s((L, H), "ones", "layers", "embed"),
+        "w_gate": s((L, H, I), "normal", "layers", "embed", "mlp"),
+        "w_up": s((L, H, I), "normal", "layers", "embed", "mlp"),
+        "w_down": s((L, I, H), "normal", "layers", "mlp", "embed"),
+    }
+    if cfg.qkv_bias:
+        layers |= {"bq": s((L, q_dim), "zeros", "layers", "heads"),
+                   "bk": s((L, kv_dim), "zeros", "layers", "kv_heads"),
+                   "bv": s((L, kv_dim), "zeros", "layers", "kv_heads")}
+    if cfg.o_bias:
+        layers["bo"] = s((L, H), "zeros", "layers", "embed")
+    if cfg.qk_norm:
+        layers |= {"q_norm": s((L, cfg.head_dim), "ones", "layers", None),
+                   "k_norm": s((L, cfg.head_dim), "ones", "layers", None)}
+    specs = {"embed": s((V, H), "normal", "vocab", "embed"), "layers": layers,
+             "final_norm": s((H,), "ones", "embed")}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = s((H, V), "normal", "embed", "vocab")
+    return specs
+
+
+def cache_specs(cfg: ModelConfig, num_blocks: int, block_size: int) -> Cache:
+    """The paged KV cache as specs.
+
+    NOTE: layers are flattened into the block axis: layer l's block b is page
+    `l * num_blocks + b`. The layer loop then carries the whole cache and addresses a
+    layer by offsetting block tables and slots, so K/V writes are in-place scatters
+    into the donated buffer and no layer slice is ever copied.
+    """
+    shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    spec = ParamSpec(shape, "zeros", ("pages", None, "kv_heads", None))
+    return {"k": spec, "v": spec}
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
+    """Random params (normal(0, std) weights, unit norms, zero biases)."""
+    leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for spec, k in zip(leaves, keys):
+        if spec.init == "normal":
+            out.append((std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype))
+        else:
+            out.append(jnp.full(spec.shape, 1.0 if spec.init == "ones" else 0.0, dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def make_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> Cache:
+    """A zeroed paged KV cache for every layer (see `cache_specs`)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, dtype),
+                        cache_specs(cfg, num_blocks, block_size), is_leaf=is_spec)

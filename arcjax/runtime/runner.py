@@ -1,0 +1,153 @@
+"""Jitted model steps, one compiled executable per bucket.
+
+1. `prepare(plan, sampling_rows)` picks the bucket (`buckets.py`), packs the plan's
+   columns into host arrays (`batching.build_batch`) and the per-row sampling inputs.
+2. `run(bucket, batch, sampling)` calls the bucket's executable: forward over the
+   ragged batch, KV written through `slot_mapping` into the donated cache, logits
+   only at each sequence's last row, sampling on device. Returns token ids [S].
+3. Executables are compiled ahead of time (`jit(...).lower(...).compile()`), so the
+   runner knows exactly when a step needs one (`num_executables`, the trace's
+   `compiled` flag) and `warmup()` prepares every bucket.
+
+NOTE: executables live in an `ExecutableCache` keyed by everything that changes the
+compiled program: model config, attention implementation, dtype, the bucket's static
+bound, and the shape, dtype and sharding of every input. Runners share one cache only
+when they are given the same object (`build_engine` passes `SHARED_EXECUTABLES`, so
+engines of one process over the same model and geometry compile once). A runner's
+`num_executables` counts the buckets it acquired, compiled or found, so it depends on
+that runner's own history only.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from arcjax.model import decoder
+from arcjax.model.config import ModelConfig
+from arcjax.model.specs import make_cache
+from arcjax.runtime.batching import build_batch, empty_batch
+from arcjax.runtime.buckets import Bucket, BucketSet
+from arcjax.runtime.sampling import SamplingBatch, SamplingParams, sample
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "dtype", "max_q_len"),
+                   donate_argnames=("cache",))
+def _step(params, cache, batch, sampling, *, cfg, attn_impl, dtype, max_q_len):
+    # cfg/attn_impl/dtype/max_q_len are static: one executable per bucket, no
+    # recompiles from the traced metadata (num_seqs, kv_lens, ...).
+    logits, cache = decoder.forward(params, cache, batch, cfg=cfg, attn_impl=attn_impl,
+                                    dtype=dtype, max_q_len=max_q_len)
+    return sample(logits, sampling), cache
+
+
+def _signature(tree) -> tuple:
+    """Structure, shapes, dtypes and shardings of every leaf."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return (str(treedef),) + tuple(
+        (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves)
+
+
+class ExecutableCache:
+    """Compiled steps keyed by everything that changes them (thread-safe)."""
+
+    def __init__(self):
+        self._items: dict[tuple, object] = {}
+        self._lock = threading.Lock()
+        self.compiles = 0  # executables this cache compiled (not found)
+
+    def get_or_compile(self, key: tuple, compile_fn):
+        with self._lock:
+            exe = self._items.get(key)
+            if exe is None:
+                exe = compile_fn()
+                self._items[key] = exe
+                self.compiles += 1
+            return exe
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+SHARED_EXECUTABLES = ExecutableCache()
+
+
+class ModelRunner:
+    """Owns params and the paged KV cache; runs one bucket-shaped step at a time."""
+
+    def __init__(self, cfg: ModelConfig, params, *, num_blocks: int, block_size: int,
+                 max_blocks_per_seq: int, buckets: BucketSet, dtype, attn_impl: str,
+                 executables: ExecutableCache | None = None):
+        self.cfg, self.params = cfg, params
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.max_blocks = max_blocks_per_seq
+        self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
+        self.cache = make_cache(cfg, num_blocks, block_size, self.dtype)
+        self.executables = executables if executables is not None else ExecutableCache()
+        self._compiled: dict[Bucket, object] = {}
+
+    @property
+    def num_executables(self) -> int:
+        """Buckets this runner has acquired an executable for (compiled or found)."""
+        return len(self._compiled)
+
+    def prepare(self, plan, sampling_rows: Sequence[tuple[SamplingParams, int, int]]):
+        """Packs one step plan. Returns (bucket, batch, sampling) as host arrays.
+
+        Args:
+          plan: a `scheduler.StepPlan` (its columns are read, never its chunk records).
+          sampling_rows: (params, seed, tokens generated so far) per row.
+        """
+        bucket = self.buckets.select(plan.num_tokens, plan.num_seqs, plan.decode_only)
+        batch = build_batch(plan.token_ids, plan.starts, plan.lengths, plan.block_tables,
+                            bucket=bucket, max_blocks=self.max_blocks,
+                            block_size=self.block_size, num_blocks=self.num_blocks)
+        return bucket, batch, SamplingBatch.build(list(sampling_rows), bucket.seqs)
+
+    def _executable(self, bucket: Bucket, batch, sampling):
+        exe = self._compiled.get(bucket)
+        if exe is None:
+            key = (self.cfg, self.attn_impl, str(self.dtype), bucket.max_q_len,
+                   _signature((self.params, self.cache, batch, sampling)))
+            exe = self.executables.get_or_compile(key, lambda: _step.lower(
+                self.params, self.cache, batch, sampling, cfg=self.cfg,
+                attn_impl=self.attn_impl, dtype=self.dtype,
+                max_q_len=bucket.max_q_len).compile())
+            self._compiled[bucket] = exe
+        return exe
+
+    def run(self, bucket: Bucket, batch, sampling) -> np.ndarray:
+        """Runs the step; returns sampled token ids [S] (host) after the device is done."""
+        batch = jax.tree.map(jnp.asarray, batch)
+        sampling = jax.tree.map(jnp.asarray, sampling)
+        exe = self._executable(bucket, batch, sampling)
+        tokens, self.cache = exe(self.params, self.cache, batch, sampling)
+        return np.asarray(tokens)
+
+    def cache_lost(self) -> bool:
+        """Whether the KV cache buffer was consumed by a call that then failed."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self.cache))
+
+    def reset_cache(self) -> None:
+        """A fresh zeroed KV cache (every sequence's KV is gone)."""
+        self.cache = make_cache(self.cfg, self.num_blocks, self.block_size, self.dtype)
+
+    def warm(self, buckets) -> float:
+        """Acquires (compiles, or finds) the executables of `buckets` and runs each once on
+        an all-padding batch (which writes nothing). Returns seconds."""
+        t0 = time.perf_counter()
+        for bucket in sorted(buckets):
+            batch = empty_batch(bucket, max_blocks=self.max_blocks, block_size=self.block_size,
+                                num_blocks=self.num_blocks)
+            self.run(bucket, batch, SamplingBatch.build([], bucket.seqs))
+        return time.perf_counter() - t0
+
+    def warmup(self) -> float:
+        """Prepares every bucket. Returns the seconds it took."""
+        return self.warm(b for b in self.buckets.all() if b not in self._compiled)
