@@ -1,9 +1,18 @@
-"""arcjax: a JAX/Pallas LLM inference engine with chunked, mixed prefill+decode scheduling."""
+"""arcjax: a JAX/Pallas LLM inference engine with chunked, mixed prefill+decode scheduling.
 
-from arcjax.api import LLM, default_model_path
-from arcjax.errors import EngineConfigError, RequestError, UnknownRequestError
-from arcjax.outputs import RequestMetrics, RequestOutput
-from arcjax.sampling import SamplingParams, SamplingParamsError
+Public API: `LLM` (batch and online use), `SamplingParams`, `RequestOutput`, the typed
+errors of `arcjax.errors`, and `EngineConfig` / `build_engine` for embedding the engine.
+"""
 
-__all__ = ["LLM", "SamplingParams", "SamplingParamsError", "RequestOutput", "RequestMetrics",
-           "RequestError", "UnknownRequestError", "EngineConfigError", "default_model_path"]
+from arcjax.engine.build import build_engine, default_model_path
+from arcjax.engine.config import EngineConfig
+from arcjax.engine.outputs import RequestMetrics, RequestOutput
+from arcjax.entrypoints.llm import LLM
+from arcjax.errors import (ConfigError, EngineConfigError, InputError, ModelFileError,
+                           RequestError, SamplingParamsError, UnknownRequestError)
+from arcjax.runtime.sampling import SamplingParams
+
+__all__ = ["LLM", "ConfigError", "EngineConfig", "EngineConfigError", "InputError",
+           "ModelFileError", "RequestError", "RequestMetrics", "RequestOutput",
+           "SamplingParams", "SamplingParamsError", "UnknownRequestError", "build_engine",
+           "default_model_path"]

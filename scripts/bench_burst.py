@@ -36,7 +36,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from arcjax import burst, costmodel  # noqa: E402
+from arcjax.bench import burst, costmodel  # noqa: E402
 from scheduler import SchedulerConfig, blocks_for  # noqa: E402
 from scheduler.simulate import CostModel  # noqa: E402
 
@@ -139,7 +139,7 @@ def make_prompts(cfg: BurstConfig) -> tuple[list[list[int]], dict]:
         ids = [[1 + (u * 7919 + j) % 30000 for j in range(cfg.prompt_tokens)]
                for u in range(cfg.num_users)]
         return ids, {"prompt_tokens": cfg.prompt_tokens}
-    from arcjax.tokenizer import Tokenizer
+    from arcjax.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir(cfg))
     pool = burst.word_pool(tok)
@@ -172,7 +172,10 @@ def real_run(cfg: BurstConfig, prompts, base: SchedulerConfig) -> tuple[list, li
     Returns (each arm's runs, calibration rows, engine facts).
     """
     import arcjax
+    from arcjax.runtime.runner import enable_persistent_compilation_cache
 
+    if cfg.compilation_cache_dir:
+        enable_persistent_compilation_cache(cfg.compilation_cache_dir)
     arm_configs = [a.config(base) for a in cfg.arms]
     longest = max(len(p) for p in prompts)
     max_len = -(-(longest + cfg.max_new_tokens) // cfg.block_size) * cfg.block_size
@@ -181,8 +184,7 @@ def real_run(cfg: BurstConfig, prompts, base: SchedulerConfig) -> tuple[list, li
                      block_size=cfg.block_size, attention_impl=cfg.attention_impl,
                      policy="token_budget", chunk_tile=min(c.chunk_tile for c in arm_configs),
                      max_num_batched_tokens=max(c.max_num_batched_tokens for c in arm_configs),
-                     max_num_seqs=max(c.max_num_seqs for c in arm_configs),
-                     compilation_cache_dir=cfg.compilation_cache_dir)
+                     max_num_seqs=max(c.max_num_seqs for c in arm_configs))
     runner = llm.engine.runner
     top_tokens, top_seqs = runner.buckets.token_rungs[-1], runner.buckets.seq_rungs[-1]
     for arm, c in zip(cfg.arms, arm_configs):
@@ -198,11 +200,11 @@ def real_run(cfg: BurstConfig, prompts, base: SchedulerConfig) -> tuple[list, li
         needed = set(burst.planned_buckets(runner.buckets, arm_configs[0], rehearsal))
         for c in arm_configs:
             needed |= burst.planned_buckets(runner.buckets, c, requests)
-        warm_s = burst.warm_buckets(runner, needed)
+        warm_s = runner.warm(needed)
     # Rehearsal (not measured): a few users through the first arm warm the host-side paths.
     burst.run_arm(llm.engine, cfg.arms[0], base, prompts[:2], 2, cfg.window_s)
     print(f"model {llm.model_dir}: loaded in {load_s:.1f} s; warm-up ({cfg.warmup}) compiled "
-          f"{runner.compile_count} of {len(runner.buckets.all())} buckets in {warm_s:.1f} s")
+          f"{runner.num_executables} of {len(runner.buckets.all())} buckets in {warm_s:.1f} s")
     facts = {"model_dir": str(llm.model_dir), "model_config": dataclasses.asdict(llm.config),
              "dtype": str(runner.dtype), "attention_impl": runner.attn_impl,
              "buckets": {"token_rungs": runner.buckets.token_rungs,
@@ -214,10 +216,10 @@ def real_run(cfg: BurstConfig, prompts, base: SchedulerConfig) -> tuple[list, li
     rows = []
     for rep in range(cfg.repeats):
         for i, (arm, c) in enumerate(zip(cfg.arms, arm_configs)):
-            before = runner.compile_count
+            before = runner.num_executables
             run, _ = burst.run_arm(llm.engine, arm, base, prompts, cfg.max_new_tokens,
                                    cfg.window_s)
-            facts["compiles_after_warmup"] += runner.compile_count - before
+            facts["compiles_after_warmup"] += runner.num_executables - before
             per_arm[i].append(run)
             rows += [dict(r, repeat=rep) for r in
                      costmodel.replay_rows(c, requests, run.steps, arm.name)]

@@ -45,10 +45,13 @@ class Workload:
 
 def run_arcjax(model_dir, wl: Workload) -> dict:
     import arcjax
+    from arcjax.runtime.runner import enable_persistent_compilation_cache
 
     max_len = max(len(p) + o for p, o in zip(wl.prompts, wl.outputs))
+    if _CC.value:
+        enable_persistent_compilation_cache(_CC.value)
     llm = arcjax.LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=_BUDGET.value,
-                     max_num_seqs=_SEQS.value, compilation_cache_dir=_CC.value)
+                     max_num_seqs=_SEQS.value)
     warm = llm.warmup()
     params = [arcjax.SamplingParams(max_tokens=o, temperature=0, ignore_eos=True)
               for o in wl.outputs]
@@ -57,7 +60,7 @@ def run_arcjax(model_dir, wl: Workload) -> dict:
     wall = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
     return {"warmup_s": warm, "wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
-            "steps": len(llm.engine.trace), "tokens": [list(o.token_ids) for o in outs]}
+            "steps": llm.engine.num_steps, "tokens": [list(o.token_ids) for o in outs]}
 
 
 def run_transformers(model_dir, wl: Workload, batch: int) -> dict:
@@ -93,7 +96,7 @@ def run_transformers(model_dir, wl: Workload, batch: int) -> dict:
 def main(argv):
     del argv
     import arcjax
-    from arcjax.weights import read_config
+    from arcjax.model.weights import read_config
 
     model_dir = _MODEL.value or str(arcjax.default_model_path())
     vocab = read_config(model_dir).vocab_size

@@ -69,7 +69,7 @@ def read_flags() -> SimulateConfig:
     num_blocks = _BLOCKS.value or _USERS.value * -(-(_PROMPT.value + _MAX_TOKENS.value)
                                                    // _BLOCK.value)
     if _CALIBRATE.value:
-        from arcjax import costmodel  # numpy/scipy: only for fitting, not for simulating
+        from arcjax.bench import costmodel  # numpy/scipy: only for fitting, not for simulating
 
         rows = [r for path in _CALIBRATE.value for r in costmodel.read_rows(path)]
         cost, report = costmodel.fit_cost_model(rows)

@@ -16,7 +16,7 @@ from absl import app, flags, logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from arcjax.training import TrainConfig, train  # noqa: E402
+from arcjax.train.training import TrainConfig, train  # noqa: E402
 
 _DEFINE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
            str: flags.DEFINE_string}

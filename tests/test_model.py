@@ -11,9 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arcjax.batching import SeqChunk, build_batch
+from arcjax.errors import ModelConfigError, ModelFileError
+from arcjax.runtime.batching import build_batch
+from arcjax.runtime.buckets import Bucket
 from arcjax.model import forward, forward_dense, make_cache
-from arcjax.weights import WeightsError, load_hf, save_hf
+from arcjax.model.weights import WeightsError, load_hf, save_hf
 from hf_models import ARCHS, hf_greedy, hf_logits, tiny_model_dir
 
 BLOCK = 4
@@ -50,8 +52,10 @@ class PagedRunner:
             table = self.tables.setdefault(seq, [])
             while len(table) * BLOCK < start + len(ids):
                 table.append(int(self.free.pop()))
-            packed.append(SeqChunk(ids, start, table))
-        batch = build_batch(packed, token_bucket=64, seq_bucket=8, max_blocks=MAX_BLOCKS,
+            packed.append((ids, start, table))
+        ids, starts, tables = zip(*packed)
+        batch = build_batch([t for i in ids for t in i], starts, [len(i) for i in ids], tables,
+                            bucket=Bucket(64, 8, 64), max_blocks=MAX_BLOCKS,
                             block_size=BLOCK, num_blocks=NUM_BLOCKS)
         batch = jax.tree.map(jnp.asarray, batch)
         logits, self.cache = _step(self.params, self.cache, batch, cfg=self.cfg,
@@ -169,8 +173,9 @@ def test_error_unsupported_architecture(tmp_path):
 
 
 def test_error_missing_files(tmp_path):
-    with pytest.raises(WeightsError, match="config.json"):
+    with pytest.raises(ModelConfigError, match="config.json") as err:
         load_hf(tmp_path)
+    assert err.value.path.endswith("config.json")
     d = _copy(tmp_path)
     (d / "model.safetensors").unlink()
     with pytest.raises(WeightsError, match="model.safetensors"):
@@ -178,20 +183,18 @@ def test_error_missing_files(tmp_path):
 
 
 def test_error_missing_tensor_and_shape_mismatch(tmp_path):
-    from arcjax.weights import _SafetensorsFile, write_safetensors
+    from safetensors.numpy import load_file, save_file as write_safetensors
 
     d = _copy(tmp_path)
-    f = _SafetensorsFile(d / "model.safetensors")
-    tensors = {n: np.array(f.get(n)) for n in f.header}
-    del f
+    tensors = load_file(str(d / "model.safetensors"))
     name = "model.layers.1.mlp.up_proj.weight"
     bad = dict(tensors)
     bad[name] = bad[name][:, :-1]
-    write_safetensors(d / "model.safetensors", bad)
+    write_safetensors(bad, str(d / "model.safetensors"))
     with pytest.raises(WeightsError, match=rf"model.safetensors: tensor {name} has shape"):
         load_hf(d)
     del bad[name]
-    write_safetensors(d / "model.safetensors", bad)
+    write_safetensors(bad, str(d / "model.safetensors"))
     with pytest.raises(WeightsError, match=rf"tensor {name} is missing"):
         load_hf(d)
 
@@ -199,5 +202,30 @@ def test_error_missing_tensor_and_shape_mismatch(tmp_path):
 def test_error_corrupt_header(tmp_path):
     d = _copy(tmp_path)
     Path(d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
-    with pytest.raises(WeightsError, match="corrupt safetensors header"):
+    with pytest.raises(WeightsError, match="not a readable safetensors file"):
         load_hf(d)
+
+
+def test_error_truncated_file_and_absurd_header_name_the_file(tmp_path):
+    d = _copy(tmp_path)
+    path = d / "model.safetensors"
+    raw = path.read_bytes()
+    path.write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(WeightsError, match="model.safetensors: not a readable") as err:
+        load_hf(d)
+    assert err.value.path == str(path)
+    path.write_bytes((2**62).to_bytes(8, "little") + b"{}")  # a header of 2**62 bytes
+    with pytest.raises(WeightsError, match="model.safetensors"):
+        load_hf(d)
+
+
+@pytest.mark.parametrize("text, match", [("[1, 2]", "expected a JSON object, got list"),
+                                         ("{not json", "not valid JSON"),
+                                         ('{"architectures": ["LlamaForCausalLM"]}',
+                                          "required field")])
+def test_error_malformed_config_names_the_file(tmp_path, text, match):
+    d = _copy(tmp_path)
+    (d / "config.json").write_text(text)
+    with pytest.raises(ModelFileError, match=match) as err:
+        load_hf(d)
+    assert err.value.path == str(d / "config.json")

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arcjax.buckets import BucketSet, pad_to_bucket, seq_ladder, token_ladder
-from arcjax.sampling import SamplingBatch, SamplingParams, SamplingParamsError, sample
+from arcjax.runtime.buckets import BucketSet, pad_to_bucket, seq_ladder, token_ladder
+from arcjax.runtime.sampling import SamplingBatch, SamplingParams, SamplingParamsError, sample
 
 
 def _logits(rows=6, vocab=50, seed=0):

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from arcjax.tokenizer import (
+from arcjax.engine.tokenizer import (
     IncrementalDetokenizer,
     Tokenizer,
     TokenizerFileError,

@@ -23,13 +23,12 @@ import time
 from typing import Iterable, Mapping, Sequence
 
 import scheduler
-from arcjax.batching import build_batch
-from arcjax.buckets import Bucket, BucketSet
-from arcjax.engine import Engine
-from arcjax.runner import ModelRunner
-from arcjax.sampling import SamplingBatch, SamplingParams
-from arcjax.tokenizer import Tokenizer
-from arcjax.trace import engagement, knob_report
+from arcjax.engine.engine import Engine
+from arcjax.engine.tokenizer import Tokenizer
+from arcjax.engine.trace import engagement, knob_report
+from arcjax.runtime.buckets import Bucket, BucketSet
+from arcjax.runtime.runner import ModelRunner
+from arcjax.runtime.sampling import SamplingParams
 from scheduler import metrics
 from scheduler.simulate import RequestRecord, simulate
 
@@ -140,7 +139,7 @@ class BurstRun:
       window_s: the configured window length.
       requests: per user: arrival_time and token_times (scheduler.simulate.RequestRecord).
       steps: every step run, in order: start, end, prefill_tokens, decode_tokens, engaged
-        (arcjax.trace.StepRecord on the engine, scheduler.simulate.StepRecord in simulation).
+        (arcjax.engine.trace.StepRecord on the engine, scheduler.simulate.StepRecord in simulation).
       max_new_tokens: tokens every user asked for (a user with fewer at the window's end is
         still waiting for its next token: an open stall).
       configured_knobs: SchedulerConfig field -> value the arm set explicitly.
@@ -177,15 +176,21 @@ def run_arm(warm: Engine, arm: Arm, base: scheduler.SchedulerConfig,
     params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     for ids in prompts:  # validate everything before the clock starts
         engine.check(ids, params)
+    latest = {}  # request id -> its newest output (token times so far)
+
+    def sink(out):
+        latest[out.request_id] = out
+
     t0 = engine.clock()
     for i, ids in enumerate(prompts):
-        engine.add_request(ids, params, request_id=str(i), arrival_time=t0)
+        engine.add_request(ids, params, request_id=str(i), arrival_time=t0, sink=sink)
     deadline = t0 + window_s
     while engine.has_unfinished() and engine.clock() < deadline:
-        engine.step()
-    requests = tuple(RequestRecord(request_id=rid, arrival_time=r.arrival,
-                                   token_times=tuple(r.token_times))
-                     for rid, r in engine.requests.items())
+        engine.run_step()
+    requests = tuple(RequestRecord(request_id=str(i), arrival_time=t0,
+                                   token_times=latest[str(i)].metrics.token_times
+                                   if str(i) in latest else ())
+                     for i in range(len(prompts)))
     run = BurstRun(arm=arm.name, t0=t0, window_s=window_s, requests=requests,
                    steps=tuple(engine.trace), max_new_tokens=max_new_tokens,
                    configured_knobs=arm.configured_knobs)
@@ -201,8 +206,7 @@ class _BucketRecorder:
         self.buckets, self.seen = buckets, set()
 
     def step_time(self, plan) -> float:
-        decode_only = all(n == 1 for n in plan.lengths)  # as ModelRunner.prepare decides
-        self.seen.add(self.buckets.select(plan.num_tokens, plan.num_seqs, decode_only))
+        self.seen.add(self.buckets.select(plan.num_tokens, plan.num_seqs, plan.decode_only))
         return 1.0
 
 
@@ -213,18 +217,6 @@ def planned_buckets(buckets: BucketSet, config: scheduler.SchedulerConfig,
     recorder = _BucketRecorder(buckets)
     simulate(config, recorder, requests)
     return recorder.seen
-
-
-def warm_buckets(runner: ModelRunner, buckets: Iterable[Bucket]) -> float:
-    """Compiles (and runs once, on an all-padding batch that writes nothing) each bucket.
-    Returns seconds. The runner counts these compiles in `compile_count`."""
-    t0 = time.perf_counter()
-    for b in sorted(buckets):
-        batch = build_batch([], token_bucket=b.tokens, seq_bucket=b.seqs,
-                            max_blocks=runner.max_blocks, block_size=runner.block_size,
-                            num_blocks=runner.num_blocks)
-        runner.run(b, batch, SamplingBatch.build([], b.seqs))
-    return time.perf_counter() - t0
 
 
 # --- metrics ---------------------------------------------------------------------------------

@@ -10,7 +10,7 @@
 3. `simulate_arm`: one burst arm through `scheduler.simulate.simulate`, as a `BurstRun`.
 
 Calibration rows are JSONL (`write_rows` / `read_rows`); an engine trace written by
-`arcjax.trace.write_jsonl` is read too (cycle times from consecutive starts, no kv_read).
+`arcjax.engine.trace.write_jsonl` is read too (cycle times from consecutive starts, no kv_read).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 from scipy.optimize import nnls
 
 import scheduler
-from arcjax.burst import Arm, BurstRun
+from arcjax.bench.burst import Arm, BurstRun
 from scheduler.simulate import CostModel, simulate
 
 FEATURES = ("prefill_tokens", "decode_tokens", "kv_read")  # with a constant: c0

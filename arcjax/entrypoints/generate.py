@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from absl import app, flags
+from absl import app
+
+from arcjax.entrypoints.flags import config_from_flags, define_flags
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,17 +36,6 @@ _HELP = {
     "seed": "Seed of the first completion; completion i uses seed + i.",
     "num_prompts": "How many completions of the prompt to generate (one batch).",
 }
-_DEFINE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
-           str: flags.DEFINE_string}
-_TYPES = {"bool": bool, "int": int, "float": float, "str": str}
-
-
-def _define_flags() -> None:
-    for f in dataclasses.fields(GenerateConfig):
-        if f.name not in flags.FLAGS:
-            _DEFINE[_TYPES[f.type]](f.name, f.default, _HELP[f.name])
-
-
 def generate(cfg: GenerateConfig) -> list[str]:
     """Completions (generated text only) of cfg.prompt, num_prompts of them."""
     import arcjax
@@ -61,14 +52,18 @@ def generate(cfg: GenerateConfig) -> list[str]:
 
 def main(argv):
     del argv
-    cfg = GenerateConfig(**{f.name: flags.FLAGS[f.name].value
-                            for f in dataclasses.fields(GenerateConfig)})
+    cfg = config_from_flags(GenerateConfig)
     for i, text in enumerate(generate(cfg)):
         if cfg.num_prompts > 1:
             print(f"--- completion {i} (seed {cfg.seed + i}) ---")
         print(cfg.prompt + text)
 
 
-if __name__ == "__main__":
-    _define_flags()
+def run() -> None:
+    """The command line: `python -m arcjax.generate [--flags]`."""
+    define_flags(GenerateConfig, _HELP)
     app.run(main)
+
+
+if __name__ == "__main__":
+    run()

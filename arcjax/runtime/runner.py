@@ -151,3 +151,14 @@ class ModelRunner:
     def warmup(self) -> float:
         """Prepares every bucket. Returns the seconds it took."""
         return self.warm(b for b in self.buckets.all() if b not in self._compiled)
+
+
+def enable_persistent_compilation_cache(path) -> None:
+    """Turns on JAX's persistent compilation cache in directory `path`, so a later process
+    warms up in a fraction of the time.
+
+    NOTE: this is a process-wide JAX setting; scripts call it once at start-up (their
+    --compilation_cache_dir flag). No engine constructor flips it.
+    """
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

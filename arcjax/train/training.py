@@ -34,8 +34,9 @@ import optax
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from arcjax import model, weights
-from arcjax.config import ModelConfig
+from arcjax import model
+from arcjax.model import weights
+from arcjax.model.config import ModelConfig
 
 EOT = "<|endoftext|>"
 _SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})

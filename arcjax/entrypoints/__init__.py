@@ -1,0 +1,1 @@
+"""What users run: `LLM`, the `generate` command (and the server beside them)."""

@@ -1,0 +1,1 @@
+"""Device-facing runtime: buckets, batch packing, sampling, the runner (compiled steps)."""
