@@ -15,6 +15,7 @@ from itertools import chain
 from operator import itemgetter
 
 from scheduler.blocks import BlockTable
+from scheduler.metrics import step_kind
 from scheduler.request import RequestId, TokenStack
 from scheduler.state import SchedulerState
 
@@ -144,11 +145,17 @@ class StepPlan:
 
     @property
     def kind(self) -> str:
-        """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle"."""
-        prefill = self.num_tokens > self.num_decode_rows
-        if self.num_decode_rows:
-            return "mixed" if prefill else "decode"
-        return "prompt" if prefill else "idle"
+        """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle" (metrics.step_kind)."""
+        return step_kind(self.num_tokens - self.num_decode_rows, self.num_decode_rows)
+
+    @property
+    def decode_only(self) -> bool:
+        """Every row has length 1 and there is at least one row.
+
+        A final prefill chunk of length 1 counts: to the kernels it is the same one-query row as a
+        decode (its `kind` may still say "mixed" or "prompt").
+        """
+        return bool(self.request_ids) and self.num_tokens == len(self.request_ids)
 
     @property
     def cu_seqlens(self) -> tuple[int, ...]:

@@ -61,6 +61,10 @@ class StepBuilder:
     def _count(self, knob: str) -> None:
         self.engaged[knob] = self.engaged.get(knob, 0) + 1
 
+    def hold_for_floor(self) -> None:
+        """Records that prefill work waits for the decode floor this step (engaged.floor_held)."""
+        self._note("floor_held")
+
     @property
     def num_rows(self) -> int:
         return self.num_decode_rows + len(self.prefill_rows)

@@ -387,3 +387,13 @@ def test_scheduler_imports_only_the_standard_library_and_no_clock_or_randomness(
                 assert top in allowed | {"scheduler", "__future__"}, f"{path.name} imports {module}"
         if path.name != "config.py":  # from_env is the one reader of the environment
             assert "os.environ" not in path.read_text() and "getenv" not in path.read_text()
+
+
+def test_decode_only_and_kind():
+    config = make_config()
+    state = make_state(config, make_request("a", prompt_len=5))
+    plan, state, _ = step(state, config)
+    assert plan.kind == "prompt" and not plan.decode_only
+    plan, state, _ = step(state, config)
+    assert plan.kind == "decode" and plan.decode_only
+    assert not schedule(SchedulerState.empty(config), config).decode_only  # empty
