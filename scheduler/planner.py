@@ -7,7 +7,8 @@ order and then assembles the plan:
      max_num_seqs. A row opening a new block takes one from the pool; if the pool is empty the
      lowest-ranked running sequence not yet scheduled (largest key) is preempted, possibly the row
      itself (vLLM's rule).
-  2. run_partials: mid-prefill sequences in key order, one chunk each (whole in legacy mode). A
+  2. run_partials: mid-prefill sequences in key order, one chunk each (whole in legacy mode), while
+     rows stay within max_num_seqs (it may shrink between steps below the running count). A
      chunk shrinks to the free blocks; if not even a minimal chunk fits, lower-ranked unscheduled
      sequences are preempted, but only when that makes room. A partial is never preempted for
      itself: it waits, holding its blocks.
@@ -209,6 +210,11 @@ class StepBuilder:
         j = 0
         while j < len(self.partial):
             part = self.partial[j]
+            if self.num_rows >= self.config.max_num_seqs:  # max_num_seqs shrank between steps
+                self._note("seqs_full")
+                self._count("partials_held")
+                j += 1
+                continue
             n = self._partial_chunk(j, part, whole)
             if n:
                 table = self._grow(part.table, part.computed + n)

@@ -140,11 +140,14 @@ def check_plan(pre: SchedulerState, plan, config: SchedulerConfig, mirror: dict)
     if plan.num_tokens > config.max_num_batched_tokens:  # the documented legacy exception
         assert config.policy == "prefill_first" and plan.num_seqs == 1 and k == 0
         assert plan.engaged.oversize_prompt
-    assert plan.num_seqs <= config.max_num_seqs
-    assert plan.state.num_running <= config.max_num_seqs
+    assert plan.num_seqs <= config.max_num_seqs, "more rows than max_num_seqs"
     assert len(set(plan.request_ids)) == plan.num_seqs
     waiting_before = {s.request_id: s for s in pre.waiting}
     admitted = [rid for rid in plan.request_ids if rid in waiting_before]
+    if pre.num_running <= config.max_num_seqs:
+        assert plan.state.num_running <= config.max_num_seqs
+    else:  # max_num_seqs shrank below the running set: nobody new joins it
+        assert not admitted
     if config.prefill_max_seqs:
         assert len(admitted) <= config.prefill_max_seqs
     if config.policy != "token_budget":
@@ -446,6 +449,35 @@ def test_knobs_may_change_between_steps(workload, data):
     pick = lambda step: configs[choices[step % len(choices)]]  # noqa: E731
     drive(dataclasses.replace(workload, config=dataclasses.replace(
         workload.config, policy="token_budget")), config_for_step=pick)
+
+
+@settings(max_examples=40, **_SETTINGS)
+@given(workloads(max_num_partial_prefills=3, pressure=False), st.data())
+def test_max_num_seqs_may_shrink_between_steps(workload, data):
+    """max_num_seqs bounds the rows of every step, even when it drops below the number of
+    sequences already running (continuing partial prefills are capped too)."""
+    seqs = data.draw(st.lists(st.sampled_from([1, 2, 6]), min_size=1, max_size=20))
+    policy = data.draw(st.sampled_from(POLICIES))
+    pick = lambda step: dataclasses.replace(  # noqa: E731
+        workload.config, policy=policy, max_num_seqs=seqs[step % len(seqs)])
+    drive(dataclasses.replace(workload, config=dataclasses.replace(
+        workload.config, policy=policy)), config_for_step=pick)
+
+
+def test_shrinking_max_num_seqs_caps_partial_prefills():
+    config = SchedulerConfig(max_num_batched_tokens=8, chunk_tile=4, block_size=4,
+                             long_prefill_token_threshold=4, num_blocks=64, max_num_seqs=4,
+                             max_num_partial_prefills=2)
+    state = SchedulerState.empty(config)
+    for i in range(2):
+        state = add_request(state, Request(request_id=i, prompt_token_ids=(1,) * 20,
+                                           max_tokens=2))
+    plan = schedule(state, config)
+    state, _ = commit(plan.state, plan, [], 0.0)
+    assert len(state.partial) == 2  # both mid-prefill
+    narrow = dataclasses.replace(config, max_num_seqs=1)
+    plan = schedule(state, narrow)
+    assert plan.num_seqs == 1 and plan.engaged.seqs_full and plan.engaged.partials_held == 1
 
 
 @pytest.mark.parametrize("policy", POLICIES)
