@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence as SequenceOf
 from itertools import compress
-from operator import le
+from itertools import repeat
+from operator import add, le
 
 from scheduler.blocks import BlockPool
 from scheduler.errors import CommitError, StepOrderError
 from scheduler.plan import StepPlan
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId
-from scheduler.state import DecodeTable, Partial, SchedulerState
+from scheduler.state import DecodeRow, DecodeTable, Partial, SchedulerState, gen_chunk
 
 
 def _check(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...],
@@ -41,29 +42,40 @@ def _check(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...],
                               f"{sorted(map(str, strangers))} sampled nothing this step")
 
 
-def _advance_decodes(dec: DecodeTable, plan: StepPlan,
-                     sampled: tuple[int, ...]) -> tuple[DecodeTable, SequenceOf[int], list[int]]:
+def _advance_decodes(dec: DecodeTable, plan: StepPlan, sampled: tuple[int, ...],
+                     chunk: int) -> tuple[DecodeTable, SequenceOf[int], list[int]]:
     """Cursor + 1 and the sampled token for each decode row.
 
     Returns the table, the rows that decoded, and those of them that reached max_tokens.
     """
     k = plan.num_decode_rows
     if dec is plan.state.decoding:  # fast path: rows 0..k-1 are the plan's decode rows
-        advanced = [c + 1 for c in dec.computed[:k]]
+        advanced = tuple(map(add, dec.computed[:k], repeat(1, k)))
         at_limit = list(compress(range(k), map(le, dec.limits, advanced)))
-        computed = tuple(advanced) + dec.computed[k:]
-        gens = tuple(zip(sampled[:k], dec.gens[:k])) + dec.gens[k:]
-        return dec.with_progress(computed, gens, dec.tables), range(k), at_limit
-    position = {rid: i for i, rid in enumerate(dec.ids)}
-    computed, gens, rows = list(dec.computed), list(dec.gens), []
-    for rid, token in zip(plan.request_ids[:k], sampled[:k]):
-        i = position.get(rid)
-        if i is not None:
-            computed[i] += 1
-            gens[i] = (token, gens[i])
-            rows.append(i)
-    at_limit = [i for i in rows if computed[i] >= dec.limits[i]]
-    return dec.with_progress(tuple(computed), tuple(gens), dec.tables), rows, at_limit
+        computed = advanced + dec.computed[k:]
+        recent = tuple(map(add, dec.recent[:k], zip(sampled[:k]))) + dec.recent[k:]  # 1-tuples
+        rows: SequenceOf[int] = range(k)
+        flush = plan._decode_flush
+    else:
+        position = {rid: i for i, rid in enumerate(dec.ids)}
+        computed_list, recent_list, rows = list(dec.computed), list(dec.recent), []
+        for rid, token in zip(plan.request_ids[:k], sampled[:k]):
+            i = position.get(rid)
+            if i is not None:
+                computed_list[i] += 1
+                recent_list[i] += (token,)
+                rows.append(i)
+        at_limit = [i for i in rows if computed_list[i] >= dec.limits[i]]
+        flush = [i for i in rows if not (computed_list[i] - 1) % chunk]
+        computed, recent = tuple(computed_list), tuple(recent_list)
+    older = dec.older
+    if flush:  # the fed token ended a chunk: it and the tokens before it move to `older`
+        recent, older = list(recent), list(older)
+        for i in flush:
+            older[i] += (recent[i][:-1],)
+            recent[i] = recent[i][-1:]
+        recent, older = tuple(recent), tuple(older)
+    return dec.with_progress(computed=computed, recent=recent, older=older), rows, at_limit
 
 
 def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[int], now: float,
@@ -94,7 +106,8 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
     finished: list[Finished] = []
 
     # 2. decode rows
-    dec, rows, done = _advance_decodes(state.decoding, plan, sampled)
+    dec, rows, done = _advance_decodes(state.decoding, plan, sampled,
+                                       gen_chunk(state.config.block_size))
     if stopped:
         done = sorted(set(done).union(i for i in rows if dec.ids[i] in stopped))
     for i in done:
@@ -109,7 +122,7 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
 
     # 3. prefill rows
     partial = {p.seq.request_id: p for p in state.partial}
-    ready = []  # (sequence, computed, gens, table) of sequences whose prefill completed
+    ready = []  # rows of sequences whose prefill completed
     s = plan.num_decode_rows
     for r in range(plan.num_decode_rows, len(plan.request_ids)):
         token = None
@@ -130,7 +143,7 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
                                      reason=reason, finish_time=now))
             pool = pool.give(part.table)
         else:
-            ready.append((seq, computed, (token, None), part.table))
+            ready.append(DecodeRow(seq, computed, (token,), (), (), part.table))
     dec = dec.inserted(ready)
 
     return _replaced(state, dec, pool, tuple(partial.values())), tuple(finished)

@@ -16,7 +16,7 @@ from operator import itemgetter
 
 from scheduler.blocks import BlockTable
 from scheduler.metrics import step_kind
-from scheduler.request import RequestId, TokenStack
+from scheduler.request import RequestId
 from scheduler.state import SchedulerState
 
 
@@ -91,7 +91,7 @@ class Engaged:
 
 
 NOTHING_ENGAGED = Engaged()
-_newest_token = itemgetter(0)
+_newest_token = itemgetter(-1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,9 +108,11 @@ class StepPlan:
       num_tokens: tokens in the step (sum of lengths).
       preempted: ids preempted this step (back to the front of the waiting queue).
       engaged: what each knob did.
-      _decode_stacks, _prefill_sources: where the rows' token ids come from (shared with the
+      _decode_recent, _prefill_sources: where the rows' token ids come from (shared with the
         state, so planning copies no tokens); read them through `token_ids`, `row_token_ids`
         or `chunks`.
+      _decode_flush: decode rows whose generated tokens `commit` moves to `older` (found while
+        planning, among the rows that open a KV block).
     """
 
     state: SchedulerState
@@ -124,7 +126,8 @@ class StepPlan:
     num_tokens: int
     preempted: tuple[RequestId, ...]
     engaged: Engaged
-    _decode_stacks: tuple[TokenStack, ...]
+    _decode_recent: tuple[tuple[int, ...], ...]
+    _decode_flush: tuple[int, ...]
     _prefill_sources: tuple[tuple[int, ...], ...]
 
     @property
@@ -171,7 +174,7 @@ class StepPlan:
         """The tokens row `row` feeds to the model."""
         k = self.num_decode_rows
         if row < k:
-            return (self._decode_stacks[row][0],)
+            return (self._decode_recent[row][-1],)
         start = self.starts[row]
         return self._prefill_sources[row - k][start:start + self.lengths[row]]
 
@@ -180,7 +183,7 @@ class StepPlan:
         """Every row's tokens, concatenated in row order (built on each access)."""
         k = self.num_decode_rows
         return tuple(chain(
-            map(_newest_token, self._decode_stacks),
+            map(_newest_token, self._decode_recent),
             *(tokens[start:start + n] for tokens, start, n in zip(
                 self._prefill_sources, self.starts[k:], self.lengths[k:]))))
 

@@ -29,8 +29,8 @@ import heapq
 from scheduler.blocks import BlockTable, blocks_for
 from scheduler.config import SchedulerConfig
 from scheduler.plan import Engaged, NOTHING_ENGAGED, StepPlan
-from scheduler.request import Sequence, SeqKey, stack_to_tuple
-from scheduler.state import Partial, SchedulerState
+from scheduler.request import Sequence, SeqKey
+from scheduler.state import Partial, SchedulerState, gen_chunk
 
 _key_of_seq = lambda seq: seq.key  # noqa: E731
 _key_of_partial = lambda part: part.seq.key  # noqa: E731
@@ -47,6 +47,7 @@ class StepBuilder:
         self.pool = state.pool
         self.budget = config.max_num_batched_tokens
         self.num_decode_rows = 0
+        self.opening: list[int] = []  # decode rows whose token opens a KV block
         self.prefill_rows: list[tuple[Partial, int]] = []  # (sequence after allocation, length)
         self.admitted: list[Partial] = []
         self.waiting_from = 0  # state.waiting[waiting_from:] is still waiting
@@ -141,7 +142,7 @@ class StepBuilder:
         if where == "decode":
             dec = self.dec
             seq = dec.seqs[-1]
-            kept = seq.tokens + stack_to_tuple(dec.gens[-1])
+            kept = seq.tokens + dec.generated(len(dec) - 1)
             self.preempted.append(Sequence(request=seq.request, key=seq.key, tokens=kept))
             self.pool = self.pool.give(dec.tables[-1])
             self.dec = dec.without({len(dec) - 1})
@@ -166,13 +167,14 @@ class StepBuilder:
         bs = self.config.block_size
         computed = dec.computed
         opening = [i for i, c in enumerate(computed[:n]) if not c % bs]  # token opens a block
+        self.opening = opening
         if len(opening) <= self.pool.num_free:
             if opening:
                 blocks, self.pool = self.pool.take(len(opening))
                 tables = list(dec.tables)
                 for row, block in zip(opening, blocks):
                     tables[row] += (block,)
-                self.dec = dec.with_progress(dec.computed, dec.gens, tuple(tables))
+                self.dec = dec.with_progress(tables=tuple(tables))
         else:
             n = self._decodes_under_pressure(n, opening)
         self.num_decode_rows = n
@@ -200,7 +202,7 @@ class StepBuilder:
             block, self.pool = self.pool.take(1)
             dec = self.dec
             tables = dec.tables[:row] + (dec.tables[row] + block,) + dec.tables[row + 1:]
-            self.dec = dec.with_progress(dec.computed, dec.gens, tables)
+            self.dec = dec.with_progress(tables=tables)
         return n
 
     # ---- 2. partial prefills -----------------------------------------------------------------
@@ -314,6 +316,11 @@ class StepBuilder:
         self._use(reasons)
         return n
 
+    def _decode_flush(self) -> tuple[int, ...]:
+        """Decode rows whose fed position ends a generated-token chunk (a subset of `opening`)."""
+        chunk, computed, k = gen_chunk(self.config.block_size), self.dec.computed, self.num_decode_rows
+        return tuple(i for i in self.opening if i < k and not computed[i] % chunk)
+
     # ---- 4. the plan -------------------------------------------------------------------------
 
     def build(self) -> StepPlan:
@@ -359,6 +366,7 @@ class StepBuilder:
             num_tokens=self.num_tokens,
             preempted=preempted_ids,
             engaged=Engaged(**engaged) if engaged else NOTHING_ENGAGED,
-            _decode_stacks=dec.gens[:k],
+            _decode_recent=dec.recent[:k],
+            _decode_flush=self._decode_flush(),
             _prefill_sources=tuple(part.seq.tokens for part in parts),
         )

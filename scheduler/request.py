@@ -11,10 +11,6 @@ RequestId: TypeAlias = int | str
 # the order of `add_request` calls and breaks ties between equal arrival times.
 SeqKey: TypeAlias = tuple[int, float, int]
 
-# Tokens generated since a sequence was (re)admitted, newest first, as a persistent cons list:
-# (token, older) or None. Pushing a token is O(1) and shares the older tokens.
-TokenStack: TypeAlias = "tuple[int, TokenStack] | None"
-
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
 
@@ -86,13 +82,3 @@ class Finished:
     output_token_ids: tuple[int, ...]
     reason: str
     finish_time: float
-
-
-def stack_to_tuple(stack: TokenStack) -> tuple[int, ...]:
-    """Oldest-first tuple of a token stack."""
-    out = []
-    while stack is not None:
-        token, stack = stack
-        out.append(token)
-    out.reverse()
-    return tuple(out)
