@@ -6,6 +6,10 @@
   3. Prefill rows: cursor + chunk length; a final chunk pushes its sampled token and the sequence
      becomes decode-ready (or finishes at once, e.g. max_tokens == 1).
 
+With prefix caching, every block that a decode or a prefill chunk filled in this step is hashed
+(parent digest + its tokens) and cached before any block is released, so a finishing sequence
+leaves its blocks reusable.
+
 NOTE: sequences aborted between `schedule` and `commit` are skipped: their rows are matched by id
 when the decode table is not the plan's own. Their sampled tokens are dropped.
 """
@@ -13,13 +17,13 @@ when the decode table is not the plan's own. Their sampled tokens are dropped.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence as SequenceOf
-from itertools import compress
-from itertools import repeat
+from itertools import compress, repeat
 from operator import add, le
 
 from scheduler.blocks import BlockPool
 from scheduler.errors import CommitError, StepOrderError
 from scheduler.plan import StepPlan
+from scheduler.prefix import ROOT_DIGEST, block_hash
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId
 from scheduler.state import DecodeRow, DecodeTable, Partial, SchedulerState, gen_chunk
 
@@ -78,6 +82,24 @@ def _advance_decodes(dec: DecodeTable, plan: StepPlan, sampled: tuple[int, ...],
     return dec.with_progress(computed=computed, recent=recent, older=older), rows, at_limit
 
 
+def _cache_decoded_blocks(dec: DecodeTable, rows: SequenceOf[int], pool: BlockPool,
+                          block_size: int) -> tuple[DecodeTable, BlockPool]:
+    """Hashes and caches the blocks that the decode rows `rows` just filled."""
+    computed = dec.computed
+    full = [i for i in rows if not computed[i] % block_size]
+    if not full:
+        return dec, pool
+    hashes, pairs = list(dec.hashes), []
+    for i in full:
+        b = computed[i] // block_size - 1  # the block holding positions computed - bs .. - 1
+        chain = hashes[i][:b]
+        digest = block_hash(chain[-1] if chain else ROOT_DIGEST,
+                            dec.last_tokens(i, block_size + 1)[:-1])
+        hashes[i] = chain + (digest,)
+        pairs.append((dec.tables[i][b], digest))
+    return dec.with_progress(hashes=tuple(hashes)), pool.register(pairs)
+
+
 def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[int], now: float,
            finished_ids: Iterable[RequestId] = ()) -> tuple[SchedulerState, tuple[Finished, ...]]:
     """Applies a step's results. Pure: returns a new state.
@@ -108,12 +130,15 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
     # 2. decode rows
     dec, rows, done = _advance_decodes(state.decoding, plan, sampled,
                                        gen_chunk(state.config.block_size))
+    if pool.cache is not None:
+        dec, pool = _cache_decoded_blocks(dec, rows, pool, state.config.block_size)
     if stopped:
         done = sorted(set(done).union(i for i in rows if dec.ids[i] in stopped))
     for i in done:
         reason = FINISH_STOP if dec.ids[i] in stopped else FINISH_LENGTH
         finished.append(Finished(request_id=dec.ids[i], output_token_ids=dec.outputs(i),
-                                 reason=reason, finish_time=now))
+                                 reason=reason, finish_time=now,
+                                 num_cached_tokens=dec.seqs[i].cached_tokens or 0))
         pool = pool.give(dec.tables[i])
     dec = dec.without(set(done))
 
@@ -132,6 +157,10 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
         if part is None:  # aborted after schedule
             continue
         seq, computed = part.seq, part.computed + plan.lengths[r]
+        if pool.cache is not None:  # blocks this chunk filled: their digests are precomputed
+            bs = state.config.block_size
+            pool = pool.register([(part.table[b], seq.block_hashes[b])
+                                  for b in range(part.computed // bs, computed // bs)])
         if token is None:
             partial[seq.request_id] = Partial(seq=seq, computed=computed, table=part.table)
             continue
@@ -140,10 +169,11 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
             reason = FINISH_STOP if seq.request_id in stopped else FINISH_LENGTH
             finished.append(Finished(request_id=seq.request_id,
                                      output_token_ids=seq.kept_outputs() + (token,),
-                                     reason=reason, finish_time=now))
+                                     reason=reason, finish_time=now,
+                                     num_cached_tokens=seq.cached_tokens or 0))
             pool = pool.give(part.table)
         else:
-            ready.append(DecodeRow(seq, computed, (token,), (), (), part.table))
+            ready.append(DecodeRow(seq, computed, (token,), (), seq.block_hashes, part.table))
     dec = dec.inserted(ready)
 
     return _replaced(state, dec, pool, tuple(partial.values())), tuple(finished)

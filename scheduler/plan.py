@@ -31,6 +31,8 @@ class Chunk:
       samples: whether this row samples a token (decode rows and final prefill chunks only).
       token_ids: the chunk's tokens.
       block_table: the sequence's KV blocks, allocated for start + length tokens.
+      num_cached: tokens served from the prefix cache (positions 0 .. num_cached - 1, already in
+        shared blocks) if the sequence was admitted this step, else 0.
     """
 
     request_id: RequestId
@@ -39,6 +41,7 @@ class Chunk:
     samples: bool
     token_ids: tuple[int, ...]
     block_table: BlockTable
+    num_cached: int = 0
 
     @property
     def kv_len(self) -> int:
@@ -103,6 +106,8 @@ class StepPlan:
         cursors not yet advanced); pass it to `commit` with the step's results. An empty plan
         leaves nothing in flight: its state may be scheduled again directly.
       request_ids, starts, lengths, samples, block_tables: one entry per row, in row order.
+      num_cached: per row, prompt tokens skipped because the prefix cache held them (rows admitted
+        this step; 0 otherwise). Such a row starts at num_cached.
       num_decode_rows: the first rows that are decodes.
       num_sampled: rows that sample (decode rows and final prefill chunks).
       num_tokens: tokens in the step (sum of lengths).
@@ -121,6 +126,7 @@ class StepPlan:
     lengths: tuple[int, ...]
     samples: tuple[bool, ...]
     block_tables: tuple[BlockTable, ...]
+    num_cached: tuple[int, ...]
     num_decode_rows: int
     num_sampled: int
     num_tokens: int
@@ -141,6 +147,11 @@ class StepPlan:
     @property
     def num_prefill_tokens(self) -> int:
         return self.num_tokens - self.num_decode_rows
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens the prefix cache saved this step (sum of num_cached)."""
+        return sum(self.num_cached)
 
     @property
     def is_empty(self) -> bool:
@@ -192,7 +203,8 @@ class StepPlan:
         """The rows as records (built on each access; the columns are the fast path)."""
         return tuple(
             Chunk(request_id=rid, start=start, length=length, samples=samples,
-                  token_ids=self.row_token_ids(i), block_table=table)
-            for i, (rid, start, length, samples, table) in enumerate(zip(
-                self.request_ids, self.starts, self.lengths, self.samples, self.block_tables))
+                  token_ids=self.row_token_ids(i), block_table=table, num_cached=cached)
+            for i, (rid, start, length, samples, table, cached) in enumerate(zip(
+                self.request_ids, self.starts, self.lengths, self.samples, self.block_tables,
+                self.num_cached))
         )

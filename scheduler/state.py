@@ -7,7 +7,8 @@ Layout (all frozen; a new state shares every part it did not change with the old
   decoding  DecodeTable: prompt computed, each decode step feeds the last token. Columns, not
             per-sequence records, because a decode step touches every row: one tuple rebuild per
             column beats one record per row (see scripts/bench_scheduler.py).
-  pool      BlockPool: the free KV blocks. Running sequences own the rest.
+  pool      BlockPool: the free KV blocks, and the prefix cache (cached blocks, their reference
+            counts, the eviction queue). Running sequences hold the rest.
 
 NOTE: invariants (checked by tests every step):
   * a request id is in exactly one of waiting / partial / decoding;
@@ -26,6 +27,7 @@ from typing import NamedTuple
 
 from scheduler.blocks import BlockPool, BlockTable
 from scheduler.config import SchedulerConfig
+from scheduler.prefix import chain_hashes
 from scheduler.errors import DuplicateRequestError, RequestError, RequestTooLargeError
 from scheduler.errors import UnknownRequestError
 from scheduler.request import Request, RequestId, Sequence, SeqKey
@@ -112,6 +114,21 @@ class DecodeTable:
     def generated(self, row: int) -> tuple[int, ...]:
         """Tokens a row generated since its (re)admission, oldest first."""
         return tuple(chain.from_iterable(self.older[row])) + self.recent[row]
+
+    def last_tokens(self, row: int, count: int) -> tuple[int, ...]:
+        """The row's last `count` tokens (of seq.tokens + generated), reading only what it needs."""
+        parts = [self.recent[row]]
+        have = len(parts[0])
+        older = self.older[row]
+        j = len(older)
+        while have < count and j:
+            j -= 1
+            parts.append(older[j])
+            have += len(older[j])
+        if have < count:
+            tokens = self.seqs[row].tokens
+            parts.append(tokens[max(0, len(tokens) - (count - have)):])
+        return tuple(chain.from_iterable(reversed(parts)))[-count:]
 
     def outputs(self, row: int) -> tuple[int, ...]:
         """All outputs of a row so far (kept across preemptions, then generated since)."""
@@ -201,7 +218,8 @@ class SchedulerState:
     @classmethod
     def empty(cls, config: SchedulerConfig) -> "SchedulerState":
         """A state with no requests and every block free."""
-        return cls(config=config, pool=BlockPool.full(config.num_blocks))
+        return cls(config=config, pool=BlockPool.full(
+            config.num_blocks, prefix_caching=config.enable_prefix_caching))
 
     @property
     def num_running(self) -> int:
@@ -221,6 +239,19 @@ class SchedulerState:
         owned = {p.seq.request_id: p.table for p in self.partial}
         owned.update(zip(self.decoding.ids, self.decoding.tables))
         return owned
+
+    def num_cached(self, request_id: RequestId) -> int:
+        """Prompt tokens of a request served from the prefix cache at its first admission (0
+        while it waits for that admission, and always with caching off)."""
+        for seq in self._sequences():
+            if seq.request_id == request_id:
+                return seq.cached_tokens or 0
+        raise UnknownRequestError(request_id)
+
+    def _sequences(self):
+        yield from self.waiting
+        yield from (p.seq for p in self.partial)
+        yield from self.decoding.seqs
 
     def num_computed(self, request_id: RequestId) -> int:
         """The prefill/decode cursor of a request (0 while waiting)."""
@@ -272,7 +303,10 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
     """
     _validate(request, state)
     key = (request.priority, float(request.arrival_time), state.next_ticket)
-    seq = Sequence(request=request, key=key, tokens=request.prompt_token_ids)
+    config = state.config
+    hashes = (chain_hashes(request.prompt_token_ids, config.block_size)
+              if config.enable_prefix_caching else ())
+    seq = Sequence(request=request, key=key, tokens=request.prompt_token_ids, block_hashes=hashes)
     i = bisect.bisect_right(state.waiting, key, key=_key_of)
     return dataclasses.replace(state, waiting=state.waiting[:i] + (seq,) + state.waiting[i:],
                                next_ticket=state.next_ticket + 1)

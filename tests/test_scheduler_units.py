@@ -17,8 +17,11 @@ from scheduler.blocks import BlockPool
 
 
 def make_config(**overrides) -> SchedulerConfig:
+    """The worked examples' config. Their requests share prompts (make_request), so prefix
+    caching is off here: these examples pin the policies (and, so, the plans without caching);
+    the prefix-cache tests turn it on."""
     values = dict(max_num_batched_tokens=64, chunk_tile=16, block_size=4, num_blocks=64,
-                  max_num_seqs=8)
+                  max_num_seqs=8, enable_prefix_caching=False)
     values.update(overrides)
     return SchedulerConfig(**values)
 
