@@ -10,6 +10,7 @@ and nothing here mutates its inputs. One engine step:
 Requests enter with add_request(state, Request(...)) and leave through commit or abort.
 """
 
+from scheduler.arms import ARM_KEYS, KNOB_SHORT, Arm, parse_arm
 from scheduler.blocks import BlockPool, blocks_for
 from scheduler.commit import commit
 from scheduler.config import POLICIES, SchedulerConfig
@@ -21,9 +22,9 @@ from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, Request, Req
 from scheduler.state import SchedulerState, abort, add_request, validate_request
 
 __all__ = [
-    "BlockPool", "Chunk", "CommitError", "ConfigError", "DuplicateRequestError", "Engaged",
-    "FINISH_LENGTH", "FINISH_STOP", "Finished", "InputError", "POLICIES", "Request", "RequestError", "RequestId",
+    "ARM_KEYS", "Arm", "BlockPool", "Chunk", "CommitError", "ConfigError", "DuplicateRequestError", "Engaged",
+    "FINISH_LENGTH", "FINISH_STOP", "Finished", "InputError", "KNOB_SHORT", "POLICIES", "Request", "RequestError", "RequestId",
     "RequestTooLargeError", "SchedulerConfig", "SchedulerState", "StepOrderError", "StepPlan",
-    "UnknownRequestError", "abort", "add_request", "blocks_for", "commit", "schedule",
+    "UnknownRequestError", "abort", "add_request", "blocks_for", "commit", "parse_arm", "schedule",
     "validate_request",
 ]

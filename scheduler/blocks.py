@@ -1,11 +1,24 @@
 """KV block accounting: a persistent free pool whose operations cost O(tables moved), not O(blocks).
 
 The pool is the never-allocated range [fresh, num_blocks) plus a stack of freed block tables
-(each pushed whole by `give`). `take` pops freed tables first, splitting the last one it needs,
-then cuts from the fresh range; both are C-level tuple operations.
+(each pushed whole by `give`). `take` pops freed tables first, taking the front of the last one it
+needs, then cuts from the fresh range; both are C-level tuple operations.
+
+The stack is a flat tuple of (table, first) entries, newest last: `table[first:]` is still free.
+When it grows past MAX_FREED_TABLES entries, `give` merges them into one table in pop order
+(amortized O(1) per block), so the nesting depth is constant (no cons lists: pickle and deepcopy
+of a pool never recurse deeply).
+
+With prefix caching (`cache` is a scheduler.prefix.PrefixCache) a released block that holds a
+cached full block keeps its KV and joins the cache's eviction queue instead of the stack; `take`
+evicts from that queue (least recently released first) only when the stack and the fresh range
+are empty. `num_free` counts every block usable for a new allocation: free plus cached-but-
+unreferenced. `num_in_use` is the rest: blocks some live sequence holds.
 
 NOTE: invariants the tests check every step:
-  * every block id in [0, num_blocks) is either free or owned by exactly one sequence;
+  * free, cached-unreferenced and referenced blocks partition [0, num_blocks);
+  * a referenced block is in exactly one live block table, unless it is a cached full block,
+    which is in exactly `refs` of them (shared prefixes);
   * a sequence with c computed-or-scheduled tokens owns exactly blocks_for(c) blocks.
 """
 
@@ -16,10 +29,13 @@ from collections.abc import Iterable
 from itertools import chain
 from typing import TypeAlias
 
+from scheduler.prefix import PrefixCache
+
 BlockTable: TypeAlias = tuple[int, ...]
 
-# Freed tables as a persistent cons list: (table, older) or None.
-FreedStack: TypeAlias = "tuple[BlockTable, FreedStack] | None"
+# Freed tables, newest last: (table, first) where table[first:] is free.
+FreedStack: TypeAlias = tuple[tuple[BlockTable, int], ...]
+MAX_FREED_TABLES = 64
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -29,61 +45,151 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class BlockPool:
-    """The free blocks of the cache.
+    """The free blocks of the cache (and the cached ones, with prefix caching).
 
     Attributes:
       num_blocks: blocks in the cache.
-      num_free: free blocks (freed ones plus the fresh range).
+      num_free: blocks usable for new allocations: the stack, the fresh range and (with prefix
+        caching) cached blocks no live sequence holds.
       fresh: blocks fresh .. num_blocks - 1 were never allocated.
-      freed: blocks given back, newest table first; allocated before the fresh range.
+      freed: blocks given back, as (table, first) entries, newest last; allocated (newest table
+        first) before the fresh range.
+      cache: the prefix cache; None when prefix caching is off.
     """
 
     num_blocks: int
     num_free: int
     fresh: int = 0
-    freed: FreedStack = None
+    freed: FreedStack = ()
+    cache: PrefixCache | None = None
 
     @classmethod
-    def full(cls, num_blocks: int) -> "BlockPool":
+    def full(cls, num_blocks: int, *, prefix_caching: bool = False) -> "BlockPool":
         """All blocks free; block 0 is allocated first."""
-        return cls(num_blocks=num_blocks, num_free=num_blocks)
+        cache = PrefixCache.empty(num_blocks) if prefix_caching else None
+        return cls(num_blocks=num_blocks, num_free=num_blocks, cache=cache)
+
+    @property
+    def num_in_use(self) -> int:
+        """Blocks held by live sequences (0 when nothing runs; cached idle blocks excluded)."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached_free(self) -> int:
+        """Cached blocks no live sequence holds (evictable; counted in num_free)."""
+        return self.cache.num_evictable if self.cache is not None else 0
 
     def take(self, count: int) -> tuple[BlockTable, "BlockPool"]:
-        """Pops `count` blocks (count <= num_free); returns them and the smaller pool."""
+        """Pops `count` blocks (count <= num_free); returns them and the smaller pool.
+
+        Order: the freed stack, then the fresh range, then (evicted) cached blocks.
+        """
         parts = []
-        stack, need = self.freed, count
-        while need and stack is not None:
-            table, older = stack
-            if len(table) <= need:
-                parts.append(table)
-                need -= len(table)
-                stack = older
+        freed, need = self.freed, count
+        top = len(freed)
+        while need and top:
+            table, first = freed[top - 1]
+            left = len(table) - first
+            if left <= need:
+                parts.append(table[first:] if first else table)
+                need -= left
+                top -= 1
             else:
-                parts.append(table[:need])
-                stack = (table[need:], older)
+                parts.append(table[first:first + need])
+                freed = freed[:top - 1] + ((table, first + need),)
                 need = 0
+        if top < len(freed):
+            freed = freed[:top]
         fresh = self.fresh
+        if need and fresh < self.num_blocks:
+            n = min(need, self.num_blocks - fresh)
+            parts.append(tuple(range(fresh, fresh + n)))
+            fresh += n
+            need -= n
+        cache = self.cache
         if need:
-            parts.append(tuple(range(fresh, fresh + need)))
-            fresh += need
+            evicted, cache = cache.evicted(need)
+            parts.append(evicted)
         blocks = parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
         return blocks, BlockPool(num_blocks=self.num_blocks, num_free=self.num_free - count,
-                                 fresh=fresh, freed=stack)
+                                 fresh=fresh, freed=freed, cache=cache)
 
     def give(self, blocks: Iterable[int]) -> "BlockPool":
-        """Returns freed blocks to the pool."""
+        """Releases one block table: uncached blocks go back to the stack; cached ones lose a
+        reference and, at zero, stay cached and become evictable."""
         table = tuple(blocks)
         if not table:
             return self
-        return BlockPool(num_blocks=self.num_blocks, num_free=self.num_free + len(table),
-                         fresh=self.fresh, freed=(table, self.freed))
+        cache = self.cache
+        if cache is None:
+            return BlockPool(num_blocks=self.num_blocks, num_free=self.num_free + len(table),
+                             fresh=self.fresh, freed=_pushed(self.freed, table))
+        records = cache.records
+        cached = [b for b in table if records[b] is not None]
+        freed = self.freed
+        if len(cached) < len(table):
+            plain = tuple(b for b in table if records[b] is None) if cached else table
+            freed = _pushed(freed, plain)
+        evictable = 0
+        if cached:
+            cache, evictable = cache.released(cached)
+        return BlockPool(num_blocks=self.num_blocks,
+                         num_free=self.num_free + len(table) - len(cached) + evictable,
+                         fresh=self.fresh, freed=freed, cache=cache)
+
+    def acquire(self, blocks: BlockTable) -> "BlockPool":
+        """Cache hits: one more reference to each (cached) block."""
+        if not blocks:
+            return self
+        cache, revived = self.cache.acquired(blocks)
+        return BlockPool(num_blocks=self.num_blocks, num_free=self.num_free - revived,
+                         fresh=self.fresh, freed=self.freed, cache=cache)
+
+    def register(self, pairs: list[tuple[int, bytes]]) -> "BlockPool":
+        """Caches newly full blocks under their digests (see PrefixCache.registered)."""
+        if not pairs:
+            return self
+        return dataclasses.replace(self, cache=self.cache.registered(pairs))
+
+    def releasable(self, tables: Iterable[BlockTable]) -> int:
+        """Blocks that releasing all of `tables` would make usable (num_free would grow by it)."""
+        counts: dict[int, int] = {}
+        total = 0
+        for table in tables:
+            if self.cache is None:
+                total += len(table)
+                continue
+            for b in table:
+                counts[b] = counts.get(b, 0) + 1
+        records = self.cache.records if self.cache is not None else None
+        for b, n in counts.items():
+            rec = records[b]
+            total += rec is None or rec.refs == n
+        return total
 
     def free_blocks(self) -> tuple[int, ...]:
-        """The free block ids, next-allocated first (O(num_free): for checks and tests)."""
-        parts = []
-        stack = self.freed
-        while stack is not None:
-            table, stack = stack
-            parts.append(table)
-        parts.append(range(self.fresh, self.num_blocks))
-        return tuple(chain.from_iterable(parts))
+        """The uncached free block ids, next-allocated first (O(num_free): for checks and tests)."""
+        return _pop_order(self.freed) + tuple(range(self.fresh, self.num_blocks))
+
+    def cached_free_blocks(self) -> tuple[int, ...]:
+        """Cached blocks no live sequence holds, next-evicted first (O(queue): for tests)."""
+        if self.cache is None:
+            return ()
+        return tuple(block for _, block in self.cache.queue_entries())
+
+    def ref_count(self, block: int) -> int | None:
+        """References to a cached block, or None if the block is not cached."""
+        rec = self.cache.records[block] if self.cache is not None else None
+        return None if rec is None else rec.refs
+
+
+def _pop_order(freed: FreedStack) -> BlockTable:
+    """Every block of the stack in the order `take` pops them."""
+    return tuple(chain.from_iterable(table[first:] for table, first in reversed(freed)))
+
+
+def _pushed(freed: FreedStack, table: BlockTable) -> FreedStack:
+    """`freed` with `table` on top; merged into one entry when it holds too many."""
+    if len(freed) >= MAX_FREED_TABLES:
+        return ((_pop_order(freed + ((table, 0),)), 0),)
+    return freed + ((table, 0),)

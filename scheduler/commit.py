@@ -6,6 +6,10 @@
   3. Prefill rows: cursor + chunk length; a final chunk pushes its sampled token and the sequence
      becomes decode-ready (or finishes at once, e.g. max_tokens == 1).
 
+With prefix caching, every block that a decode or a prefill chunk filled in this step is hashed
+(parent digest + its tokens) and cached before any block is released, so a finishing sequence
+leaves its blocks reusable.
+
 NOTE: sequences aborted between `schedule` and `commit` are skipped: their rows are matched by id
 when the decode table is not the plan's own. Their sampled tokens are dropped.
 """
@@ -13,14 +17,15 @@ when the decode table is not the plan's own. Their sampled tokens are dropped.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence as SequenceOf
-from itertools import compress
-from operator import le
+from itertools import compress, repeat
+from operator import add, le
 
 from scheduler.blocks import BlockPool
 from scheduler.errors import CommitError, StepOrderError
 from scheduler.plan import StepPlan
+from scheduler.prefix import ROOT_DIGEST, block_hash
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId
-from scheduler.state import DecodeTable, Partial, SchedulerState
+from scheduler.state import DecodeRow, DecodeTable, Partial, SchedulerState, gen_chunk
 
 
 def _check(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...],
@@ -41,29 +46,58 @@ def _check(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...],
                               f"{sorted(map(str, strangers))} sampled nothing this step")
 
 
-def _advance_decodes(dec: DecodeTable, plan: StepPlan,
-                     sampled: tuple[int, ...]) -> tuple[DecodeTable, SequenceOf[int], list[int]]:
+def _advance_decodes(dec: DecodeTable, plan: StepPlan, sampled: tuple[int, ...],
+                     chunk: int) -> tuple[DecodeTable, SequenceOf[int], list[int]]:
     """Cursor + 1 and the sampled token for each decode row.
 
     Returns the table, the rows that decoded, and those of them that reached max_tokens.
     """
     k = plan.num_decode_rows
     if dec is plan.state.decoding:  # fast path: rows 0..k-1 are the plan's decode rows
-        advanced = [c + 1 for c in dec.computed[:k]]
+        advanced = tuple(map(add, dec.computed[:k], repeat(1, k)))
         at_limit = list(compress(range(k), map(le, dec.limits, advanced)))
-        computed = tuple(advanced) + dec.computed[k:]
-        gens = tuple(zip(sampled[:k], dec.gens[:k])) + dec.gens[k:]
-        return dec.with_progress(computed, gens, dec.tables), range(k), at_limit
-    position = {rid: i for i, rid in enumerate(dec.ids)}
-    computed, gens, rows = list(dec.computed), list(dec.gens), []
-    for rid, token in zip(plan.request_ids[:k], sampled[:k]):
-        i = position.get(rid)
-        if i is not None:
-            computed[i] += 1
-            gens[i] = (token, gens[i])
-            rows.append(i)
-    at_limit = [i for i in rows if computed[i] >= dec.limits[i]]
-    return dec.with_progress(tuple(computed), tuple(gens), dec.tables), rows, at_limit
+        computed = advanced + dec.computed[k:]
+        recent = tuple(map(add, dec.recent[:k], zip(sampled[:k]))) + dec.recent[k:]  # 1-tuples
+        rows: SequenceOf[int] = range(k)
+        flush = plan._decode_flush
+    else:
+        position = {rid: i for i, rid in enumerate(dec.ids)}
+        computed_list, recent_list, rows = list(dec.computed), list(dec.recent), []
+        for rid, token in zip(plan.request_ids[:k], sampled[:k]):
+            i = position.get(rid)
+            if i is not None:
+                computed_list[i] += 1
+                recent_list[i] += (token,)
+                rows.append(i)
+        at_limit = [i for i in rows if computed_list[i] >= dec.limits[i]]
+        flush = [i for i in rows if not (computed_list[i] - 1) % chunk]
+        computed, recent = tuple(computed_list), tuple(recent_list)
+    older = dec.older
+    if flush:  # the fed token ended a chunk: it and the tokens before it move to `older`
+        recent, older = list(recent), list(older)
+        for i in flush:
+            older[i] += (recent[i][:-1],)
+            recent[i] = recent[i][-1:]
+        recent, older = tuple(recent), tuple(older)
+    return dec.with_progress(computed=computed, recent=recent, older=older), rows, at_limit
+
+
+def _cache_decoded_blocks(dec: DecodeTable, rows: SequenceOf[int], pool: BlockPool,
+                          block_size: int) -> tuple[DecodeTable, BlockPool]:
+    """Hashes and caches the blocks that the decode rows `rows` just filled."""
+    computed = dec.computed
+    full = [i for i in rows if not computed[i] % block_size]
+    if not full:
+        return dec, pool
+    hashes, pairs = list(dec.hashes), []
+    for i in full:
+        b = computed[i] // block_size - 1  # the block holding positions computed - bs .. - 1
+        chain = hashes[i][:b]
+        digest = block_hash(chain[-1] if chain else ROOT_DIGEST,
+                            dec.last_tokens(i, block_size + 1)[:-1])
+        hashes[i] = chain + (digest,)
+        pairs.append((dec.tables[i][b], digest))
+    return dec.with_progress(hashes=tuple(hashes)), pool.register(pairs)
 
 
 def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[int], now: float,
@@ -94,13 +128,17 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
     finished: list[Finished] = []
 
     # 2. decode rows
-    dec, rows, done = _advance_decodes(state.decoding, plan, sampled)
+    dec, rows, done = _advance_decodes(state.decoding, plan, sampled,
+                                       gen_chunk(state.config.block_size))
+    if pool.cache is not None:
+        dec, pool = _cache_decoded_blocks(dec, rows, pool, state.config.block_size)
     if stopped:
         done = sorted(set(done).union(i for i in rows if dec.ids[i] in stopped))
     for i in done:
         reason = FINISH_STOP if dec.ids[i] in stopped else FINISH_LENGTH
         finished.append(Finished(request_id=dec.ids[i], output_token_ids=dec.outputs(i),
-                                 reason=reason, finish_time=now))
+                                 reason=reason, finish_time=now,
+                                 num_cached_tokens=dec.seqs[i].cached_tokens or 0))
         pool = pool.give(dec.tables[i])
     dec = dec.without(set(done))
 
@@ -109,7 +147,7 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
 
     # 3. prefill rows
     partial = {p.seq.request_id: p for p in state.partial}
-    ready = []  # (sequence, computed, gens, table) of sequences whose prefill completed
+    ready = []  # rows of sequences whose prefill completed
     s = plan.num_decode_rows
     for r in range(plan.num_decode_rows, len(plan.request_ids)):
         token = None
@@ -119,6 +157,10 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
         if part is None:  # aborted after schedule
             continue
         seq, computed = part.seq, part.computed + plan.lengths[r]
+        if pool.cache is not None:  # blocks this chunk filled: their digests are precomputed
+            bs = state.config.block_size
+            pool = pool.register([(part.table[b], seq.block_hashes[b])
+                                  for b in range(part.computed // bs, computed // bs)])
         if token is None:
             partial[seq.request_id] = Partial(seq=seq, computed=computed, table=part.table)
             continue
@@ -127,10 +169,11 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
             reason = FINISH_STOP if seq.request_id in stopped else FINISH_LENGTH
             finished.append(Finished(request_id=seq.request_id,
                                      output_token_ids=seq.kept_outputs() + (token,),
-                                     reason=reason, finish_time=now))
+                                     reason=reason, finish_time=now,
+                                     num_cached_tokens=seq.cached_tokens or 0))
             pool = pool.give(part.table)
         else:
-            ready.append((seq, computed, (token, None), part.table))
+            ready.append(DecodeRow(seq, computed, (token,), (), seq.block_hashes, part.table))
     dec = dec.inserted(ready)
 
     return _replaced(state, dec, pool, tuple(partial.values())), tuple(finished)

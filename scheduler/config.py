@@ -51,6 +51,9 @@ class SchedulerConfig:
       num_blocks: KV blocks in the cache.
       watermark_blocks: admitting a new sequence keeps this many blocks free (vLLM semantics);
         running sequences may still grow into them.
+      enable_prefix_caching: full KV blocks are cached by content hash and shared between
+        sequences with the same prefix (scheduler/prefix.py). Part of the cache geometry: it
+        cannot change between steps. False gives exactly the plans of a scheduler without it.
     """
 
     policy: str = "token_budget"
@@ -64,10 +67,14 @@ class SchedulerConfig:
     block_size: int = 16
     num_blocks: int = 4096
     watermark_blocks: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ConfigError("policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError("enable_prefix_caching",
+                              f"must be a bool, got {self.enable_prefix_caching!r}")
         for field, minimum in _INT_MINIMUMS:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -123,4 +130,5 @@ class SchedulerConfig:
 
     def same_cache(self, other: "SchedulerConfig") -> bool:
         """Whether `other` describes the same KV cache (knobs may differ between steps)."""
-        return (self.block_size, self.num_blocks) == (other.block_size, other.num_blocks)
+        return ((self.block_size, self.num_blocks, self.enable_prefix_caching)
+                == (other.block_size, other.num_blocks, other.enable_prefix_caching))

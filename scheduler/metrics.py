@@ -41,10 +41,25 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def step_kind(prefill_tokens: int, decode_tokens: int) -> str:
-    """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle"."""
+    """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle" (nothing ran).
+
+    The one definition of a step's kind: `StepPlan.kind` and `steps_by_kind` both call it.
+    """
     if prefill_tokens:
         return "mixed" if decode_tokens else "prompt"
     return "decode" if decode_tokens else "idle"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A pipe table: every column padded to its widest cell, a `|---|` rule under the header."""
+    lines = [list(header), *map(list, rows)]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+
+    def fmt(line: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([fmt(lines[0]), rule, *map(fmt, lines[1:])])
 
 
 def ttfts(requests: Iterable[RequestTimes], window_end: float = math.inf) -> list[float]:
@@ -179,9 +194,4 @@ def format_table(columns: Mapping[str, BurstSummary]) -> str:
     row("total prefill wall", lambda s: f"{s.prefill_wall:.1f} s")
     row("longest gap between two tokens of a user", lambda s: f"{s.longest_gap:.2f} s")
     row("window", lambda s: f"{s.window[1] - s.window[0]:.1f} s")
-    header = ["", *columns]
-    body = [[label, *cells] for label, cells in rows]
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    fmt = lambda line: "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"  # noqa: E731
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(header), rule, *map(fmt, body)])
+    return markdown_table(["", *columns], [[label, *cells] for label, cells in rows])

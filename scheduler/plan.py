@@ -16,7 +16,7 @@ from operator import itemgetter
 
 from scheduler.blocks import BlockTable
 from scheduler.metrics import step_kind
-from scheduler.request import RequestId, TokenStack
+from scheduler.request import RequestId
 from scheduler.state import SchedulerState
 
 
@@ -31,6 +31,8 @@ class Chunk:
       samples: whether this row samples a token (decode rows and final prefill chunks only).
       token_ids: the chunk's tokens.
       block_table: the sequence's KV blocks, allocated for start + length tokens.
+      num_cached: tokens served from the prefix cache (positions 0 .. num_cached - 1, already in
+        shared blocks) if the sequence was admitted this step, else 0.
     """
 
     request_id: RequestId
@@ -39,6 +41,7 @@ class Chunk:
     samples: bool
     token_ids: tuple[int, ...]
     block_table: BlockTable
+    num_cached: int = 0
 
     @property
     def kv_len(self) -> int:
@@ -91,7 +94,7 @@ class Engaged:
 
 
 NOTHING_ENGAGED = Engaged()
-_newest_token = itemgetter(0)
+_newest_token = itemgetter(-1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,14 +106,18 @@ class StepPlan:
         cursors not yet advanced); pass it to `commit` with the step's results. An empty plan
         leaves nothing in flight: its state may be scheduled again directly.
       request_ids, starts, lengths, samples, block_tables: one entry per row, in row order.
+      num_cached: per row, prompt tokens skipped because the prefix cache held them (rows admitted
+        this step; 0 otherwise). Such a row starts at num_cached.
       num_decode_rows: the first rows that are decodes.
       num_sampled: rows that sample (decode rows and final prefill chunks).
       num_tokens: tokens in the step (sum of lengths).
       preempted: ids preempted this step (back to the front of the waiting queue).
       engaged: what each knob did.
-      _decode_stacks, _prefill_sources: where the rows' token ids come from (shared with the
+      _decode_recent, _prefill_sources: where the rows' token ids come from (shared with the
         state, so planning copies no tokens); read them through `token_ids`, `row_token_ids`
         or `chunks`.
+      _decode_flush: decode rows whose generated tokens `commit` moves to `older` (found while
+        planning, among the rows that open a KV block).
     """
 
     state: SchedulerState
@@ -119,12 +126,14 @@ class StepPlan:
     lengths: tuple[int, ...]
     samples: tuple[bool, ...]
     block_tables: tuple[BlockTable, ...]
+    num_cached: tuple[int, ...]
     num_decode_rows: int
     num_sampled: int
     num_tokens: int
     preempted: tuple[RequestId, ...]
     engaged: Engaged
-    _decode_stacks: tuple[TokenStack, ...]
+    _decode_recent: tuple[tuple[int, ...], ...]
+    _decode_flush: tuple[int, ...]
     _prefill_sources: tuple[tuple[int, ...], ...]
 
     @property
@@ -140,18 +149,27 @@ class StepPlan:
         return self.num_tokens - self.num_decode_rows
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Tokens the prefix cache saved this step (sum of num_cached)."""
+        return sum(self.num_cached)
+
+    @property
     def is_empty(self) -> bool:
         return not self.request_ids
 
     @property
-    def decode_only(self) -> bool:
-        """Every row is a decode (length 1) and there is at least one."""
-        return bool(self.request_ids) and self.num_tokens == len(self.request_ids)
+    def kind(self) -> str:
+        """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle" (metrics.step_kind)."""
+        return step_kind(self.num_tokens - self.num_decode_rows, self.num_decode_rows)
 
     @property
-    def kind(self) -> str:
-        """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle"."""
-        return step_kind(self.num_prefill_tokens, self.num_decode_rows)
+    def decode_only(self) -> bool:
+        """Every row has length 1 and there is at least one row.
+
+        A final prefill chunk of length 1 counts: to the kernels it is the same one-query row as a
+        decode (its `kind` may still say "mixed" or "prompt").
+        """
+        return bool(self.request_ids) and self.num_tokens == len(self.request_ids)
 
     @property
     def cu_seqlens(self) -> tuple[int, ...]:
@@ -167,7 +185,7 @@ class StepPlan:
         """The tokens row `row` feeds to the model."""
         k = self.num_decode_rows
         if row < k:
-            return (self._decode_stacks[row][0],)
+            return (self._decode_recent[row][-1],)
         start = self.starts[row]
         return self._prefill_sources[row - k][start:start + self.lengths[row]]
 
@@ -176,7 +194,7 @@ class StepPlan:
         """Every row's tokens, concatenated in row order (built on each access)."""
         k = self.num_decode_rows
         return tuple(chain(
-            map(_newest_token, self._decode_stacks),
+            map(_newest_token, self._decode_recent),
             *(tokens[start:start + n] for tokens, start, n in zip(
                 self._prefill_sources, self.starts[k:], self.lengths[k:]))))
 
@@ -185,7 +203,8 @@ class StepPlan:
         """The rows as records (built on each access; the columns are the fast path)."""
         return tuple(
             Chunk(request_id=rid, start=start, length=length, samples=samples,
-                  token_ids=self.row_token_ids(i), block_table=table)
-            for i, (rid, start, length, samples, table) in enumerate(zip(
-                self.request_ids, self.starts, self.lengths, self.samples, self.block_tables))
+                  token_ids=self.row_token_ids(i), block_table=table, num_cached=cached)
+            for i, (rid, start, length, samples, table, cached) in enumerate(zip(
+                self.request_ids, self.starts, self.lengths, self.samples, self.block_tables,
+                self.num_cached))
         )

@@ -7,7 +7,8 @@ order and then assembles the plan:
      max_num_seqs. A row opening a new block takes one from the pool; if the pool is empty the
      lowest-ranked running sequence not yet scheduled (largest key) is preempted, possibly the row
      itself (vLLM's rule).
-  2. run_partials: mid-prefill sequences in key order, one chunk each (whole in legacy mode). A
+  2. run_partials: mid-prefill sequences in key order, one chunk each (whole in legacy mode), while
+     rows stay within max_num_seqs (it may shrink between steps below the running count). A
      chunk shrinks to the free blocks; if not even a minimal chunk fits, lower-ranked unscheduled
      sequences are preempted, but only when that makes room. A partial is never preempted for
      itself: it waits, holding its blocks.
@@ -23,13 +24,15 @@ schedules are always a prefix of the (post-preemption) decode table; `commit` re
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 
 from scheduler.blocks import BlockTable, blocks_for
 from scheduler.config import SchedulerConfig
 from scheduler.plan import Engaged, NOTHING_ENGAGED, StepPlan
-from scheduler.request import Sequence, SeqKey, stack_to_tuple
-from scheduler.state import Partial, SchedulerState
+from scheduler.prefix import ROOT_DIGEST, chain_hashes
+from scheduler.request import Sequence, SeqKey
+from scheduler.state import Partial, SchedulerState, gen_chunk
 
 _key_of_seq = lambda seq: seq.key  # noqa: E731
 _key_of_partial = lambda part: part.seq.key  # noqa: E731
@@ -46,7 +49,9 @@ class StepBuilder:
         self.pool = state.pool
         self.budget = config.max_num_batched_tokens
         self.num_decode_rows = 0
+        self.opening: list[int] = []  # decode rows whose token opens a KV block
         self.prefill_rows: list[tuple[Partial, int]] = []  # (sequence after allocation, length)
+        self.cached: list[int] = []  # per prefill row: tokens served from the cache (admissions)
         self.admitted: list[Partial] = []
         self.waiting_from = 0  # state.waiting[waiting_from:] is still waiting
         self.preempted: list[Sequence] = []
@@ -60,6 +65,10 @@ class StepBuilder:
 
     def _count(self, knob: str) -> None:
         self.engaged[knob] = self.engaged.get(knob, 0) + 1
+
+    def hold_for_floor(self) -> None:
+        """Records that prefill work waits for the decode floor this step (engaged.floor_held)."""
+        self._note("floor_held")
 
     @property
     def num_rows(self) -> int:
@@ -136,8 +145,13 @@ class StepBuilder:
         if where == "decode":
             dec = self.dec
             seq = dec.seqs[-1]
-            kept = seq.tokens + stack_to_tuple(dec.gens[-1])
-            self.preempted.append(Sequence(request=seq.request, key=seq.key, tokens=kept))
+            kept = seq.tokens + dec.generated(len(dec) - 1)
+            hashes = dec.hashes[-1]
+            if self.pool.cache is not None:  # digests of the kept tokens' full blocks
+                parent = hashes[-1] if hashes else ROOT_DIGEST
+                hashes += chain_hashes(kept, self.config.block_size, parent, len(hashes))
+            self.preempted.append(Sequence(request=seq.request, key=seq.key, tokens=kept,
+                                           block_hashes=hashes, cached_tokens=seq.cached_tokens))
             self.pool = self.pool.give(dec.tables[-1])
             self.dec = dec.without({len(dec) - 1})
         else:
@@ -147,10 +161,12 @@ class StepBuilder:
             self.partials_after -= 1
 
     def _reclaimable(self, key: SeqKey, dec_from: int, partial_from: int) -> int:
-        """Blocks held by unscheduled sequences ranked below `key`."""
+        """Blocks that preempting every unscheduled sequence ranked below `key` would free (a
+        shared cached block only if all its holders are among them)."""
         dec = self.dec
-        total = sum(len(dec.tables[i]) for i in range(dec_from, len(dec)) if dec.keys[i] > key)
-        return total + sum(len(p.table) for p in self.partial[partial_from:] if p.seq.key > key)
+        tables = [dec.tables[i] for i in range(dec_from, len(dec)) if dec.keys[i] > key]
+        tables += [p.table for p in self.partial[partial_from:] if p.seq.key > key]
+        return self.pool.releasable(tables)
 
     # ---- 1. decodes --------------------------------------------------------------------------
 
@@ -161,13 +177,14 @@ class StepBuilder:
         bs = self.config.block_size
         computed = dec.computed
         opening = [i for i, c in enumerate(computed[:n]) if not c % bs]  # token opens a block
+        self.opening = opening
         if len(opening) <= self.pool.num_free:
             if opening:
                 blocks, self.pool = self.pool.take(len(opening))
                 tables = list(dec.tables)
                 for row, block in zip(opening, blocks):
                     tables[row] += (block,)
-                self.dec = dec.with_progress(dec.computed, dec.gens, tuple(tables))
+                self.dec = dec.with_progress(tables=tuple(tables))
         else:
             n = self._decodes_under_pressure(n, opening)
         self.num_decode_rows = n
@@ -195,7 +212,7 @@ class StepBuilder:
             block, self.pool = self.pool.take(1)
             dec = self.dec
             tables = dec.tables[:row] + (dec.tables[row] + block,) + dec.tables[row + 1:]
-            self.dec = dec.with_progress(dec.computed, dec.gens, tables)
+            self.dec = dec.with_progress(tables=tables)
         return n
 
     # ---- 2. partial prefills -----------------------------------------------------------------
@@ -205,6 +222,11 @@ class StepBuilder:
         j = 0
         while j < len(self.partial):
             part = self.partial[j]
+            if self.num_rows >= self.config.max_num_seqs:  # max_num_seqs shrank between steps
+                self._note("seqs_full")
+                self._count("partials_held")
+                j += 1
+                continue
             n = self._partial_chunk(j, part, whole)
             if n:
                 table = self._grow(part.table, part.computed + n)
@@ -254,8 +276,9 @@ class StepBuilder:
         blocks, self.pool = self.pool.take(need)
         return table + blocks
 
-    def _add_prefill_row(self, part: Partial, n: int) -> None:
+    def _add_prefill_row(self, part: Partial, n: int, cached: int = 0) -> None:
         self.prefill_rows.append((part, n))
+        self.cached.append(cached)
         self.budget -= n
 
     # ---- 3. admissions -----------------------------------------------------------------------
@@ -275,22 +298,44 @@ class StepBuilder:
             if cap and len(self.admitted) >= cap:
                 self._note("cap_deferred", len(waiting) - i)
                 break
-            n = self._admission_chunk(waiting[i], whole)
+            seq = waiting[i]
+            hits = self._cache_hits(seq)
+            n = self._admission_chunk(seq, whole, hits)
             if not n:
                 break
-            seq = waiting[i]
-            part = Partial(seq=seq, computed=0, table=self._grow((), n))
+            cached = len(hits) * config.block_size
+            if seq.cached_tokens is None:
+                seq = dataclasses.replace(seq, cached_tokens=cached)
+            self.pool = self.pool.acquire(hits)
+            part = Partial(seq=seq, computed=cached, table=self._grow(hits, cached + n))
             self.admitted.append(part)
-            self._add_prefill_row(part, n)
-            if n < len(seq.tokens):
+            self._add_prefill_row(part, n, cached)
+            if cached + n < len(seq.tokens):
                 self.partials_after += 1
             i += 1
         self.waiting_from = i
 
-    def _admission_chunk(self, seq: Sequence, whole: bool) -> int:
-        """First chunk of a waiting sequence, or 0 if it cannot be admitted this step."""
-        total = len(seq.tokens)
-        usable = self.pool.num_free - self.config.watermark_blocks
+    def _cache_hits(self, seq: Sequence) -> BlockTable:
+        """Cached blocks of the longest cached prefix of `seq.tokens`, whole blocks, at most
+        len(tokens) - 1 tokens (the last token is always computed, for its logits)."""
+        cache = self.pool.cache
+        if cache is None or not seq.block_hashes:
+            return ()
+        hits = []
+        for digest in seq.block_hashes[:(len(seq.tokens) - 1) // self.config.block_size]:
+            block = cache.lookup(digest)
+            if block is None:
+                break
+            hits.append(block)
+        return tuple(hits)
+
+    def _admission_chunk(self, seq: Sequence, whole: bool, hits: BlockTable) -> int:
+        """First computed chunk of a waiting sequence after its cached blocks `hits`, or 0 if it
+        cannot be admitted this step. Hits that no one holds leave the usable pool; shared ones
+        cost nothing, and no hit counts against the token budget."""
+        total = len(seq.tokens) - len(hits) * self.config.block_size
+        revived = sum(self.pool.ref_count(b) == 0 for b in hits) if hits else 0
+        usable = self.pool.num_free - revived - self.config.watermark_blocks
         by_blocks = max(0, self._tokens_by_blocks(0, 0, usable))
         if whole:
             if total > self.budget and self.num_rows:
@@ -303,6 +348,11 @@ class StepBuilder:
             return 0
         self._use(reasons)
         return n
+
+    def _decode_flush(self) -> tuple[int, ...]:
+        """Decode rows whose fed position ends a generated-token chunk (a subset of `opening`)."""
+        chunk, computed = gen_chunk(self.config.block_size), self.dec.computed
+        return tuple(i for i in self.opening if i < self.num_decode_rows and not computed[i] % chunk)
 
     # ---- 4. the plan -------------------------------------------------------------------------
 
@@ -344,11 +394,13 @@ class StepBuilder:
             lengths=(1,) * k + tuple(n for _, n in rows),
             samples=(True,) * k + finals,
             block_tables=dec.tables[:k] + tuple(part.table for part in parts),
+            num_cached=(0,) * k + tuple(self.cached),
             num_decode_rows=k,
             num_sampled=k + finals.count(True),
             num_tokens=self.num_tokens,
             preempted=preempted_ids,
             engaged=Engaged(**engaged) if engaged else NOTHING_ENGAGED,
-            _decode_stacks=dec.gens[:k],
+            _decode_recent=dec.recent[:k],
+            _decode_flush=self._decode_flush(),
             _prefill_sources=tuple(part.seq.tokens for part in parts),
         )

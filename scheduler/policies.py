@@ -66,7 +66,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
         floor = max(1, floor)
     floor_open = not decoding or state.decode_steps_since_prefill >= floor
     if prefill_work and not floor_open:
-        builder._note("floor_held")
+        builder.hold_for_floor()
     if config.policy == "token_budget":
         builder.run_decodes()
         if floor_open:

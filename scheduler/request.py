@@ -11,10 +11,6 @@ RequestId: TypeAlias = int | str
 # the order of `add_request` calls and breaks ties between equal arrival times.
 SeqKey: TypeAlias = tuple[int, float, int]
 
-# Tokens generated since a sequence was (re)admitted, newest first, as a persistent cons list:
-# (token, older) or None. Pushing a token is O(1) and shares the older tokens.
-TokenStack: TypeAlias = "tuple[int, TokenStack] | None"
-
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
 
@@ -51,11 +47,17 @@ class Sequence:
       key: (priority, arrival_time, ticket): the waiting order, and the rank while running (the
         largest key is preempted first).
       tokens: what a (re)admission computes: the prompt, then any outputs kept across preemptions.
+      block_hashes: prefix-cache digests of the full blocks of `tokens` (() with caching off).
+      cached_tokens: prompt tokens served from the prefix cache at its FIRST admission (None
+        until admitted). A readmission after preemption may hit more (its own released blocks)
+        but keeps reporting this: it is what the user's first token waited for.
     """
 
     request: Request
     key: SeqKey
     tokens: tuple[int, ...]
+    block_hashes: tuple[bytes, ...] = ()
+    cached_tokens: int | None = None
 
     @property
     def request_id(self) -> RequestId:
@@ -80,19 +82,11 @@ class Finished:
       output_token_ids: every generated token, in order.
       reason: "length" (max_tokens reached) or "stop" (the engine saw EOS or a stop condition).
       finish_time: the `now` passed to the commit that finished it.
+      num_cached_tokens: prompt tokens served from the prefix cache at its first admission.
     """
 
     request_id: RequestId
     output_token_ids: tuple[int, ...]
     reason: str
     finish_time: float
-
-
-def stack_to_tuple(stack: TokenStack) -> tuple[int, ...]:
-    """Oldest-first tuple of a token stack."""
-    out = []
-    while stack is not None:
-        token, stack = stack
-        out.append(token)
-    out.reverse()
-    return tuple(out)
+    num_cached_tokens: int = 0

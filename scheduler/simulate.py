@@ -27,9 +27,16 @@ from scheduler.state import SchedulerState, add_request
 class CostModel:
     """Step time = c0 + c_prefill * prefill_tokens + c_decode * decode_rows + c_kv * kv_read.
 
-    kv_read is the keys every row attends over (its kv_len), summed over the step's rows. The
-    defaults are fitted to the legacy server measured in BACKGROUND.md (decode steps of ~0.7 s at
-    32 rows and ~2.3 s at 128 rows; prefill at ~350 tok/s).
+    kv_read is the keys every row attends over (its kv_len), summed over the step's rows. Prompt
+    tokens served from the prefix cache are not computed, so they cost nothing here.
+
+    The defaults are the legacy H200 server of BACKGROUND.md (~2B model, MTP depth 3), derived
+    from its figures (the one definition; COST_PRESETS["h200_legacy"] is this):
+      c_prefill: 12,160 prompt tokens in 43.2 s (K=32) -> 3.553 ms/token (281 tok/s); K=128's total
+        prefill wall (171.3-176.5 s for 128 x 380 = 48,640 tokens: 276-284 tok/s) agrees.
+      c0, c_decode: the decode-only steps at full occupancy: 32 rows 705.5 ms (mean of 709 and
+        702), 128 rows 2,327.5 ms (mean of 2,335 and 2,320) -> 16.90 ms/row and c0 = 164.8 ms.
+      c_kv: 0 (the figures do not separate attention reads from per-row cost).
 
     Attributes (seconds):
       c0: fixed cost of a step.
@@ -38,9 +45,9 @@ class CostModel:
       c_kv: per key read by attention.
     """
 
-    c0: float = 0.2
-    c_prefill: float = 1 / 350
-    c_decode: float = 0.016
+    c0: float = 0.7055 - 32 * (2.3275 - 0.7055) / 96
+    c_prefill: float = 43.2 / 12160
+    c_decode: float = (2.3275 - 0.7055) / 96
     c_kv: float = 0.0
 
     def step_time(self, plan: StepPlan) -> float:
@@ -58,6 +65,10 @@ class CostModel:
         if unknown:
             raise ValueError(f"unknown cost model fields {sorted(unknown)}; expected {sorted(names)}")
         return cls(**{k: float(v) for k, v in data.items()})
+
+
+# Named cost models (for --cost_model style flags): the legacy H200 server is the default one.
+COST_PRESETS: dict[str, CostModel] = {"h200_legacy": CostModel()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

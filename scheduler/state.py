@@ -7,12 +7,14 @@ Layout (all frozen; a new state shares every part it did not change with the old
   decoding  DecodeTable: prompt computed, each decode step feeds the last token. Columns, not
             per-sequence records, because a decode step touches every row: one tuple rebuild per
             column beats one record per row (see scripts/bench_scheduler.py).
-  pool      BlockPool: the free KV blocks. Running sequences own the rest.
+  pool      BlockPool: the free KV blocks, and the prefix cache (cached blocks, their reference
+            counts, the eviction queue). Running sequences hold the rest.
 
 NOTE: invariants (checked by tests every step):
   * a request id is in exactly one of waiting / partial / decoding;
   * outside a step (not in_flight) a running sequence owns blocks_for(num_computed) blocks, and a
     decoding row has num_computed == len(tokens) + len(generated) - 1 (its last token is unfed);
+  * every nesting is of bounded depth (no cons lists): states pickle, print and deep-copy;
   * len(partial) <= max_num_partial_prefills outside a step.
 """
 
@@ -21,12 +23,14 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from itertools import chain
+from typing import NamedTuple
 
 from scheduler.blocks import BlockPool, BlockTable
 from scheduler.config import SchedulerConfig
+from scheduler.prefix import chain_hashes
 from scheduler.errors import DuplicateRequestError, RequestError, RequestTooLargeError
 from scheduler.errors import UnknownRequestError
-from scheduler.request import Request, RequestId, Sequence, SeqKey, TokenStack, stack_to_tuple
+from scheduler.request import Request, RequestId, Sequence, SeqKey
 
 
 def _key_of(seq: Sequence) -> SeqKey:
@@ -48,6 +52,31 @@ class Partial:
     table: BlockTable
 
 
+# Generated tokens are kept per row as `recent` (the newest 1..gen_chunk(block_size) tokens,
+# oldest first) plus `older` (a tuple of earlier chunks): a decode appends to `recent` (a copy of
+# at most one chunk of ints); when the fed token's position is a multiple of the chunk length,
+# `recent` moves to `older` (a copy of its references). Those positions open KV blocks too, so
+# `schedule` finds them among the rows it already checks. Nesting depth stays constant however
+# long a sequence runs (pickle, repr, ==, deepcopy all work).
+MIN_GEN_CHUNK = 16
+
+
+def gen_chunk(block_size: int) -> int:
+    """Tokens per `older` chunk: the smallest multiple of block_size >= MIN_GEN_CHUNK."""
+    return block_size * -(-MIN_GEN_CHUNK // block_size)
+
+
+class DecodeRow(NamedTuple):
+    """One row being added to a DecodeTable (see its columns)."""
+
+    seq: Sequence
+    computed: int
+    recent: tuple[int, ...]
+    older: tuple[tuple[int, ...], ...]
+    hashes: tuple[bytes, ...]
+    table: BlockTable
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class DecodeTable:
     """Decode-ready sequences as parallel columns; row i of every column is one sequence.
@@ -60,8 +89,12 @@ class DecodeTable:
       keys: their keys (for ordered insertion).
       limits: num_computed at which each reaches max_tokens.
       computed: num_computed_tokens of each.
-      gens: tokens generated since admission, newest first; never empty (the final prefill chunk
-        sampled one), and the newest is the token the next decode feeds.
+      recent: the newest tokens generated since admission, oldest first: 1..gen_chunk(block_size)
+        of them (the final prefill chunk sampled one); the last is the token the next decode
+        feeds.
+      older: the earlier generated tokens, in chunks (each ends at a position that is a multiple
+        of gen_chunk(block_size)).
+      hashes: prefix-cache hashes of the row's full KV blocks, in order (() with caching off).
       tables: KV block tables.
     """
 
@@ -70,33 +103,59 @@ class DecodeTable:
     keys: tuple[SeqKey, ...] = ()
     limits: tuple[int, ...] = ()
     computed: tuple[int, ...] = ()
-    gens: tuple[TokenStack, ...] = ()
+    recent: tuple[tuple[int, ...], ...] = ()
+    older: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    hashes: tuple[tuple[bytes, ...], ...] = ()
     tables: tuple[BlockTable, ...] = ()
 
     def __len__(self) -> int:
         return len(self.ids)
 
+    def generated(self, row: int) -> tuple[int, ...]:
+        """Tokens a row generated since its (re)admission, oldest first."""
+        return tuple(chain.from_iterable(self.older[row])) + self.recent[row]
+
+    def last_tokens(self, row: int, count: int) -> tuple[int, ...]:
+        """The row's last `count` tokens (of seq.tokens + generated), reading only what it needs."""
+        parts = [self.recent[row]]
+        have = len(parts[0])
+        older = self.older[row]
+        j = len(older)
+        while have < count and j:
+            j -= 1
+            parts.append(older[j])
+            have += len(older[j])
+        if have < count:
+            tokens = self.seqs[row].tokens
+            parts.append(tokens[max(0, len(tokens) - (count - have)):])
+        return tuple(chain.from_iterable(reversed(parts)))[-count:]
+
     def outputs(self, row: int) -> tuple[int, ...]:
         """All outputs of a row so far (kept across preemptions, then generated since)."""
-        return self.seqs[row].kept_outputs() + stack_to_tuple(self.gens[row])
+        return self.seqs[row].kept_outputs() + self.generated(row)
 
-    def inserted(self, rows: list[tuple[Sequence, int, TokenStack, BlockTable]]) -> "DecodeTable":
-        """Adds (sequence, computed, gens, table) rows at their key positions."""
+    def row(self, i: int) -> DecodeRow:
+        return DecodeRow(self.seqs[i], self.computed[i], self.recent[i], self.older[i],
+                         self.hashes[i], self.tables[i])
+
+    def inserted(self, rows: list[DecodeRow]) -> "DecodeTable":
+        """Adds rows at their key positions."""
         if not rows:
             return self
-        rows = sorted(rows, key=lambda row: row[0].key)
-        if self.keys and rows[0][0].key < self.keys[-1]:  # rare (priorities): full re-sort
-            old = zip(self.seqs, self.computed, self.gens, self.tables)
-            return DecodeTable().inserted(list(old) + rows)
-        seqs = tuple(row[0] for row in rows)
+        rows = sorted(rows, key=lambda row: row.seq.key)
+        if self.keys and rows[0].seq.key < self.keys[-1]:  # rare (priorities): full re-sort
+            return DecodeTable().inserted([self.row(i) for i in range(len(self))] + rows)
+        seqs = tuple(row.seq for row in rows)
         return DecodeTable(
             seqs=self.seqs + seqs,
             ids=self.ids + tuple(seq.request_id for seq in seqs),
             keys=self.keys + tuple(seq.key for seq in seqs),
             limits=self.limits + tuple(seq.limit for seq in seqs),
-            computed=self.computed + tuple(row[1] for row in rows),
-            gens=self.gens + tuple(row[2] for row in rows),
-            tables=self.tables + tuple(row[3] for row in rows),
+            computed=self.computed + tuple(row.computed for row in rows),
+            recent=self.recent + tuple(row.recent for row in rows),
+            older=self.older + tuple(row.older for row in rows),
+            hashes=self.hashes + tuple(row.hashes for row in rows),
+            tables=self.tables + tuple(row.table for row in rows),
         )
 
     def without(self, rows: set[int]) -> "DecodeTable":
@@ -111,13 +170,22 @@ class DecodeTable:
 
         return DecodeTable(seqs=cut(self.seqs), ids=cut(self.ids), keys=cut(self.keys),
                            limits=cut(self.limits), computed=cut(self.computed),
-                           gens=cut(self.gens), tables=cut(self.tables))
+                           recent=cut(self.recent), older=cut(self.older),
+                           hashes=cut(self.hashes), tables=cut(self.tables))
 
-    def with_progress(self, computed: tuple[int, ...], gens: tuple[TokenStack, ...],
-                      tables: tuple[BlockTable, ...]) -> "DecodeTable":
-        """Same rows, new cursors, generated tokens and tables."""
-        return DecodeTable(seqs=self.seqs, ids=self.ids, keys=self.keys, limits=self.limits,
-                           computed=computed, gens=gens, tables=tables)
+    def with_progress(self, *, computed: tuple[int, ...] | None = None,
+                      recent: tuple[tuple[int, ...], ...] | None = None,
+                      older: tuple[tuple[tuple[int, ...], ...], ...] | None = None,
+                      hashes: tuple[tuple[bytes, ...], ...] | None = None,
+                      tables: tuple[BlockTable, ...] | None = None) -> "DecodeTable":
+        """Same rows; the given columns replaced."""
+        return DecodeTable(
+            seqs=self.seqs, ids=self.ids, keys=self.keys, limits=self.limits,
+            computed=self.computed if computed is None else computed,
+            recent=self.recent if recent is None else recent,
+            older=self.older if older is None else older,
+            hashes=self.hashes if hashes is None else hashes,
+            tables=self.tables if tables is None else tables)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -150,7 +218,8 @@ class SchedulerState:
     @classmethod
     def empty(cls, config: SchedulerConfig) -> "SchedulerState":
         """A state with no requests and every block free."""
-        return cls(config=config, pool=BlockPool.full(config.num_blocks))
+        return cls(config=config, pool=BlockPool.full(
+            config.num_blocks, prefix_caching=config.enable_prefix_caching))
 
     @property
     def num_running(self) -> int:
@@ -170,6 +239,19 @@ class SchedulerState:
         owned = {p.seq.request_id: p.table for p in self.partial}
         owned.update(zip(self.decoding.ids, self.decoding.tables))
         return owned
+
+    def num_cached(self, request_id: RequestId) -> int:
+        """Prompt tokens of a request served from the prefix cache at its first admission (0
+        while it waits for that admission, and always with caching off)."""
+        for seq in self._sequences():
+            if seq.request_id == request_id:
+                return seq.cached_tokens or 0
+        raise UnknownRequestError(request_id)
+
+    def _sequences(self):
+        yield from self.waiting
+        yield from (p.seq for p in self.partial)
+        yield from self.decoding.seqs
 
     def num_computed(self, request_id: RequestId) -> int:
         """The prefill/decode cursor of a request (0 while waiting)."""
@@ -232,7 +314,10 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
     """
     _validate(request, state)
     key = (request.priority, float(request.arrival_time), state.next_ticket)
-    seq = Sequence(request=request, key=key, tokens=request.prompt_token_ids)
+    config = state.config
+    hashes = (chain_hashes(request.prompt_token_ids, config.block_size)
+              if config.enable_prefix_caching else ())
+    seq = Sequence(request=request, key=key, tokens=request.prompt_token_ids, block_hashes=hashes)
     i = bisect.bisect_right(state.waiting, key, key=_key_of)
     return dataclasses.replace(state, waiting=state.waiting[:i] + (seq,) + state.waiting[i:],
                                next_ticket=state.next_ticket + 1)

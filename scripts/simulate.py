@@ -5,7 +5,7 @@ Each --variants entry is one column: a policy, optionally with knob overrides, e
       --variants=prefill_first,prefill_first:prefill_max_seqs=4,token_budget
   python scripts/simulate.py --users=128 --window_s=140 --variants=prefill_first,token_budget
 
-The default cost model is fitted to the legacy server measured in BACKGROUND.md; pass
+The default cost model is the legacy H200 server of BACKGROUND.md (CostModel's defaults); pass
 --cost_json (a file holding CostModel.to_json(), e.g. one saved by
 `scripts/bench_burst.py --save_cost_model`), the --c_* flags, or --calibrate_from=trace.jsonl
 (an engine trace or calibration rows; fitted by arcjax.costmodel, its error printed) for
@@ -19,7 +19,7 @@ import json
 
 from absl import app, flags
 
-from scheduler import SchedulerConfig
+from scheduler import Arm, SchedulerConfig, parse_arm
 from scheduler.metrics import format_table, summarize
 from scheduler.simulate import CostModel, burst, simulate
 
@@ -29,7 +29,9 @@ _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "tokens generated per user"
 _WINDOW = flags.DEFINE_float("window_s", 0.0, "measurement window from the burst; 0 = until done")
 _VARIANTS = flags.DEFINE_list("variants", ["prefill_first", "prefill_first:prefill_max_seqs=4",
                                            "alternate", "token_budget"],
-                              "columns: policy[:knob=value[:knob=value...]]")
+                              "columns: policy[:key=value...] (scheduler.parse_arm: keys "
+                              "budget, cap, floor, tile, threshold, partials, seqs or "
+                              "SchedulerConfig field names)")
 _BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 2048, "token budget per step")
 _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 256, "running sequences at most")
 _TILE = flags.DEFINE_integer("chunk_tile", 128, "non-final chunks are multiples of it")
@@ -50,19 +52,9 @@ class SimulateConfig:
     prompt_tokens: int
     max_tokens: int
     window_s: float
-    variants: tuple[str, ...]
+    variants: tuple[Arm, ...]
     base: SchedulerConfig
     cost: CostModel
-
-
-def parse_variant(text: str, base: SchedulerConfig) -> SchedulerConfig:
-    """"policy[:knob=value...]" -> a config derived from `base`."""
-    policy, *knobs = text.split(":")
-    overrides = {"policy": policy}
-    for knob in knobs:
-        name, _, value = knob.partition("=")
-        overrides[name] = int(value)
-    return dataclasses.replace(base, **overrides)
 
 
 def read_flags() -> SimulateConfig:
@@ -84,7 +76,7 @@ def read_flags() -> SimulateConfig:
                            chunk_tile=_TILE.value, block_size=_BLOCK.value, num_blocks=num_blocks)
     return SimulateConfig(users=_USERS.value, prompt_tokens=_PROMPT.value,
                           max_tokens=_MAX_TOKENS.value, window_s=_WINDOW.value,
-                          variants=tuple(_VARIANTS.value), base=base, cost=cost)
+                          variants=tuple(parse_arm(v) for v in _VARIANTS.value), base=base, cost=cost)
 
 
 def main(argv):
@@ -93,11 +85,10 @@ def main(argv):
     requests = burst(sim.users, sim.prompt_tokens, sim.max_tokens)
     window = (0.0, sim.window_s) if sim.window_s else None
     columns, engaged = {}, {}
-    for variant in sim.variants:
-        config = parse_variant(variant, sim.base)
-        result = simulate(config, sim.cost, requests, until=sim.window_s or None)
-        columns[variant] = summarize(result.requests, result.steps, window)
-        engaged[variant] = result.engagement()
+    for arm in sim.variants:
+        result = simulate(arm.config(sim.base), sim.cost, requests, until=sim.window_s or None)
+        columns[arm.name] = summarize(result.requests, result.steps, window)
+        engaged[arm.name] = result.engagement()
     print(f"K = {sim.users} users at once, {sim.prompt_tokens}-token prompts, "
           f"{sim.max_tokens} tokens each; budget {sim.base.max_num_batched_tokens}, "
           f"tile {sim.base.chunk_tile}; cost {json.dumps(sim.cost.to_json())}")

@@ -22,6 +22,7 @@ from hypothesis.control import currently_in_test_context
 
 from scheduler import POLICIES, Request, SchedulerConfig, SchedulerState
 from scheduler import abort, add_request, blocks_for, commit, schedule
+from scheduler.prefix import chain_hashes
 
 _SETTINGS = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -51,18 +52,30 @@ class Workload:
 
 @st.composite
 def workloads(draw, *, policy=None, pressure=True, aborts=False, stops=True, priorities=True,
-              max_requests=10, **fixed):
+              max_requests=10, shared=None, **fixed):
+    """Random workloads. With `shared` (drawn when None) prompts start with one of a few common
+    prefixes of random lengths (block-aligned or not; a prompt may be all prefix, so a later
+    identical prompt is entirely cached)."""
     tile = draw(st.sampled_from([1, 2, 4, 8, 16]))
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     watermark = draw(st.integers(0, 2))
     n = draw(st.integers(1, max_requests))
     use_priority = priorities and draw(st.booleans())
+    if shared is None:
+        shared = draw(st.booleans())
+    prefixes = [()]
+    if shared:
+        for p in range(draw(st.integers(1, 3))):
+            length = draw(st.sampled_from([block_size, 2 * block_size, 3 * block_size + 1])
+                          | st.integers(1, 40))
+            prefixes.append(tuple(7000 + 50 * p + j for j in range(length)))
     requests = []
     for i in range(n):
-        prompt_len = draw(st.integers(1, 48))
+        prefix = draw(st.sampled_from(prefixes))
+        suffix_len = draw(st.integers(0 if prefix else 1, 48 - min(len(prefix), 47)))
         requests.append(Request(
             request_id=i,
-            prompt_token_ids=tuple((i * 97 + j) % 5000 for j in range(prompt_len)),
+            prompt_token_ids=prefix + tuple((i * 97 + j) % 5000 for j in range(suffix_len)),
             max_tokens=draw(st.integers(1, 12)),
             arrival_time=float(draw(st.integers(0, 8))),
             priority=draw(st.integers(0, 2)) if use_priority else 0))
@@ -81,7 +94,8 @@ def workloads(draw, *, policy=None, pressure=True, aborts=False, stops=True, pri
         prefill_floor_steps=draw(st.sampled_from([0, 0, 1, 2, 3])),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, tile, 2 * tile + 1])),
         max_num_partial_prefills=draw(st.integers(1, 3)),
-        block_size=block_size, num_blocks=num_blocks, watermark_blocks=watermark)
+        block_size=block_size, num_blocks=num_blocks, watermark_blocks=watermark,
+        enable_prefix_caching=draw(st.booleans()))
     values.update(fixed)
     stop_after = tuple(draw(st.sampled_from([None, None, 1, 2, 5])) if stops else None
                        for _ in requests)
@@ -110,6 +124,7 @@ class Trace:
     steps: list[tuple[SchedulerState, object]]  # (state before schedule, plan)
     finished_at: dict
     num_preempted: int
+    outputs: dict = dataclasses.field(default_factory=dict)  # request id -> Finished
 
 
 def _all_keys(state: SchedulerState) -> dict:
@@ -120,17 +135,76 @@ def _all_keys(state: SchedulerState) -> dict:
 
 
 def check_blocks(state: SchedulerState, config: SchedulerConfig, *, exact: bool) -> None:
-    """Free + owned == all blocks, no block owned twice; outside a step, tables fit the cursors."""
-    free = state.pool.free_blocks()
-    assert len(free) == state.pool.num_free
-    owned = state.owned_blocks()
-    everything = list(free) + [b for table in owned.values() for b in table]
-    assert sorted(everything) == list(range(config.num_blocks)), "a block leaked or is shared"
+    """Free, cached-unreferenced and referenced blocks partition the cache; a block is in two live
+    tables only if it is a cached full block whose reference count says how many; outside a step,
+    tables fit the cursors."""
+    pool = state.pool
+    free, idle = pool.free_blocks(), pool.cached_free_blocks()
+    assert len(free) + len(idle) == pool.num_free and len(idle) == pool.num_cached_free
+    holders: dict[int, int] = {}
+    for table in state.owned_blocks().values():
+        assert len(set(table)) == len(table), "a block twice in one table"
+        for b in table:
+            holders[b] = holders.get(b, 0) + 1
+    everything = sorted([*free, *idle, *holders])
+    assert everything == list(range(config.num_blocks)), "a block leaked or is in two places"
+    assert pool.num_in_use == len(holders)
+    for b in range(config.num_blocks):
+        refs = pool.ref_count(b)
+        if refs is None:  # not cached: free, or held by exactly one sequence
+            assert holders.get(b, 0) <= 1, "an uncached block is shared"
+        else:
+            assert refs == holders.get(b, 0), "reference count != live holders"
+    if not config.enable_prefix_caching:
+        assert pool.cache is None and not idle
     if exact:
         for part in state.partial:
             assert len(part.table) == blocks_for(part.computed, config.block_size)
         for computed, table in zip(state.decoding.computed, state.decoding.tables):
             assert len(table) == blocks_for(computed, config.block_size)
+
+
+@dataclasses.dataclass(kw_only=True)
+class GhostCache:
+    """The test's own model of the KV cache: which token each slot holds, and the digest each
+    full block must have, recomputed from the token list of the sequence that filled it."""
+
+    block_size: int
+    slots: dict = dataclasses.field(default_factory=dict)  # (block, offset) -> token
+    digests: dict = dataclasses.field(default_factory=dict)  # block -> expected digest
+
+    def run(self, plan, state: SchedulerState, mirror: dict) -> None:
+        """Writes every row's tokens through its block table and checks what each row reads."""
+        bs = self.block_size
+        tables = {rid: t for rid, t in state.owned_blocks().items()}
+        for i, rid in enumerate(plan.request_ids):
+            start, length, table = plan.starts[i], plan.lengths[i], plan.block_tables[i]
+            tokens = mirror[rid].tokens()
+            for p in range(start, start + length):
+                block = table[p // bs]
+                # never write a cached (shared, immutable) block or one another sequence holds
+                assert state.pool.ref_count(block) is None, "wrote into a cached block"
+                assert not any(block in t for other, t in tables.items() if other != rid), \
+                    "wrote into a block another sequence holds"
+                self.slots[block, p % bs] = tokens[p]
+                if p % bs == bs - 1:
+                    self.digests[block] = chain_hashes(tokens[:p + 1], bs)[-1]
+                else:
+                    self.digests.pop(block, None)
+            kv_len = start + length
+            read = [self.slots.get((table[p // bs], p % bs)) for p in range(kv_len)]
+            assert read == list(tokens[:kv_len]), "a row attends over the wrong KV"
+
+    def check(self, state: SchedulerState) -> None:
+        """Every cached block's digest is the one its content and its prefix give."""
+        cache = state.pool.cache
+        if cache is None:
+            return
+        for b in range(state.pool.num_blocks):
+            record = cache.records[b]
+            if record is not None:
+                assert record.digest == self.digests.get(b), "cached digest != its tokens"
+                assert cache.lookup(record.digest) == b
 
 
 def check_plan(pre: SchedulerState, plan, config: SchedulerConfig, mirror: dict) -> None:
@@ -140,11 +214,14 @@ def check_plan(pre: SchedulerState, plan, config: SchedulerConfig, mirror: dict)
     if plan.num_tokens > config.max_num_batched_tokens:  # the documented legacy exception
         assert config.policy == "prefill_first" and plan.num_seqs == 1 and k == 0
         assert plan.engaged.oversize_prompt
-    assert plan.num_seqs <= config.max_num_seqs
-    assert plan.state.num_running <= config.max_num_seqs
+    assert plan.num_seqs <= config.max_num_seqs, "more rows than max_num_seqs"
     assert len(set(plan.request_ids)) == plan.num_seqs
     waiting_before = {s.request_id: s for s in pre.waiting}
     admitted = [rid for rid in plan.request_ids if rid in waiting_before]
+    if pre.num_running <= config.max_num_seqs:
+        assert plan.state.num_running <= config.max_num_seqs
+    else:  # max_num_seqs shrank below the running set: nobody new joins it
+        assert not admitted
     if config.prefill_max_seqs:
         assert len(admitted) <= config.prefill_max_seqs
     if config.policy != "token_budget":
@@ -160,7 +237,14 @@ def check_plan(pre: SchedulerState, plan, config: SchedulerConfig, mirror: dict)
     for i, rid in enumerate(plan.request_ids):
         start, length, table = plan.starts[i], plan.lengths[i], plan.block_tables[i]
         full = mirror[rid].tokens()
-        assert start == (0 if rid in waiting_before else pre.num_computed(rid)), "cursor jumped"
+        cached = plan.num_cached[i]
+        if rid in waiting_before:  # admitted: starts after its cached whole blocks
+            assert start == cached and cached % config.block_size == 0
+            assert cached <= len(full) - 1, "a cache hit left no token to compute"
+            if not config.enable_prefix_caching:
+                assert cached == 0
+        else:
+            assert start == pre.num_computed(rid) and cached == 0, "cursor jumped"
         assert 1 <= length and start + length <= len(full), "chunk passes the known tokens"
         assert plan.token_ids[cu[i]:cu[i + 1]] == full[start:start + length]
         final = start + length == len(full)
@@ -231,9 +315,13 @@ def check_state(state: SchedulerState, config: SchedulerConfig, mirror: dict) ->
 
 
 def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = False,
-          config_for_step=None) -> Trace:
-    """Runs the workload to completion, checking every plan and state; returns the trace."""
+          config_for_step=None, sampler=None) -> Trace:
+    """Runs the workload to completion, checking every plan and state; returns the trace.
+
+    `sampler(request_id, position)` gives the token sampled at `position` (default: a function
+    of the step and the row)."""
     config = workload.config
+    ghost = GhostCache(block_size=config.block_size)
     mirror = {r.request_id: Mirror(request=r) for r in workload.requests}
     pending = list(workload.requests)
     stop_after = {r.request_id: s for r, s in zip(workload.requests, workload.stop_after)}
@@ -265,6 +353,7 @@ def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = F
             assert schedule(state, step_config) == plan, "same inputs, different plans"
             assert schedule(snapshot, copy.deepcopy(step_config)) == plan, "equal inputs differ"
         check_plan(state, plan, step_config, mirror)
+        ghost.run(plan, plan.state, mirror)
         trace.steps.append((state, plan))
         trace.num_preempted += len(plan.preempted)
         after = plan.state
@@ -274,7 +363,10 @@ def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = F
         sampled, stopped = [], []
         for row, (rid, samples) in enumerate(zip(plan.request_ids, plan.samples)):
             if samples:
-                token = (step * 131 + row * 7) % 1000
+                if sampler is None:
+                    token = (step * 131 + row * 7) % 1000
+                else:
+                    token = sampler(rid, plan.starts[row] + plan.lengths[row])
                 sampled.append(token)
                 if mirror[rid].status == "live":
                     mirror[rid].outputs.append(token)
@@ -298,15 +390,25 @@ def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = F
                 assert len(m.outputs) == m.request.max_tokens
             m.status = "finished"
             trace.finished_at[record.request_id] = step
+            trace.outputs[record.request_id] = record
         for rid, m in mirror.items():  # nobody runs past max_tokens or a stop
             if m.status == "live":
                 assert len(m.outputs) < m.request.max_tokens and rid not in stopped
         check_state(state, config, mirror)
+        ghost.check(state)
         step += 1
     assert all(m.status in ("finished", "aborted") for m in mirror.values())
     assert state.pool.num_free == config.num_blocks, "blocks not all free at the end"
+    assert state.pool.num_in_use == 0
     if currently_in_test_context():  # shown by --hypothesis-show-statistics
         event(f"policy {config.policy}")
+        event(f"prefix caching {config.enable_prefix_caching}")
+        if any(plan.num_cached_tokens for _, plan in trace.steps):
+            event("prefix cache hit")
+        if any(p.num_cached[i] and p.samples[i] and p.lengths[i] == config.block_size
+               and p.starts[i] % config.block_size == 0
+               for _, p in trace.steps for i in range(p.num_seqs)):
+            event("cache hit, then exactly one (last) block computed")
         for knob in sorted({k for _, plan in trace.steps for k in plan.engaged.active()}):
             event(f"engaged {knob}")
     return trace
@@ -420,20 +522,31 @@ def test_liveness_under_kv_pressure_and_aborts(workload):
     assert len(trace.steps) <= _liveness_bound(workload, trace.num_preempted)
 
 
-def test_preemption_happens_and_recompute_keeps_outputs():
+@pytest.mark.parametrize("caching", [False, True])
+def test_preemption_happens_and_recompute_keeps_outputs(caching):
     """Two sequences that cannot both grow in a tiny cache: the later one is preempted, recomputes
-    prompt + outputs, and its outputs survive (the harness checks them token by token)."""
+    prompt + outputs, and its outputs survive (the harness checks them token by token). With
+    prefix caching the readmission skips the full blocks still cached (its own, released)."""
     config = SchedulerConfig(policy="token_budget", max_num_batched_tokens=8, chunk_tile=4,
-                             block_size=2, num_blocks=6, max_num_seqs=4)
+                             block_size=2, num_blocks=6, max_num_seqs=4,
+                             enable_prefix_caching=caching)
     requests = tuple(Request(request_id=i, prompt_token_ids=(5, 6, 7), max_tokens=8)
                      for i in range(2))
     trace = drive(Workload(config=config, requests=requests, stop_after=(None, None)))
     assert trace.num_preempted >= 1
     preempted = {rid for _, plan in trace.steps for rid in plan.preempted}
     assert preempted == {1}, "the most recently admitted sequence is the victim"
-    recompute = [plan for _, plan in trace.steps
-                 if 1 in plan.request_ids and plan.starts[plan.request_ids.index(1)] == 0]
-    assert len(recompute) >= 2 and recompute[-1].lengths[recompute[-1].request_ids.index(1)] > 3
+    admissions = [(plan.starts[i], plan.lengths[i], plan.num_cached[i])
+                  for pre, plan in trace.steps for i, rid in enumerate(plan.request_ids)
+                  if rid == 1 and any(s.request_id == 1 for s in pre.waiting)]
+    assert len(admissions) >= 2
+    start, length, cached = admissions[-1]  # the readmission: prompt + kept outputs
+    assert start + length > 3
+    if caching:
+        assert cached > 0 and start == cached
+        assert trace.outputs[1].num_cached_tokens == admissions[0][2]  # the first admission's
+    else:
+        assert cached == 0 and start == 0
 
 
 @settings(max_examples=40, **_SETTINGS)
@@ -446,6 +559,35 @@ def test_knobs_may_change_between_steps(workload, data):
     pick = lambda step: configs[choices[step % len(choices)]]  # noqa: E731
     drive(dataclasses.replace(workload, config=dataclasses.replace(
         workload.config, policy="token_budget")), config_for_step=pick)
+
+
+@settings(max_examples=40, **_SETTINGS)
+@given(workloads(max_num_partial_prefills=3, pressure=False), st.data())
+def test_max_num_seqs_may_shrink_between_steps(workload, data):
+    """max_num_seqs bounds the rows of every step, even when it drops below the number of
+    sequences already running (continuing partial prefills are capped too)."""
+    seqs = data.draw(st.lists(st.sampled_from([1, 2, 6]), min_size=1, max_size=20))
+    policy = data.draw(st.sampled_from(POLICIES))
+    pick = lambda step: dataclasses.replace(  # noqa: E731
+        workload.config, policy=policy, max_num_seqs=seqs[step % len(seqs)])
+    drive(dataclasses.replace(workload, config=dataclasses.replace(
+        workload.config, policy=policy)), config_for_step=pick)
+
+
+def test_shrinking_max_num_seqs_caps_partial_prefills():
+    config = SchedulerConfig(max_num_batched_tokens=8, chunk_tile=4, block_size=4,
+                             long_prefill_token_threshold=4, num_blocks=64, max_num_seqs=4,
+                             max_num_partial_prefills=2)
+    state = SchedulerState.empty(config)
+    for i in range(2):
+        state = add_request(state, Request(request_id=i, prompt_token_ids=(1,) * 20,
+                                           max_tokens=2))
+    plan = schedule(state, config)
+    state, _ = commit(plan.state, plan, [], 0.0)
+    assert len(state.partial) == 2  # both mid-prefill
+    narrow = dataclasses.replace(config, max_num_seqs=1)
+    plan = schedule(state, narrow)
+    assert plan.num_seqs == 1 and plan.engaged.seqs_full and plan.engaged.partials_held == 1
 
 
 @pytest.mark.parametrize("policy", POLICIES)

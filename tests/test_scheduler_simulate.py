@@ -185,3 +185,43 @@ def test_simulate_script_calibrates_from_rows(tmp_path):
     cost = json.loads(out.split("cost ", 1)[1].splitlines()[0])
     assert cost["c_prefill"] == pytest.approx(2e-4, rel=1e-6)
     assert cost["c_decode"] == pytest.approx(1e-3, rel=1e-6)
+
+
+def test_step_kind_and_markdown_table_have_one_home():
+    assert [metrics.step_kind(p, d) for p, d in ((5, 0), (5, 1), (0, 3), (0, 0))] == [
+        "prompt", "mixed", "decode", "idle"]
+    table = metrics.markdown_table(["", "a"], [["row", "1"], ["longer row", "22"]])
+    assert table.splitlines() == ["|            | a  |", "|------------|----|",
+                                  "| row        | 1  |", "| longer row | 22 |"]
+
+
+def test_cost_model_defaults_are_the_derived_legacy_h200():
+    from scheduler.simulate import COST_PRESETS
+
+    cost = CostModel()
+    assert COST_PRESETS["h200_legacy"] == cost
+    assert cost.c_decode == pytest.approx((2.3275 - 0.7055) / 96)
+    assert cost.c0 == pytest.approx(0.7055 - 32 * cost.c_decode)
+    assert cost.c_prefill == pytest.approx(43.2 / 12160) and cost.c_kv == 0.0
+    # the fit reproduces the measured decode steps of BACKGROUND.md
+    assert cost.c0 + 32 * cost.c_decode == pytest.approx(0.7055)
+    assert cost.c0 + 128 * cost.c_decode == pytest.approx(2.3275)
+
+
+def test_parse_arm_is_validated():
+    from scheduler import ARM_KEYS, KNOB_SHORT, ConfigError, parse_arm
+
+    arm = parse_arm("token_budget:budget=512:floor=2")
+    assert arm.policy == "token_budget" and arm.name == "token_budget:budget=512:floor=2"
+    assert dict(arm.overrides) == {"max_num_batched_tokens": 512, "prefill_floor_steps": 2}
+    config = arm.config(SchedulerConfig(num_blocks=64))
+    assert (config.policy, config.max_num_batched_tokens, config.num_blocks) == (
+        "token_budget", 512, 64)
+    assert parse_arm("prefill_first:prefill_max_seqs=4:floor=0").configured_knobs == {
+        "prefill_max_seqs": 4}
+    assert KNOB_SHORT["max_num_seqs"] == "seqs" and ARM_KEYS["seqs"] == "max_num_seqs"
+    for bad, field in (("fastest", "policy"), ("token_budget:budget", "budget"),
+                       ("token_budget:speed=3", "speed"), ("alternate:cap=x", "prefill_max_seqs")):
+        with pytest.raises(ConfigError) as err:
+            parse_arm(bad)
+        assert err.value.field == field and repr(bad) in str(err.value)

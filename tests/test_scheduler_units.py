@@ -17,8 +17,11 @@ from scheduler.blocks import BlockPool
 
 
 def make_config(**overrides) -> SchedulerConfig:
+    """The worked examples' config. Their requests share prompts (make_request), so prefix
+    caching is off here: these examples pin the policies (and, so, the plans without caching);
+    the prefix-cache tests turn it on."""
     values = dict(max_num_batched_tokens=64, chunk_tile=16, block_size=4, num_blocks=64,
-                  max_num_seqs=8)
+                  max_num_seqs=8, enable_prefix_caching=False)
     values.update(overrides)
     return SchedulerConfig(**values)
 
@@ -387,3 +390,65 @@ def test_scheduler_imports_only_the_standard_library_and_no_clock_or_randomness(
                 assert top in allowed | {"scheduler", "__future__"}, f"{path.name} imports {module}"
         if path.name != "config.py":  # from_env is the one reader of the environment
             assert "os.environ" not in path.read_text() and "getenv" not in path.read_text()
+
+
+def test_decode_only_and_kind():
+    config = make_config()
+    state = make_state(config, make_request("a", prompt_len=5))
+    plan, state, _ = step(state, config)
+    assert plan.kind == "prompt" and not plan.decode_only
+    plan, state, _ = step(state, config)
+    assert plan.kind == "decode" and plan.decode_only
+    assert not schedule(SchedulerState.empty(config), config).decode_only  # empty
+
+
+def _long_run(num_generated: int):
+    """A state whose one sequence generated `num_generated` tokens, after 3,000 short requests
+    each freed their blocks; returns (state, plan of the next step)."""
+    config = SchedulerConfig(max_num_batched_tokens=256, chunk_tile=16, block_size=16,
+                             num_blocks=2048, max_num_seqs=256)
+    state = SchedulerState.empty(config)
+    for i in range(3000):
+        state = add_request(state, make_request(f"short{i}", prompt_len=1 + i % 40, max_tokens=2))
+    state = add_request(state, make_request("long", prompt_len=5, max_tokens=num_generated + 5))
+    while len(state.decoding) != 1 or state.waiting:
+        _, state, _ = step(state, config)
+    for i in range(num_generated - 1):
+        plan = schedule(state, config)
+        state, _ = commit(plan.state, plan, (i % 1000,), 1.0)
+    return state, schedule(state, config)
+
+
+def test_long_sequences_pickle_print_compare_and_deepcopy():
+    """No cons lists: 20,000 generated tokens and thousands of freed tables stay shallow."""
+    import copy
+    import pickle
+
+    state, plan = _long_run(20_000)
+    assert len(state.decoding.generated(0)) > 20_000
+    assert state.decoding.outputs(0)[-3:] == (996, 997, 998)
+    for value in (state, plan):
+        assert pickle.loads(pickle.dumps(value)) == value
+        assert copy.deepcopy(value) == value
+        assert repr(value)
+    again, again_plan = _long_run(20_000)
+    assert again == state and again is not state and again_plan == plan
+    assert plan.token_ids == (998,)
+
+
+def test_block_pool_stays_shallow_after_many_gives():
+    import copy
+    import pickle
+
+    pool = BlockPool.full(20_000)
+    tables = []
+    for _ in range(10_000):
+        table, pool = pool.take(2)
+        tables.append(table)
+    for table in tables:
+        pool = pool.give(table)
+    assert pool.num_free == 20_000 and len(pool.freed) <= 64
+    assert pickle.loads(pickle.dumps(pool)) == pool and copy.deepcopy(pool) == pool
+    # pop order is unchanged by merging: newest table first
+    first, pool = pool.take(3)
+    assert first == tables[-1] + tables[-2][:1]

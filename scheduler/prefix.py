@@ -1,0 +1,243 @@
+"""Automatic prefix caching as pure data: block hashes, reference counts, LRU eviction.
+
+  1. Every FULL KV block is named by `block_hash(parent_digest, its token ids)`: blake2b over the
+     parent's digest and the ids packed little-endian as int64, so a digest is the same in every
+     process and on every host (several hosts compare plan hashes). The first block's parent is
+     ROOT_DIGEST.
+  2. `PrefixCache` maps digests to blocks (`index`) and keeps a record per cached block: its
+     digest, how many live sequences hold it (`refs`) and when it was last released (`stamp`).
+  3. A cached block whose refs drop to 0 stays cached (reusable) and joins the eviction queue; a
+     cache hit takes it out again (refs 0 -> 1). When a fresh block is needed and no free block is
+     left, the least recently released one is evicted (its digest forgotten). Blocks released by
+     one table join the queue last block first, so a shared prefix outlives its tails.
+
+Persistence: `PagedArray` is a fixed-length array split into pages; an update copies only the
+pages it touches (plus the page directory), so a step costs O(blocks touched * page), not O(cache).
+The eviction queue is append-only with lazy deletion: a hit or an eviction leaves a stale entry
+(its stamp no longer matches the record) that popping skips; the queue is compacted when stale
+entries outnumber live ones.
+
+NOTE: invariants (checked by tests): a record exists iff its block is indexed under its digest;
+refs == number of live block tables holding the block; refs == 0 iff the block is in the eviction
+queue with its record's stamp (num_evictable of them); a block with refs > 0 is never evicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+ROOT_DIGEST = b"\x00" * 16
+_QUEUE_PAGE = 256
+
+
+def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Digest of a full block: blake2b-128 of the parent digest and the int64 little-endian ids."""
+    return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens),
+                           digest_size=16).digest()
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_DIGEST,
+                 first_block: int = 0) -> tuple[bytes, ...]:
+    """Digests of the full blocks of `tokens` from block `first_block` on (parent: the digest of
+    block first_block - 1)."""
+    out = []
+    for start in range(first_block * block_size, len(tokens) - block_size + 1, block_size):
+        parent = block_hash(parent, tokens[start:start + block_size])
+        out.append(parent)
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PagedArray:
+    """A persistent array of fixed length; `updated` copies only the pages it touches.
+
+    Attributes:
+      shift: log2 of the page length.
+      pages: the entries, page by page.
+    """
+
+    shift: int
+    pages: tuple[tuple[object, ...], ...]
+
+    @classmethod
+    def filled(cls, length: int, value: object) -> "PagedArray":
+        shift = max(4, (max(length, 1).bit_length() + 1) // 2)  # pages of ~sqrt(length)
+        page = (value,) * (1 << shift)
+        return cls(shift, (page,) * -(-length // (1 << shift)))
+
+    def __getitem__(self, i: int) -> object:
+        return self.pages[i >> self.shift][i & ((1 << self.shift) - 1)]
+
+    def updated(self, changes: Iterable[tuple[int, object]]) -> "PagedArray":
+        """The array with each (index, value) of `changes` set (later changes win)."""
+        shift, mask = self.shift, (1 << self.shift) - 1
+        touched: dict[int, list] = {}
+        for i, value in changes:
+            page = touched.get(i >> shift)
+            if page is None:
+                page = touched[i >> shift] = list(self.pages[i >> shift])
+            page[i & mask] = value
+        if not touched:
+            return self
+        pages = list(self.pages)
+        for p, page in touched.items():
+            pages[p] = tuple(page)
+        return PagedArray(shift, tuple(pages))
+
+
+class CachedBlock(NamedTuple):
+    """The record of one cached block."""
+
+    digest: bytes
+    refs: int  # live block tables holding it
+    stamp: int  # the cache clock when it was last released (its eviction-queue entry)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PrefixCache:
+    """The cached full blocks (see the module docstring).
+
+    Attributes:
+      records: block id -> CachedBlock, or None for a block that is not cached.
+      index: bucket -> ((digest, block), ...); a digest's bucket is its first 8 bytes modulo the
+        bucket count (a power of two).
+      queue: eviction queue pages of (stamp, block), oldest first; only the last page is short.
+      queue_head: entries of queue[0] already popped.
+      queue_len: entries in the queue, stale ones included.
+      num_evictable: cached blocks with refs == 0.
+      clock: the next release stamp.
+    """
+
+    records: PagedArray
+    index: PagedArray
+    queue: tuple[tuple[tuple[int, int], ...], ...] = ()
+    queue_head: int = 0
+    queue_len: int = 0
+    num_evictable: int = 0
+    clock: int = 0
+
+    @classmethod
+    def empty(cls, num_blocks: int) -> "PrefixCache":
+        buckets = 1 << max(num_blocks - 1, 1).bit_length()
+        return cls(records=PagedArray.filled(num_blocks, None),
+                   index=PagedArray.filled(buckets, ()))
+
+    def _bucket(self, digest: bytes) -> int:
+        return int.from_bytes(digest[:8], "little") & ((len(self.index.pages) << self.index.shift)
+                                                       - 1)
+
+    def lookup(self, digest: bytes) -> int | None:
+        """The block cached under `digest`, or None."""
+        for d, block in self.index[self._bucket(digest)]:
+            if d == digest:
+                return block
+        return None
+
+    def record(self, block: int) -> CachedBlock | None:
+        return self.records[block]
+
+    def registered(self, pairs: Iterable[tuple[int, bytes]]) -> "PrefixCache":
+        """Caches each (block, digest) whose digest is not cached yet; the block's one holder is
+        the sequence that filled it (refs 1). A digest already cached keeps its block: the new
+        block stays uncached and is freed normally."""
+        records, buckets = {}, {}
+        for block, digest in pairs:
+            b = self._bucket(digest)
+            bucket = buckets.get(b, self.index[b])
+            if any(d == digest for d, _ in bucket) or self.records[block] is not None:
+                continue
+            buckets[b] = bucket + ((digest, block),)
+            records[block] = CachedBlock(digest, 1, 0)
+        if not records:
+            return self
+        return dataclasses.replace(self, records=self.records.updated(records.items()),
+                                   index=self.index.updated(buckets.items()))
+
+    def acquired(self, blocks: Iterable[int]) -> tuple["PrefixCache", int]:
+        """Cache hits: refs + 1 for each block. Returns the cache and how many left the eviction
+        queue (refs 0 -> 1)."""
+        changes: dict[int, CachedBlock] = {}
+        revived = 0
+        for block in blocks:
+            rec = changes.get(block) or self.records[block]
+            if rec.refs == 0:
+                revived += 1
+            changes[block] = rec._replace(refs=rec.refs + 1)
+        return dataclasses.replace(self, records=self.records.updated(changes.items()),
+                                   num_evictable=self.num_evictable - revived), revived
+
+    def released(self, blocks: Sequence[int]) -> tuple["PrefixCache", int]:
+        """refs - 1 for each cached block of one table (no repeats); those reaching 0 join the
+        eviction queue last block first. Returns the cache and how many became evictable."""
+        changes: dict[int, CachedBlock] = {}
+        for block in blocks:
+            rec = changes.get(block) or self.records[block]
+            changes[block] = rec._replace(refs=rec.refs - 1)
+        clock, entries = self.clock, []
+        for block in reversed(blocks):
+            rec = changes[block]
+            if rec.refs == 0:
+                changes[block] = rec._replace(stamp=clock)
+                entries.append((clock, block))
+                clock += 1
+        cache = dataclasses.replace(self, records=self.records.updated(changes.items()),
+                                    clock=clock, num_evictable=self.num_evictable + len(entries))
+        return cache._pushed(entries), len(entries)
+
+    def _pushed(self, entries: list[tuple[int, int]]) -> "PrefixCache":
+        if not entries:
+            return self
+        pages = list(self.queue)
+        for entry in entries:
+            if pages and len(pages[-1]) < _QUEUE_PAGE:
+                pages[-1] += (entry,)
+            else:
+                pages.append((entry,))
+        cache = dataclasses.replace(self, queue=tuple(pages),
+                                    queue_len=self.queue_len + len(entries))
+        if cache.queue_len > 2 * cache.num_evictable + _QUEUE_PAGE:
+            return cache._compacted()
+        return cache
+
+    def _live(self, entry: tuple[int, int]) -> bool:
+        stamp, block = entry
+        rec = self.records[block]
+        return rec is not None and rec.refs == 0 and rec.stamp == stamp
+
+    def queue_entries(self) -> list[tuple[int, int]]:
+        """Live (stamp, block) entries, oldest (next evicted) first; O(queue_len)."""
+        entries = [e for page in self.queue for e in page][self.queue_head:]
+        return [e for e in entries if self._live(e)]
+
+    def _compacted(self) -> "PrefixCache":
+        live = self.queue_entries()
+        pages = tuple(tuple(live[i:i + _QUEUE_PAGE]) for i in range(0, len(live), _QUEUE_PAGE))
+        return dataclasses.replace(self, queue=pages, queue_head=0, queue_len=len(live))
+
+    def evicted(self, count: int) -> tuple[tuple[int, ...], "PrefixCache"]:
+        """Pops the `count` least recently released evictable blocks (count <= num_evictable)
+        and forgets their digests; returns them and the cache."""
+        pages, head, popped = self.queue, self.queue_head, 0
+        blocks: list[int] = []
+        while len(blocks) < count:
+            entry = pages[0][head]
+            head += 1
+            popped += 1
+            if head == len(pages[0]):
+                pages, head = pages[1:], 0
+            if self._live(entry):
+                blocks.append(entry[1])
+        buckets: dict[int, tuple] = {}
+        for block in blocks:
+            digest = self.records[block].digest
+            b = self._bucket(digest)
+            buckets[b] = tuple(e for e in buckets.get(b, self.index[b]) if e[0] != digest)
+        cache = PrefixCache(records=self.records.updated((b, None) for b in blocks),
+                            index=self.index.updated(buckets.items()), queue=pages,
+                            queue_head=head, queue_len=self.queue_len - popped,
+                            num_evictable=self.num_evictable - count, clock=self.clock)
+        return tuple(blocks), cache
