@@ -1,18 +1,19 @@
 """arcjax: a JAX/Pallas LLM inference engine with chunked, mixed prefill+decode scheduling.
 
-Public API: `LLM` (batch and online use), `SamplingParams`, `RequestOutput`, the typed
+Public API: `LLM` (batch and online use), `AsyncLLM` (a background engine loop for servers), `SamplingParams`, `RequestOutput`, the typed
 errors of `arcjax.errors`, and `EngineConfig` / `build_engine` for embedding the engine.
 """
 
 from arcjax.engine.build import build_engine, default_model_path
 from arcjax.engine.config import EngineConfig
 from arcjax.engine.outputs import RequestMetrics, RequestOutput
+from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.llm import LLM
 from arcjax.errors import (ConfigError, EngineConfigError, InputError, ModelFileError,
                            RequestError, SamplingParamsError, UnknownRequestError)
 from arcjax.runtime.sampling import SamplingParams
 
-__all__ = ["LLM", "ConfigError", "EngineConfig", "EngineConfigError", "InputError",
+__all__ = ["AsyncLLM", "LLM", "ConfigError", "EngineConfig", "EngineConfigError", "InputError",
            "ModelFileError", "RequestError", "RequestMetrics", "RequestOutput",
            "SamplingParams", "SamplingParamsError", "UnknownRequestError", "build_engine",
            "default_model_path"]

@@ -37,6 +37,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from arcjax.bench import burst, costmodel  # noqa: E402
+import scheduler  # noqa: E402
 from scheduler import SchedulerConfig, blocks_for  # noqa: E402
 from scheduler.simulate import CostModel  # noqa: E402
 
@@ -53,7 +54,7 @@ _NEW = flags.DEFINE_integer("max_new_tokens", 32, "tokens each user generates (g
 _WINDOW = flags.DEFINE_float("window_s", 120.0, "measurement window from the burst (s)")
 _ARMS = flags.DEFINE_list("arms", DEFAULT_ARMS,
                           "arms run one after another: policy[:key=value...], keys " +
-                          ",".join(burst.ARM_KEYS))
+                          ",".join(scheduler.ARM_KEYS))
 _BUDGET = flags.DEFINE_integer(
     "max_num_batched_tokens", 4096, "token budget of arms that set none (4096: ~10 whole 400-token "
     "prompts per prefill step, the legacy server's step in BACKGROUND.md's K=32 run)")
@@ -91,7 +92,7 @@ class BurstConfig:
     prompt_tokens: int
     max_new_tokens: int
     window_s: float
-    arms: tuple[burst.Arm, ...]
+    arms: tuple[scheduler.Arm, ...]
     max_num_batched_tokens: int
     repeats: int
     chunk_tile: int
@@ -114,7 +115,7 @@ class BurstConfig:
     def from_flags(cls) -> "BurstConfig":
         return cls(model=_MODEL.value, num_users=_USERS.value, prompt_words=_WORDS.value,
                    prompt_tokens=_PROMPT_TOKENS.value, max_new_tokens=_NEW.value,
-                   window_s=_WINDOW.value, arms=tuple(burst.parse_arm(a) for a in _ARMS.value),
+                   window_s=_WINDOW.value, arms=tuple(scheduler.parse_arm(a) for a in _ARMS.value),
                    max_num_batched_tokens=_BUDGET.value, repeats=_REPEATS.value,
                    chunk_tile=_TILE.value,
                    block_size=_BLOCK.value, num_kv_blocks=_BLOCKS.value, seed=_SEED.value,

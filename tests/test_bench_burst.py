@@ -64,23 +64,6 @@ def test_word_pool_holds_whole_words_or_falls_back(tokenizer):
         burst.burst_prompts(pool, 0, 10, seed=0)
 
 
-# --- arms ----------------------------------------------------------------------------------------
-
-def test_parse_arm():
-    arm = burst.parse_arm("token_budget:budget=512:floor=2")
-    assert arm.policy == "token_budget"
-    assert dict(arm.overrides) == {"max_num_batched_tokens": 512, "prefill_floor_steps": 2}
-    cfg = arm.config(scheduler.SchedulerConfig(num_blocks=64))
-    assert (cfg.policy, cfg.max_num_batched_tokens, cfg.prefill_floor_steps, cfg.num_blocks) == (
-        "token_budget", 512, 2, 64)
-    assert burst.parse_arm("prefill_first:prefill_max_seqs=4").configured_knobs == {
-        "prefill_max_seqs": 4}
-    assert burst.parse_arm("alternate").configured_knobs == {}
-    for bad in ("fastest", "token_budget:budget", "token_budget:speed=3", "alternate:cap=x"):
-        with pytest.raises(ValueError):
-            burst.parse_arm(bad)
-
-
 # --- metrics from a synthetic trace --------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +212,7 @@ def test_simulate_arm_and_cycle_times():
     prompts = [[3] * 300 for _ in range(4)]
     requests = costmodel.burst_requests(prompts, 4)
     base = scheduler.SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=4, num_blocks=128)
-    run = costmodel.simulate_arm(burst.parse_arm("prefill_first:cap=1"), base, requests,
+    run = costmodel.simulate_arm(scheduler.parse_arm("prefill_first:cap=1"), base, requests,
                                  CostModel(c0=1.0, c_prefill=0.0, c_decode=0.0), 100.0)
     m = burst.burst_metrics(run)
     # One prompt per step (cap=1), each 1 s: first tokens at 1, 2, 3, 4 s.

@@ -2,8 +2,8 @@
 
 1. `burst_prompts` builds K deterministic synthetic prompts of exactly P words (words drawn,
    with a seed, from the tokenizer's own vocabulary).
-2. `parse_arm` reads an arm spec such as "token_budget:budget=512" or "prefill_first:cap=4";
-   `Arm.config` turns it into a `scheduler.SchedulerConfig` over the base config's cache.
+2. Arms are `scheduler.parse_arm` specs such as "token_budget:budget=512" or
+   "prefill_first:cap=4"; `Arm.config` turns one into a `SchedulerConfig` over the base cache.
 3. `run_arm` submits the burst to a fresh `Engine` over an already warmed runner (same
    params, KV cache and compiled executables for every arm) and steps it until every user is
    done or the window closes. It returns a `BurstRun`: step records and token times.
@@ -30,6 +30,8 @@ from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.runner import ModelRunner
 from arcjax.runtime.sampling import SamplingParams
 from scheduler import metrics
+from scheduler.arms import KNOB_SHORT, Arm
+from scheduler.metrics import markdown_table
 from scheduler.simulate import RequestRecord, simulate
 
 # A fallback word list for tokenizers whose vocabulary holds too few whole words.
@@ -62,69 +64,6 @@ def burst_prompts(pool: Sequence[str], num_users: int, num_words: int, seed: int
         rng = random.Random(f"{seed}:{user}")  # str seeds hash deterministically (sha512)
         out.append(" ".join(rng.choice(pool) for _ in range(num_words)))
     return out
-
-
-# --- arms ------------------------------------------------------------------------------------
-
-# Arm spec key -> SchedulerConfig field.
-ARM_KEYS = {
-    "budget": "max_num_batched_tokens",
-    "cap": "prefill_max_seqs",
-    "floor": "prefill_floor_steps",
-    "tile": "chunk_tile",
-    "threshold": "long_prefill_token_threshold",
-    "partials": "max_num_partial_prefills",
-    "seqs": "max_num_seqs",
-}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Arm:
-    """One scheduling configuration of the experiment.
-
-    Attributes:
-      name: the spec it was parsed from ("policy[:key=value]...").
-      policy: a scheduler policy.
-      overrides: SchedulerConfig field -> value, as the spec set them.
-    """
-
-    name: str
-    policy: str
-    overrides: Mapping[str, int]
-
-    def config(self, base: scheduler.SchedulerConfig) -> scheduler.SchedulerConfig:
-        """`base` with this arm's policy and knobs (same cache geometry)."""
-        return dataclasses.replace(base, policy=self.policy, **self.overrides)
-
-    @property
-    def configured_knobs(self) -> dict[str, int]:
-        """The knobs this arm sets explicitly; each must engage at least once in a run."""
-        return {k: v for k, v in self.overrides.items() if v}
-
-
-def parse_arm(spec: str) -> Arm:
-    """Parses "policy[:key=value]...". Keys: the short names of ARM_KEYS (budget, cap, floor,
-    tile, threshold, partials, seqs) or SchedulerConfig field names (as scripts/simulate.py).
-
-    Raises:
-      ValueError: unknown policy or key, or a value that is not an integer.
-    """
-    policy, *pairs = spec.strip().split(":")
-    if policy not in scheduler.POLICIES:
-        raise ValueError(f"arm {spec!r}: policy must be one of {scheduler.POLICIES}")
-    overrides = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        field = ARM_KEYS.get(key, key)
-        if not sep or field not in ARM_KEYS.values():
-            raise ValueError(f"arm {spec!r}: expected key=value with key in {sorted(ARM_KEYS)}, "
-                             f"got {pair!r}")
-        try:
-            overrides[field] = int(value)
-        except ValueError:
-            raise ValueError(f"arm {spec!r}: {key} must be an integer, got {value!r}") from None
-    return Arm(name=spec.strip(), policy=policy, overrides=overrides)
-
 
 
 # --- one run ---------------------------------------------------------------------------------
@@ -308,8 +247,6 @@ def _knob_cell(m: Mapping) -> str:
                      for k, v in m["knobs"].items())
 
 
-KNOB_SHORT = {field: key for key, field in ARM_KEYS.items()}
-
 _ROWS = (
     ("TTFT p50", lambda m: _s(m["ttft_p50_s"])),
     ("TTFT p90", lambda m: _s(m["ttft_p90_s"])),
@@ -336,16 +273,6 @@ _ROWS = (
     ("configured knobs engaged", _knob_cell),
     ("window", lambda m: f"{m['window_s']:.1f} s"),
 )
-
-
-def markdown_table(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-
-    def fmt(line: Sequence[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([fmt(header), rule, *map(fmt, body)])
 
 
 def format_table(results: Sequence[Mapping]) -> str:

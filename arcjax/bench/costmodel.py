@@ -25,21 +25,11 @@ from scipy.optimize import nnls
 
 import scheduler
 from arcjax.bench.burst import Arm, BurstRun
-from scheduler.simulate import CostModel, simulate
+from scheduler.metrics import step_kind
+from scheduler.simulate import COST_PRESETS, CostModel, simulate
 
 FEATURES = ("prefill_tokens", "decode_tokens", "kv_read")  # with a constant: c0
 COEFFS = ("c0", "c_prefill", "c_decode", "c_kv")
-
-# The legacy H200 server of BACKGROUND.md (~2B model, MTP depth 3), from its figures:
-#   c_prefill: 12,160 prompt tokens in 43.2 s (K=32) -> 3.553 ms/token (281 tok/s); K=128's total
-#     prefill wall (171.3-176.5 s for 128 x 380 = 48,640 tokens: 276-284 tok/s) agrees.
-#   c0, c_decode: the decode-only steps, at full occupancy: 32 rows 705.5 ms (mean of 709 and 702),
-#     128 rows 2,327.5 ms (mean of 2,335 and 2,320) -> 16.90 ms/row and c0 = 164.8 ms.
-#   c_kv: 0 (the figures do not separate attention reads from per-row cost).
-H200_LEGACY = CostModel(c0=0.7055 - 32 * (2.3275 - 0.7055) / 96, c_prefill=43.2 / 12160,
-                        c_decode=(2.3275 - 0.7055) / 96, c_kv=0.0)
-PRESETS = {"h200_legacy": H200_LEGACY}
-
 
 def burst_requests(prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    t0: float = 0.0) -> tuple[scheduler.Request, ...]:
@@ -143,12 +133,6 @@ class FitReport:
                 f"max |error| {1e3 * self.max_abs_err_s:.1f} ms, R^2 {self.r2:.3f}; {kinds}")
 
 
-def _kind(row: Mapping) -> str:
-    if row["prefill_tokens"]:
-        return "mixed" if row["decode_tokens"] else "prompt"
-    return "decode"
-
-
 def fit_cost_model(rows: Sequence[Mapping]) -> tuple[CostModel, FitReport]:
     """Non-negative least squares of cycle time on [1, prefill_tokens, decode_tokens, kv_read].
 
@@ -171,7 +155,7 @@ def fit_cost_model(rows: Sequence[Mapping]) -> tuple[CostModel, FitReport]:
     ss_tot = float(((y - y.mean()) ** 2).sum())
     by_kind = {}
     for kind in ("prompt", "mixed", "decode"):
-        idx = [i for i, r in enumerate(rows) if _kind(r) == kind]
+        idx = [i for i, r in enumerate(rows) if step_kind(r["prefill_tokens"], r["decode_tokens"]) == kind]
         if idx:
             by_kind[kind] = {"steps": len(idx), "measured_s": float(y[idx].mean()),
                              "predicted_s": float(pred[idx].mean())}
@@ -193,9 +177,9 @@ def save_cost_model(model: CostModel, path) -> None:
 
 
 def load_cost_model(path) -> CostModel:
-    """A cost model JSON file, or the name of a preset (PRESETS: "h200_legacy")."""
-    if str(path) in PRESETS:
-        return PRESETS[str(path)]
+    """A cost model JSON file, or the name of a preset (scheduler.simulate.COST_PRESETS)."""
+    if str(path) in COST_PRESETS:
+        return COST_PRESETS[str(path)]
     with open(path) as f:
         return CostModel.from_json(json.load(f))
 

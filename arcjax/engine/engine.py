@@ -195,6 +195,24 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self._unfinished)
 
+    def unfinished_ids(self) -> list[str]:
+        """Ids of every unfinished request (a snapshot)."""
+        with self._lock:
+            return list(self._unfinished)
+
+    def fail_all(self, message: str) -> None:
+        """Finishes every unfinished request with reason "error" and frees its blocks (after
+        a step raised: the engine's state stays consistent, its requests do not go on)."""
+        with self._step_lock:
+            changed = self._drain()
+            now = self.clock()
+            for rid, req in list(self.requests.items()):
+                if not req.finished:
+                    self.state = scheduler.abort(self.state, rid)
+                    req.finish(FINISH_ERROR, now, message)
+                    changed[rid] = req
+            self._deliver(changed)
+
     # --- the step (one thread at a time) ---------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one engine iteration; returns the outputs of requests without a sink
@@ -329,10 +347,15 @@ class Engine:
                                               f"{traced} traced")
                 with self._lock:
                     self._unfinished.discard(rid)
-            if req.sink is not None:
-                req.sink(out)
-            else:
+            if req.sink is None:
                 pending.append(out)
+                continue
+            try:
+                req.sink(out)
+            except Exception:  # noqa: BLE001  its consumer is gone: stop generating for it
+                if not req.finished:
+                    with self._lock:
+                        self._inbox.append(("abort", rid))
         if pending:
             with self._lock:
                 self._pending.extend(pending)
@@ -348,6 +371,17 @@ class Engine:
         if bad:
             raise AssertionError(f"trace disagrees with outputs: {bad}")
         return len(self.requests)
+
+    def stats(self) -> dict[str, int]:
+        """A consistent snapshot for monitoring (any thread): requests waiting (queued in the
+        inbox or the scheduler), running, unfinished; KV blocks in use and in all; steps."""
+        state = self.state  # an immutable snapshot
+        with self._lock:
+            queued = sum(1 for item in self._inbox if item[0] == "add")
+            unfinished = len(self._unfinished)
+        return {"waiting": len(state.waiting) + queued, "running": state.num_running,
+                "unfinished": unfinished, "kv_blocks_in_use": state.pool.num_in_use,
+                "kv_blocks_total": self.sched_config.num_blocks, "steps": self.num_steps}
 
     def blocks_in_use(self) -> int:
         """KV blocks held by running sequences."""
