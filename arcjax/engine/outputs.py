@@ -52,3 +52,4 @@ class RequestOutput:
     metrics: RequestMetrics
     delta_text: str = ""  # text new since the previous output for this request
     error: str | None = None  # why the request finished with reason "error"
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
