@@ -22,7 +22,7 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu")
 # Scheduler knobs an engine option sets directly (SchedulerConfig field names).
 SCHEDULER_OPTIONS = ("policy", "max_num_batched_tokens", "max_num_seqs", "prefill_max_seqs",
                      "prefill_floor_steps", "chunk_tile", "long_prefill_token_threshold",
-                     "max_num_partial_prefills", "watermark_blocks")
+                     "max_num_partial_prefills", "watermark_blocks", "enable_prefix_caching")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,8 +42,8 @@ class EngineConfig:
       seed: seeds requests whose SamplingParams have no seed.
       cache_dir: where converted params are cached (orbax); None = no cache.
       trace_capacity: engine steps the trace ring keeps (oldest dropped first).
-      policy ... watermark_blocks: the scheduler knobs (see scheduler.SchedulerConfig);
-        max_num_seqs defaults to 64 here.
+      policy ... enable_prefix_caching: the scheduler knobs (see scheduler.SchedulerConfig);
+        max_num_seqs defaults to 64 here; prefix caching is on by default.
     """
 
     model: str | None = None
@@ -65,6 +65,7 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
     watermark_blocks: int = 0
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):

@@ -91,8 +91,8 @@ class Engine:
         """
         params = SamplingParams() if params is None else params
         text, ids = self.check(prompt, params)
-        if request_id is not None and not isinstance(request_id, (str, int)) or isinstance(
-                request_id, bool):
+        if request_id is not None and (not isinstance(request_id, (str, int))
+                                       or isinstance(request_id, bool)):
             raise RequestError("request_id", f"must be a str, got {request_id!r}")
         arrival = self.clock() if arrival_time is None else arrival_time
         if not isinstance(arrival, (int, float)) or isinstance(arrival, bool):
@@ -238,9 +238,13 @@ class Engine:
         for item in items:
             if item[0] == "add":
                 _, req, request = item
-                self.state = scheduler.add_request(self.state, request)
                 self.requests[req.request_id] = req
                 self._traced[req.request_id] = 0
+                try:
+                    self.state = scheduler.add_request(self.state, request)
+                except Exception as e:  # noqa: BLE001  validated at submission: a bug if seen
+                    req.finish(FINISH_ERROR, now, f"could not be queued: {e!r}")
+                    changed[req.request_id] = req
                 continue
             rid = item[1]
             req = self.requests.get(rid)
@@ -258,9 +262,10 @@ class Engine:
             return {}
         start = self.clock()
         reqs = [self.requests[rid] for rid in plan.request_ids]
-        for req in reqs:
+        for req, cached in zip(reqs, plan.num_cached):
             if req.first_scheduled is None:
                 req.first_scheduled = start
+                req.num_cached_tokens = cached
         compiled_before = self.runner.num_executables
         try:
             bucket, batch, sampling = self.runner.prepare(
@@ -301,7 +306,8 @@ class Engine:
             index=self.num_steps, start=start, end=now,
             prefill_tokens=plan.num_prefill_tokens, decode_tokens=plan.num_decode_tokens,
             num_seqs=plan.num_seqs, bucket=(bucket.tokens, bucket.seqs, bucket.max_q_len),
-            compiled=compiled, engaged=plan.engaged.as_dict(), sampled=sampled_ids))
+            compiled=compiled, engaged=plan.engaged.as_dict(), sampled=sampled_ids,
+            cached_tokens=plan.num_cached_tokens))
         return changed
 
     def _fail(self, plan, reqs: list[RequestState], start: float,

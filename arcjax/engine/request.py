@@ -34,6 +34,7 @@ class RequestState:
     finished_time: float | None = None
     finish_reason: str | None = None
     error: str | None = None  # why a request finished with reason "error"
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     sink: object = None  # callable receiving this request's outputs, or None
 
     def snapshot(self) -> tuple:
@@ -91,7 +92,7 @@ class RequestState:
                                  tuple(self.token_times), self.finished_time)
         out = RequestOutput(self.request_id, self.prompt, self.prompt_ids, self.text,
                             tuple(self.token_ids), self.finished, self.finish_reason, metrics,
-                            delta, self.error)
+                            delta, self.error, self.num_cached_tokens)
         if self.finished:
             self.detok = None  # free the detokenizer's history
         return out

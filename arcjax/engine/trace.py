@@ -29,6 +29,7 @@ class StepRecord:
     engaged: Mapping  # the plan's record of what each scheduling knob did
     sampled: tuple[str, ...] = ()  # requests that got a token this step
     error: str | None = None  # set when the step failed (its requests finished "error")
+    cached_tokens: int = 0  # prompt tokens admitted this step from the prefix cache
 
     @property
     def duration(self) -> float:
@@ -93,6 +94,8 @@ def summarize(records: list[StepRecord], wall_time: float,
     kinds = Counter(r.kind for r in records)
     busy = sum(r.duration for r in records)
     knobs = knob_report(engagement(records), configured_knobs)
+    cached = sum(r.cached_tokens for r in records)
+    computed = sum(r.prefill_tokens for r in records)
     return {
         "steps": len(records),
         "steps_by_kind": dict(kinds),
@@ -101,6 +104,10 @@ def summarize(records: list[StepRecord], wall_time: float,
         "wall_time_s": wall_time,
         "step_time_fraction_of_wall": busy / wall_time if wall_time > 0 else None,
         "knobs": knobs,
+        # Prompt tokens served from the prefix cache over all prompt tokens the steps admitted
+        # or computed (recomputation after preemption counts as computed).
+        "prefix_cache": {"cached_tokens": cached, "computed_prompt_tokens": computed,
+                         "hit_rate": cached / (cached + computed) if cached + computed else None},
         "knobs_never_engaged": [k for k, v in knobs.items() if not v["engaged"]],
     }
 

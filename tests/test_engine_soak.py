@@ -1,0 +1,168 @@
+"""A bounded soak of the serving engine: thousands of short requests from several threads and
+many asyncio tasks, with aborts, bad requests, early disconnects and a KV cache small enough to
+force preemption. Outputs must equal a sequential reference, nothing may leak."""
+
+import asyncio
+import random
+import threading
+import time
+import tracemalloc
+
+import pytest
+
+from arcjax import AsyncLLM, LLM, RequestError, SamplingParams
+from hf_models import tiny_model_dir
+
+ARCH = "LlamaForCausalLM"
+# 12 blocks of 8 tokens for up to 16 running sequences of up to 24 tokens: preemption.
+GEOMETRY = dict(block_size=8, num_kv_blocks=12, max_model_len=64, max_num_seqs=16,
+                attention_impl="xla", chunk_tile=16, max_num_batched_tokens=128,
+                trace_capacity=64)
+NUM_PROMPTS, MAX_NEW = 40, 5
+SYNC_THREADS, SYNC_PER_THREAD = 4, 500
+ASYNC_TASKS, ASYNC_PER_TASK = 64, 16
+ABORT_RATE, BAD_RATE, DISCONNECT_RATE = 0.10, 0.03, 0.10
+
+
+def _prompts():
+    rs = random.Random(0)
+    return [[rs.randrange(3, 384) for _ in range(rs.randrange(2, 17))] for _ in range(NUM_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy continuation of every prompt, MAX_NEW tokens, one sequential run each."""
+    llm = LLM(tiny_model_dir(ARCH), **{**GEOMETRY, "num_kv_blocks": 64})
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
+    return [list(llm.generate([p], params, use_tqdm=False)[0].token_ids) for p in _prompts()]
+
+
+def _check(out, prompt_index, reference):
+    want = reference[prompt_index]
+    got = list(out.token_ids)
+    if out.finish_reason == "length":
+        assert got == want[:len(got)] and len(got) == out.metrics.token_times.__len__()
+    elif out.finish_reason == "abort":
+        assert got == want[:len(got)]
+    else:
+        raise AssertionError(f"unexpected finish {out.finish_reason}: {out.error}")
+
+
+def test_soak_sync_threads_then_async_tasks(reference):
+    prompts = _prompts()
+    t_start = time.perf_counter()
+    llm = LLM(tiny_model_dir(ARCH), **GEOMETRY)
+    llm.warmup()
+    stats = {"requests": 0, "aborted": 0, "bad": 0}
+    finals, final_lock = {}, threading.Lock()
+    submitted: dict[str, tuple[int, int]] = {}  # id -> (prompt index, max_tokens)
+    done = threading.Event()
+
+    def stepper():
+        while not done.is_set() or llm.has_unfinished():
+            for out in llm.step():
+                if out.finished:
+                    with final_lock:
+                        finals[out.request_id] = out
+
+    def submitter(k):
+        rs = random.Random(k)
+        for j in range(SYNC_PER_THREAD):
+            if rs.random() < BAD_RATE:
+                with pytest.raises(RequestError):
+                    llm.add_request([1.5, 2], SamplingParams(max_tokens=2))
+                with final_lock:
+                    stats["bad"] += 1
+                continue
+            i = rs.randrange(NUM_PROMPTS)
+            n = rs.randrange(1, MAX_NEW + 1)
+            rid = llm.add_request(prompts[i], SamplingParams(max_tokens=n, temperature=0,
+                                                             ignore_eos=True))
+            with final_lock:
+                submitted[rid] = (i, n)
+                stats["requests"] += 1
+            if rs.random() < ABORT_RATE:
+                try:
+                    llm.abort(rid)
+                    with final_lock:
+                        stats["aborted"] += 1
+                except RequestError:  # finished first
+                    pass
+
+    step_thread = threading.Thread(target=stepper)
+    step_thread.start()
+    subs = [threading.Thread(target=submitter, args=(k,)) for k in range(SYNC_THREADS)]
+    warm_n = 1
+    for s in subs[:warm_n]:  # the first thread's requests warm every path up
+        s.start()
+        s.join()
+    tracemalloc.start()
+    heap_before = tracemalloc.get_traced_memory()[0]
+    requests_before = stats["requests"]
+    for s in subs[warm_n:]:
+        s.start()
+    for s in subs[warm_n:]:
+        s.join()
+    done.set()
+    step_thread.join(timeout=300)
+    assert not step_thread.is_alive()
+    for out in llm.step():  # anything handed out after the stepper's last look
+        finals[out.request_id] = out
+    heap_after = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    growth = (heap_after - heap_before) / max(1, stats["requests"] - requests_before)
+    assert set(finals) == set(submitted)
+    for rid, out in finals.items():
+        i, n = submitted[rid]
+        _check(out, i, reference)
+        if out.finish_reason == "length":
+            assert len(out.token_ids) == n
+    preemptions = sum(len(r.engaged["preempted"]) for r in llm.engine.trace)
+    assert llm.engine.blocks_in_use() == 0 and not llm.engine.requests
+    assert not llm.has_unfinished()
+    llm.engine.check_trace()
+    assert growth < 50, f"heap grew {growth:.0f} bytes per request"
+
+    # --- the async front end: 64 concurrent tasks, disconnects and aborts ---------------------
+    allm = AsyncLLM(tiny_model_dir(ARCH), **GEOMETRY)
+    async_stats = {"requests": 0, "disconnected": 0, "aborted": 0}
+
+    async def client(k):
+        rs = random.Random(1000 + k)
+        for _ in range(ASYNC_PER_TASK):
+            i, n = rs.randrange(NUM_PROMPTS), rs.randrange(1, MAX_NEW + 1)
+            params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+            async_stats["requests"] += 1
+            roll = rs.random()
+            last = None
+            async for out in allm.generate(prompts[i], params):
+                last = out
+                if roll < DISCONNECT_RATE:  # the client goes away mid-stream
+                    async_stats["disconnected"] += 1
+                    break
+                if roll < DISCONNECT_RATE + ABORT_RATE and not out.finished:
+                    try:
+                        await allm.abort(out.request_id)
+                        async_stats["aborted"] += 1
+                    except RequestError:
+                        pass
+            if roll >= DISCONNECT_RATE:
+                assert last.finished
+                _check(last, i, reference)
+
+    async def main():
+        await asyncio.gather(*(client(k) for k in range(ASYNC_TASKS)))
+        for _ in range(200):  # disconnect aborts are applied by the engine thread
+            if allm.num_unfinished == 0:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert allm.num_unfinished == 0 and allm.engine.blocks_in_use() == 0
+    assert not allm.engine.requests and allm.step_errors == 0
+    allm.engine.check_trace()
+    allm.shutdown()
+    wall = time.perf_counter() - t_start
+    print(f"\nsoak: sync {stats}, preemptions {preemptions}, heap growth {growth:.1f} B/request; "
+          f"async {async_stats}; wall {wall:.1f} s")
+    assert preemptions > 0 and stats["aborted"] > 0 and async_stats["disconnected"] > 0
