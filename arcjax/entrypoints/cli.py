@@ -1,0 +1,97 @@
+"""The `arcjax` command: `arcjax serve [MODEL_DIR] [--flags]` (also `python -m arcjax.serve`).
+
+  arcjax serve                                   # the packaged model on 127.0.0.1:8000
+  arcjax serve PATH --port 8001 --policy prefill_first --prefill-max-seqs 4 --api-key KEY
+
+Engine flags mirror `EngineConfig` (every option, `--max-num-batched-tokens` for
+`max_num_batched_tokens`); a flag not given leaves the option to the environment
+(ARC_PREFILL_MAX_SEQS, ARC_PREFILL_FLOOR_STEPS) or its default: flags win. `--api-key`
+defaults to $ARCJAX_API_KEY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import typing
+
+from arcjax.engine.config import ATTENTION_IMPLS, DTYPES, EngineConfig
+
+_CHOICES = {"dtype": DTYPES, "attention_impl": ATTENTION_IMPLS,
+            "policy": ("prefill_first", "alternate", "token_budget")}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> list[str]:
+    group = parser.add_argument_group("engine options (arcjax.EngineConfig)")
+    hints = typing.get_type_hints(EngineConfig)
+    names = []
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "model":
+            continue
+        kind = hints[f.name]
+        base = next((t for t in (bool, int, float, str) if t is kind or t in typing.get_args(kind)),
+                    str)
+        group.add_argument(_flag(f.name), dest=f.name, type=base, default=None,
+                           choices=_CHOICES.get(f.name),
+                           help=f"default: {f.default!r}")
+        names.append(f.name)
+    return names
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
+    parser = argparse.ArgumentParser(prog="arcjax", description="arcjax command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                       description="OpenAI-compatible HTTP server (/v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health, /metrics)")
+    p.add_argument("model_dir", nargs="?", default=None,
+                   help="Hugging Face-format model directory (default: the packaged model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $ARCJAX_API_KEY)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send (default: MODEL_DIR, or 'arcjax-default')")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="answer 429 beyond this many waiting requests (default: no limit)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may take after SIGTERM/SIGINT")
+    p.add_argument("--log-level", default="warning")
+    p.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="JAX persistent compilation cache directory")
+    return parser, _add_engine_flags(p)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, engine_names = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    from arcjax.entrypoints.serve import ServeConfig, serve
+
+    if args.compilation_cache_dir:
+        from arcjax.runtime.runner import enable_persistent_compilation_cache
+
+        enable_persistent_compilation_cache(args.compilation_cache_dir)
+    options = {k: getattr(args, k) for k in engine_names if getattr(args, k) is not None}
+    config = ServeConfig(host=args.host, port=args.port,
+                         api_key=args.api_key or os.environ.get("ARCJAX_API_KEY") or None,
+                         served_model_name=args.served_model_name,
+                         max_queued_requests=args.max_queued_requests,
+                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+    serve(args.model_dir, config, warmup=args.warmup, **options)
+    return 0
+
+
+def serve_main() -> None:
+    """`python -m arcjax.serve [MODEL_DIR] [--flags]`."""
+    sys.exit(main(["serve", *sys.argv[1:]]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Prometheus metrics of one server: its own registry, fed by the engine and by finished requests.
+
+- Per step (engine thread, `Engine.trace_sink`): steps, preemptions, and for every scheduling
+  knob the steps in which it engaged (the trace's engagement log as counters; the same
+  counting as `arcjax.engine.trace.engagement`).
+- Per finished request (event loop): TTFT, inter-token latency and end-to-end latency
+  histograms; prompt, generated and prefix-cache-hit token counters; requests by finish reason.
+- At scrape time: gauges from `Engine.stats()` (running, waiting, KV blocks in use / total).
+
+NOTE: the registry belongs to the server object (no process-global state), so tests can run
+several servers in one process. prometheus_client metrics are thread-safe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+from arcjax.engine.outputs import RequestOutput
+from arcjax.engine.trace import StepRecord
+from scheduler.plan import Engaged
+
+# Scheduler `Engaged` fields (scheduler/plan.py) counted per step.
+KNOBS = tuple(f.name for f in dataclasses.fields(Engaged))
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+            0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+FINISH_REASONS = ("length", "stop", "abort", "error")
+
+
+class _EngineGauges:
+    """Gauges read from `engine.stats()` once per scrape."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def collect(self):
+        s = self._engine.stats()
+        for name, key, doc in (
+                ("arcjax_num_requests_running", "running", "Requests running in the engine."),
+                ("arcjax_num_requests_waiting", "waiting", "Requests waiting to be scheduled."),
+                ("arcjax_kv_blocks_in_use", "kv_blocks_in_use", "KV cache blocks in use."),
+                ("arcjax_kv_blocks_total", "kv_blocks_total", "KV cache blocks in all.")):
+            yield GaugeMetricFamily(name, doc, value=s[key])
+
+
+class ServerMetrics:
+    """The metrics of one server (see the module docstring)."""
+
+    def __init__(self, engine, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, ["model_name", *extra], registry=r)
+
+        self.ttft = Histogram("arcjax_time_to_first_token_seconds", "Time to first token.",
+                              ["model_name"], buckets=_LATENCY, registry=r).labels(**labels)
+        self.itl = Histogram("arcjax_inter_token_latency_seconds",
+                             "Gap between consecutive output tokens.", ["model_name"],
+                             buckets=_LATENCY, registry=r).labels(**labels)
+        self.e2e = Histogram("arcjax_e2e_request_latency_seconds",
+                             "Arrival to last token.", ["model_name"], buckets=_E2E,
+                             registry=r).labels(**labels)
+        self.prompt_tokens = counter("arcjax_prompt_tokens", "Prompt tokens of finished "
+                                     "requests.").labels(**labels)
+        self.generation_tokens = counter("arcjax_generation_tokens",
+                                         "Tokens generated.").labels(**labels)
+        self.cached_tokens = counter("arcjax_prefix_cache_hit_tokens", "Prompt tokens served "
+                                     "from the prefix cache.").labels(**labels)
+        requests = counter("arcjax_requests", "Finished requests by finish reason.",
+                           ["finish_reason"])
+        self.requests = {f: requests.labels(finish_reason=f, **labels) for f in FINISH_REASONS}
+        self.steps = counter("arcjax_engine_steps", "Engine steps.").labels(**labels)
+        self.preemptions = counter("arcjax_preemptions", "Sequences preempted for KV "
+                                   "blocks.").labels(**labels)
+        knob = counter("arcjax_scheduler_knob_engaged_steps", "Steps in which a scheduling "
+                       "knob engaged (scheduler Engaged fields).", ["knob"])
+        self.knobs = {k: knob.labels(knob=k, **labels) for k in KNOBS}
+        self._knob_family = knob
+        self._labels = labels
+        r.register(_EngineGauges(engine))
+
+    # --- engine thread ----------------------------------------------------------------
+    def on_step(self, record: StepRecord) -> None:
+        """`Engine.trace_sink`: counts the step, its preemptions and engaged knobs."""
+        self.steps.inc()
+        engaged = record.engaged
+        preempted = engaged.get("preempted") or ()
+        if preempted:
+            self.preemptions.inc(len(preempted))
+        for name, value in engaged.items():
+            if value:
+                child = self.knobs.get(name)
+                if child is None:  # a knob added to the scheduler after this module
+                    child = self.knobs[name] = self._knob_family.labels(knob=name,
+                                                                         **self._labels)
+                child.inc()
+
+    # --- event loop -------------------------------------------------------------------
+    def on_finished(self, out: RequestOutput) -> None:
+        """Records one finished request."""
+        m = out.metrics
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        for gap in m.itl:
+            self.itl.observe(gap)
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.token_ids))
+        if out.num_cached_tokens:
+            self.cached_tokens.inc(out.num_cached_tokens)
+        child = self.requests.get(out.finish_reason)
+        if child is not None:
+            child.inc()

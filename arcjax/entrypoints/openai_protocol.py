@@ -1,0 +1,239 @@
+"""The OpenAI wire format: request bodies -> (prompts, SamplingParams), outputs -> JSON.
+
+Pure functions, no I/O: the server (`serve.py`) calls `parse_completion` / `parse_chat` on
+the decoded JSON body and turns `RequestOutput`s into responses and stream chunks with the
+builders below.
+
+NOTE: validation lives here and in `SamplingParams` (types and ranges) and `Engine.check`
+(lengths, vocabulary); every refusal is an `InputError` whose `.field` is the request's own
+field name, so the server answers 400 with `param` naming it. Fields the engine does not
+support (logprobs, n > 1, penalties, tools, ...) are refused by name unless they carry their
+neutral value; fields that are not part of the API at all are refused too. The one field
+accepted and ignored is `user` (an end-user id OpenAI keeps for abuse monitoring: it never
+changes the output, and clients send it by default in some SDKs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+
+from arcjax.engine.outputs import RequestOutput
+from arcjax.errors import RequestError, SamplingParamsError
+from arcjax.runtime.sampling import SamplingParams
+
+
+class ProtocolError(RequestError):
+    """A request body the API refuses (field: the offending request field, or "body")."""
+
+
+# Sampling fields shared by both endpoints -> SamplingParams field.
+_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+             "min_p": "min_p", "seed": "seed", "stop": "stop",
+             "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
+# Known fields the engine does not support, with the values that mean "not used".
+_UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False),
+                "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+                "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
+                "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+                "function_call": (None, "none"), "parallel_tool_calls": (None,),
+                "response_format": (None, {"type": "text"}), "min_tokens": (None, 0),
+                "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,)}
+_IGNORED = {"user"}  # see the module NOTE
+_COMMON = {"model", "max_tokens", "stream", "stream_options", *_SAMPLING, *_UNSUPPORTED,
+           *_IGNORED}
+_COMPLETION_FIELDS = _COMMON | {"prompt"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "add_generation_prompt"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    """What a request asks the engine for. `prompts` are text or token ids (completions);
+    for chat, `messages` is set and the server renders the prompt."""
+
+    model: str | None
+    prompts: tuple  # str | tuple[int, ...] per choice (completions); () for chat
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    max_tokens_field: str  # how the client spelled max_tokens (for error messages)
+    max_tokens_given: bool
+    messages: tuple = ()
+    add_generation_prompt: bool = True
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_fields(body, allowed: set[str]) -> None:
+    if not isinstance(body, dict):
+        raise ProtocolError("body", f"must be a JSON object, got {type(body).__name__}")
+    for name in body:
+        if name not in allowed:
+            raise ProtocolError(name, "unknown field")
+    for name, neutral in _UNSUPPORTED.items():
+        if name in body and not any(type(body[name]) is type(v) and body[name] == v
+                                    for v in neutral):
+            raise ProtocolError(name, f"not supported by this server (got {body[name]!r})")
+
+
+def _common(body: dict, max_field: str, default_max: int | None):
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ProtocolError("model", f"must be a string, got {model!r}")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ProtocolError("stream", f"must be a boolean, got {stream!r}")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise ProtocolError("stream_options", "only allowed when stream is true")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+            raise ProtocolError("stream_options", f"only include_usage is supported, got {opts!r}")
+        include_usage = opts.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise ProtocolError("stream_options.include_usage", "must be a boolean")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and not (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise ProtocolError("stop", f"must be a string or a list of strings, got {stop!r}")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and not isinstance(stop_ids, list):
+        raise ProtocolError("stop_token_ids", f"must be a list of token ids, got {stop_ids!r}")
+    kwargs = {dst: body[src] for src, dst in _SAMPLING.items() if body.get(src) is not None}
+    max_tokens = body.get(max_field)
+    given = max_tokens is not None
+    kwargs["max_tokens"] = max_tokens if given else (default_max or 1)
+    try:
+        params = SamplingParams(**kwargs)
+    except SamplingParamsError as e:
+        field = max_field if e.field == "max_tokens" else e.field
+        raise SamplingParamsError(field, e.message, limit=e.limit) from None
+    return model, params, stream, include_usage, given
+
+
+def parse_completion(body) -> ParsedRequest:
+    """A /v1/completions body (decoded JSON). Raises InputError naming the field."""
+    _check_fields(body, _COMPLETION_FIELDS)
+    if "prompt" not in body:
+        raise ProtocolError("prompt", "is required")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        prompts = (prompt,)
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = (tuple(prompt),)
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or isinstance(p, list) and all(_is_int(t) for t in p)
+            for p in prompt):
+        prompts = tuple(p if isinstance(p, str) else tuple(p) for p in prompt)
+    else:
+        raise ProtocolError("prompt", "must be a string, a list of strings, a list of token "
+                                      "ids or a list of lists of token ids (non-empty)")
+    model, params, stream, include_usage, given = _common(body, "max_tokens", 16)
+    return ParsedRequest(model, prompts, params, stream, include_usage, "max_tokens", given)
+
+
+def parse_chat(body) -> ParsedRequest:
+    """A /v1/chat/completions body (decoded JSON). Raises InputError naming the field.
+    Message contents that are lists of text parts are joined into one string."""
+    _check_fields(body, _CHAT_FIELDS)
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        raise ProtocolError("max_completion_tokens", "give max_tokens or "
+                                                     "max_completion_tokens, not both")
+    max_field = "max_tokens" if body.get("max_tokens") is not None else "max_completion_tokens"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("messages", "must be a non-empty list of messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ProtocolError(f"messages[{i}]", "must be an object with a string role")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                        part.get("text"), str):
+                    raise ProtocolError(f"messages[{i}].content",
+                                        "only text content parts are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ProtocolError(f"messages[{i}].content", "must be a string or text parts")
+        for key in ("tool_calls", "function_call"):
+            if m.get(key):
+                raise ProtocolError(f"messages[{i}].{key}", "not supported by this server")
+        clean.append({**m, "content": content})
+    add_gen = body.get("add_generation_prompt", True)
+    if not isinstance(add_gen, bool):
+        raise ProtocolError("add_generation_prompt", "must be a boolean")
+    model, params, stream, include_usage, given = _common(body, max_field, None)
+    return ParsedRequest(model, (), params, stream, include_usage, max_field, given,
+                         tuple(clean), add_gen)
+
+
+# --- responses ------------------------------------------------------------------------
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens
+                                                           for o in outputs)}}
+
+
+def completion_response(rid: str, created: int, model: str,
+                        outputs: Sequence[RequestOutput]) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": i, "text": o.text, "logprobs": None,
+                         "finish_reason": o.finish_reason} for i, o in enumerate(outputs)],
+            "usage": usage(outputs)}
+
+
+def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput]) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
+                         "logprobs": None, "finish_reason": o.finish_reason}
+                        for i, o in enumerate(outputs)],
+            "usage": usage(outputs)}
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
+                                                         separators=(",", ":"))
+    return f"data: {text}\n\n"
+
+
+def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
+                     finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": index, "text": text, "logprobs": None,
+                         "finish_reason": finish_reason}]}
+
+
+def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
+               finish_reason: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": index, "delta": delta, "logprobs": None,
+                         "finish_reason": finish_reason}]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str,
+                outputs: Sequence[RequestOutput]) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(outputs)}

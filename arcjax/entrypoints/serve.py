@@ -1,0 +1,509 @@
+"""`arcjax serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) around `AsyncLLM`.
+
+1. `OpenAIServer(llm, ServeConfig)` builds the FastAPI app. A POST body is decoded and
+   parsed by `openai_protocol` (one place for validation; typed errors name the field),
+   chat messages are rendered by `chat.ChatTemplate`, every prompt is checked by
+   `Engine.check` before anything is queued (all-or-nothing), then each prompt runs as
+   `AsyncLLM.generate(...)` under a server-chosen request id.
+2. Non-streaming: outputs are collected while a watcher waits for the client's
+   `http.disconnect`; streaming: the first output is awaited under the same watcher (so a bad
+   request still gets its 400 before any header), then server-sent events follow; on a
+   disconnect starlette cancels the stream. Either way the `AsyncLLM.generate` iterator is
+   left early, which aborts the request: its KV blocks are freed at the start of the next
+   engine step at the latest.
+3. Metrics (`metrics.ServerMetrics`): the engine's `trace_sink` counts every step's knob
+   engagement and preemptions; finished requests feed latency histograms and token counters;
+   gauges are read from `Engine.stats()` at scrape time.
+4. Shutdown (SIGTERM/SIGINT, or `request_shutdown()`): the server keeps listening but answers
+   503 (`/health` too), waits up to `shutdown_timeout` for requests in flight, aborts the
+   rest (their responses end with finish_reason "abort"), then uvicorn exits and the engine
+   thread stops; the process exits 0. A second signal exits at once.
+
+NOTE: the event loop never blocks on the engine: `AsyncLLM` hands outputs over through
+per-request unbounded queues, so a slow reader only lets its own queue grow (TCP
+backpressure stalls its response, nothing else). All server state (`active`, `in_flight`,
+`draining`) is touched only from the event loop, except `draining`, also read by handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from arcjax.engine.outputs import RequestOutput
+from arcjax.entrypoints import openai_protocol as proto
+from arcjax.entrypoints.async_llm import AsyncLLM
+from arcjax.entrypoints.chat import ChatTemplate
+from arcjax.entrypoints.metrics import ServerMetrics
+from arcjax.errors import InputError, RequestError, UnknownRequestError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "arcjax-default"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """How the HTTP server behaves (engine options go to `AsyncLLM`).
+
+    Attributes:
+      host, port: where to listen.
+      api_key: if set, /v1/* requests need `Authorization: Bearer <api_key>`.
+      served_model_name: the model id clients send and /v1/models lists; None = the model
+        directory as given, or "arcjax-default" for the packaged model.
+      max_queued_requests: refuse (429) a request that would make more than this many
+        requests wait in the engine; None = no limit.
+      shutdown_timeout: seconds requests in flight may take to finish after SIGTERM/SIGINT.
+      log_level: uvicorn's log level.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_queued_requests: int | None = None
+    shutdown_timeout: float = 30.0
+    log_level: str = "warning"
+
+    def __post_init__(self):
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+
+
+class HTTPError(Exception):
+    """An error response in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type_, param, code)
+
+
+def _error(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
+    return JSONResponse(proto.error_body(message, type_, param, code), status_code=status)
+
+
+class _EventStream(StreamingResponse):
+    """A StreamingResponse that always closes its body iterator (a cancelled stream then
+    aborts its requests at once instead of when the generator is garbage collected)."""
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _until_disconnect(request: Request, coro):
+    """`await coro`, unless the client disconnects first: then coro is cancelled and this
+    returns (False, None). Otherwise (True, result)."""
+    task = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        gone.cancel()
+        raise
+    gone.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return False, None
+
+
+class OpenAIServer:
+    """The app and its state for one `AsyncLLM` (see the module docstring)."""
+
+    def __init__(self, llm: AsyncLLM, config: ServeConfig | None = None):
+        self.llm = llm
+        self.config = config or ServeConfig()
+        engine = llm.engine
+        model = llm.engine_config.model
+        self.model_name = self.config.served_model_name or model or DEFAULT_MODEL_NAME
+        self.metrics = ServerMetrics(engine, self.model_name)
+        previous = engine.trace_sink
+        if previous is None:
+            engine.trace_sink = self.metrics.on_step
+        else:  # keep whoever was listening first
+            def both(record, _first=previous, _second=self.metrics.on_step):
+                _first(record)
+                _second(record)
+            engine.trace_sink = both
+        self.chat_template = (ChatTemplate.from_dir(engine.model_dir)
+                              if engine.model_dir is not None else ChatTemplate(None))
+        self.created = int(time.time())
+        self.draining = False
+        self.active: set[str] = set()  # engine request ids this server is waiting on
+        self.in_flight = 0  # generation requests (HTTP) not finished yet
+        self.app = self._build_app()
+
+    # --- the app ----------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="arcjax", docs_url=None, redoc_url=None, openapi_url=None)
+        app.state.server = self
+
+        @app.exception_handler(InputError)
+        async def _bad_input(request, e: InputError):
+            return _error(400, str(e), "invalid_request_error", e.field)
+
+        @app.exception_handler(HTTPError)
+        async def _http_error(request, e: HTTPError):
+            return _error(e.status, e.message, e.type, e.param, e.code)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _starlette_error(request, e: StarletteHTTPException):
+            kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
+                e.status_code, "invalid_request_error")
+            return _error(e.status_code, f"{e.detail}: {request.method} {request.url.path}",
+                          kind, None, "not_found" if e.status_code == 404 else None)
+
+        @app.exception_handler(Exception)
+        async def _internal(request, e: Exception):
+            log.exception("internal error")
+            return _error(500, f"internal error: {e!r}", "internal_error")
+
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.metrics_endpoint)
+        app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model:path}")(self.model)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        return app
+
+    # --- plain endpoints ----------------------------------------------------------------
+    async def health(self) -> Response:
+        if self.draining or not self.llm.is_running():
+            return _error(503, "shutting down", "service_unavailable", code="shutting_down")
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "arcjax", "max_model_len": self.llm.engine.max_model_len}
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, model: str, request: Request) -> Response:
+        self._authorize(request)
+        self._check_model(model)
+        return JSONResponse(self._model_card())
+
+    # --- checks -------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 key.encode()):
+            raise HTTPError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                            "authentication_error", code="invalid_api_key")
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise HTTPError(404, f"model {model!r} does not exist; this server serves "
+                                 f"{self.model_name!r}", "not_found_error", "model",
+                            "model_not_found")
+
+    async def _admit(self, request: Request) -> dict:
+        """Auth, draining, and the JSON body."""
+        self._authorize(request)
+        if self.draining:
+            raise HTTPError(503, "the server is shutting down", "service_unavailable",
+                            code="shutting_down")
+        raw = await request.body()
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HTTPError(400, f"the body is not valid JSON ({e})", "invalid_request_error",
+                            "body") from None
+
+    def _check_queue(self, n: int) -> None:
+        limit = self.config.max_queued_requests
+        if limit is not None and self.llm.engine.stats()["waiting"] + n > limit:
+            raise HTTPError(429, f"too many requests waiting (limit {limit}); retry later",
+                            "rate_limit_error", code="queue_full")
+
+    def _engine_check(self, prompt, params, parsed: proto.ParsedRequest, prompt_field: str):
+        """`Engine.check` with the request's own field names. Returns the prompt's ids."""
+        try:
+            return self.llm.engine.check(prompt, params)[1]
+        except RequestError as e:
+            max_field = parsed.max_tokens_field if parsed.max_tokens_given else prompt_field
+            field = {"prompt": prompt_field, "max_tokens": max_field}.get(e.field, e.field)
+            raise RequestError(field, e.message, limit=e.limit) from None
+
+    # --- generation endpoints -----------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        parsed = proto.parse_completion(await self._admit(request))
+        self._check_model(parsed.model)
+        field = "prompt"
+        ids = [self._engine_check(p, parsed.params, parsed, field) for p in parsed.prompts]
+        return await self._generate(request, parsed, ids, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        parsed = proto.parse_chat(await self._admit(request))
+        self._check_model(parsed.model)
+        text = self.chat_template.render(parsed.messages,
+                                         add_generation_prompt=parsed.add_generation_prompt)
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise RequestError("messages", "this model has no tokenizer")
+        prompt = tuple(tokenizer.encode(text, add_special_tokens=False))
+        params = parsed.params
+        if not parsed.max_tokens_given:  # OpenAI's default: up to the context length
+            room = self.llm.engine.max_model_len - len(prompt)
+            params = dataclasses.replace(params, max_tokens=max(room, 1))
+        ids = [self._engine_check(prompt, params, parsed, "messages")]
+        parsed = dataclasses.replace(parsed, params=params)
+        return await self._generate(request, parsed, ids, chat=True)
+
+    async def _generate(self, request: Request, parsed: proto.ParsedRequest,
+                        prompts: Sequence[tuple[int, ...]], *, chat: bool) -> Response:
+        self._check_queue(len(prompts))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        created = int(time.time())
+        stream = self._outputs(rid, prompts, parsed.params)
+        self.in_flight += 1
+        handed_over = False
+        try:
+            if not parsed.stream:
+                ok, finals = await _until_disconnect(request, self._collect(stream, len(prompts)))
+                if not ok:
+                    return Response(status_code=499)  # nobody is listening
+                failed = next((o for o in finals if o.finish_reason == "error"), None)
+                if failed is not None:
+                    raise HTTPError(500, f"generation failed: {failed.error}", "internal_error")
+                build = proto.chat_response if chat else proto.completion_response
+                return JSONResponse(build(rid, created, self.model_name, finals))
+            ok, first = await _until_disconnect(request, stream.__anext__())
+            if not ok:
+                return Response(status_code=499)
+            body = self._events(first, stream, len(prompts), rid, created, chat,
+                                parsed.include_usage)
+            handed_over = True
+            return _EventStream(body, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache"})
+        finally:
+            if not handed_over:
+                await stream.aclose()
+                self.in_flight -= 1
+
+    async def _outputs(self, rid: str, prompts, params) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) of every prompt, as they come. Leaving early aborts the
+        requests still running (their `AsyncLLM.generate` iterators are closed)."""
+        rids = [f"{rid}-{i}" for i in range(len(prompts))]
+        gens = [self.llm.generate(p, params, r) for p, r in zip(prompts, rids)]
+        self.active.update(rids)
+        finished: set[int] = set()
+        tasks: list[asyncio.Task] = []
+        try:
+            if len(gens) == 1:  # the common case: no merging
+                async for out in gens[0]:
+                    if out.finished:
+                        finished.add(0)
+                        self.metrics.on_finished(out)
+                    yield 0, out
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i, gen):
+                try:
+                    async for out in gen:
+                        queue.put_nowait((i, out, None))
+                except Exception as e:  # noqa: BLE001  handed to the consumer
+                    queue.put_nowait((i, None, e))
+
+            tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+            while len(finished) < len(gens):
+                i, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                if out.finished:
+                    finished.add(i)
+                    self.metrics.on_finished(out)
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                try:
+                    await t
+                except asyncio.CancelledError:
+                    pass
+            for i, gen in enumerate(gens):
+                if i not in finished:
+                    await gen.aclose()  # aborts it
+                    self.metrics.requests["abort"].inc()
+            self.active.difference_update(rids)
+
+    @staticmethod
+    async def _collect(stream, n: int) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * n
+        async for i, out in stream:
+            if out.finished:
+                finals[i] = out
+        return finals
+
+    async def _events(self, first, stream, n: int, rid: str, created: int, chat: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """The SSE body: OpenAI chunks, an optional usage chunk, then [DONE]."""
+        model = self.model_name
+        finals: list[RequestOutput | None] = [None] * n
+        try:
+            if chat:
+                for i in range(n):
+                    yield proto.sse(proto.chat_chunk(rid, created, model, i,
+                                                     {"role": "assistant", "content": ""}, None))
+            item = first
+            while item is not None:
+                i, out = item
+                if out.delta_text or out.finished:
+                    reason = out.finish_reason if out.finished else None
+                    if chat:
+                        delta = {"content": out.delta_text} if out.delta_text else {}
+                        yield proto.sse(proto.chat_chunk(rid, created, model, i, delta, reason))
+                    else:
+                        yield proto.sse(proto.completion_chunk(rid, created, model, i,
+                                                               out.delta_text, reason))
+                if out.finished:
+                    finals[i] = out
+                    if out.finish_reason == "error":
+                        yield proto.sse(proto.error_body(f"generation failed: {out.error}",
+                                                         "internal_error"))
+                try:
+                    item = await stream.__anext__()
+                except StopAsyncIteration:
+                    item = None
+            if include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield proto.sse(proto.usage_chunk(rid, created, model, obj, finals))
+            yield "data: [DONE]\n\n"
+        except InputError as e:  # a prompt refused when queued, after the first output
+            yield proto.sse(proto.error_body(str(e), "invalid_request_error", e.field))
+        finally:
+            await stream.aclose()
+            self.in_flight -= 1
+
+    # --- shutdown -----------------------------------------------------------------------
+    async def drain(self, timeout: float) -> None:
+        """Stops admitting (503), waits up to `timeout` s for requests in flight, aborts the
+        rest and waits (a few seconds at most) for their responses to end."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        for rid in list(self.active):
+            try:
+                await self.llm.abort(rid)
+            except UnknownRequestError:
+                pass
+        deadline = loop.time() + 5.0
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+
+
+# --- running it ---------------------------------------------------------------------------
+def _uvicorn_server(server: OpenAIServer):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn, with SIGTERM/SIGINT starting `OpenAIServer.drain` instead of closing
+        the listener at once (a second signal exits at once)."""
+
+        _loop: asyncio.AbstractEventLoop | None = None
+        _shutdown_started = False
+
+        async def serve(self, sockets=None):
+            self._loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig, frame):  # a signal handler: never re-raised at exit
+            self.request_shutdown()
+
+        def request_shutdown(self) -> None:
+            """Starts the graceful shutdown (any thread)."""
+            if self._shutdown_started or self._loop is None:
+                self.should_exit = True
+                self.force_exit = self._shutdown_started
+                return
+            self._shutdown_started = True
+            server.draining = True
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+        async def _drain(self):
+            try:
+                await server.drain(server.config.shutdown_timeout)
+            finally:
+                self.should_exit = True
+
+    cfg = server.config
+    config = uvicorn.Config(server.app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                            timeout_keep_alive=30)
+    return Server(config)
+
+
+def build_server(server: OpenAIServer):
+    """A uvicorn server for `server.app` whose `request_shutdown()` drains gracefully (also
+    on SIGTERM/SIGINT when run in the main thread). Run it with `.run(sockets=...)`."""
+    return _uvicorn_server(server)
+
+
+def serve(model: str | None = None, config: ServeConfig | None = None, *, warmup: bool = False,
+          **engine_options) -> None:
+    """Runs the server until SIGTERM/SIGINT; returns after a graceful shutdown.
+
+    Args:
+      model: a Hugging Face-format directory; None = the packaged default model.
+      config: the HTTP server's settings.
+      warmup: compile every bucket before listening.
+      **engine_options: as for `arcjax.AsyncLLM`.
+    """
+    config = config or ServeConfig()
+    llm = AsyncLLM(model, **engine_options)
+    try:
+        if warmup:
+            seconds = llm.engine.runner.warmup()
+            log.warning("warm-up compiled every bucket in %.1f s", seconds)
+        api = OpenAIServer(llm, config)
+        uv = build_server(api)
+        print(f"arcjax serve: {api.model_name!r} on http://{config.host}:{config.port}",
+              flush=True)
+        uv.run()
+    finally:
+        llm.shutdown()
