@@ -26,14 +26,6 @@ MIN_DOT = 16  # smallest matmul dimension the GPU lowering accepts
 NUM_SMS = 132  # H200; only steers the split-K heuristic
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GpuPlan:
     """Static launch parameters; hashable."""
@@ -68,7 +60,7 @@ def make_gpu_plan(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_head
             where it is chosen to fill the GPU.
         num_warps, num_stages: Triton launch parameters.
     """
-    group = next_pow2(num_heads // num_kv_heads)
+    group = plan_lib.next_pow2(num_heads // num_kv_heads)
     tiles = plan_lib.make_plan(num_tokens=num_tokens, num_seqs=num_seqs, page_size=page_size,
                                max_blocks=max_blocks, max_q_len=max_q_len,
                                block_q=max(1, block_m // group), block_k=block_k,
@@ -97,7 +89,7 @@ def unpack_output(o: jax.Array, num_tokens: int, num_heads: int) -> jax.Array:
     """`[Hkv, rows_total, D]` -> `[T, Hq, D]`, inverse of `pack_queries`."""
     hkv, _, d = o.shape
     g = num_heads // hkv
-    o = o.reshape(hkv, -1, next_pow2(g), d)[:, :num_tokens, :g]  # [Hkv, T, G, D]
+    o = o.reshape(hkv, -1, plan_lib.next_pow2(g), d)[:, :num_tokens, :g]  # [Hkv, T, G, D]
     return o.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, d)
 
 

@@ -24,8 +24,13 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
-def _pow2_at_least(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,12 +66,12 @@ def make_plan(*, num_tokens: int, num_seqs: int, page_size: int, max_blocks: int
             tiles need power-of-two shapes): caps round up, not down.
         min_block_k: smallest block_k allowed (a GPU matmul dimension).
     """
-    cap = _pow2_at_least(max_q_len) if pow2_tiles else max_q_len
+    cap = next_pow2(max_q_len) if pow2_tiles else max_q_len
     block_q = max(1, min(block_q, cap))
     pages = min(cdiv(block_k, page_size), max_blocks)
     pages = max(pages, cdiv(min_block_k, page_size), 1)
     if pow2_tiles:
-        pages = _pow2_at_least(pages)
+        pages = next_pow2(pages)
     # sum_s cdiv(q_len_s, block_q) <= sum_s (q_len_s // block_q + 1) <= T // block_q + S.
     num_tiles = min(num_tokens // block_q + num_seqs, num_seqs * cdiv(max_q_len, block_q))
     return TilePlan(block_q=block_q, block_k=pages * page_size, page_size=page_size,

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import paging
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Batch:
@@ -78,31 +80,32 @@ def make_batch(
         raise ValueError(
             f"num_blocks: {num_blocks} pages cannot hold {seqs} at block_size {block_size}")
     order = rng.permutation(num_blocks) if scramble else np.arange(num_blocks)
+    first_page = np.concatenate([[0], np.cumsum(pages_needed)])  # [n + 1]
+    seq_pages = [order[first_page[s]:first_page[s + 1]] for s in range(n)]
+    layout = paging.paged_layout(kv_lens - q_lens, q_lens, seq_pages, token_bucket=t,
+                                 seq_bucket=s_bucket, max_blocks=width, block_size=block_size,
+                                 num_blocks=num_blocks)
+    # Table entries past a sequence's pages (and padding rows) hold garbage page ids.
+    tables = layout.block_tables.copy()
+    unused = np.arange(width)[None, :] >= np.pad(pages_needed, (0, s_bucket - n))[:, None]
+    tables[unused] = rng.integers(0, num_blocks, size=int(unused.sum()))
 
-    tables = rng.integers(0, num_blocks, size=(s_bucket, width)).astype(np.int32)
     k = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
     v = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
-    owned = np.zeros((num_blocks, block_size), bool)
-    next_page = 0
-    for s in range(n):
-        pages = order[next_page:next_page + pages_needed[s]]
-        next_page += pages_needed[s]
-        tables[s, :len(pages)] = pages
-        keys = np.arange(kv_lens[s])
-        owned[pages[keys // block_size], keys % block_size] = True
-    if nan_fill:
+    q = rng.standard_normal((t, num_heads, head_dim), np.float32)
+    if nan_fill:  # every slot past a sequence's keys, and every padding query row
+        # The same layout over whole sequences (every key "new") names every owned slot.
+        keys = paging.paged_layout(np.zeros(n, np.int64), kv_lens, seq_pages,
+                                   token_bucket=int(kv_lens.sum()), seq_bucket=n,
+                                   max_blocks=width, block_size=block_size,
+                                   num_blocks=num_blocks)
+        owned = np.zeros(num_blocks * block_size, bool)
+        owned[keys.slot_mapping] = True
+        owned = owned.reshape(num_blocks, block_size)
         k[~owned] = np.nan
         v[~owned] = np.nan
-
-    q = rng.standard_normal((t, num_heads, head_dim), np.float32)
-    cu = np.zeros(s_bucket + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = cu[n]
-    if nan_fill:
-        q[cu[n]:] = np.nan
-    kv_full = np.zeros(s_bucket, np.int32)
-    kv_full[:n] = kv_lens
+        q[layout.num_tokens:] = np.nan
     return Batch(
         q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k, dtype), v_pages=jnp.asarray(v, dtype),
-        block_tables=jnp.asarray(tables), kv_lens=jnp.asarray(kv_full),
-        cu_seqlens_q=jnp.asarray(cu), num_seqs=jnp.int32(n))
+        block_tables=jnp.asarray(tables), kv_lens=jnp.asarray(layout.kv_lens),
+        cu_seqlens_q=jnp.asarray(layout.cu_seqlens_q), num_seqs=jnp.int32(layout.num_seqs))

@@ -29,7 +29,8 @@ import numpy as np
 from absl import app, flags
 
 import pallas_kernels
-from pallas_kernels import gpu_plan, pallas_gpu
+from pallas_kernels import gpu_plan, paging, pallas_gpu
+from pallas_kernels import plan as plan_lib
 
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas_gpu"],
                           "implementation to time (auto: pallas_gpu on GPU, xla elsewhere)")
@@ -126,28 +127,24 @@ def make_paged_batch(case: Case, block_size: int, dtype, key) -> tuple[tuple, ja
     kv_lens = np.array([k for _, k in case.seqs])
     n = len(case.seqs)
     num_tokens = _round_up(int(q_lens.sum()), 128 if q_lens.sum() > 1 else 1)
-    seq_bucket = max(8, 1 << (n - 1).bit_length())
+    seq_bucket = max(8, plan_lib.next_pow2(n))
     pages = -(-kv_lens // block_size)
-    max_blocks = int(pages.max())
     num_blocks = int(pages.sum())
     kq, kk, kv, kp = jax.random.split(key, 4)
+    order = np.asarray(jax.random.permutation(kp, num_blocks))
+    first = np.concatenate([[0], np.cumsum(pages)])
+    layout = paging.paged_layout(kv_lens - q_lens, q_lens,
+                                 [order[first[s]:first[s + 1]] for s in range(n)],
+                                 token_bucket=num_tokens, seq_bucket=seq_bucket,
+                                 max_blocks=int(pages.max()), block_size=block_size,
+                                 num_blocks=num_blocks)
     shape = (num_blocks, block_size, case.num_kv_heads, case.head_dim)
     k_pages = jax.random.normal(kk, shape, dtype)
     v_pages = jax.random.normal(kv, shape, dtype)
-    order = np.asarray(jax.random.permutation(kp, num_blocks))
-    tables = np.zeros((seq_bucket, max_blocks), np.int32)
-    starts = np.concatenate([[0], np.cumsum(pages)])
-    for s in range(n):
-        tables[s, :pages[s]] = order[starts[s]:starts[s + 1]]
-    cu = np.zeros(seq_bucket + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = cu[n]
-    lens = np.zeros(seq_bucket, np.int32)
-    lens[:n] = kv_lens
     q = jax.random.normal(kq, (num_tokens, case.num_heads, case.head_dim), dtype)
-    args = (q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(cu),
-            jnp.int32(n))
-    return args, jnp.asarray(tables[:n])
+    args = (q, k_pages, v_pages, jnp.asarray(layout.block_tables), jnp.asarray(layout.kv_lens),
+            jnp.asarray(layout.cu_seqlens_q), jnp.int32(layout.num_seqs))
+    return args, jnp.asarray(layout.block_tables[:n])
 
 
 def time_fn(fn, args, warmup: int, iters: int) -> float:

@@ -65,6 +65,6 @@ def test_gpu_plan_shapes_are_powers_of_two():
                                    num_kv_heads=8, head_dim=128, page_size=page_size,
                                    max_blocks=max_blocks, max_q_len=max_q_len)
         for n in (p.rows, p.tiles.block_q, p.tiles.pages_per_step, p.tiles.block_k):
-            assert gpu_plan.is_pow2(n), p
+            assert plan.is_pow2(n), p
         assert p.rows >= gpu_plan.MIN_DOT and p.tiles.block_k >= gpu_plan.MIN_DOT
         assert p.num_splits == 1 or max_q_len == 1

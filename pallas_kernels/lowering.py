@@ -1,0 +1,102 @@
+"""Lowering for CUDA without a GPU: the check every kernel (and engine) test can call.
+
+`jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))` runs the whole
+Pallas -> Triton lowering on the host. It catches what interpret mode cannot:
+shapes Triton refuses (non power-of-two blocks, dots below 16), unsupported
+primitives inside the kernel, and index math that only the real lowering
+type-checks. Compiling the Triton IR to PTX is a separate step
+(`scripts/gpu_compile_report.py`, needs the optional `triton` package).
+
+NOTE: nothing here imports triton; `capture_triton_ir` reads the Triton module
+text through a jax-internal hook and is for tools, not for the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+
+def lower_for_cuda(fn: Callable, *args, **static) -> str:
+    """StableHLO text of `fn(*args, **static)` lowered for CUDA on this host.
+
+    Args:
+        fn: any jax function; `static` keyword arguments are bound with
+            `functools.partial` (so they must be hashable-free Python values,
+            not arrays).
+        args: arrays or `jax.ShapeDtypeStruct`s.
+
+    Returns:
+        The lowered module's text; a Pallas Triton kernel appears in it as a
+        custom call whose target names triton.
+    """
+    jitted = jax.jit(functools.partial(fn, **static))
+    return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def cuda_lowering_unavailable() -> str | None:
+    """Why this jax cannot lower a Pallas kernel for CUDA here, or None if it can.
+
+    Only an error from the platform itself (no CUDA lowering registered, the
+    plugin missing) counts; a bug in our kernels must fail the tests instead.
+    """
+    from jax.experimental import pallas as pl
+
+    def copy(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    def probe(x):
+        return pl.pallas_call(copy, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+    try:
+        lower_for_cuda(probe, jax.ShapeDtypeStruct((16, 16), jnp.float32))
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+        text = str(e).lower()
+        if any(word in text for word in ("platform", "plugin", "cuda", "backend")):
+            return f"jax {jax.__version__} cannot lower for CUDA on this host: {e}"
+        raise
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonModule:
+    """One Pallas kernel's Triton IR, as the lowering produced it."""
+
+    name: str
+    ir: str  # MLIR text of the `tt` module
+
+
+@contextlib.contextmanager
+def capture_triton_ir() -> Iterator[list[TritonModule]]:
+    """Collects the Triton module of every Pallas kernel lowered inside the block.
+
+    Wraps jax's (internal) Pallas -> Triton lowering function; the list fills
+    as kernels lower. Raises RuntimeError if this jax has no such function.
+    """
+    try:
+        from jax._src.pallas.triton import lowering as triton_lowering
+    except ImportError as e:
+        raise RuntimeError(f"jax {jax.__version__} has no Pallas Triton lowering: {e}") from e
+    original = getattr(triton_lowering, "lower_jaxpr_to_triton_module", None)
+    if original is None:
+        raise RuntimeError(f"jax {jax.__version__}: Pallas Triton lowering entry point moved")
+    modules: list[TritonModule] = []
+
+    @functools.wraps(original)
+    def capturing(jaxpr, *rest, **kwargs):
+        result = original(jaxpr, *rest, **kwargs)
+        op = result.module.operation
+        modules.append(TritonModule(name=str(op.attributes["sym_name"]).strip('"'),
+                                    ir=op.get_asm(enable_debug_info=False)))
+        return result
+
+    triton_lowering.lower_jaxpr_to_triton_module = capturing
+    try:
+        yield modules
+    finally:
+        triton_lowering.lower_jaxpr_to_triton_module = original
