@@ -127,7 +127,7 @@ def ragged_paged_attention(
         plan = gpu_plan_lib.make_gpu_plan(
             num_tokens=t, num_seqs=block_tables.shape[0], num_heads=q.shape[1],
             num_kv_heads=k_pages.shape[2], head_dim=d, page_size=k_pages.shape[1],
-            max_blocks=block_tables.shape[1], max_q_len=max_q_len)
+            max_blocks=block_tables.shape[1], max_q_len=max_q_len, itemsize=q.dtype.itemsize)
         return pallas_gpu.ragged_paged_attention_pallas_gpu(
             q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, plan,
             interpret=interpret)

@@ -137,3 +137,18 @@ def kv_steps(plan: TilePlan, first_pos: jax.Array, rows: jax.Array) -> tuple[jax
     total = jnp.where(rows > 0, cdiv(last_pos + 1, plan.block_k), 0)
     unmasked = (first_pos + 1) // plan.block_k
     return jnp.minimum(unmasked, total), total
+
+
+def longest_first(plan: TilePlan, meta: TileMetadata) -> TileMetadata:
+    """Reorders the tiles by key steps, most first (idle tiles, with none, stay last).
+
+    A GPU starts programs roughly in launch order; starting the longest causal tiles
+    first keeps the last wave from being one long tile on an otherwise idle GPU.
+    `num_live` is unchanged: every live tile has at least one step.
+    """
+    rows = jnp.where(jnp.arange(plan.num_tiles) < meta.num_live,
+                     jnp.clip(meta.q_end - meta.q_start, 0, plan.block_q), 0)
+    _, total = kv_steps(plan, meta.first_pos, rows)  # [W]
+    order = jnp.argsort(-total, stable=True)
+    return meta._replace(**{name: getattr(meta, name)[order]
+                            for name in meta._fields if name != "num_live"})

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import KernelArgumentError, ragged_paged_attention
+from pallas_kernels import KernelArgumentError, gpu_plan, pallas_gpu, ragged_paged_attention
 from pallas_kernels.testing import make_batch
 from test_kernels_attention import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
 
@@ -58,6 +58,27 @@ def test_interpret_decode_split_k(dtype):
                        head_dim=64, block_size=8, num_tokens=6, seq_bucket=6, max_blocks=10,
                        dtype=dtype, seed=5)
     _check(batch, dtype, max_q_len=1, sm_scale=0.2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_interpret_mixed_batch_split_k(num_splits):
+    # Decode rows split their keys; the 17-token chunk's last tile (1 row at block_q 16)
+    # must not be taken for a decode row; the zero-length sequence stays empty.
+    batch = make_batch([(1, 150), (17, 60), (1, 3), (0, 9), (5, 5), (1, 64)], num_heads=8,
+                       num_kv_heads=2, head_dim=64, block_size=8, num_tokens=32, seq_bucket=8,
+                       max_blocks=20, dtype=jnp.float32, seed=9)
+    plan = gpu_plan.make_gpu_plan(num_tokens=32, num_seqs=8, num_heads=8, num_kv_heads=2,
+                                  head_dim=64, page_size=8, max_blocks=20, max_q_len=32,
+                                  block_m=64, block_k=16, num_splits=num_splits)
+    assert plan.tiles.block_q == 16 and plan.num_splits == num_splits
+    out = jax.jit(pallas_gpu.ragged_paged_attention_pallas_gpu,
+                  static_argnames=("sm_scale", "plan", "interpret"))(
+        *batch.args(), sm_scale=0.125, plan=plan, interpret=True)
+    ref = ragged_paged_attention(*batch.args(), impl="reference", sm_scale=0.125)
+    out = np.asarray(out)
+    assert not np.isnan(out).any()
+    np.testing.assert_array_equal(out[int(batch.cu_seqlens_q[batch.num_seqs]):], 0.0)
+    np.testing.assert_allclose(out, np.asarray(ref), **TOLERANCES[jnp.float32])
 
 
 def test_interpret_long_chunk_spans_tiles_and_unmasked_steps():
