@@ -34,8 +34,11 @@ NUM_SMS = 132  # H200; only steers the split-K heuristic
 # scripts/gpu_compile_report.py); wider dtypes or heads keep 64.
 PREFILL_BLOCK_M = 128
 NARROW_BLOCK_M = 64
-# Mixed batches split a decode row's keys so each split walks at least this many steps.
+# Mixed batches split a decode row's keys so each split walks at least this many steps,
+# into at most MIXED_MAX_SPLITS: every tile launches num_splits programs per KV head and
+# the extra ones of unsplit tiles exit at once, so a large factor costs launches.
 MIXED_SPLIT_STEPS = 32
+MIXED_MAX_SPLITS = 4
 # Three stages: with the page ids carried one step ahead, Triton keeps two K/V loads in
 # flight (cp.async.wait_group 2) instead of waiting for each load before computing.
 NUM_STAGES = 3
@@ -103,7 +106,7 @@ def make_gpu_plan(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_head
             programs = tiles.num_tiles * num_kv_heads
             num_splits = min(16, max_steps, max(1, 4 * NUM_SMS // programs))
         else:
-            num_splits = min(16, max_steps // MIXED_SPLIT_STEPS)
+            num_splits = min(MIXED_MAX_SPLITS, max_steps // MIXED_SPLIT_STEPS)
     if num_warps is None:
         num_warps = 4 if rows * head_dim <= 64 * 64 else 8
     return GpuPlan(tiles=tiles, group=group, rows=rows, num_splits=max(1, num_splits),

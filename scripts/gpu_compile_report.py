@@ -62,13 +62,17 @@ def variants() -> list[Variant]:
     for bm, bk, warps in ((64, 64, 4), (128, 64, 8), (128, 32, 8), (128, 128, 8), (256, 64, 8)):
         out.append(Variant(name=f"prefill_m{bm}_k{bk}_w{warps}", decode_only=False,
                            tuning=(("block_m", bm), ("block_k", bk), ("num_warps", warps))))
-    out.append(Variant(name="prefill_stages3", decode_only=False, tuning=(("num_stages", 3),)))
+    out.append(Variant(name="prefill_m64_stages2", decode_only=False,  # before issue 16
+                       tuning=(("block_m", 64), ("num_stages", 2))))
+    out.append(Variant(name="prefill_stages2", decode_only=False, tuning=(("num_stages", 2),)))
+    out.append(Variant(name="prefill_nosplit", decode_only=False, tuning=(("num_splits", 1),)))
     out.append(Variant(name="prefill_f32", decode_only=False, dtype="float32"))
     out.append(Variant(name="prefill_d64_g8", decode_only=False, head_dim=64, group=8))
     for ps in (16, 32):
         out.append(Variant(name=f"decode_default_bs{ps}", decode_only=True, page_size=ps))
     out.append(Variant(name="decode_k128", decode_only=True, tuning=(("block_k", 128),)))
-    out.append(Variant(name="decode_nosplit", decode_only=True, tuning=(("num_splits", 1),)))
+    out.append(Variant(name="decode_split4", decode_only=True, tuning=(("num_splits", 4),)))
+    out.append(Variant(name="decode_stages2", decode_only=True, tuning=(("num_stages", 2),)))
     out.append(Variant(name="decode_f32", decode_only=True, dtype="float32"))
     out.append(Variant(name="decode_g1_d64", decode_only=True, head_dim=64, group=1))
     return out

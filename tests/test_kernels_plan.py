@@ -82,7 +82,7 @@ def test_gpu_plan_defaults():
     assert (prefill.rows, prefill.tiles.block_k, prefill.num_splits) == (128, 64, 1)
     # A table wide enough for long decode rows splits them inside a mixed batch too.
     long_rows = gpu_plan.make_gpu_plan(max_blocks=8192, max_q_len=2048, **kwargs)
-    assert long_rows.num_splits == 16 and long_rows.split_max_q_len == 1
+    assert long_rows.num_splits == gpu_plan.MIXED_MAX_SPLITS and long_rows.split_max_q_len == 1
     f32 = gpu_plan.make_gpu_plan(max_blocks=64, max_q_len=2048, itemsize=4, **kwargs)
     assert (f32.rows, f32.tiles.block_k) == (64, 32)
     decode = gpu_plan.make_gpu_plan(max_blocks=128, max_q_len=1, **(kwargs | dict(num_seqs=8)))
