@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Iterator
 
 import jax
@@ -37,6 +38,21 @@ def lower_for_cuda(fn: Callable, *args, **static) -> str:
     """
     jitted = jax.jit(functools.partial(fn, **static))
     return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+# Custom-call targets of a Pallas Triton kernel in lowered text: jaxlib <= 0.10.2 carries
+# the Triton IR for XLA to compile; later versions compile at lowering time (FFI call).
+TRITON_CALL_TARGETS = ("__gpu$xla.gpu.triton", "triton_kernel_call")
+
+
+def triton_kernel_calls(lowered_text: str) -> int:
+    """How many Pallas Triton kernel launches the lowered text contains.
+
+    An engine step that lowered every layer's attention to the XLA fallback
+    instead would show 0 here.
+    """
+    targets = "|".join(re.escape(t) for t in TRITON_CALL_TARGETS)
+    return len(re.findall(rf'custom_call @"?(?:{targets})', lowered_text))
 
 
 def cuda_lowering_unavailable() -> str | None:

@@ -3,9 +3,11 @@
 No GPU needed: the kernel is lowered for CUDA on this host (`pallas_kernels.lowering`), its
 Triton IR compiled with the standalone `triton` package (optional: `pip install triton`), and
 the PTX assembled by the ptxas that triton bundles. Per variant it prints registers per
-thread, shared memory, spill bytes, whether the dots became wgmma (Hopper) or mma.sync, and
-the `cp.async.wait_group` depths of the K/V loads (0 everywhere: no load is in flight while
-a step computes).
+thread, shared memory, spill bytes, whether the dots became wgmma (Hopper) or mma.sync, the
+`cp.async.wait_group` depths in the PTX, and blocks per SM (registers and shared memory).
+Wait depths: 0 alone means every K/V load is waited for before its step computes; a
+depth of N > 0 inside the loops means N more loads stay in flight (the 0 that remains
+is the drain after each loop).
 
   1. Each variant is a kernel shape (mixed or decode-only plan, dtype, D, GQA group, page
      size) and a tiling (block_m, block_k, warps, stages); `make_gpu_plan` fills the rest.

@@ -45,7 +45,7 @@ def _lower(plan, args, head_dim):
     with lowering.capture_triton_ir() as modules:
         text = lowering.lower_for_cuda(pallas_gpu.ragged_paged_attention_pallas_gpu, *args,
                                        sm_scale=head_dim**-0.5, plan=plan)
-    assert "triton" in text  # the kernel is a Triton custom call, not an XLA fallback
+    assert lowering.triton_kernel_calls(text) == 1  # one Triton kernel, no XLA fallback
     assert len(modules) == 1
     return modules[0].ir
 
@@ -86,7 +86,11 @@ def test_public_entry_point_lowers(max_q_len):
     args = _abstract_args(4, 128, 16, jnp.bfloat16)
     text = lowering.lower_for_cuda(ragged_paged_attention, *args, impl="pallas_gpu",
                                    max_q_len=max_q_len)
-    assert "triton" in text
+    assert lowering.triton_kernel_calls(text) == 1
+    # The xla path (what "auto" picks without a GPU) lowers for CUDA too, without Triton.
+    text = lowering.lower_for_cuda(ragged_paged_attention, *args, impl="xla",
+                                   max_q_len=max_q_len)
+    assert lowering.triton_kernel_calls(text) == 0
 
 
 def test_lowering_a_broken_kernel_fails():
