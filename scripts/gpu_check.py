@@ -180,14 +180,16 @@ def gpu_tests(cfg: CheckConfig) -> dict:
     paths = ["tests/test_kernels_pallas_gpu.py"] if cfg.cpu_smoke else ["tests"]
     env = dict(os.environ, JAX_PLATFORMS="cpu" if cfg.cpu_smoke else "cuda,cpu")
     junit = os.path.join(cfg.out, "pytest_gpu.xml")
+    # A module that fails to import (say, a serving test without fastapi) is counted as an
+    # error, but must not stop the GPU tests of the other modules from running.
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
-           f"--junitxml={junit}", *paths]
+           "--continue-on-collection-errors", f"--junitxml={junit}", *paths]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240,
                          check=False)
     tail = (res.stdout + res.stderr)[-3000:]
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|deselected)",
                                                tail)}
-    ok = res.returncode == 0 and counts.get("failed", 0) == 0
+    ok = res.returncode == 0 and counts.get("failed", 0) == 0 and counts.get("error", 0) == 0
     if not cfg.cpu_smoke:  # on the H200 a skipped GPU test is a failure to check
         ok = ok and counts.get("passed", 0) > 0 and counts.get("skipped", 0) == 0
     return dict(ok=ok, command=" ".join(cmd), returncode=res.returncode, counts=counts,
@@ -304,6 +306,8 @@ def kernel_table(cfg: CheckConfig, report: Report) -> dict:
                 row["meets_target"] = row["tbps"] >= goal
             rows.append(row)
             print(f"  {case.name:22s} {tiling:12s} {ms:9.3f} ms", flush=True)
+            # Written row by row: a run cut short by the time limit keeps what it measured.
+            report.add("kernel_table", dict(ok=True, partial=True, rows=rows))
         del batch
     errors = [r for r in rows if "error" in r]
     # Targets are recorded, not enforced: missing one is a finding, not a broken run.
