@@ -378,6 +378,9 @@ def main(argv):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         run_section(report, "environment", environment, cfg, seen)
+        if not report.ok:  # no GPU (and no --cpu_smoke): nothing below would mean anything
+            sys.exit(f"gpu_check: {report.sections['environment'].get('error')}; "
+                     f"see {cfg.out}/gpu_check.md (use --cpu-smoke off the GPU)")
         run_section(report, "gpu_tests", gpu_tests, cfg)
         run_section(report, "correctness", correctness, cfg)
         run_section(report, "kernel_table", kernel_table, cfg, report)
