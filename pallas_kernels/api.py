@@ -52,14 +52,14 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs
 
 def _gpu_can_tile(q, k_pages) -> bool:
     d, page_size = q.shape[2], k_pages.shape[1]
-    return gpu_plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT and gpu_plan_lib.is_pow2(page_size)
+    return plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT and plan_lib.is_pow2(page_size)
 
 
 def _validate_gpu_shapes(q, k_pages):
     d, page_size = q.shape[2], k_pages.shape[1]
-    _require(gpu_plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT, "q",
+    _require(plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT, "q",
              f'impl="pallas_gpu" needs a power-of-two head dim >= 16, got {d}')
-    _require(gpu_plan_lib.is_pow2(page_size), "k_pages",
+    _require(plan_lib.is_pow2(page_size), "k_pages",
              f'impl="pallas_gpu" needs a power-of-two block_size, got {page_size}')
 
 
@@ -127,7 +127,7 @@ def ragged_paged_attention(
         plan = gpu_plan_lib.make_gpu_plan(
             num_tokens=t, num_seqs=block_tables.shape[0], num_heads=q.shape[1],
             num_kv_heads=k_pages.shape[2], head_dim=d, page_size=k_pages.shape[1],
-            max_blocks=block_tables.shape[1], max_q_len=max_q_len)
+            max_blocks=block_tables.shape[1], max_q_len=max_q_len, itemsize=q.dtype.itemsize)
         return pallas_gpu.ragged_paged_attention_pallas_gpu(
             q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, plan,
             interpret=interpret)

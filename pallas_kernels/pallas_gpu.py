@@ -1,17 +1,20 @@
 """Ragged paged attention as one Pallas kernel for NVIDIA GPUs (Triton lowering).
 
 Dataflow:
-    1. `plan.tile_metadata` (XLA, tiny) assigns query tiles to sequences.
+    1. `plan.tile_metadata` (XLA, tiny) assigns query tiles to sequences;
+       `plan.longest_first` orders them by key steps, most first.
     2. `gpu_plan.pack_queries` lays q out so that a tile's tokens x query heads
        of one KV head are `rows` contiguous rows (GQA heads packed into M).
-    3. One `pallas_call` over the grid `(num_tiles, Hkv, num_splits)`: each
+    3. One `pallas_call` over the grid `(Hkv, num_splits, num_tiles)`: each
        program loads its query rows once, then walks its key steps with an
        online softmax (base 2). Key steps below the tile's first position need
        no mask; steps on the causal diagonal are masked with `where` on scores
-       and values; steps past the tile's last position are never visited. Each
-       step reads page ids from the block table and gathers those pages.
-    4. With `num_splits > 1` (decode-only batches), programs write unnormalized
-       partials that XLA combines; otherwise they write the final rows.
+       and values; steps past the tile's last position are never visited. The
+       page ids of step i+1 are read during step i, so Triton's pipeliner can
+       keep the next K/V loads in flight while a step computes.
+    4. Decode rows (`gpu_plan.split_sequences`, with `num_splits > 1`) split
+       their keys across programs, which write unnormalized partials that XLA
+       combines and scatters into place; every other tile writes final rows.
     5. Padding rows (never written) are set to zero.
 
 Only step 3 depends on the Triton lowering; steps 1, 2, 4, 5 and the grid
@@ -35,106 +38,144 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: masked-row max st
 LOG2E = math.log2(math.e)
 
 
+def dot_precision(dtype, *, interpret: bool):
+    """The precision rule: float32 inputs never take plain TF32 dots.
+
+    Plain TF32 keeps 10 mantissa bits (~3e-4 relative error on these scores, 15x the
+    2e-5 float32 tolerance of the oracle tests), so a float32 cache would silently be
+    less accurate than the reference it is tested against. On the GPU, float32 dots
+    use 3xTF32 (each operand split into a TF32 high part and a TF32 remainder, three
+    tensor-core products: about float32 accuracy, ~3x the tensor-core time of bf16);
+    exact float32 FMA dots spill heavily at these tiles (gpu_compile_report.py). In
+    interpret mode (CPU, which has no TF32) they are exact float32. bf16/fp16 inputs
+    keep the default: tensor cores, float32 accumulation.
+    """
+    if jnp.dtype(dtype) != jnp.float32:
+        return None
+    return jax.lax.Precision.HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
 def _attention_kernel(
-    # Tile metadata, each [W] int32, and the live-tile count [1].
-    seq_ref, q_start_ref, q_end_ref, first_pos_ref, kv_len_ref, num_live_ref,
+    # Tile metadata, each [W] int32 (split: 1 for a split sequence's tile), live count [1].
+    seq_ref, q_start_ref, q_end_ref, first_pos_ref, kv_len_ref, split_ref, num_live_ref,
     tables_ref,  # [S, cols] int32 page ids
     q_ref,  # [rows_total, D] packed queries of this KV head
     k_ref,  # [num_blocks, page_size, D] this KV head's key pages
     v_ref,  # [num_blocks, page_size, D]
-    *out_refs,  # final: o [rows_total, D]; split: o [rows_total, D], m, l [rows_total]
+    *out_refs,  # o [rows_total, D]; with splits also o, m, l partials [split_total(, D)]
     plan: gpu_plan_lib.GpuPlan,
     scale: float,  # sm_scale * log2(e)
+    precision,  # dot_precision of the inputs
 ):
     tiles = plan.tiles
     rows, group, bk, pps = plan.rows, plan.group, tiles.block_k, tiles.pages_per_step
     head_dim = q_ref.shape[-1]
-    w, split = pl.program_id(0), pl.program_id(2)
+    split, w = pl.program_id(1), pl.program_id(2)
 
     live = w < num_live_ref[0]
     seq, q_start = seq_ref[w], q_start_ref[w]
     first_pos, kv_len = first_pos_ref[w], kv_len_ref[w]
     n_rows = jnp.where(live, jnp.clip(q_end_ref[w] - q_start, 0, tiles.block_q), 0)
+    is_split = split_ref[w] == 1
+    ways = 1 + (plan.num_splits - 1) * split_ref[w]  # splits of this tile's keys
     unmasked, total = plan_lib.kv_steps(tiles, first_pos, n_rows)
-    per_split = plan_lib.cdiv(total, plan.num_splits)
+    per_split = plan_lib.cdiv(total, ways)
     lo = split * per_split
     hi = jnp.minimum(lo + per_split, total)
+    # A split tile's every program writes its partial (empty ones too: the combine
+    # reads them); other tiles run whole in program 0; idle tiles do nothing.
+    has_work = live & (is_split | (split == 0))
 
-    token = jnp.arange(rows) // group  # [M] token offset of each packed row
-    row_ok = token < n_rows  # [M]
-    pos = first_pos + token  # [M] absolute position of each row
-    q = q_ref[pl.ds(q_start * group, rows), :]  # [M, D]
+    @pl.when(has_work)
+    def _():
+        token = jnp.arange(rows) // group  # [M] token offset of each packed row
+        row_ok = token < n_rows  # [M]
+        pos = first_pos + token  # [M] absolute position of each row
+        q = q_ref[pl.ds(q_start * group, rows), :]  # [M, D]
+        last_step = tables_ref.shape[1] // pps - 1  # table columns are padded to whole steps
 
-    def step(i, carry, *, masked: bool):
-        m, l, acc = carry  # [M], [M], [M, D] float32
-        pages = tables_ref[seq, pl.ds(i * pps, pps)]  # [pps]
-        k = k_ref[pages].reshape(bk, head_dim)  # [bk, D]
-        v = v_ref[pages].reshape(bk, head_dim)  # [bk, D]
-        s = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [M, bk]
-        if masked:
-            keys = i * bk + jnp.arange(bk)  # [bk]
-            ok = (keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_len)  # [M, bk]
-            s = jnp.where(ok, s, MASK_VALUE)
-            v = jnp.where((keys < kv_len)[:, None], v, jnp.zeros_like(v))  # NaN pages stay out
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        if masked:
-            p = jnp.where(ok, p, 0.0)
-        l = alpha * l + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
-        return m_new, l, acc
+        def page_ids(i):  # [pps] pages of key step i (clamped: past the end is never read)
+            return tables_ref[seq, pl.ds(jnp.minimum(i, last_step) * pps, pps)]
 
-    carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-             jnp.zeros((rows, head_dim), jnp.float32))
-    carry = jax.lax.fori_loop(lo, jnp.minimum(hi, unmasked),
-                              functools.partial(step, masked=False), carry)
-    carry = jax.lax.fori_loop(jnp.maximum(lo, unmasked), hi,
-                              functools.partial(step, masked=True), carry)
-    m, l, acc = carry
+        def step(i, carry, *, masked: bool):
+            # NOTE: `pages` arrives from the previous step, so this step's K/V loads do
+            # not wait behind a table load, and the next ids load while this step runs.
+            m, l, acc, pages = carry  # [M], [M], [M, D] float32, [pps] int32
+            next_pages = page_ids(i + 1)
+            k = k_ref[pages].reshape(bk, head_dim)  # [bk, D]
+            v = v_ref[pages].reshape(bk, head_dim)  # [bk, D]
+            s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * scale
+            if masked:
+                keys = i * bk + jnp.arange(bk)  # [bk]
+                ok = (keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_len)  # [M, bk]
+                s = jnp.where(ok, s, MASK_VALUE)
+                v = jnp.where((keys < kv_len)[:, None], v, jnp.zeros_like(v))  # NaN pages out
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            if masked:
+                p = jnp.where(ok, p, 0.0)
+            l = alpha * l + jnp.sum(p, axis=1)
+            pv = plgpu.dot(p.astype(v.dtype), v, precision=precision)  # [M, D]
+            acc = acc * alpha[:, None] + pv.astype(jnp.float32)
+            return m_new, l, acc, next_pages
 
-    out_rows = pl.ds(q_start * group, rows)
-    mask_2d = row_ok[:, None] & (jnp.arange(head_dim) < head_dim)[None, :]  # [M, D]
-    if plan.num_splits == 1:
-        (o_ref,) = out_refs
+        # The masked loop starts where the unmasked one stopped: the carried ids fit both.
+        carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+                 jnp.zeros((rows, head_dim), jnp.float32), page_ids(lo))
+        carry = jax.lax.fori_loop(lo, jnp.minimum(hi, unmasked),
+                                  functools.partial(step, masked=False), carry)
+        carry = jax.lax.fori_loop(jnp.maximum(lo, unmasked), hi,
+                                  functools.partial(step, masked=True), carry)
+        m, l, acc, _ = carry
+
+        col_ok = (jnp.arange(head_dim) < head_dim)[None, :]  # [1, D] broadcasts masks
+        final_ok = row_ok & ~is_split
+        o_ref = out_refs[0]
         o = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        plgpu.store(o_ref.at[out_rows, :], o.astype(o_ref.dtype), mask=mask_2d)
-    else:
-        o_ref, m_ref, l_ref = out_refs
-        plgpu.store(o_ref.at[out_rows, :], acc, mask=mask_2d)
-        plgpu.store(m_ref.at[out_rows], m, mask=row_ok)
-        plgpu.store(l_ref.at[out_rows], l, mask=row_ok)
+        plgpu.store(o_ref.at[pl.ds(q_start * group, rows), :], o.astype(o_ref.dtype),
+                    mask=final_ok[:, None] & col_ok)
+        if plan.num_splits > 1:
+            _, op_ref, mp_ref, lp_ref = out_refs
+            slot = pl.ds(seq * plan.split_rows, rows)
+            part_ok = row_ok & is_split
+            plgpu.store(op_ref.at[slot, :], acc, mask=part_ok[:, None] & col_ok)
+            plgpu.store(mp_ref.at[slot], m, mask=part_ok)
+            plgpu.store(lp_ref.at[slot], l, mask=part_ok)
 
 
-def _launch(meta, tables, q_packed, k_pages, v_pages, *, plan: gpu_plan_lib.GpuPlan,
-            sm_scale: float, interpret: bool):
+def _launch(meta, is_split, tables, q_packed, k_pages, v_pages, *,
+            plan: gpu_plan_lib.GpuPlan, sm_scale: float, interpret: bool):
     num_blocks, page_size, hkv, head_dim = k_pages.shape
     rows_total = q_packed.shape[1]
-    grid = (plan.tiles.num_tiles, hkv, plan.num_splits)
+    grid = (hkv, plan.num_splits, plan.tiles.num_tiles)
 
     def whole(x):  # the whole (small) array in every program
-        return pl.BlockSpec(x.shape, lambda w, h, p: (0,) * x.ndim)
+        return pl.BlockSpec(x.shape, lambda h, p, w: (0,) * x.ndim)
 
     metadata = (meta.seq, meta.q_start, meta.q_end, meta.first_pos, meta.kv_len,
-                meta.num_live.reshape(1))
+                is_split.astype(jnp.int32), meta.num_live.reshape(1))
     in_specs = [whole(x) for x in metadata] + [
         whole(tables),
-        pl.BlockSpec((None, rows_total, head_dim), lambda w, h, p: (h, 0, 0)),
-        pl.BlockSpec((num_blocks, page_size, None, head_dim), lambda w, h, p: (0, 0, h, 0)),
-        pl.BlockSpec((num_blocks, page_size, None, head_dim), lambda w, h, p: (0, 0, h, 0)),
+        pl.BlockSpec((None, rows_total, head_dim), lambda h, p, w: (h, 0, 0)),
+        pl.BlockSpec((num_blocks, page_size, None, head_dim), lambda h, p, w: (0, 0, h, 0)),
+        pl.BlockSpec((num_blocks, page_size, None, head_dim), lambda h, p, w: (0, 0, h, 0)),
     ]
-    if plan.num_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((hkv, rows_total, head_dim), q_packed.dtype)]
-        out_specs = [pl.BlockSpec((None, rows_total, head_dim), lambda w, h, p: (h, 0, 0))]
-    else:
-        split_shape = (plan.num_splits, hkv, rows_total)
-        out_shape = [jax.ShapeDtypeStruct(split_shape + (head_dim,), jnp.float32),
-                     jax.ShapeDtypeStruct(split_shape, jnp.float32),
-                     jax.ShapeDtypeStruct(split_shape, jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, rows_total, head_dim), lambda w, h, p: (p, h, 0, 0)),
-                     pl.BlockSpec((None, None, rows_total), lambda w, h, p: (p, h, 0)),
-                     pl.BlockSpec((None, None, rows_total), lambda w, h, p: (p, h, 0))]
-    kernel = functools.partial(_attention_kernel, plan=plan, scale=sm_scale * LOG2E)
+    out_shape = [jax.ShapeDtypeStruct((hkv, rows_total, head_dim), q_packed.dtype)]
+    out_specs = [pl.BlockSpec((None, rows_total, head_dim), lambda h, p, w: (h, 0, 0))]
+    if plan.num_splits > 1:
+        # One slot of split_rows per sequence, plus `rows` so every store window fits.
+        split_total = tables.shape[0] * plan.split_rows + plan.rows
+        split_shape = (plan.num_splits, hkv, split_total)
+        out_shape += [jax.ShapeDtypeStruct(split_shape + (head_dim,), jnp.float32),
+                      jax.ShapeDtypeStruct(split_shape, jnp.float32),
+                      jax.ShapeDtypeStruct(split_shape, jnp.float32)]
+        out_specs += [
+            pl.BlockSpec((None, None, split_total, head_dim), lambda h, p, w: (p, h, 0, 0)),
+            pl.BlockSpec((None, None, split_total), lambda h, p, w: (p, h, 0)),
+            pl.BlockSpec((None, None, split_total), lambda h, p, w: (p, h, 0))]
+    kernel = functools.partial(_attention_kernel, plan=plan, scale=sm_scale * LOG2E,
+                               precision=dot_precision(q_packed.dtype, interpret=interpret))
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
@@ -160,15 +201,17 @@ def ragged_paged_attention_pallas_gpu(
     num_blocks, _, hkv, _ = k_pages.shape
     max_blocks = block_tables.shape[1]
     meta = plan_lib.tile_metadata(plan.tiles, kv_lens, cu_seqlens_q, num_seqs)
+    meta = plan_lib.longest_first(plan.tiles, meta)
+    split = gpu_plan_lib.split_sequences(plan, cu_seqlens_q, num_seqs)  # [S]
+    is_split = split[meta.seq] & (jnp.arange(plan.tiles.num_tiles) < meta.num_live)  # [W]
     pad = (-max_blocks) % plan.tiles.pages_per_step
     # Entries past a sequence's pages may hold anything: clip them in bounds.
     tables = jnp.pad(jnp.clip(block_tables, 0, num_blocks - 1), ((0, 0), (0, pad)))
     q_packed = gpu_plan_lib.pack_queries(q, plan, hkv)  # [Hkv, rows_total, D]
-    outs = _launch(meta, tables, q_packed, k_pages, v_pages, plan=plan, sm_scale=sm_scale,
-                   interpret=interpret)
-    if plan.num_splits == 1:
-        o = outs[0]
-    else:
-        o = gpu_plan_lib.combine_splits(*outs)
-    out = gpu_plan_lib.unpack_output(o.astype(q.dtype), t, hq)
+    outs = _launch(meta, is_split, tables, q_packed, k_pages, v_pages, plan=plan,
+                   sm_scale=sm_scale, interpret=interpret)
+    out = gpu_plan_lib.unpack_output(outs[0], t, hq)  # [T, Hq, D]
+    if plan.num_splits > 1:
+        combined = gpu_plan_lib.combine_splits(*outs[1:])  # [Hkv, split_total, D]
+        out = gpu_plan_lib.scatter_split_rows(out, combined, plan, cu_seqlens_q, split)
     return gpu_plan_lib.padding_rows_to_zero(out, cu_seqlens_q, num_seqs)

@@ -24,8 +24,13 @@ def cdiv(a, b):
     return (a + b - 1) // b
 
 
-def _pow2_at_least(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+def is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,12 +66,12 @@ def make_plan(*, num_tokens: int, num_seqs: int, page_size: int, max_blocks: int
             tiles need power-of-two shapes): caps round up, not down.
         min_block_k: smallest block_k allowed (a GPU matmul dimension).
     """
-    cap = _pow2_at_least(max_q_len) if pow2_tiles else max_q_len
+    cap = next_pow2(max_q_len) if pow2_tiles else max_q_len
     block_q = max(1, min(block_q, cap))
     pages = min(cdiv(block_k, page_size), max_blocks)
     pages = max(pages, cdiv(min_block_k, page_size), 1)
     if pow2_tiles:
-        pages = _pow2_at_least(pages)
+        pages = next_pow2(pages)
     # sum_s cdiv(q_len_s, block_q) <= sum_s (q_len_s // block_q + 1) <= T // block_q + S.
     num_tiles = min(num_tokens // block_q + num_seqs, num_seqs * cdiv(max_q_len, block_q))
     return TilePlan(block_q=block_q, block_k=pages * page_size, page_size=page_size,
@@ -132,3 +137,18 @@ def kv_steps(plan: TilePlan, first_pos: jax.Array, rows: jax.Array) -> tuple[jax
     total = jnp.where(rows > 0, cdiv(last_pos + 1, plan.block_k), 0)
     unmasked = (first_pos + 1) // plan.block_k
     return jnp.minimum(unmasked, total), total
+
+
+def longest_first(plan: TilePlan, meta: TileMetadata) -> TileMetadata:
+    """Reorders the tiles by key steps, most first (idle tiles, with none, stay last).
+
+    A GPU starts programs roughly in launch order; starting the longest causal tiles
+    first keeps the last wave from being one long tile on an otherwise idle GPU.
+    `num_live` is unchanged: every live tile has at least one step.
+    """
+    rows = jnp.where(jnp.arange(plan.num_tiles) < meta.num_live,
+                     jnp.clip(meta.q_end - meta.q_start, 0, plan.block_q), 0)
+    _, total = kv_steps(plan, meta.first_pos, rows)  # [W]
+    order = jnp.argsort(-total, stable=True)
+    return meta._replace(**{name: getattr(meta, name)[order]
+                            for name in meta._fields if name != "num_live"})

@@ -3,14 +3,19 @@
 `make_batch` builds one ragged paged-attention input from a list of
 `(q_len, kv_len)` pairs, the way the runner pads a step to its buckets:
 sequence rows past `num_seqs` and query rows past `cu_seqlens_q[num_seqs]`
-are padding.
+are padding. `make_device_batch`, `attention_work` and `time_ms` serve the
+benchmarks (`scripts/bench_kernels.py`, `scripts/gpu_check.py`).
 """
 
 import dataclasses
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import paging, plan
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -78,31 +83,87 @@ def make_batch(
         raise ValueError(
             f"num_blocks: {num_blocks} pages cannot hold {seqs} at block_size {block_size}")
     order = rng.permutation(num_blocks) if scramble else np.arange(num_blocks)
+    first_page = np.concatenate([[0], np.cumsum(pages_needed)])  # [n + 1]
+    seq_pages = [order[first_page[s]:first_page[s + 1]] for s in range(n)]
+    layout = paging.paged_layout(kv_lens - q_lens, q_lens, seq_pages, token_bucket=t,
+                                 seq_bucket=s_bucket, max_blocks=width, block_size=block_size,
+                                 num_blocks=num_blocks)
+    # Table entries past a sequence's pages (and padding rows) hold garbage page ids.
+    tables = layout.block_tables.copy()
+    unused = np.arange(width)[None, :] >= np.pad(pages_needed, (0, s_bucket - n))[:, None]
+    tables[unused] = rng.integers(0, num_blocks, size=int(unused.sum()))
 
-    tables = rng.integers(0, num_blocks, size=(s_bucket, width)).astype(np.int32)
     k = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
     v = rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim), np.float32)
-    owned = np.zeros((num_blocks, block_size), bool)
-    next_page = 0
-    for s in range(n):
-        pages = order[next_page:next_page + pages_needed[s]]
-        next_page += pages_needed[s]
-        tables[s, :len(pages)] = pages
-        keys = np.arange(kv_lens[s])
-        owned[pages[keys // block_size], keys % block_size] = True
-    if nan_fill:
+    q = rng.standard_normal((t, num_heads, head_dim), np.float32)
+    if nan_fill:  # every slot past a sequence's keys, and every padding query row
+        # The same layout over whole sequences (every key "new") names every owned slot.
+        keys = paging.paged_layout(np.zeros(n, np.int64), kv_lens, seq_pages,
+                                   token_bucket=int(kv_lens.sum()), seq_bucket=n,
+                                   max_blocks=width, block_size=block_size,
+                                   num_blocks=num_blocks)
+        owned = np.zeros(num_blocks * block_size, bool)
+        owned[keys.slot_mapping] = True
+        owned = owned.reshape(num_blocks, block_size)
         k[~owned] = np.nan
         v[~owned] = np.nan
-
-    q = rng.standard_normal((t, num_heads, head_dim), np.float32)
-    cu = np.zeros(s_bucket + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = cu[n]
-    if nan_fill:
-        q[cu[n]:] = np.nan
-    kv_full = np.zeros(s_bucket, np.int32)
-    kv_full[:n] = kv_lens
+        q[layout.num_tokens:] = np.nan
     return Batch(
         q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k, dtype), v_pages=jnp.asarray(v, dtype),
-        block_tables=jnp.asarray(tables), kv_lens=jnp.asarray(kv_full),
-        cu_seqlens_q=jnp.asarray(cu), num_seqs=jnp.int32(n))
+        block_tables=jnp.asarray(tables), kv_lens=jnp.asarray(layout.kv_lens),
+        cu_seqlens_q=jnp.asarray(layout.cu_seqlens_q), num_seqs=jnp.int32(layout.num_seqs))
+
+
+def make_device_batch(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_heads: int,
+                      head_dim: int, block_size: int, dtype, key: jax.Array) -> Batch:
+    """A benchmark-sized batch drawn on the device, bucket-padded like the runner.
+
+    Tokens pad to a multiple of 128 (none for a single token), sequences to a power of
+    two >= 8; pages are handed out in a random order. Unlike `make_batch`, nothing
+    is NaN-filled and the table has no garbage past each sequence's pages.
+    """
+    q_lens = np.array([q for q, _ in seqs])
+    kv_lens = np.array([k for _, k in seqs])
+    n, total = len(seqs), int(q_lens.sum())
+    num_tokens = total if total <= 1 else -(-total // 128) * 128
+    pages = -(-kv_lens // block_size)
+    num_blocks = int(pages.sum())
+    kq, kk, kv, kp = jax.random.split(key, 4)
+    order = np.asarray(jax.random.permutation(kp, num_blocks))
+    first = np.concatenate([[0], np.cumsum(pages)])
+    layout = paging.paged_layout(kv_lens - q_lens, q_lens,
+                                 [order[first[s]:first[s + 1]] for s in range(n)],
+                                 token_bucket=num_tokens, seq_bucket=max(8, plan.next_pow2(n)),
+                                 max_blocks=int(pages.max()), block_size=block_size,
+                                 num_blocks=num_blocks)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return Batch(q=jax.random.normal(kq, (num_tokens, num_heads, head_dim), dtype),
+                 k_pages=jax.random.normal(kk, shape, dtype),
+                 v_pages=jax.random.normal(kv, shape, dtype),
+                 block_tables=jnp.asarray(layout.block_tables),
+                 kv_lens=jnp.asarray(layout.kv_lens),
+                 cu_seqlens_q=jnp.asarray(layout.cu_seqlens_q),
+                 num_seqs=jnp.int32(layout.num_seqs))
+
+
+def attention_work(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_heads: int,
+                   head_dim: int, itemsize: int) -> tuple[float, float]:
+    """(FLOPs of the causal work, bytes of K and V each read once) of a batch."""
+    flops = kv_bytes = 0.0
+    for q_len, kv_len in seqs:
+        keys_seen = q_len * (kv_len - q_len) + q_len * (q_len + 1) / 2  # bottom-right causal
+        flops += 4.0 * num_heads * head_dim * keys_seen  # QK^T and PV
+        kv_bytes += 2.0 * kv_len * num_kv_heads * head_dim * itemsize
+    return flops, kv_bytes
+
+
+def time_ms(fn, args, *, warmup: int, iters: int) -> float:
+    """Median milliseconds of `fn(*args)`, each call synchronized."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(max(1, iters)):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)

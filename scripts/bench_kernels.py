@@ -20,16 +20,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 
 import pallas_kernels
-from pallas_kernels import gpu_plan, pallas_gpu
+from pallas_kernels import gpu_plan, pallas_gpu, testing
 
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas_gpu"],
                           "implementation to time (auto: pallas_gpu on GPU, xla elsewhere)")
@@ -85,10 +82,6 @@ class Case:
     max_q_len: int | None  # static bound passed to the kernel (1: decode-only plan)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def make_cases(small: bool) -> list[Case]:
     """The shapes of the issue; `small` shrinks them for a CPU smoke test."""
     if small:
@@ -112,54 +105,22 @@ def make_cases(small: bool) -> list[Case]:
 
 def case_work(case: Case, itemsize: int) -> tuple[float, float]:
     """(FLOPs of the causal work, bytes of KV read once) for one case."""
-    flops = kv_bytes = 0.0
-    for q_len, kv_len in case.seqs:
-        keys_seen = q_len * (kv_len - q_len) + q_len * (q_len + 1) / 2  # bottom-right causal
-        flops += 4.0 * case.num_heads * case.head_dim * keys_seen  # QK^T and PV
-        kv_bytes += 2.0 * kv_len * case.num_kv_heads * case.head_dim * itemsize
-    return flops, kv_bytes
+    return testing.attention_work(list(case.seqs), num_heads=case.num_heads,
+                                  num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                                  itemsize=itemsize)
 
 
 def make_paged_batch(case: Case, block_size: int, dtype, key) -> tuple[tuple, jax.Array]:
     """Device-side paged inputs (bucket-padded like the runner) and the dense K/V source."""
-    q_lens = np.array([q for q, _ in case.seqs])
-    kv_lens = np.array([k for _, k in case.seqs])
-    n = len(case.seqs)
-    num_tokens = _round_up(int(q_lens.sum()), 128 if q_lens.sum() > 1 else 1)
-    seq_bucket = max(8, 1 << (n - 1).bit_length())
-    pages = -(-kv_lens // block_size)
-    max_blocks = int(pages.max())
-    num_blocks = int(pages.sum())
-    kq, kk, kv, kp = jax.random.split(key, 4)
-    shape = (num_blocks, block_size, case.num_kv_heads, case.head_dim)
-    k_pages = jax.random.normal(kk, shape, dtype)
-    v_pages = jax.random.normal(kv, shape, dtype)
-    order = np.asarray(jax.random.permutation(kp, num_blocks))
-    tables = np.zeros((seq_bucket, max_blocks), np.int32)
-    starts = np.concatenate([[0], np.cumsum(pages)])
-    for s in range(n):
-        tables[s, :pages[s]] = order[starts[s]:starts[s + 1]]
-    cu = np.zeros(seq_bucket + 1, np.int32)
-    cu[1:n + 1] = np.cumsum(q_lens)
-    cu[n + 1:] = cu[n]
-    lens = np.zeros(seq_bucket, np.int32)
-    lens[:n] = kv_lens
-    q = jax.random.normal(kq, (num_tokens, case.num_heads, case.head_dim), dtype)
-    args = (q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(lens), jnp.asarray(cu),
-            jnp.int32(n))
-    return args, jnp.asarray(tables[:n])
+    batch = testing.make_device_batch(list(case.seqs), num_heads=case.num_heads,
+                                      num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                                      block_size=block_size, dtype=dtype, key=key)
+    return batch.args(), batch.block_tables[:len(case.seqs)]
 
 
 def time_fn(fn, args, warmup: int, iters: int) -> float:
     """Median milliseconds of `fn(*args)`, synchronized."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return testing.time_ms(fn, args, warmup=warmup, iters=iters)
 
 
 def dense_inputs(case: Case, paged_args: tuple, tables: jax.Array, block_size: int):
@@ -213,7 +174,7 @@ def kernel_fn(case: Case, cfg: BenchConfig, args: tuple):
         num_tokens=q.shape[0], num_seqs=tables.shape[0], num_heads=q.shape[1],
         num_kv_heads=k_pages.shape[2], head_dim=q.shape[2], page_size=k_pages.shape[1],
         max_blocks=tables.shape[1], max_q_len=case.max_q_len or q.shape[0],
-        **dict(cfg.gpu_tuning))
+        itemsize=q.dtype.itemsize, **dict(cfg.gpu_tuning))
     return jax.jit(functools.partial(pallas_gpu.ragged_paged_attention_pallas_gpu,
                                      sm_scale=q.shape[2]**-0.5, plan=plan,
                                      interpret=cfg.interpret))

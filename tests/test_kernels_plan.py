@@ -14,16 +14,17 @@ from pallas_kernels import gpu_plan, plan
 S_BUCKET, T_BUCKET = 9, 256  # fixed bucket shapes: one compile per tile size
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _metadata(tiles, kv_lens, cu, num_seqs):
-    return plan.tile_metadata(tiles, kv_lens, cu, num_seqs)
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _metadata(tiles, kv_lens, cu, num_seqs, ordered):
+    meta = plan.tile_metadata(tiles, kv_lens, cu, num_seqs)
+    return plan.longest_first(tiles, meta) if ordered else meta
 
 
 @settings(max_examples=60)
 @given(q_lens=st.lists(st.integers(0, 40), min_size=1, max_size=6),
        block_q=st.sampled_from([1, 4, 16, 128]), block_k=st.sampled_from([16, 64]),
-       cached=st.integers(0, 50))
-def test_tiles_cover_each_real_row_once(q_lens, block_q, block_k, cached):
+       cached=st.integers(0, 50), ordered=st.booleans())
+def test_tiles_cover_each_real_row_once(q_lens, block_q, block_k, cached, ordered):
     n = len(q_lens)
     s_max, t = S_BUCKET, T_BUCKET
     cu = np.zeros(s_max + 1, np.int32)
@@ -33,12 +34,13 @@ def test_tiles_cover_each_real_row_once(q_lens, block_q, block_k, cached):
     kv_lens[:n] = np.array(q_lens) + cached
     tiles = plan.make_plan(num_tokens=t, num_seqs=s_max, page_size=8, max_blocks=16,
                            max_q_len=64, block_q=block_q, block_k=block_k)
-    meta = _metadata(tiles, jnp.asarray(kv_lens), jnp.asarray(cu), jnp.int32(n))
+    meta = _metadata(tiles, jnp.asarray(kv_lens), jnp.asarray(cu), jnp.int32(n), ordered)
     meta = {k: np.asarray(v) for k, v in meta._asdict().items()}
     num_live = int(meta["num_live"])
     assert num_live <= tiles.num_tiles
 
     owner = np.full(t, -1)
+    steps = []
     for w in range(tiles.num_tiles):
         start, end = meta["q_start"][w], meta["q_end"][w]
         rows = np.arange(start, min(start + tiles.block_q, end))
@@ -55,6 +57,9 @@ def test_tiles_cover_each_real_row_once(q_lens, block_q, block_k, cached):
         last_key = meta["first_pos"][w] + len(rows) - 1
         assert int(total) * tiles.block_k > last_key >= (int(total) - 1) * tiles.block_k
         assert int(unmasked) * tiles.block_k <= meta["first_pos"][w] + 1
+        steps.append(int(total))
+    if ordered:  # longest first
+        assert steps == sorted(steps, reverse=True), steps
     assert (owner[:cu[n]] >= 0).all() and (owner[cu[n]:] == -1).all()
 
 
@@ -65,6 +70,20 @@ def test_gpu_plan_shapes_are_powers_of_two():
                                    num_kv_heads=8, head_dim=128, page_size=page_size,
                                    max_blocks=max_blocks, max_q_len=max_q_len)
         for n in (p.rows, p.tiles.block_q, p.tiles.pages_per_step, p.tiles.block_k):
-            assert gpu_plan.is_pow2(n), p
+            assert plan.is_pow2(n), p
         assert p.rows >= gpu_plan.MIN_DOT and p.tiles.block_k >= gpu_plan.MIN_DOT
-        assert p.num_splits == 1 or max_q_len == 1
+        assert p.rows >= p.tiles.block_q * p.group
+
+
+def test_gpu_plan_defaults():
+    kwargs = dict(num_tokens=2048, num_seqs=64, num_heads=32, num_kv_heads=8, head_dim=128,
+                  page_size=16)
+    prefill = gpu_plan.make_gpu_plan(max_blocks=64, max_q_len=2048, **kwargs)
+    assert (prefill.rows, prefill.tiles.block_k, prefill.num_splits) == (128, 64, 1)
+    # A table wide enough for long decode rows splits them inside a mixed batch too.
+    long_rows = gpu_plan.make_gpu_plan(max_blocks=8192, max_q_len=2048, **kwargs)
+    assert long_rows.num_splits == gpu_plan.MIXED_MAX_SPLITS and long_rows.split_max_q_len == 1
+    f32 = gpu_plan.make_gpu_plan(max_blocks=64, max_q_len=2048, itemsize=4, **kwargs)
+    assert (f32.rows, f32.tiles.block_k) == (64, 32)
+    decode = gpu_plan.make_gpu_plan(max_blocks=128, max_q_len=1, **(kwargs | dict(num_seqs=8)))
+    assert decode.rows == 16 and decode.num_splits > 1 and decode.tiles.block_q == 1
