@@ -11,8 +11,8 @@
      left, the least recently released one is evicted (its digest forgotten). Blocks released by
      one table join the queue last block first, so a shared prefix outlives its tails.
 
-Persistence: `PagedArray` is a fixed-length array split into pages; an update copies only the
-pages it touches (plus the page directory), so a step costs O(blocks touched * page), not O(cache).
+Persistence: `PagedArray` is a fixed-length array stored as a trie of 64-entry tuples; an update
+copies only the nodes on its paths, so a step costs O(blocks touched), not O(cache size).
 The eviction queue is append-only with lazy deletion: a hit or an eviction leaves a stale entry
 (its stamp no longer matches the record) that popping skips; the queue is compacted when stale
 entries outnumber live ones.
@@ -51,42 +51,85 @@ def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_DI
     return tuple(out)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+_BITS = 6  # PagedArray fan-out: 64 entries per node
+_MASK = (1 << _BITS) - 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
 class PagedArray:
-    """A persistent array of fixed length; `updated` copies only the pages it touches.
+    """A persistent array of fixed length: a trie of 64-entry tuples (depth <= 4 up to 16M
+    entries). `updated` copies only the nodes on the paths it changes, so a step that touches b
+    blocks copies O(b * 64 * depth) references, however large the cache.
 
     Attributes:
-      shift: log2 of the page length.
-      pages: the entries, page by page.
+      length: entries.
+      shift: bit shift of the root's index (0 when the root is a leaf).
+      root: the top node.
     """
 
+    length: int
     shift: int
-    pages: tuple[tuple[object, ...], ...]
+    root: tuple
 
     @classmethod
     def filled(cls, length: int, value: object) -> "PagedArray":
-        shift = max(4, (max(length, 1).bit_length() + 1) // 2)  # pages of ~sqrt(length)
-        page = (value,) * (1 << shift)
-        return cls(shift, (page,) * -(-length // (1 << shift)))
+        node, shift = (value,) * (1 << _BITS), 0
+        while (1 << (shift + _BITS)) < length:
+            node, shift = (node,) * (1 << _BITS), shift + _BITS
+        top = -(-length >> shift) if shift else len(node)
+        return cls(length, shift, node[:max(1, top)] if shift else node)
 
     def __getitem__(self, i: int) -> object:
-        return self.pages[i >> self.shift][i & ((1 << self.shift) - 1)]
+        node, shift = self.root, self.shift
+        while shift:
+            node = node[(i >> shift) & _MASK]
+            shift -= _BITS
+        return node[i & _MASK]
 
     def updated(self, changes: Iterable[tuple[int, object]]) -> "PagedArray":
         """The array with each (index, value) of `changes` set (later changes win)."""
-        shift, mask = self.shift, (1 << self.shift) - 1
-        touched: dict[int, list] = {}
-        for i, value in changes:
-            page = touched.get(i >> shift)
-            if page is None:
-                page = touched[i >> shift] = list(self.pages[i >> shift])
-            page[i & mask] = value
-        if not touched:
+        items = list(changes)
+        if not items:
             return self
-        pages = list(self.pages)
-        for p, page in touched.items():
-            pages[p] = tuple(page)
-        return PagedArray(shift, tuple(pages))
+        if len(items) > 4:  # many changes: copy each node on their paths once
+            return PagedArray(self.length, self.shift, _set(self.root, self.shift, items))
+        root = self.root
+        for i, value in items:  # few changes: copy one path per change
+            path, node, shift = [], root, self.shift
+            while shift:
+                path.append((node, (i >> shift) & _MASK))
+                node, shift = node[(i >> shift) & _MASK], shift - _BITS
+            j = i & _MASK
+            node = node[:j] + (value,) + node[j + 1:]
+            for parent, j in reversed(path):
+                node = parent[:j] + (node,) + parent[j + 1:]
+            root = node
+        return PagedArray(self.length, self.shift, root)
+
+    def __repr__(self) -> str:  # the entries would be num_blocks long; say what is set
+        return f"PagedArray(length={self.length})"
+
+
+def _set(node: tuple, shift: int, items: list[tuple[int, object]]) -> tuple:
+    copy = list(node)
+    if not shift:
+        for i, value in items:
+            copy[i & _MASK] = value
+        return tuple(copy)
+    groups: dict[int, list] = {}
+    for item in items:
+        slot = (item[0] >> shift) & _MASK
+        groups.setdefault(slot, []).append(item)
+    for slot, sub in groups.items():
+        copy[slot] = _set(node[slot], shift - _BITS, sub)
+    return tuple(copy)
+
+
+def _find(bucket: tuple[tuple[bytes, int], ...], digest: bytes) -> int | None:
+    for d, block in bucket:
+        if d == digest:
+            return block
+    return None
 
 
 class CachedBlock(NamedTuple):
@@ -127,15 +170,11 @@ class PrefixCache:
                    index=PagedArray.filled(buckets, ()))
 
     def _bucket(self, digest: bytes) -> int:
-        return int.from_bytes(digest[:8], "little") & ((len(self.index.pages) << self.index.shift)
-                                                       - 1)
+        return int.from_bytes(digest[:8], "little") & (self.index.length - 1)
 
     def lookup(self, digest: bytes) -> int | None:
         """The block cached under `digest`, or None."""
-        for d, block in self.index[self._bucket(digest)]:
-            if d == digest:
-                return block
-        return None
+        return _find(self.index[self._bucket(digest)], digest)
 
     def record(self, block: int) -> CachedBlock | None:
         return self.records[block]
@@ -145,11 +184,12 @@ class PrefixCache:
         the sequence that filled it (refs 1). A digest already cached keeps its block: the new
         block stays uncached and is freed normally."""
         records, buckets = {}, {}
+        index, mask = self.index, self.index.length - 1
         for block, digest in pairs:
-            b = self._bucket(digest)
-            bucket = buckets.get(b, self.index[b])
-            if any(d == digest for d, _ in bucket) or self.records[block] is not None:
-                continue
+            b = int.from_bytes(digest[:8], "little") & mask
+            bucket = buckets[b] if b in buckets else index[b]
+            if bucket and _find(bucket, digest) is not None:
+                continue  # cached already (under another block)
             buckets[b] = bucket + ((digest, block),)
             records[block] = CachedBlock(digest, 1, 0)
         if not records:

@@ -200,9 +200,14 @@ def test_config_field_is_validated_and_fixed():
         schedule(state, dataclasses.replace(config, enable_prefix_caching=False))
 
 
-def test_paged_array_updates_copy_only_touched_pages():
-    array = PagedArray.filled(1000, 0)
-    updated = array.updated([(3, 1), (999, 2), (3, 5)])
-    assert (updated[3], updated[999], updated[4], array[3]) == (5, 2, 0, 0)
-    same = [a is b for a, b in zip(array.pages, updated.pages)]
-    assert same.count(False) == 2
+def test_paged_array_updates_copy_only_touched_nodes():
+    for length in (1, 63, 64, 65, 1000, 5000, 300_000):
+        array = PagedArray.filled(length, 0)
+        changes = [(0, 1), (length - 1, 2), (length // 2, 3)]
+        updated = array.updated(changes)
+        expected = {i: v for i, v in changes}
+        for i in {0, length - 1, length // 2, length // 3, max(0, length - 2)}:
+            assert updated[i] == expected.get(i, 0) and array[i] == 0
+    assert array.updated([(5, 1), (5, 7)])[5] == 7
+    shared = [a is b for a, b in zip(array.root, array.updated([(3, 1)]).root)]
+    assert shared.count(False) == 1 and repr(array) == "PagedArray(length=300000)"
