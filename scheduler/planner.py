@@ -14,10 +14,15 @@ order and then assembles the plan:
      itself: it waits, holding its blocks.
   3. admit: waiting sequences in key order (FCFS within a priority), stopping at the first that
      cannot be admitted so nobody overtakes it. Admissions need blocks beyond the watermark, never
-     preempt, and do not happen in a step that preempted or held a partial back.
+     preempt, and do not happen in a step that preempted or held a partial back. With prefix
+     caching a sequence first takes the longest cached prefix of its tokens (whole blocks, at most
+     len(tokens) - 1 tokens, so its last token is computed and yields logits) and computes from
+     there: cached blocks cost no budget, and only those no one held leave the usable pool.
   4. build: the plan's columns and the post-schedule state.
 
 NOTE: the builder mutates only its own scratch (lists, counters); every input stays untouched.
+NOTE: a cached (shared) block is never written: hits are full blocks before the sequence's
+cursor, and its chunks write only blocks taken fresh from the pool.
 NOTE: victims always come from the tail of a key-ordered collection, so the decode rows a step
 schedules are always a prefix of the (post-preemption) decode table; `commit` relies on it.
 """
@@ -352,7 +357,8 @@ class StepBuilder:
     def _decode_flush(self) -> tuple[int, ...]:
         """Decode rows whose fed position ends a generated-token chunk (a subset of `opening`)."""
         chunk, computed = gen_chunk(self.config.block_size), self.dec.computed
-        return tuple(i for i in self.opening if i < self.num_decode_rows and not computed[i] % chunk)
+        k = self.num_decode_rows
+        return tuple(i for i in self.opening if i < k and not computed[i] % chunk)
 
     # ---- 4. the plan -------------------------------------------------------------------------
 

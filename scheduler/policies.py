@@ -27,7 +27,9 @@ per waiting request (prefill_first). Waiting for blocks or budget, it keeps ever
 (FCFS; a held partial blocks admissions), so the others only finish or leave. A plan is never empty
 while work exists unless it preempted. Hence every request finishes: without preemption within
 last_arrival + 1 + sum(prompt + max_tokens - 1) steps, each preemption adding at most the longest
-request's length (checked in tests/test_scheduler_properties.py).
+request's length (checked in tests/test_scheduler_properties.py). Prefix caching keeps all this:
+cached blocks nobody holds count as free (they are evicted on demand), a hit only shortens the
+work, and a shared block is freed only when its last holder releases it.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def read_flags() -> SimulateConfig:
                            chunk_tile=_TILE.value, block_size=_BLOCK.value, num_blocks=num_blocks)
     return SimulateConfig(users=_USERS.value, prompt_tokens=_PROMPT.value,
                           max_tokens=_MAX_TOKENS.value, window_s=_WINDOW.value,
-                          variants=tuple(parse_arm(v) for v in _VARIANTS.value), base=base, cost=cost)
+                          variants=tuple(parse_arm(v) for v in _VARIANTS.value), base=base,
+                          cost=cost)
 
 
 def main(argv):
