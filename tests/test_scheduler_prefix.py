@@ -211,3 +211,40 @@ def test_paged_array_updates_copy_only_touched_nodes():
     assert array.updated([(5, 1), (5, 7)])[5] == 7
     shared = [a is b for a, b in zip(array.root, array.updated([(3, 1)]).root)]
     assert shared.count(False) == 1 and repr(array) == "PagedArray(length=300000)"
+
+
+_PLAN_DIGEST = """
+import hashlib, sys
+from scheduler import Request, SchedulerConfig, SchedulerState, add_request, commit, schedule
+config = SchedulerConfig(max_num_batched_tokens=32, chunk_tile=8, block_size=4, num_blocks=40)
+state, digest = SchedulerState.empty(config), hashlib.sha256()
+for i in range(12):
+    prompt = tuple(range(100, 100 + 4 * (i % 3) + 5)) + (i,) * (i % 4)
+    state = add_request(state, Request(request_id=f"r{i}", prompt_token_ids=prompt,
+                                       max_tokens=3 + i % 5, arrival_time=float(i // 3)))
+while state.has_work():
+    plan = schedule(state, config)
+    digest.update(repr((plan.request_ids, plan.starts, plan.lengths, plan.block_tables,
+                        plan.num_cached, plan.preempted)).encode())
+    state, _ = commit(plan.state, plan, [len(plan.request_ids)] * plan.num_sampled, 0.0)
+print(digest.hexdigest())
+"""
+
+
+def test_plans_are_identical_across_processes():
+    """Hosts running the same scheduler compare plan hashes: no per-process hash randomization
+    may leak into a plan (string ids, digests, dict orders)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    outs = set()
+    for seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=str(root))
+        out = subprocess.run([sys.executable, "-c", _PLAN_DIGEST], env=env, capture_output=True,
+                             text=True, timeout=60, cwd=root)
+        assert out.returncode == 0, out.stderr
+        outs.add(out.stdout.strip())
+    assert len(outs) == 1
