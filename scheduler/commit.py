@@ -82,13 +82,14 @@ def _advance_decodes(dec: DecodeTable, plan: StepPlan, sampled: tuple[int, ...],
     return dec.with_progress(computed=computed, recent=recent, older=older), rows, at_limit
 
 
-def _cache_decoded_blocks(dec: DecodeTable, rows: SequenceOf[int], pool: BlockPool,
-                          block_size: int) -> tuple[DecodeTable, BlockPool]:
-    """Hashes and caches the blocks that the decode rows `rows` just filled."""
+def _decoded_blocks(dec: DecodeTable, rows: SequenceOf[int],
+                    block_size: int) -> tuple[DecodeTable, list[tuple[int, bytes]]]:
+    """Hashes the blocks that the decode rows `rows` just filled: the table with their digests
+    appended to the rows' chains, and the (block, digest) pairs to cache."""
     computed = dec.computed
     full = [i for i in rows if not computed[i] % block_size]
     if not full:
-        return dec, pool
+        return dec, []
     hashes, pairs = list(dec.hashes), []
     for i in full:
         b = computed[i] // block_size - 1  # the block holding positions computed - bs .. - 1
@@ -97,7 +98,23 @@ def _cache_decoded_blocks(dec: DecodeTable, rows: SequenceOf[int], pool: BlockPo
                             dec.last_tokens(i, block_size + 1)[:-1])
         hashes[i] = chain + (digest,)
         pairs.append((dec.tables[i][b], digest))
-    return dec.with_progress(hashes=tuple(hashes)), pool.register(pairs)
+    return dec.with_progress(hashes=tuple(hashes)), pairs
+
+
+def _prefilled_blocks(state: SchedulerState, plan: StepPlan) -> list[tuple[int, bytes]]:
+    """(block, digest) of every block a prefill chunk filled (digests precomputed per sequence)."""
+    if plan.num_decode_rows == len(plan.request_ids):
+        return []
+    bs = state.config.block_size
+    partial = {p.seq.request_id: p for p in state.partial}
+    pairs = []
+    for r in range(plan.num_decode_rows, len(plan.request_ids)):
+        part = partial.get(plan.request_ids[r])
+        if part is not None:  # None: aborted after schedule
+            hashes, table = part.seq.block_hashes, part.table
+            pairs += [(table[b], hashes[b]) for b in range(
+                part.computed // bs, (part.computed + plan.lengths[r]) // bs)]
+    return pairs
 
 
 def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[int], now: float,
@@ -130,8 +147,9 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
     # 2. decode rows
     dec, rows, done = _advance_decodes(state.decoding, plan, sampled,
                                        gen_chunk(state.config.block_size))
-    if pool.cache is not None:
-        dec, pool = _cache_decoded_blocks(dec, rows, pool, state.config.block_size)
+    if pool.cache is not None:  # cache every block this step filled, before any release
+        dec, pairs = _decoded_blocks(dec, rows, state.config.block_size)
+        pool = pool.register(pairs + _prefilled_blocks(state, plan))
     if stopped:
         done = sorted(set(done).union(i for i in rows if dec.ids[i] in stopped))
     for i in done:
@@ -157,10 +175,6 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
         if part is None:  # aborted after schedule
             continue
         seq, computed = part.seq, part.computed + plan.lengths[r]
-        if pool.cache is not None:  # blocks this chunk filled: their digests are precomputed
-            bs = state.config.block_size
-            pool = pool.register([(part.table[b], seq.block_hashes[b])
-                                  for b in range(part.computed // bs, computed // bs)])
         if token is None:
             partial[seq.request_id] = Partial(seq=seq, computed=computed, table=part.table)
             continue

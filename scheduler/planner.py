@@ -29,7 +29,6 @@ schedules are always a prefix of the (post-preemption) decode table; `commit` re
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 
 from scheduler.blocks import BlockTable, blocks_for
@@ -309,8 +308,9 @@ class StepBuilder:
             if not n:
                 break
             cached = len(hits) * config.block_size
-            if seq.cached_tokens is None:
-                seq = dataclasses.replace(seq, cached_tokens=cached)
+            if seq.cached_tokens is None and self.pool.cache is not None:  # first admission
+                seq = Sequence(request=seq.request, key=seq.key, tokens=seq.tokens,
+                               block_hashes=seq.block_hashes, cached_tokens=cached)
             self.pool = self.pool.acquire(hits)
             part = Partial(seq=seq, computed=cached, table=self._grow(hits, cached + n))
             self.admitted.append(part)

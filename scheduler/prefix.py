@@ -11,8 +11,9 @@
      left, the least recently released one is evicted (its digest forgotten). Blocks released by
      one table join the queue last block first, so a shared prefix outlives its tails.
 
-Persistence: `PagedArray` is a fixed-length array stored as a trie of 64-entry tuples; an update
-copies only the nodes on its paths, so a step costs O(blocks touched), not O(cache size).
+Persistence: `PagedArray` is a fixed-length array stored as a directory of 64-entry pages; an
+update copies the pages it touches and the directory (a C-level copy of length / 64 references), so
+a step costs O(blocks touched) Python work, not O(cache size).
 The eviction queue is append-only with lazy deletion: a hit or an eviction leaves a stale entry
 (its stamp no longer matches the record) that popping skips; the queue is compacted when stale
 entries outnumber live ones.
@@ -25,6 +26,7 @@ queue with its record's stamp (num_evictable of them); a block with refs > 0 is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import struct
 from collections.abc import Iterable, Sequence
@@ -51,78 +53,50 @@ def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_DI
     return tuple(out)
 
 
-_BITS = 6  # PagedArray fan-out: 64 entries per node
+_BITS = 6  # PagedArray pages hold 64 entries
 _MASK = (1 << _BITS) - 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True, repr=False)
 class PagedArray:
-    """A persistent array of fixed length: a trie of 64-entry tuples (depth <= 4 up to 16M
-    entries). `updated` copies only the nodes on the paths it changes, so a step that touches b
-    blocks copies O(b * 64 * depth) references, however large the cache.
+    """A persistent array of fixed length: a directory of 64-entry pages. `updated` copies the
+    pages it touches and the directory once (length / 64 references: 5,760 for 368,640 blocks),
+    so a step that touches b blocks copies O(64 b + length / 64) references, in C.
 
     Attributes:
       length: entries.
-      shift: bit shift of the root's index (0 when the root is a leaf).
-      root: the top node.
+      pages: the entries, 64 per page (the last page may run past `length`).
     """
 
     length: int
-    shift: int
-    root: tuple
+    pages: tuple[tuple[object, ...], ...]
 
     @classmethod
     def filled(cls, length: int, value: object) -> "PagedArray":
-        node, shift = (value,) * (1 << _BITS), 0
-        while (1 << (shift + _BITS)) < length:
-            node, shift = (node,) * (1 << _BITS), shift + _BITS
-        top = -(-length >> shift) if shift else len(node)
-        return cls(length, shift, node[:max(1, top)] if shift else node)
+        page = (value,) * (1 << _BITS)
+        return cls(length, (page,) * max(1, -(-length >> _BITS)))
 
     def __getitem__(self, i: int) -> object:
-        node, shift = self.root, self.shift
-        while shift:
-            node = node[(i >> shift) & _MASK]
-            shift -= _BITS
-        return node[i & _MASK]
+        return self.pages[i >> _BITS][i & _MASK]
 
     def updated(self, changes: Iterable[tuple[int, object]]) -> "PagedArray":
         """The array with each (index, value) of `changes` set (later changes win)."""
-        items = list(changes)
-        if not items:
+        touched: dict[int, list] = {}
+        pages = self.pages
+        for i, value in changes:
+            page = touched.get(i >> _BITS)
+            if page is None:
+                page = touched[i >> _BITS] = list(pages[i >> _BITS])
+            page[i & _MASK] = value
+        if not touched:
             return self
-        if len(items) > 4:  # many changes: copy each node on their paths once
-            return PagedArray(self.length, self.shift, _set(self.root, self.shift, items))
-        root = self.root
-        for i, value in items:  # few changes: copy one path per change
-            path, node, shift = [], root, self.shift
-            while shift:
-                path.append((node, (i >> shift) & _MASK))
-                node, shift = node[(i >> shift) & _MASK], shift - _BITS
-            j = i & _MASK
-            node = node[:j] + (value,) + node[j + 1:]
-            for parent, j in reversed(path):
-                node = parent[:j] + (node,) + parent[j + 1:]
-            root = node
-        return PagedArray(self.length, self.shift, root)
+        directory = list(pages)
+        for p, page in touched.items():
+            directory[p] = tuple(page)
+        return PagedArray(self.length, tuple(directory))
 
-    def __repr__(self) -> str:  # the entries would be num_blocks long; say what is set
+    def __repr__(self) -> str:  # num_blocks entries would print; say how long it is
         return f"PagedArray(length={self.length})"
-
-
-def _set(node: tuple, shift: int, items: list[tuple[int, object]]) -> tuple:
-    copy = list(node)
-    if not shift:
-        for i, value in items:
-            copy[i & _MASK] = value
-        return tuple(copy)
-    groups: dict[int, list] = {}
-    for item in items:
-        slot = (item[0] >> shift) & _MASK
-        groups.setdefault(slot, []).append(item)
-    for slot, sub in groups.items():
-        copy[slot] = _set(node[slot], shift - _BITS, sub)
-    return tuple(copy)
 
 
 def _find(bucket: tuple[tuple[bytes, int], ...], digest: bytes) -> int | None:
@@ -138,6 +112,9 @@ class CachedBlock(NamedTuple):
     digest: bytes
     refs: int  # live block tables holding it
     stamp: int  # the cache clock when it was last released (its eviction-queue entry)
+
+
+_new_record = functools.partial(tuple.__new__, CachedBlock)  # CachedBlock from a tuple, in C
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -184,14 +161,14 @@ class PrefixCache:
         the sequence that filled it (refs 1). A digest already cached keeps its block: the new
         block stays uncached and is freed normally."""
         records, buckets = {}, {}
-        index, mask = self.index, self.index.length - 1
+        pages, mask = self.index.pages, self.index.length - 1
         for block, digest in pairs:
             b = int.from_bytes(digest[:8], "little") & mask
-            bucket = buckets[b] if b in buckets else index[b]
+            bucket = buckets[b] if b in buckets else pages[b >> _BITS][b & _MASK]
             if bucket and _find(bucket, digest) is not None:
                 continue  # cached already (under another block)
             buckets[b] = bucket + ((digest, block),)
-            records[block] = CachedBlock(digest, 1, 0)
+            records[block] = _new_record((digest, 1, 0))
         if not records:
             return self
         return dataclasses.replace(self, records=self.records.updated(records.items()),
