@@ -254,3 +254,11 @@ def test_burst_works_with_prefix_caching():
     config = _config(enable_prefix_caching=True)
     result = simulate(config, CostModel(), burst(8, 300, 4))
     assert result.unfinished == 0 and result.cached_tokens == 0  # distinct prompts
+
+
+def test_simulate_script_shared_system_prompt():
+    args = ("--users=8", "--system_prompt_tokens=256", "--prompt_tokens=32", "--max_tokens=4",
+            "--variants=token_budget")
+    on, off = _script("simulate.py", *args), _script("simulate.py", *args, "--noprefix_caching")
+    assert "256-token shared system prompt" in on
+    assert "served by the prefix cache: 0" in off and "served by the prefix cache: 0" not in on
