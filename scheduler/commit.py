@@ -93,7 +93,7 @@ def _decoded_blocks(dec: DecodeTable, rows: SequenceOf[int],
     hashes, pairs = list(dec.hashes), []
     for i in full:
         b = computed[i] // block_size - 1  # the block holding positions computed - bs .. - 1
-        chain = hashes[i][:b]
+        chain = hashes[i] if len(hashes[i]) == b else hashes[i][:b]
         digest = block_hash(chain[-1] if chain else ROOT_DIGEST,
                             dec.last_tokens(i, block_size + 1)[:-1])
         hashes[i] = chain + (digest,)

@@ -28,18 +28,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import struct
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 ROOT_DIGEST = b"\x00" * 16
+_BIG_ENDIAN = sys.byteorder == "big"  # digests hash little-endian ids on every host
 _QUEUE_PAGE = 256
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """Digest of a full block: blake2b-128 of the parent digest and the int64 little-endian ids."""
-    return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens),
-                           digest_size=16).digest()
+    ids = array("q", tokens)
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(ids)
+    return digest.digest()
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_DIGEST,
