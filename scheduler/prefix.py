@@ -11,9 +11,9 @@
      left, the least recently released one is evicted (its digest forgotten). Blocks released by
      one table join the queue last block first, so a shared prefix outlives its tails.
 
-Persistence: `PagedArray` is a fixed-length array stored as a directory of 64-entry pages; an
-update copies the pages it touches and the directory (a C-level copy of length / 64 references), so
-a step costs O(blocks touched) Python work, not O(cache size).
+Persistence: `PagedArray` is a fixed-length array stored as a trie of 64-entry tuples; an update
+copies only the nodes on the paths it changes, so a step costs O(blocks touched), not O(cache
+size).
 The eviction queue is append-only with lazy deletion: a hit or an eviction leaves a stale entry
 (its stamp no longer matches the record) that popping skips; the queue is compacted when stale
 entries outnumber live ones.
@@ -65,41 +65,72 @@ _MASK = (1 << _BITS) - 1
 
 @dataclasses.dataclass(frozen=True, slots=True, repr=False)
 class PagedArray:
-    """A persistent array of fixed length: a directory of 64-entry pages. `updated` copies the
-    pages it touches and the directory once (length / 64 references: 5,760 for 368,640 blocks),
-    so a step that touches b blocks copies O(64 b + length / 64) references, in C.
+    """A persistent array of fixed length: a trie of 64-entry tuples (depth d covers 64**d
+    entries: 2 levels up to 4,096 blocks, 4 up to 16M). `updated` copies the nodes on the paths
+    it changes, once each: O(64 * depth) references per touched entry, never O(length).
 
     Attributes:
       length: entries.
-      pages: the entries, 64 per page (the last page may run past `length`).
+      shift: index shift of the root's slots (0 when the root is a leaf).
+      root: the top node.
     """
 
     length: int
-    pages: tuple[tuple[object, ...], ...]
+    shift: int
+    root: tuple
 
     @classmethod
     def filled(cls, length: int, value: object) -> "PagedArray":
-        page = (value,) * (1 << _BITS)
-        return cls(length, (page,) * max(1, -(-length >> _BITS)))
+        node, shift = (value,) * (1 << _BITS), 0
+        while (1 << (shift + _BITS)) < length:
+            node, shift = (node,) * (1 << _BITS), shift + _BITS
+        return cls(length, shift, node)
 
     def __getitem__(self, i: int) -> object:
-        return self.pages[i >> _BITS][i & _MASK]
+        node, shift = self.root, self.shift
+        while shift:
+            node = node[(i >> shift) & _MASK]
+            shift -= _BITS
+        return node[i & _MASK]
 
     def updated(self, changes: Iterable[tuple[int, object]]) -> "PagedArray":
-        """The array with each (index, value) of `changes` set (later changes win)."""
-        touched: dict[int, list] = {}
-        pages = self.pages
+        """The array with each (index, value) of `changes` set (later changes win).
+
+        Bottom-up: the touched leaves are copied once each, then their parents, up to the root.
+        """
+        touched: dict[int, dict[int, object]] = {}  # node number -> {slot: new value}
         for i, value in changes:
-            page = touched.get(i >> _BITS)
-            if page is None:
-                page = touched[i >> _BITS] = list(pages[i >> _BITS])
-            page[i & _MASK] = value
+            slots = touched.get(i >> _BITS)
+            if slots is None:
+                slots = touched[i >> _BITS] = {}
+            slots[i & _MASK] = value
         if not touched:
             return self
-        directory = list(pages)
-        for p, page in touched.items():
-            directory[p] = tuple(page)
-        return PagedArray(self.length, tuple(directory))
+        shift = 0  # the index shift of the nodes in `touched`
+        while True:
+            nodes = {}
+            for n, slots in touched.items():
+                node = list(self._node(n << (shift + _BITS), shift))
+                for j, value in slots.items():
+                    node[j] = value
+                nodes[n] = tuple(node)
+            if shift == self.shift:
+                return PagedArray(self.length, self.shift, nodes[0])
+            shift += _BITS
+            touched = {}
+            for n, node in nodes.items():
+                slots = touched.get(n >> _BITS)
+                if slots is None:
+                    slots = touched[n >> _BITS] = {}
+                slots[n & _MASK] = node
+
+    def _node(self, i: int, shift: int) -> tuple:
+        """The node whose slots are indexed by bits [shift, shift + 6) on the path to entry i."""
+        node, s = self.root, self.shift
+        while s > shift:
+            node = node[(i >> s) & _MASK]
+            s -= _BITS
+        return node
 
     def __repr__(self) -> str:  # num_blocks entries would print; say how long it is
         return f"PagedArray(length={self.length})"
@@ -167,10 +198,10 @@ class PrefixCache:
         the sequence that filled it (refs 1). A digest already cached keeps its block: the new
         block stays uncached and is freed normally."""
         records, buckets = {}, {}
-        pages, mask = self.index.pages, self.index.length - 1
+        index, mask = self.index, self.index.length - 1
         for block, digest in pairs:
             b = int.from_bytes(digest[:8], "little") & mask
-            bucket = buckets[b] if b in buckets else pages[b >> _BITS][b & _MASK]
+            bucket = buckets[b] if b in buckets else index[b]
             if bucket and _find(bucket, digest) is not None:
                 continue  # cached already (under another block)
             buckets[b] = bucket + ((digest, block),)

@@ -209,7 +209,7 @@ def test_paged_array_updates_copy_only_touched_nodes():
         for i in {0, length - 1, length // 2, length // 3, max(0, length - 2)}:
             assert updated[i] == expected.get(i, 0) and array[i] == 0
     assert array.updated([(5, 1), (5, 7)])[5] == 7
-    shared = [a is b for a, b in zip(array.pages, array.updated([(3, 1), (5, 2)]).pages)]
+    shared = [a is b for a, b in zip(array.root, array.updated([(3, 1), (5, 2)]).root)]
     assert shared.count(False) == 1 and repr(array) == "PagedArray(length=300000)"
 
 
