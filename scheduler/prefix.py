@@ -8,13 +8,14 @@
      digest, how many live sequences hold it (`refs`) and when it was last released (`stamp`).
   3. A cached block whose refs drop to 0 stays cached (reusable) and joins the eviction queue; a
      cache hit takes it out again (refs 0 -> 1). When a fresh block is needed and no free block is
-     left, the least recently released one is evicted (its digest forgotten). Blocks released by
-     one table join the queue last block first, so a shared prefix outlives its tails.
+     left, the least recently released one is evicted (its digest forgotten). "Used" means last
+     released: a hit takes the block out of the queue and its next release puts it back at the
+     end. Blocks released by one table join the queue last block first, so a shared prefix
+     outlives its tails.
 
 Persistence: `PagedArray` is a fixed-length array stored as a trie of 64-entry tuples; an update
 copies only the nodes on the paths it changes, so a step costs O(blocks touched), not O(cache
-size).
-The eviction queue is append-only with lazy deletion: a hit or an eviction leaves a stale entry
+size). The eviction queue is append-only with lazy deletion: a hit or an eviction leaves a stale entry
 (its stamp no longer matches the record) that popping skips; the queue is compacted when stale
 entries outnumber live ones.
 
@@ -189,9 +190,6 @@ class PrefixCache:
     def lookup(self, digest: bytes) -> int | None:
         """The block cached under `digest`, or None."""
         return _find(self.index[self._bucket(digest)], digest)
-
-    def record(self, block: int) -> CachedBlock | None:
-        return self.records[block]
 
     def registered(self, pairs: Iterable[tuple[int, bytes]]) -> "PrefixCache":
         """Caches each (block, digest) whose digest is not cached yet; the block's one holder is
