@@ -196,8 +196,9 @@ def test_config_field_is_validated_and_fixed():
     assert err.value.field == "enable_prefix_caching"
     config = make_config()
     state = SchedulerState.empty(config)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError) as err:
         schedule(state, dataclasses.replace(config, enable_prefix_caching=False))
+    assert err.value.field == "enable_prefix_caching"
 
 
 def test_paged_array_updates_copy_only_touched_nodes():
