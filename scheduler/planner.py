@@ -321,18 +321,12 @@ class StepBuilder:
         self.waiting_from = i
 
     def _cache_hits(self, seq: Sequence) -> BlockTable:
-        """Cached blocks of the longest cached prefix of `seq.tokens`, whole blocks, at most
+        """Blocks of the longest cached prefix of `seq.tokens`: whole blocks, at most
         len(tokens) - 1 tokens (the last token is always computed, for its logits)."""
-        cache = self.pool.cache
-        if cache is None or not seq.block_hashes:
+        if self.pool.cache is None:
             return ()
-        hits = []
-        for digest in seq.block_hashes[:(len(seq.tokens) - 1) // self.config.block_size]:
-            block = cache.lookup(digest)
-            if block is None:
-                break
-            hits.append(block)
-        return tuple(hits)
+        limit = (len(seq.tokens) - 1) // self.config.block_size
+        return self.pool.cache.longest_prefix(seq.block_hashes[:limit])
 
     def _admission_chunk(self, seq: Sequence, whole: bool, hits: BlockTable) -> int:
         """First computed chunk of a waiting sequence after its cached blocks `hits`, or 0 if it

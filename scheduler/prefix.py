@@ -191,6 +191,16 @@ class PrefixCache:
         """The block cached under `digest`, or None."""
         return _find(self.index[self._bucket(digest)], digest)
 
+    def longest_prefix(self, digests: Sequence[bytes]) -> tuple[int, ...]:
+        """The cached blocks of the longest leading run of `digests` that is cached."""
+        blocks = []
+        for digest in digests:
+            block = self.lookup(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        return tuple(blocks)
+
     def registered(self, pairs: Iterable[tuple[int, bytes]]) -> "PrefixCache":
         """Caches each (block, digest) whose digest is not cached yet; the block's one holder is
         the sequence that filled it (refs 1). A digest already cached keeps its block: the new
