@@ -48,38 +48,42 @@ def _check(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...],
 
 def _advance_decodes(dec: DecodeTable, plan: StepPlan, sampled: tuple[int, ...],
                      chunk: int) -> tuple[DecodeTable, SequenceOf[int], list[int]]:
-    """Cursor + 1 and the sampled token for each decode row.
+    """Cursor + 1 and the sampled token for each decode row. A row whose fed token ends a
+    chunk (position % chunk == 0) moves its `recent` tokens to `older` and starts a new one.
 
     Returns the table, the rows that decoded, and those of them that reached max_tokens.
     """
     k = plan.num_decode_rows
+    older = dec.older
     if dec is plan.state.decoding:  # fast path: rows 0..k-1 are the plan's decode rows
         advanced = tuple(map(add, dec.computed[:k], repeat(1, k)))
         at_limit = list(compress(range(k), map(le, dec.limits, advanced)))
         computed = advanced + dec.computed[k:]
-        recent = tuple(map(add, dec.recent[:k], zip(sampled[:k]))) + dec.recent[k:]  # 1-tuples
-        rows: SequenceOf[int] = range(k)
-        flush = plan._decode_flush
-    else:
-        position = {rid: i for i, rid in enumerate(dec.ids)}
-        computed_list, recent_list, rows = list(dec.computed), list(dec.recent), []
-        for rid, token in zip(plan.request_ids[:k], sampled[:k]):
-            i = position.get(rid)
-            if i is not None:
-                computed_list[i] += 1
-                recent_list[i] += (token,)
-                rows.append(i)
-        at_limit = [i for i in rows if computed_list[i] >= dec.limits[i]]
-        flush = [i for i in rows if not (computed_list[i] - 1) % chunk]
-        computed, recent = tuple(computed_list), tuple(recent_list)
-    older = dec.older
-    if flush:  # the fed token ended a chunk: it and the tokens before it move to `older`
-        recent, older = list(recent), list(older)
-        for i in flush:
-            older[i] += (recent[i][:-1],)
-            recent[i] = recent[i][-1:]
-        recent, older = tuple(recent), tuple(older)
-    return dec.with_progress(computed=computed, recent=recent, older=older), rows, at_limit
+        appended = list(map(add, dec.recent[:k], zip(sampled[:k])))  # zip: 1-tuples
+        if plan._decode_flush:
+            older = list(older)
+            for i in plan._decode_flush:
+                older[i] += (dec.recent[i],)
+                appended[i] = (sampled[i],)
+            older = tuple(older)
+        return (dec.with_progress(computed=computed, recent=tuple(appended) + dec.recent[k:],
+                                  older=older), range(k), at_limit)
+    position = {rid: i for i, rid in enumerate(dec.ids)}
+    computed_list, recent, rows = list(dec.computed), list(dec.recent), []
+    older_list = list(older)
+    for rid, token in zip(plan.request_ids[:k], sampled[:k]):
+        i = position.get(rid)
+        if i is not None:
+            if computed_list[i] % chunk:
+                recent[i] += (token,)
+            else:
+                older_list[i] += (recent[i],)
+                recent[i] = (token,)
+            computed_list[i] += 1
+            rows.append(i)
+    at_limit = [i for i in rows if computed_list[i] >= dec.limits[i]]
+    return (dec.with_progress(computed=tuple(computed_list), recent=tuple(recent),
+                              older=tuple(older_list)), rows, at_limit)
 
 
 def _decoded_blocks(dec: DecodeTable, rows: SequenceOf[int],
