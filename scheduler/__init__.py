@@ -8,6 +8,10 @@ and nothing here mutates its inputs. One engine step:
   3. state, finished = commit(plan.state, plan, sampled_token_ids, now, finished_ids)
 
 Requests enter with add_request(state, Request(...)) and leave through commit or abort.
+Automatic prefix caching (config.enable_prefix_caching, on by default) lives in scheduler/prefix.py:
+plan.num_cached / Finished.num_cached_tokens / state.num_cached(request_id) say how many prompt
+tokens the cache served; state.pool.num_free counts blocks usable for new allocations (free plus
+cached-unreferenced) and state.pool.num_in_use the blocks live sequences hold.
 """
 
 from scheduler.arms import ARM_KEYS, KNOB_SHORT, Arm, parse_arm
@@ -22,9 +26,9 @@ from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, Request, Req
 from scheduler.state import SchedulerState, abort, add_request, validate_request
 
 __all__ = [
-    "ARM_KEYS", "Arm", "BlockPool", "Chunk", "CommitError", "ConfigError", "DuplicateRequestError", "Engaged",
-    "FINISH_LENGTH", "FINISH_STOP", "Finished", "InputError", "KNOB_SHORT", "POLICIES", "Request", "RequestError", "RequestId",
-    "RequestTooLargeError", "SchedulerConfig", "SchedulerState", "StepOrderError", "StepPlan",
-    "UnknownRequestError", "abort", "add_request", "blocks_for", "commit", "parse_arm", "schedule",
-    "validate_request",
+    "ARM_KEYS", "Arm", "BlockPool", "Chunk", "CommitError", "ConfigError", "DuplicateRequestError",
+    "Engaged", "FINISH_LENGTH", "FINISH_STOP", "Finished", "InputError", "KNOB_SHORT", "POLICIES",
+    "Request", "RequestError", "RequestId", "RequestTooLargeError", "SchedulerConfig",
+    "SchedulerState", "StepOrderError", "StepPlan", "UnknownRequestError", "abort", "add_request",
+    "blocks_for", "commit", "parse_arm", "schedule", "validate_request",
 ]

@@ -48,56 +48,77 @@ def _check(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...],
 
 def _advance_decodes(dec: DecodeTable, plan: StepPlan, sampled: tuple[int, ...],
                      chunk: int) -> tuple[DecodeTable, SequenceOf[int], list[int]]:
-    """Cursor + 1 and the sampled token for each decode row.
+    """Cursor + 1 and the sampled token for each decode row. A row whose fed token ends a
+    chunk (position % chunk == 0) moves its `recent` tokens to `older` and starts a new one.
 
     Returns the table, the rows that decoded, and those of them that reached max_tokens.
     """
     k = plan.num_decode_rows
+    older = dec.older
     if dec is plan.state.decoding:  # fast path: rows 0..k-1 are the plan's decode rows
         advanced = tuple(map(add, dec.computed[:k], repeat(1, k)))
         at_limit = list(compress(range(k), map(le, dec.limits, advanced)))
         computed = advanced + dec.computed[k:]
-        recent = tuple(map(add, dec.recent[:k], zip(sampled[:k]))) + dec.recent[k:]  # 1-tuples
-        rows: SequenceOf[int] = range(k)
-        flush = plan._decode_flush
-    else:
-        position = {rid: i for i, rid in enumerate(dec.ids)}
-        computed_list, recent_list, rows = list(dec.computed), list(dec.recent), []
-        for rid, token in zip(plan.request_ids[:k], sampled[:k]):
-            i = position.get(rid)
-            if i is not None:
-                computed_list[i] += 1
-                recent_list[i] += (token,)
-                rows.append(i)
-        at_limit = [i for i in rows if computed_list[i] >= dec.limits[i]]
-        flush = [i for i in rows if not (computed_list[i] - 1) % chunk]
-        computed, recent = tuple(computed_list), tuple(recent_list)
-    older = dec.older
-    if flush:  # the fed token ended a chunk: it and the tokens before it move to `older`
-        recent, older = list(recent), list(older)
-        for i in flush:
-            older[i] += (recent[i][:-1],)
-            recent[i] = recent[i][-1:]
-        recent, older = tuple(recent), tuple(older)
-    return dec.with_progress(computed=computed, recent=recent, older=older), rows, at_limit
+        appended = list(map(add, dec.recent[:k], zip(sampled[:k])))  # zip: 1-tuples
+        if plan._decode_flush:
+            older = list(older)
+            for i in plan._decode_flush:
+                older[i] += (dec.recent[i],)
+                appended[i] = (sampled[i],)
+            older = tuple(older)
+        return (dec.with_progress(computed=computed, recent=tuple(appended) + dec.recent[k:],
+                                  older=older), range(k), at_limit)
+    position = {rid: i for i, rid in enumerate(dec.ids)}
+    computed_list, recent, rows = list(dec.computed), list(dec.recent), []
+    older_list = list(older)
+    for rid, token in zip(plan.request_ids[:k], sampled[:k]):
+        i = position.get(rid)
+        if i is not None:
+            if computed_list[i] % chunk:
+                recent[i] += (token,)
+            else:
+                older_list[i] += (recent[i],)
+                recent[i] = (token,)
+            computed_list[i] += 1
+            rows.append(i)
+    at_limit = [i for i in rows if computed_list[i] >= dec.limits[i]]
+    return (dec.with_progress(computed=tuple(computed_list), recent=tuple(recent),
+                              older=tuple(older_list)), rows, at_limit)
 
 
-def _cache_decoded_blocks(dec: DecodeTable, rows: SequenceOf[int], pool: BlockPool,
-                          block_size: int) -> tuple[DecodeTable, BlockPool]:
-    """Hashes and caches the blocks that the decode rows `rows` just filled."""
+def _decoded_blocks(dec: DecodeTable, rows: SequenceOf[int],
+                    block_size: int) -> tuple[DecodeTable, list[tuple[int, bytes]]]:
+    """Hashes the blocks that the decode rows `rows` just filled: the table with their digests
+    appended to the rows' chains, and the (block, digest) pairs to cache."""
     computed = dec.computed
     full = [i for i in rows if not computed[i] % block_size]
     if not full:
-        return dec, pool
+        return dec, []
     hashes, pairs = list(dec.hashes), []
     for i in full:
         b = computed[i] // block_size - 1  # the block holding positions computed - bs .. - 1
-        chain = hashes[i][:b]
+        chain = hashes[i] if len(hashes[i]) == b else hashes[i][:b]
         digest = block_hash(chain[-1] if chain else ROOT_DIGEST,
                             dec.last_tokens(i, block_size + 1)[:-1])
         hashes[i] = chain + (digest,)
         pairs.append((dec.tables[i][b], digest))
-    return dec.with_progress(hashes=tuple(hashes)), pool.register(pairs)
+    return dec.with_progress(hashes=tuple(hashes)), pairs
+
+
+def _prefilled_blocks(state: SchedulerState, plan: StepPlan) -> list[tuple[int, bytes]]:
+    """(block, digest) of every block a prefill chunk filled (digests precomputed per sequence)."""
+    if plan.num_decode_rows == len(plan.request_ids):
+        return []
+    bs = state.config.block_size
+    partial = {p.seq.request_id: p for p in state.partial}
+    pairs = []
+    for r in range(plan.num_decode_rows, len(plan.request_ids)):
+        part = partial.get(plan.request_ids[r])
+        if part is not None:  # None: aborted after schedule
+            hashes, table = part.seq.block_hashes, part.table
+            pairs += [(table[b], hashes[b]) for b in range(
+                part.computed // bs, (part.computed + plan.lengths[r]) // bs)]
+    return pairs
 
 
 def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[int], now: float,
@@ -130,8 +151,9 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
     # 2. decode rows
     dec, rows, done = _advance_decodes(state.decoding, plan, sampled,
                                        gen_chunk(state.config.block_size))
-    if pool.cache is not None:
-        dec, pool = _cache_decoded_blocks(dec, rows, pool, state.config.block_size)
+    if pool.cache is not None:  # cache every block this step filled, before any release
+        dec, pairs = _decoded_blocks(dec, rows, state.config.block_size)
+        pool = pool.register(pairs + _prefilled_blocks(state, plan))
     if stopped:
         done = sorted(set(done).union(i for i in rows if dec.ids[i] in stopped))
     for i in done:
@@ -157,10 +179,6 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
         if part is None:  # aborted after schedule
             continue
         seq, computed = part.seq, part.computed + plan.lengths[r]
-        if pool.cache is not None:  # blocks this chunk filled: their digests are precomputed
-            bs = state.config.block_size
-            pool = pool.register([(part.table[b], seq.block_hashes[b])
-                                  for b in range(part.computed // bs, computed // bs)])
         if token is None:
             partial[seq.request_id] = Partial(seq=seq, computed=computed, table=part.table)
             continue

@@ -159,7 +159,7 @@ class StepPlan:
 
     @property
     def kind(self) -> str:
-        """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle" (metrics.step_kind)."""
+        """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle": metrics.step_kind."""
         return step_kind(self.num_tokens - self.num_decode_rows, self.num_decode_rows)
 
     @property

@@ -14,17 +14,21 @@ order and then assembles the plan:
      itself: it waits, holding its blocks.
   3. admit: waiting sequences in key order (FCFS within a priority), stopping at the first that
      cannot be admitted so nobody overtakes it. Admissions need blocks beyond the watermark, never
-     preempt, and do not happen in a step that preempted or held a partial back.
+     preempt, and do not happen in a step that preempted or held a partial back. With prefix
+     caching a sequence first takes the longest cached prefix of its tokens (whole blocks, at most
+     len(tokens) - 1 tokens, so its last token is computed and yields logits) and computes from
+     there: cached blocks cost no budget, and only those no one held leave the usable pool.
   4. build: the plan's columns and the post-schedule state.
 
 NOTE: the builder mutates only its own scratch (lists, counters); every input stays untouched.
+NOTE: a cached (shared) block is never written: hits are full blocks before the sequence's
+cursor, and its chunks write only blocks taken fresh from the pool.
 NOTE: victims always come from the tail of a key-ordered collection, so the decode rows a step
 schedules are always a prefix of the (post-preemption) decode table; `commit` relies on it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 
 from scheduler.blocks import BlockTable, blocks_for
@@ -304,8 +308,9 @@ class StepBuilder:
             if not n:
                 break
             cached = len(hits) * config.block_size
-            if seq.cached_tokens is None:
-                seq = dataclasses.replace(seq, cached_tokens=cached)
+            if seq.cached_tokens is None and self.pool.cache is not None:  # first admission
+                seq = Sequence(request=seq.request, key=seq.key, tokens=seq.tokens,
+                               block_hashes=seq.block_hashes, cached_tokens=cached)
             self.pool = self.pool.acquire(hits)
             part = Partial(seq=seq, computed=cached, table=self._grow(hits, cached + n))
             self.admitted.append(part)
@@ -316,18 +321,12 @@ class StepBuilder:
         self.waiting_from = i
 
     def _cache_hits(self, seq: Sequence) -> BlockTable:
-        """Cached blocks of the longest cached prefix of `seq.tokens`, whole blocks, at most
+        """Blocks of the longest cached prefix of `seq.tokens`: whole blocks, at most
         len(tokens) - 1 tokens (the last token is always computed, for its logits)."""
-        cache = self.pool.cache
-        if cache is None or not seq.block_hashes:
+        if self.pool.cache is None:
             return ()
-        hits = []
-        for digest in seq.block_hashes[:(len(seq.tokens) - 1) // self.config.block_size]:
-            block = cache.lookup(digest)
-            if block is None:
-                break
-            hits.append(block)
-        return tuple(hits)
+        limit = (len(seq.tokens) - 1) // self.config.block_size
+        return self.pool.cache.longest_prefix(seq.block_hashes[:limit])
 
     def _admission_chunk(self, seq: Sequence, whole: bool, hits: BlockTable) -> int:
         """First computed chunk of a waiting sequence after its cached blocks `hits`, or 0 if it
@@ -352,7 +351,8 @@ class StepBuilder:
     def _decode_flush(self) -> tuple[int, ...]:
         """Decode rows whose fed position ends a generated-token chunk (a subset of `opening`)."""
         chunk, computed = gen_chunk(self.config.block_size), self.dec.computed
-        return tuple(i for i in self.opening if i < self.num_decode_rows and not computed[i] % chunk)
+        k = self.num_decode_rows
+        return tuple(i for i in self.opening if i < k and not computed[i] % chunk)
 
     # ---- 4. the plan -------------------------------------------------------------------------
 

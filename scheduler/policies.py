@@ -27,7 +27,9 @@ per waiting request (prefill_first). Waiting for blocks or budget, it keeps ever
 (FCFS; a held partial blocks admissions), so the others only finish or leave. A plan is never empty
 while work exists unless it preempted. Hence every request finishes: without preemption within
 last_arrival + 1 + sum(prompt + max_tokens - 1) steps, each preemption adding at most the longest
-request's length (checked in tests/test_scheduler_properties.py).
+request's length (checked in tests/test_scheduler_properties.py). Prefix caching keeps all this:
+cached blocks nobody holds count as free (they are evicted on demand), a hit only shortens the
+work, and a shared block is freed only when its last holder releases it.
 """
 
 from __future__ import annotations
@@ -45,19 +47,23 @@ def schedule(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
     Args:
       state: the state after the previous commit (not one with a plan in flight).
       config: the knobs for this step; may differ from the state's config except for the cache
-        geometry (block_size, num_blocks).
+        geometry (block_size, num_blocks, enable_prefix_caching).
 
     Returns:
       The plan; `plan.state` is what `commit` takes with the step's sampled tokens.
 
     Raises:
       StepOrderError: `state` already has a plan in flight.
-      ConfigError: `config` describes another KV cache than the state's.
+      ConfigError: `config` describes another KV cache than the state's (block_size, num_blocks
+        or enable_prefix_caching differ; the error names the field).
     """
     if state.in_flight:
         raise StepOrderError(f"step {state.step}: commit the plan in flight before scheduling")
     if config is not state.config and not config.same_cache(state.config):
-        raise ConfigError("num_blocks", "block_size and num_blocks must match the state's config")
+        field = next(f for f in ("num_blocks", "block_size", "enable_prefix_caching")
+                     if getattr(config, f) != getattr(state.config, f))
+        raise ConfigError(field, "block_size, num_blocks and enable_prefix_caching must match "
+                                 "the state's config")
     builder = StepBuilder(state, config)
     decoding = len(state.decoding) > 0
     prefill_work = bool(state.partial or state.waiting)

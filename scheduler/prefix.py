@@ -8,12 +8,14 @@
      digest, how many live sequences hold it (`refs`) and when it was last released (`stamp`).
   3. A cached block whose refs drop to 0 stays cached (reusable) and joins the eviction queue; a
      cache hit takes it out again (refs 0 -> 1). When a fresh block is needed and no free block is
-     left, the least recently released one is evicted (its digest forgotten). Blocks released by
-     one table join the queue last block first, so a shared prefix outlives its tails.
+     left, the least recently released one is evicted (its digest forgotten). "Used" means last
+     released: a hit takes the block out of the queue and its next release puts it back at the
+     end. Blocks released by one table join the queue last block first, so a shared prefix
+     outlives its tails.
 
-Persistence: `PagedArray` is a fixed-length array split into pages; an update copies only the
-pages it touches (plus the page directory), so a step costs O(blocks touched * page), not O(cache).
-The eviction queue is append-only with lazy deletion: a hit or an eviction leaves a stale entry
+Persistence: `PagedArray` is a fixed-length array stored as a trie of 64-entry tuples; an update
+copies only the nodes on the paths it changes, so a step costs O(blocks touched), not O(cache
+size). The eviction queue is append-only with lazy deletion: a hit or an eviction leaves a stale entry
 (its stamp no longer matches the record) that popping skips; the queue is compacted when stale
 entries outnumber live ones.
 
@@ -25,19 +27,26 @@ queue with its record's stamp (num_evictable of them); a block with refs > 0 is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
-import struct
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 ROOT_DIGEST = b"\x00" * 16
+_BIG_ENDIAN = sys.byteorder == "big"  # digests hash little-endian ids on every host
 _QUEUE_PAGE = 256
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
     """Digest of a full block: blake2b-128 of the parent digest and the int64 little-endian ids."""
-    return hashlib.blake2b(parent + struct.pack(f"<{len(tokens)}q", *tokens),
-                           digest_size=16).digest()
+    ids = array("q", tokens)
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(ids)
+    return digest.digest()
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_DIGEST,
@@ -51,42 +60,88 @@ def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_DI
     return tuple(out)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+_BITS = 6  # PagedArray pages hold 64 entries
+_MASK = (1 << _BITS) - 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True, repr=False)
 class PagedArray:
-    """A persistent array of fixed length; `updated` copies only the pages it touches.
+    """A persistent array of fixed length: a trie of 64-entry tuples (depth d covers 64**d
+    entries: 2 levels up to 4,096 blocks, 4 up to 16M). `updated` copies the nodes on the paths
+    it changes, once each: O(64 * depth) references per touched entry, never O(length).
 
     Attributes:
-      shift: log2 of the page length.
-      pages: the entries, page by page.
+      length: entries.
+      shift: index shift of the root's slots (0 when the root is a leaf).
+      root: the top node.
     """
 
+    length: int
     shift: int
-    pages: tuple[tuple[object, ...], ...]
+    root: tuple
 
     @classmethod
     def filled(cls, length: int, value: object) -> "PagedArray":
-        shift = max(4, (max(length, 1).bit_length() + 1) // 2)  # pages of ~sqrt(length)
-        page = (value,) * (1 << shift)
-        return cls(shift, (page,) * -(-length // (1 << shift)))
+        node, shift = (value,) * (1 << _BITS), 0
+        while (1 << (shift + _BITS)) < length:
+            node, shift = (node,) * (1 << _BITS), shift + _BITS
+        return cls(length, shift, node)
 
     def __getitem__(self, i: int) -> object:
-        return self.pages[i >> self.shift][i & ((1 << self.shift) - 1)]
+        node, shift = self.root, self.shift
+        while shift:
+            node = node[(i >> shift) & _MASK]
+            shift -= _BITS
+        return node[i & _MASK]
 
     def updated(self, changes: Iterable[tuple[int, object]]) -> "PagedArray":
-        """The array with each (index, value) of `changes` set (later changes win)."""
-        shift, mask = self.shift, (1 << self.shift) - 1
-        touched: dict[int, list] = {}
+        """The array with each (index, value) of `changes` set (later changes win).
+
+        Bottom-up: the touched leaves are copied once each, then their parents, up to the root.
+        """
+        touched: dict[int, dict[int, object]] = {}  # node number -> {slot: new value}
         for i, value in changes:
-            page = touched.get(i >> shift)
-            if page is None:
-                page = touched[i >> shift] = list(self.pages[i >> shift])
-            page[i & mask] = value
+            slots = touched.get(i >> _BITS)
+            if slots is None:
+                slots = touched[i >> _BITS] = {}
+            slots[i & _MASK] = value
         if not touched:
             return self
-        pages = list(self.pages)
-        for p, page in touched.items():
-            pages[p] = tuple(page)
-        return PagedArray(shift, tuple(pages))
+        shift = 0  # the index shift of the nodes in `touched`
+        while True:
+            nodes = {}
+            for n, slots in touched.items():
+                node = list(self._node(n << (shift + _BITS), shift))
+                for j, value in slots.items():
+                    node[j] = value
+                nodes[n] = tuple(node)
+            if shift == self.shift:
+                return PagedArray(self.length, self.shift, nodes[0])
+            shift += _BITS
+            touched = {}
+            for n, node in nodes.items():
+                slots = touched.get(n >> _BITS)
+                if slots is None:
+                    slots = touched[n >> _BITS] = {}
+                slots[n & _MASK] = node
+
+    def _node(self, i: int, shift: int) -> tuple:
+        """The node whose slots are indexed by bits [shift, shift + 6) on the path to entry i."""
+        node, s = self.root, self.shift
+        while s > shift:
+            node = node[(i >> s) & _MASK]
+            s -= _BITS
+        return node
+
+    def __repr__(self) -> str:  # num_blocks entries would print; say how long it is
+        return f"PagedArray(length={self.length})"
+
+
+def _find(bucket: tuple[tuple[bytes, int], ...], digest: bytes) -> int | None:
+    for d, block in bucket:
+        if d == digest:
+            return block
+    return None
 
 
 class CachedBlock(NamedTuple):
@@ -95,6 +150,9 @@ class CachedBlock(NamedTuple):
     digest: bytes
     refs: int  # live block tables holding it
     stamp: int  # the cache clock when it was last released (its eviction-queue entry)
+
+
+_new_record = functools.partial(tuple.__new__, CachedBlock)  # CachedBlock from a tuple, in C
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,31 +185,35 @@ class PrefixCache:
                    index=PagedArray.filled(buckets, ()))
 
     def _bucket(self, digest: bytes) -> int:
-        return int.from_bytes(digest[:8], "little") & ((len(self.index.pages) << self.index.shift)
-                                                       - 1)
+        return int.from_bytes(digest[:8], "little") & (self.index.length - 1)
 
     def lookup(self, digest: bytes) -> int | None:
         """The block cached under `digest`, or None."""
-        for d, block in self.index[self._bucket(digest)]:
-            if d == digest:
-                return block
-        return None
+        return _find(self.index[self._bucket(digest)], digest)
 
-    def record(self, block: int) -> CachedBlock | None:
-        return self.records[block]
+    def longest_prefix(self, digests: Sequence[bytes]) -> tuple[int, ...]:
+        """The cached blocks of the longest leading run of `digests` that is cached."""
+        blocks = []
+        for digest in digests:
+            block = self.lookup(digest)
+            if block is None:
+                break
+            blocks.append(block)
+        return tuple(blocks)
 
     def registered(self, pairs: Iterable[tuple[int, bytes]]) -> "PrefixCache":
         """Caches each (block, digest) whose digest is not cached yet; the block's one holder is
         the sequence that filled it (refs 1). A digest already cached keeps its block: the new
         block stays uncached and is freed normally."""
         records, buckets = {}, {}
+        index, mask = self.index, self.index.length - 1
         for block, digest in pairs:
-            b = self._bucket(digest)
-            bucket = buckets.get(b, self.index[b])
-            if any(d == digest for d, _ in bucket) or self.records[block] is not None:
-                continue
+            b = int.from_bytes(digest[:8], "little") & mask
+            bucket = buckets[b] if b in buckets else index[b]
+            if bucket and _find(bucket, digest) is not None:
+                continue  # cached already (under another block)
             buckets[b] = bucket + ((digest, block),)
-            records[block] = CachedBlock(digest, 1, 0)
+            records[block] = _new_record((digest, 1, 0))
         if not records:
             return self
         return dataclasses.replace(self, records=self.records.updated(records.items()),

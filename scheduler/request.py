@@ -49,8 +49,9 @@ class Sequence:
       tokens: what a (re)admission computes: the prompt, then any outputs kept across preemptions.
       block_hashes: prefix-cache digests of the full blocks of `tokens` (() with caching off).
       cached_tokens: prompt tokens served from the prefix cache at its FIRST admission (None
-        until admitted). A readmission after preemption may hit more (its own released blocks)
-        but keeps reporting this: it is what the user's first token waited for.
+        until admitted, and always with caching off: read it as 0). A readmission after
+        preemption may hit more (its own released blocks) but keeps reporting this: it is what
+        the user's first token waited for.
     """
 
     request: Request

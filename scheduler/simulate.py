@@ -1,7 +1,8 @@
 """Runs the planner against a cost model instead of a model: same schedule/commit code path.
 
   1. Requests join (add_request) at the first step that starts at or after their arrival time.
-  2. plan = schedule(state, config); the step lasts cost.step_time(plan).
+  2. plan = schedule(state, config); the step lasts cost.step_time(plan). Prompt tokens served
+     from the prefix cache are not in the plan's rows, so they cost nothing.
   3. A fake sampler returns one token per sampling row (lengths come from max_tokens), and
      commit(plan.state, plan, tokens, now=step end) folds them in.
   4. Every sampled token is delivered at its step's end; every step is recorded.
@@ -90,6 +91,7 @@ class StepRecord:
     decode_tokens: int
     num_seqs: int
     engaged: tuple[str, ...]
+    cached_tokens: int = 0  # prompt tokens the prefix cache saved (not in prefill_tokens)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +108,11 @@ class SimResult:
         """The burst metrics of this run (scheduler.metrics.summarize)."""
         return metrics.summarize(self.requests, self.steps, window)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache saved over the run."""
+        return sum(step.cached_tokens for step in self.steps)
+
     def engagement(self) -> dict[str, int]:
         """Steps in which each knob engaged."""
         counts: dict[str, int] = {}
@@ -121,6 +128,18 @@ def burst(num_users: int, prompt_tokens: int, max_tokens: int, *,
     return tuple(
         Request(request_id=i, max_tokens=max_tokens, arrival_time=arrival_time,
                 prompt_token_ids=tuple(1 + (i * 7919 + j) % 32000 for j in range(prompt_tokens)))
+        for i in range(num_users))
+
+
+def shared_prefix_burst(num_users: int, prefix_tokens: int, unique_tokens: int, max_tokens: int,
+                        *, arrival_time: float = 0.0) -> tuple[Request, ...]:
+    """`num_users` requests arriving together, each an S-token system prompt shared by all
+    (`prefix_tokens`) followed by U tokens of its own (`unique_tokens`)."""
+    prefix = tuple(1 + (j * 31) % 32000 for j in range(prefix_tokens))
+    return tuple(
+        Request(request_id=i, max_tokens=max_tokens, arrival_time=arrival_time,
+                prompt_token_ids=prefix + tuple(1 + (i * 7919 + 17 + j) % 32000
+                                                for j in range(unique_tokens)))
         for i in range(num_users))
 
 
@@ -158,7 +177,8 @@ def simulate(config: SchedulerConfig, cost: CostModel, requests: Iterable[Reques
                 times[rid].append(end)
         steps.append(StepRecord(start=now, end=end, prefill_tokens=plan.num_prefill_tokens,
                                 decode_tokens=plan.num_decode_tokens, num_seqs=plan.num_seqs,
-                                engaged=plan.engaged.active()))
+                                engaged=plan.engaged.active(),
+                                cached_tokens=plan.num_cached_tokens))
         now = end
     records = tuple(RequestRecord(request_id=rid, arrival_time=arrivals[rid],
                                   token_times=tuple(t)) for rid, t in times.items())

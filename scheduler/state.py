@@ -15,7 +15,10 @@ NOTE: invariants (checked by tests every step):
   * outside a step (not in_flight) a running sequence owns blocks_for(num_computed) blocks, and a
     decoding row has num_computed == len(tokens) + len(generated) - 1 (its last token is unfed);
   * every nesting is of bounded depth (no cons lists): states pickle, print and deep-copy;
-  * len(partial) <= max_num_partial_prefills outside a step.
+  * len(partial) <= max_num_partial_prefills outside a step;
+  * with prefix caching, a sequence's block_hashes / a decoding row's hashes are the digests of
+    its full blocks' tokens, and a block appears in two live tables only if it is cached (shared,
+    never written again); the pool's counts say how many hold it (scheduler/prefix.py).
 """
 
 from __future__ import annotations

@@ -10,12 +10,16 @@ With max_num_seqs = running the running set is full: every policy plans a 256-ro
 With a larger max_num_seqs, token_budget also admits ~4 prompts per step (a mixed step) and the
 legacy policies plan prompt steps.
 
+Each configuration runs with prefix caching off and on (--prefix_caching); the prompts share no
+prefix, so "on" measures the bookkeeping (hashing and caching every block that fills).
+
 Usage: python scripts/bench_scheduler.py [--policies=token_budget,alternate,prefill_first]
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 
@@ -36,6 +40,9 @@ _STAGGER = flags.DEFINE_boolean(
     "steps; --nostagger makes every row open a block on the same step (the worst case)")
 _REPEATS = flags.DEFINE_integer("repeats", 2000, "pairs timed per 'same state' figure")
 _STEPS = flags.DEFINE_integer("steps", 200, "pairs in the 'rolling' figure")
+_CACHING = flags.DEFINE_list("prefix_caching", ["false", "true"],
+                             "enable_prefix_caching values to time (prompts share no prefix, so "
+                             "'true' shows what hashing and caching full blocks costs)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +56,7 @@ class BenchConfig:
     stagger: bool
     repeats: int
     steps: int
+    prefix_caching: tuple[bool, ...] = (False, True)
 
 
 def _request(i: int, bench: BenchConfig) -> scheduler.Request:
@@ -118,7 +126,8 @@ def main(argv):
         policies=tuple(_POLICIES.value), running=_RUNNING.value, waiting=_WAITING.value,
         max_num_seqs=tuple(int(v) for v in _MAX_NUM_SEQS.value), prompt_tokens=_PROMPT.value,
         max_tokens=_MAX_TOKENS.value, stagger=_STAGGER.value, repeats=_REPEATS.value,
-        steps=_STEPS.value)
+        steps=_STEPS.value,
+        prefix_caching=tuple(v.strip().lower() in ("true", "1", "on") for v in _CACHING.value))
     needed = (bench.running + bench.waiting) * -(-(bench.prompt_tokens + bench.max_tokens) // 16)
     print(f"{bench.running} running, {bench.waiting} waiting, prompts of {bench.prompt_tokens}"
           " tokens, max_num_batched_tokens 2048, block_size 16")
@@ -126,23 +135,22 @@ def main(argv):
           " median wall time of 50 rounds, and best thread CPU time; '+ token ids' also "
           "materializes plan.token_ids (CPU time); 'rolling' averages 'steps' consecutive pairs "
           "(CPU time; the running set grows when max_num_seqs > running)")
-    print(f"{'policy':<14} {'max_num_seqs':>12} {'wall best':>9} {'median':>7} {'cpu best':>8} "
-          f"{'+ token ids':>11} {'rolling':>8}  first plan / rolling step kinds")
-    for max_num_seqs in bench.max_num_seqs:
-        for policy in bench.policies:
-            config = scheduler.SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
-                                               num_blocks=needed)
-            state = build_state(bench, config)
-            first = scheduler.schedule(state, config)
-            best, median = time_pairs(state, config, bench.repeats)
-            cpu, _ = time_pairs(state, config, bench.repeats, clock=time.thread_time)
-            with_tokens, _ = time_pairs(state, config, bench.repeats, materialize=True,
-                                        clock=time.thread_time)
-            rolling, kinds = time_rolling(state, config, bench.steps)
-            print(f"{policy:<14} {max_num_seqs:>12} {best:>9.1f} {median:>7.1f} {cpu:>8.1f} "
-                  f"{with_tokens:>11.1f} {rolling:>8.1f}  "
-                  f"{first.kind} ({first.num_seqs} rows, {first.num_tokens} tokens) / {kinds}")
-
+    print(f"{'policy':<14} {'cache':>5} {'max_num_seqs':>12} {'wall best':>9} {'median':>7} "
+          f"{'cpu best':>8} {'+ token ids':>11} {'rolling':>8}  first plan / rolling step kinds")
+    for max_num_seqs, caching, policy in itertools.product(
+            bench.max_num_seqs, bench.prefix_caching, bench.policies):
+        config = scheduler.SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
+                                           num_blocks=needed, enable_prefix_caching=caching)
+        state = build_state(bench, config)
+        first = scheduler.schedule(state, config)
+        best, median = time_pairs(state, config, bench.repeats)
+        cpu, _ = time_pairs(state, config, bench.repeats, clock=time.thread_time)
+        with_tokens, _ = time_pairs(state, config, bench.repeats, materialize=True,
+                                    clock=time.thread_time)
+        rolling, kinds = time_rolling(state, config, bench.steps)
+        print(f"{policy:<14} {'on' if caching else 'off':>5} {max_num_seqs:>12} {best:>9.1f} "
+              f"{median:>7.1f} {cpu:>8.1f} {with_tokens:>11.1f} {rolling:>8.1f}  "
+              f"{first.kind} ({first.num_seqs} rows, {first.num_tokens} tokens) / {kinds}")
 
 if __name__ == "__main__":
     app.run(main)

@@ -4,6 +4,8 @@ Each --variants entry is one column: a policy, optionally with knob overrides, e
   python scripts/simulate.py --users=32 --prompt_tokens=380 --max_num_batched_tokens=4096 \
       --variants=prefill_first,prefill_first:prefill_max_seqs=4,token_budget
   python scripts/simulate.py --users=128 --window_s=140 --variants=prefill_first,token_budget
+  python scripts/simulate.py --users=32 --system_prompt_tokens=1024 --prompt_tokens=64 \
+      --variants=token_budget    (add --noprefix_caching to compare)
 
 The default cost model is the legacy H200 server of BACKGROUND.md (CostModel's defaults); pass
 --cost_json (a file holding CostModel.to_json(), e.g. one saved by
@@ -21,11 +23,14 @@ from absl import app, flags
 
 from scheduler import Arm, SchedulerConfig, parse_arm
 from scheduler.metrics import format_table, summarize
-from scheduler.simulate import CostModel, burst, simulate
+from scheduler.simulate import CostModel, burst, shared_prefix_burst, simulate
 
 _USERS = flags.DEFINE_integer("users", 32, "K: users arriving at once")
 _PROMPT = flags.DEFINE_integer("prompt_tokens", 380, "P: prompt tokens per user (256 words ~ 380)")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "tokens generated per user")
+_SYSTEM = flags.DEFINE_integer("system_prompt_tokens", 0, "S: a system prompt every user shares, "
+                               "before its own prompt_tokens (0 = none)")
+_CACHING = flags.DEFINE_boolean("prefix_caching", True, "automatic prefix caching")
 _WINDOW = flags.DEFINE_float("window_s", 0.0, "measurement window from the burst; 0 = until done")
 _VARIANTS = flags.DEFINE_list("variants", ["prefill_first", "prefill_first:prefill_max_seqs=4",
                                            "alternate", "token_budget"],
@@ -50,6 +55,7 @@ _C_KV = flags.DEFINE_float("c_kv", CostModel.c_kv, "seconds per key read")
 class SimulateConfig:
     users: int
     prompt_tokens: int
+    system_prompt_tokens: int
     max_tokens: int
     window_s: float
     variants: tuple[Arm, ...]
@@ -58,8 +64,8 @@ class SimulateConfig:
 
 
 def read_flags() -> SimulateConfig:
-    num_blocks = _BLOCKS.value or _USERS.value * -(-(_PROMPT.value + _MAX_TOKENS.value)
-                                                   // _BLOCK.value)
+    num_blocks = _BLOCKS.value or _USERS.value * -(-(_SYSTEM.value + _PROMPT.value
+                                                     + _MAX_TOKENS.value) // _BLOCK.value)
     if _CALIBRATE.value:
         from arcjax.bench import costmodel  # numpy/scipy: only for fitting, not for simulating
 
@@ -73,29 +79,40 @@ def read_flags() -> SimulateConfig:
         cost = CostModel(c0=_C0.value, c_prefill=_C_PREFILL.value, c_decode=_C_DECODE.value,
                          c_kv=_C_KV.value)
     base = SchedulerConfig(max_num_batched_tokens=_BUDGET.value, max_num_seqs=_MAX_SEQS.value,
-                           chunk_tile=_TILE.value, block_size=_BLOCK.value, num_blocks=num_blocks)
+                           chunk_tile=_TILE.value, block_size=_BLOCK.value, num_blocks=num_blocks,
+                           enable_prefix_caching=_CACHING.value)
     return SimulateConfig(users=_USERS.value, prompt_tokens=_PROMPT.value,
+                          system_prompt_tokens=_SYSTEM.value,
                           max_tokens=_MAX_TOKENS.value, window_s=_WINDOW.value,
-                          variants=tuple(parse_arm(v) for v in _VARIANTS.value), base=base, cost=cost)
+                          variants=tuple(parse_arm(v) for v in _VARIANTS.value), base=base,
+                          cost=cost)
 
 
 def main(argv):
     del argv
     sim = read_flags()
-    requests = burst(sim.users, sim.prompt_tokens, sim.max_tokens)
+    if sim.system_prompt_tokens:
+        requests = shared_prefix_burst(sim.users, sim.system_prompt_tokens, sim.prompt_tokens,
+                                       sim.max_tokens)
+    else:
+        requests = burst(sim.users, sim.prompt_tokens, sim.max_tokens)
     window = (0.0, sim.window_s) if sim.window_s else None
-    columns, engaged = {}, {}
+    columns, engaged, cached = {}, {}, {}
     for arm in sim.variants:
         result = simulate(arm.config(sim.base), sim.cost, requests, until=sim.window_s or None)
         columns[arm.name] = summarize(result.requests, result.steps, window)
         engaged[arm.name] = result.engagement()
-    print(f"K = {sim.users} users at once, {sim.prompt_tokens}-token prompts, "
+        cached[arm.name] = result.cached_tokens
+    shared = (f"{sim.system_prompt_tokens}-token shared system prompt + "
+              if sim.system_prompt_tokens else "")
+    print(f"K = {sim.users} users at once, {shared}{sim.prompt_tokens}-token prompts, "
           f"{sim.max_tokens} tokens each; budget {sim.base.max_num_batched_tokens}, "
           f"tile {sim.base.chunk_tile}; cost {json.dumps(sim.cost.to_json())}")
     print(format_table(columns))
     for variant, counts in engaged.items():
         print(f"knobs engaged ({variant}): "
-              + (", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none"))
+              + (", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none")
+              + f"; prompt tokens served by the prefix cache: {cached[variant]}")
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ def test_simulate_script_prints_the_burst_table():
 def test_bench_script_runs_small():
     out = _script("bench_scheduler.py", "--running=8", "--waiting=16", "--prompt_tokens=64",
                   "--repeats=20", "--steps=5", "--max_num_seqs=8,16")
-    assert out.count("token_budget") == 2
+    assert out.count("token_budget") == 4  # 2 max_num_seqs x prefix caching off / on
 
 
 def test_simulate_script_calibrates_from_rows(tmp_path):
@@ -225,3 +225,40 @@ def test_parse_arm_is_validated():
         with pytest.raises(ConfigError) as err:
             parse_arm(bad)
         assert err.value.field == field and repr(bad) in str(err.value)
+
+
+def test_shared_system_prompt_is_computed_once():
+    """N users share an S-token system prompt: with prefix caching the later admissions skip
+    it (no prefill cost), every token is still delivered, and TTFT drops."""
+    from scheduler.simulate import shared_prefix_burst
+
+    requests = shared_prefix_burst(16, 512, 40, 8)
+    assert all(r.prompt_token_ids[:512] == requests[0].prompt_token_ids[:512] for r in requests)
+    assert len({r.prompt_token_ids for r in requests}) == 16
+    cost = CostModel(c0=0.01, c_prefill=1e-3, c_decode=1e-3)
+    runs = {}
+    for caching in (False, True):
+        config = _config(policy="token_budget", enable_prefix_caching=caching)
+        runs[caching] = simulate(config, cost, requests)
+        assert runs[caching].unfinished == 0
+        assert runs[caching].summary().tokens_delivered == 16 * 8
+    off, on = runs[False], runs[True]
+    assert off.cached_tokens == 0
+    assert on.cached_tokens >= 15 * 512  # every user after the first skips the system prompt
+    prefill = {c: sum(s.prefill_tokens for s in r.steps) for c, r in runs.items()}
+    assert prefill[True] + on.cached_tokens == prefill[False]
+    assert on.summary().ttft_p50 < off.summary().ttft_p50
+
+
+def test_burst_works_with_prefix_caching():
+    config = _config(enable_prefix_caching=True)
+    result = simulate(config, CostModel(), burst(8, 300, 4))
+    assert result.unfinished == 0 and result.cached_tokens == 0  # distinct prompts
+
+
+def test_simulate_script_shared_system_prompt():
+    args = ("--users=8", "--system_prompt_tokens=256", "--prompt_tokens=32", "--max_tokens=4",
+            "--variants=token_budget")
+    on, off = _script("simulate.py", *args), _script("simulate.py", *args, "--noprefix_caching")
+    assert "256-token shared system prompt" in on
+    assert "served by the prefix cache: 0" in off and "served by the prefix cache: 0" not in on
