@@ -255,3 +255,17 @@ def test_auto_ids_skip_ids_in_use():
     with pytest.raises(UnknownRequestError):
         llm.abort("never-added")
     _drain(llm)
+
+
+def test_aborting_twice_before_a_step_is_harmless():
+    llm = _llm()
+    rid = llm.add_request(_prompt(1), GREEDY)
+    llm.engine._step_lock.acquire()  # a step is "running": both aborts wait in the inbox
+    try:
+        llm.abort(rid)
+        llm.abort(rid)
+    finally:
+        llm.engine._step_lock.release()
+    outs = llm.step()
+    assert [o.finish_reason for o in outs if o.request_id == rid] == ["abort"]
+    assert llm.engine.blocks_in_use() == 0 and not llm.has_unfinished()

@@ -248,7 +248,7 @@ class Engine:
                 continue
             rid = item[1]
             req = self.requests.get(rid)
-            if req is None:  # already finished, or aborted twice
+            if req is None or req.finished:  # already finished, or aborted twice
                 continue
             self.state = scheduler.abort(self.state, rid)
             req.finish(FINISH_ABORT, now)
