@@ -6,12 +6,13 @@ per host, process 0 admits, every process runs the same plans (checked by digest
 """
 
 from arcjax.parallel.layout import (TENSOR_AXES, TP_AXIS, TensorParallel, check_tensor_parallel,
-                                    kv_repeat, make_mesh, per_device_bytes, sharded_config)
+                                    kv_repeat, logical_rules, make_mesh, per_device_bytes,
+                                    sharded_config)
 from arcjax.parallel.multihost import (CoordinatorTransport, FollowerStop, LocalTransport,
                                        PlanDivergenceError, StepSync, follow, initialize,
                                        plan_digest, stop_followers)
 
 __all__ = ["CoordinatorTransport", "FollowerStop", "LocalTransport", "PlanDivergenceError",
            "StepSync", "TENSOR_AXES", "TP_AXIS", "TensorParallel", "check_tensor_parallel",
-           "follow", "initialize", "kv_repeat", "make_mesh", "per_device_bytes", "plan_digest",
-           "sharded_config", "stop_followers"]
+           "follow", "initialize", "kv_repeat", "logical_rules", "make_mesh",
+           "per_device_bytes", "plan_digest", "sharded_config", "stop_followers"]

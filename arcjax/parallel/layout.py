@@ -62,6 +62,13 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
                                        f"{cfg.intermediate_size}")
 
 
+def logical_rules(cfg: ModelConfig, tp: int) -> tuple[tuple[str, str], ...]:
+    """(logical axis, mesh axis) pairs for `cfg` over `tp` devices (checked first)."""
+    check_tensor_parallel(cfg, tp)
+    axes = [a for a in TENSOR_AXES if a != "vocab" or cfg.vocab_size % tp == 0]
+    return tuple((a, TP_AXIS) for a in axes)
+
+
 def kv_repeat(cfg: ModelConfig, tp: int) -> int:
     """How many times each KV head is stored (1 unless tp exceeds the KV heads)."""
     return max(1, tp // cfg.num_kv_heads)
@@ -100,9 +107,7 @@ class TensorParallel:
                devices: Sequence[jax.Device] | None = None) -> "TensorParallel":
         """Rules for `cfg` over a fresh `tp`-device mesh. `cfg` is the original model
         config (before `sharded_config`)."""
-        check_tensor_parallel(cfg, tp)
-        axes = [a for a in TENSOR_AXES if a != "vocab" or cfg.vocab_size % tp == 0]
-        return cls(make_mesh(tp, devices), tuple((a, TP_AXIS) for a in axes))
+        return cls(make_mesh(tp, devices), logical_rules(cfg, tp))
 
     @property
     def size(self) -> int:
