@@ -24,8 +24,9 @@ GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=
 PROMPT_LENS = (40, 9)  # the 40-token prompt is chunked (32-token budget, 16-token tiles)
 MAX_TOKENS = 6
 # (architecture, tensor-parallel sizes compared with one device). Llama: 4 heads, 2 KV
-# heads (tp=4 repeats each KV head twice); Qwen2: q/k/v biases and tied embeddings.
-CASES = (("LlamaForCausalLM", (2, 4)), ("Qwen2ForCausalLM", (2,)))
+# heads (tp=4 repeats each KV head twice); Qwen2: q/k/v biases and tied embeddings;
+# Llama8Heads: 8 query heads, 2 KV heads (tp=8 repeats each KV head 4 times).
+CASES = (("LlamaForCausalLM", (2, 4)), ("Qwen2ForCausalLM", (2,)), ("Llama8Heads", (8,)))
 SUBPROCESS_TIMEOUT_S = 420
 
 
@@ -120,9 +121,10 @@ def _run_host(model_dir: str, process_id: int, port: int) -> dict:
 # --- the tests ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dirs():
-    from hf_models import tiny_model_dir
+    from hf_models import tiny_llama_8_heads_dir, tiny_model_dir
 
-    return {arch: tiny_model_dir(arch) for arch, _ in CASES}
+    dirs = {arch: tiny_model_dir(arch) for arch, _ in CASES if arch.endswith("CausalLM")}
+    return dirs | {"Llama8Heads": tiny_llama_8_heads_dir()}
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +162,9 @@ def test_weights_and_cache_really_sharded(tp_results):
     assert one["param_bytes"][0] / 2 < two["param_bytes"][0] < one["param_bytes"][0] * 0.6
     qwen = checks["Qwen2ForCausalLM/2"]
     assert qwen["wq_shard_shape"] == [2, 64, 32]
+    eight = checks["Llama8Heads/8"]
+    assert eight["wq_devices"] == 8 and eight["wq_shard_shape"] == [2, 64, 8]
+    assert eight["num_kv_heads"] == 8 and eight["cache_shard_shape"][2] == 1
 
 
 @pytest.mark.slow

@@ -55,6 +55,10 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     model_dir = Path(config.model) if config.model is not None else default_model_path()
     dtype = jnp.dtype(config.dtype or ("bfloat16" if _on_gpu() else "float32"))
     parallel = None
+    if jax.process_count() > 1 and config.tensor_parallel_size != jax.device_count():
+        raise EngineConfigError("tensor_parallel_size", f"over {jax.process_count()} "
+                                f"processes it must span all {jax.device_count()} devices, "
+                                f"got {config.tensor_parallel_size}", limit=jax.device_count())
     if config.tensor_parallel_size > 1 or jax.process_count() > 1:
         parallel = TensorParallel.create(read_config(model_dir), config.tensor_parallel_size)
     # With `parallel`, cfg is the sharded config (KV heads repeated when tp exceeds them).

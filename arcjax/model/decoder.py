@@ -148,7 +148,10 @@ def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
     (x, k_new, v_new), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
                                         (params["layers"], layer_ids))
     logits = _lm_head(params, cfg, x[batch.logits_rows])  # [S, V]
-    if parallel is not None:  # sampling reads whole rows: gather the vocabulary shards
+    if parallel is not None:
+        # Keep the projection split by vocabulary (else GSPMD may all-gather a tied
+        # embedding's whole table), then gather the rows: sampling reads whole rows.
+        logits = jax.lax.with_sharding_constraint(logits, parallel.sharding((None, "vocab")))
         logits = jax.lax.with_sharding_constraint(logits, parallel.replicated)
     return logits, {"k": k_new, "v": v_new}
 
