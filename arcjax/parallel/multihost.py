@@ -15,8 +15,9 @@
    (`StepSync.check_plan`): a divergence raises `PlanDivergenceError` on every process
    instead of silently corrupting output; the collective device step never runs on
    different plans.
-4. Followers run `follow(engine)` (steps until the leader calls `stop_followers(engine)`);
-   the leader steps as a single-host engine does (LLM, AsyncLLM, the server).
+4. Followers run `follow(engine)` or `run_follower(model, **options)` (steps until the
+   leader calls `stop_followers(engine)`); the leader steps as a single-host engine does
+   (LLM, AsyncLLM, the server), and only it may receive requests.
 
 NOTE: the transport is the coordinator's key-value store (host-side, no device collective,
 so an idle leader costs nothing and a follower waits with a timeout it can loop on); the
@@ -227,6 +228,15 @@ def follow(engine, *, poll: float = 0.0) -> int:
         steps += 1
         if poll:
             time.sleep(poll)
+
+
+def run_follower(model=None, **options) -> int:
+    """A follower process's whole run: the engine the leader builds (same model, same
+    options), stepped in lockstep until the leader stops it. Returns the steps taken."""
+    from arcjax.engine.build import build_engine
+    from arcjax.engine.config import EngineConfig
+
+    return follow(build_engine(EngineConfig.from_options(model, **options)))
 
 
 def stop_followers(engine) -> None:
