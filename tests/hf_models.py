@@ -47,6 +47,25 @@ def tiny_model_dir(arch: str = "LlamaForCausalLM", seed: int = 0) -> str:
 
 
 @functools.lru_cache(maxsize=None)
+def tiny_llama_8_heads_dir(seed: int = 0) -> str:
+    """A tiny Llama with 8 query heads (head_dim 8) and 2 KV heads: tensor parallelism up
+    to 8 devices (each KV head then stored on 4)."""
+    import torch
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{**_COMMON, "num_attention_heads": 8})
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    path = tempfile.mkdtemp(prefix="arcjax-Llama8Heads-")
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
 def hf_model(path: str):
     import transformers
 

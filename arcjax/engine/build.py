@@ -11,7 +11,8 @@ from arcjax.engine.config import EngineConfig
 from arcjax.engine.engine import Engine
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import EngineConfigError
-from arcjax.model.weights import load_hf
+from arcjax.model.weights import load_hf, read_config
+from arcjax.parallel import StepSync, TensorParallel
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.runner import SHARED_EXECUTABLES, ModelRunner
 
@@ -32,8 +33,10 @@ def _on_gpu() -> bool:
 
 
 def _default_num_blocks(cfg, dtype, block_size: int, max_blocks: int, max_num_seqs: int,
-                        fraction: float) -> int:
-    per_block = 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+                        fraction: float, tp: int = 1) -> int:
+    # Per device: the cache is split by KV head over tp devices (cfg: the sharded config).
+    per_block = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
+                 * dtype.itemsize) // tp
     if _on_gpu():
         stats = jax.devices()[0].memory_stats() or {}
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
@@ -51,7 +54,15 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     """
     model_dir = Path(config.model) if config.model is not None else default_model_path()
     dtype = jnp.dtype(config.dtype or ("bfloat16" if _on_gpu() else "float32"))
-    cfg, params = load_hf(model_dir, dtype=dtype, cache_dir=config.cache_dir)
+    parallel = None
+    if jax.process_count() > 1 and config.tensor_parallel_size != jax.device_count():
+        raise EngineConfigError("tensor_parallel_size", f"over {jax.process_count()} "
+                                f"processes it must span all {jax.device_count()} devices, "
+                                f"got {config.tensor_parallel_size}", limit=jax.device_count())
+    if config.tensor_parallel_size > 1 or jax.process_count() > 1:
+        parallel = TensorParallel.create(read_config(model_dir), config.tensor_parallel_size)
+    # With `parallel`, cfg is the sharded config (KV heads repeated when tp exceeds them).
+    cfg, params = load_hf(model_dir, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel)
     tokenizer = (Tokenizer.from_dir(model_dir)
                  if (model_dir / "tokenizer.json").is_file() else None)
     max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
@@ -62,7 +73,7 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     max_blocks = -(-max_model_len // config.block_size)
     num_blocks = config.num_kv_blocks or _default_num_blocks(
         cfg, dtype, config.block_size, max_blocks, config.max_num_seqs,
-        config.kv_memory_fraction)
+        config.kv_memory_fraction, config.tensor_parallel_size)
     sched = config.scheduler_config(num_blocks)
     step_tokens = max(sched.max_num_batched_tokens,
                       max_model_len if sched.policy == "prefill_first" else 0)
@@ -70,7 +81,11 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                                max_seqs=sched.max_num_seqs)
     runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=config.block_size,
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
-                         attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES)
+                         attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
+                         parallel=parallel)
     options = {} if clock is None else {"clock": clock}
-    return Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
-                  model_dir=model_dir, trace_capacity=config.trace_capacity, **options)
+    engine = Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
+                    model_dir=model_dir, trace_capacity=config.trace_capacity, **options)
+    if jax.process_count() > 1:  # process 0 admits; every process runs the same plans
+        engine.sync = StepSync.create()
+    return engine

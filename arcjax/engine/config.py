@@ -42,6 +42,9 @@ class EngineConfig:
       seed: seeds requests whose SamplingParams have no seed.
       cache_dir: where converted params are cached (orbax); None = no cache.
       trace_capacity: engine steps the trace ring keeps (oldest dropped first).
+      tensor_parallel_size: devices the model is split over (heads, KV heads, MLP and
+        vocabulary; see `arcjax.parallel`); they may span processes (`jax.distributed`,
+        `arcjax.parallel.initialize`). 1 = one device, no mesh.
       policy ... enable_prefix_caching: the scheduler knobs (see scheduler.SchedulerConfig);
         max_num_seqs defaults to 64 here; prefix caching is on by default.
     """
@@ -56,6 +59,7 @@ class EngineConfig:
     seed: int = 0
     cache_dir: str | None = None
     trace_capacity: int = 10_000
+    tensor_parallel_size: int = 1
     policy: str = "token_budget"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -93,6 +97,7 @@ class EngineConfig:
                 f"{self.attention_impl!r}")
         _int("seed", self.seed, 0)
         _int("trace_capacity", self.trace_capacity, 1)
+        _int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
         # The scheduler validates its own knobs (ConfigError naming the field); the cache

@@ -20,6 +20,9 @@ NOTE: threading and lifetimes (WORKSPACE.md, "Threading and lifetimes").
   not lost (their outputs were already emitted).
 - Memory is bounded: finished requests are released once their final output is handed
   out, the trace is a ring of `trace_capacity` steps, `has_unfinished()` is O(1).
+- Multi-host (`self.sync`, an `arcjax.parallel.StepSync`): process 0 alone admits; step 1
+  takes its inbox to every process, and every process checks that all planned the same
+  step before the device call (`arcjax/parallel/multihost.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from arcjax.engine.request import FINISH_ABORT, FINISH_ERROR, RequestState
 from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from arcjax.engine.trace import StepRecord
 from arcjax.errors import DuplicateRequestError, RequestError, UnknownRequestError
+from arcjax.parallel.multihost import plan_digest
 from arcjax.runtime.runner import ModelRunner
 from arcjax.runtime.sampling import SamplingParams
 
@@ -68,6 +72,7 @@ class Engine:
         self._pending: list[RequestOutput] = []  # outputs of requests without a sink
         self._auto_ids = itertools.count()
         self._traced: dict[str, int] = {}  # tokens the trace sampled, per held request
+        self.sync = None  # multi-host: an arcjax.parallel.StepSync (build_engine sets it)
         self._trace_errors: list[str] = []
         eos = tokenizer.eos_token_ids if tokenizer else runner.cfg.eos_token_ids
         self.eos_token_ids = frozenset(eos)
@@ -181,7 +186,7 @@ class Engine:
             if rid not in self._unfinished:
                 raise UnknownRequestError(rid, f"{rid!r} is not an unfinished request")
             self._inbox.append(("abort", rid))
-        if self._step_lock.acquire(blocking=False):  # nobody is stepping: apply it now
+        if self.sync is None and self._step_lock.acquire(blocking=False):  # apply it now
             try:
                 self._deliver(self._drain())
             finally:
@@ -204,7 +209,7 @@ class Engine:
         """Finishes every unfinished request with reason "error" and frees its blocks (after
         a step raised: the engine's state stays consistent, its requests do not go on)."""
         with self._step_lock:
-            changed = self._drain()
+            changed = self._drain() if self.sync is None else {}  # multi-host: in a step only
             now = self.clock()
             for rid, req in list(self.requests.items()):
                 if not req.finished:
@@ -233,6 +238,8 @@ class Engine:
         """Applies queued adds and aborts (stepping thread). Returns the aborted requests."""
         with self._lock:
             items, self._inbox = self._inbox, []
+        if self.sync is not None:
+            items = self._exchange_inbox(items)
         changed = {}
         now = self.clock()
         for item in items:
@@ -255,8 +262,34 @@ class Engine:
             changed[rid] = req
         return changed
 
+    def _exchange_inbox(self, items: list) -> list:
+        """Multi-host: the leader's inbox items, in order, the same on every process."""
+        wire = [("add", it[1].request_id, it[1].prompt, it[1].prompt_ids, it[1].params,
+                 it[1].seed, it[1].arrival, it[2].max_tokens) if it[0] == "add" else it
+                for it in items]
+        received = self.sync.exchange_inbox(wire)
+        if self.sync.is_leader:
+            return items
+        out = []
+        for item in received:
+            if item[0] != "add":
+                out.append(item)
+                continue
+            _, rid, text, ids, params, seed, arrival, max_tokens = item
+            detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+            with self._lock:
+                self._unfinished.add(rid)
+            out.append(("add", RequestState(rid, text, ids, params, seed, arrival, detok),
+                        scheduler.Request(request_id=rid, prompt_token_ids=ids,
+                                          max_tokens=max_tokens, arrival_time=arrival)))
+        return out
+
     def _iterate(self) -> dict[str, RequestState]:
         plan = scheduler.schedule(self.state, self.sched_config)
+        if self.sync is not None:  # every process must have planned this very step
+            self.sync.check_plan(plan_digest(plan, [
+                (self.requests[rid].seed, len(self.requests[rid].token_ids))
+                for rid in plan.request_ids]))
         if plan.is_empty:
             self.state = plan.state
             return {}

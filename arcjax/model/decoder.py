@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from arcjax.model.config import ModelConfig, rope_inv_freq
-from arcjax.model.specs import Cache, Params
+from arcjax.model.specs import CACHE_AXES, Cache, Params
 
 
 @jax.tree_util.register_dataclass
@@ -99,11 +99,14 @@ def _lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
 
 def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
             attn_impl: str = "auto", dtype=jnp.float32,
-            max_q_len: int | None = None) -> tuple[jax.Array, Cache]:
+            max_q_len: int | None = None, parallel=None) -> tuple[jax.Array, Cache]:
     """One ragged step over the paged cache.
 
     `max_q_len` (static) bounds every sequence's chunk length in this batch (1 for a
     decode-only bucket); it lets the attention kernel size its query tiles.
+    `parallel` (static; an `arcjax.parallel.TensorParallel` or None): with it, `write_kv`
+    and attention run under `shard_map` over the KV-head axis (a Pallas kernel cannot be
+    partitioned by GSPMD), and the logits are gathered to every device.
 
     Returns:
       logits [S, V] float32 at `batch.logits_rows`, and the updated cache.
@@ -121,13 +124,22 @@ def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
                           cfg.num_layers * layer_slots)  # [T]; still out of range if padding
         tables = batch.block_tables + l * num_blocks  # [S, max_blocks]
 
-        def attend(q, k, v):
-            kc, vc = pallas_kernels.write_kv(k_cache, v_cache, k.astype(k_cache.dtype),
-                                             v.astype(v_cache.dtype), slots)
+        def paged(q, k, v, kc, vc, slots, tables, kv_lens, cu_seqlens_q, num_seqs):
+            kc, vc = pallas_kernels.write_kv(kc, vc, k.astype(kc.dtype), v.astype(vc.dtype),
+                                             slots)
             out = pallas_kernels.ragged_paged_attention(
-                q, kc, vc, tables, batch.kv_lens, batch.cu_seqlens_q,
-                batch.num_seqs, impl=attn_impl, max_q_len=max_q_len)
-            return out.astype(q.dtype), (kc, vc)
+                q, kc, vc, tables, kv_lens, cu_seqlens_q, num_seqs, impl=attn_impl,
+                max_q_len=max_q_len)
+            return out.astype(q.dtype), kc, vc
+
+        if parallel is not None:  # per device: its heads, its KV heads, its cache shard
+            paged = parallel.attention_map(paged, (None, "heads", None),
+                                           (None, "kv_heads", None), CACHE_AXES, num_rest=5)
+
+        def attend(q, k, v):
+            out, kc, vc = paged(q, k, v, k_cache, v_cache, slots, tables, batch.kv_lens,
+                                batch.cu_seqlens_q, batch.num_seqs)
+            return out, (kc, vc)
 
         x, (k_cache, v_cache) = _block(lp, x, batch.positions, cfg, attend)
         return (x, k_cache, v_cache), None
@@ -136,6 +148,11 @@ def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
     (x, k_new, v_new), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
                                         (params["layers"], layer_ids))
     logits = _lm_head(params, cfg, x[batch.logits_rows])  # [S, V]
+    if parallel is not None:
+        # Keep the projection split by vocabulary (else GSPMD may all-gather a tied
+        # embedding's whole table), then gather the rows: sampling reads whole rows.
+        logits = jax.lax.with_sharding_constraint(logits, parallel.sharding((None, "vocab")))
+        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated)
     return logits, {"k": k_new, "v": v_new}
 
 

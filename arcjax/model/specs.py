@@ -20,6 +20,7 @@ from arcjax.model.config import ModelConfig
 
 Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"?}
 Cache = dict  # {"k": [L * num_blocks, block_size, Hkv, D], "v": same}
+CACHE_AXES = ("pages", None, "kv_heads", None)  # logical axes of a cache array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,7 @@ def cache_specs(cfg: ModelConfig, num_blocks: int, block_size: int) -> Cache:
     into the donated buffer and no layer slice is ever copied.
     """
     shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    spec = ParamSpec(shape, "zeros", ("pages", None, "kv_heads", None))
+    spec = ParamSpec(shape, "zeros", CACHE_AXES)
     return {"k": spec, "v": spec}
 
 

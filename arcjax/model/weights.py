@@ -5,6 +5,10 @@
    `safetensors.safe_open` (memory-mapped, validated by the library: truncated files and
    absurd headers are refused), converts it once into its slot of the stacked params
    tree (no second full copy in host memory), and moves it to the device.
+   With `parallel` (an `arcjax.parallel.TensorParallel`), every array is built in its
+   shards instead (`jax.make_array_from_callback`): each device's block is read straight
+   from the file through `get_slice` (only that block's bytes), so no device and no host
+   buffer ever holds the whole model; KV heads are repeated as `sharded_config` says.
 2. With `cache_dir`, the converted params are saved with orbax-checkpoint under a
    key of (files, sizes, mtimes, dtype) and restored from there next time.
 3. `save_hf(params, cfg, out_dir)` writes config.json + model.safetensors with
@@ -144,13 +148,17 @@ def _read_tensor(path: Path, handle, name: str) -> np.ndarray:
 
 
 def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
-            cache_dir: str | os.PathLike | None = None) -> tuple[ModelConfig, Params]:
+            cache_dir: str | os.PathLike | None = None,
+            parallel=None) -> tuple[ModelConfig, Params]:
     """Loads a Hugging Face model directory into (config, params on device).
 
     Args:
       model_dir: directory with config.json and safetensors weights.
       dtype: the params' dtype (converted once, tensor by tensor).
-      cache_dir: if set, converted params are cached there with orbax-checkpoint.
+      cache_dir: if set, converted params are cached there with orbax-checkpoint (single
+        device only; ignored with `parallel`).
+      parallel: an `arcjax.parallel.TensorParallel`: load straight into its shards. The
+        returned config is then `arcjax.parallel.sharded_config` of the file's.
 
     Raises:
       ModelConfigError: config.json is missing or malformed.
@@ -158,6 +166,8 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
     """
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
+    if parallel is not None:
+        return _load_sharded(model_dir, cfg, dtype, parallel)
     key = None
     if cache_dir is not None:
         key = _cache_key(model_dir, dtype)
@@ -190,6 +200,82 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
     if key is not None:
         _save_cached(Path(cache_dir) / key, params)
     return cfg, params
+
+
+def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, parallel):
+    from arcjax.parallel.layout import kv_repeat, sharded_config
+
+    tensors = _open_checkpoint(model_dir)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    repeat = kv_repeat(cfg, parallel.size)
+    scfg = sharded_config(cfg, parallel.size)
+    specs, orig_specs = param_specs(scfg), param_specs(cfg)
+    shardings = parallel.shardings(specs)
+    out = {}
+    for key in specs:
+        if key == "layers":
+            out["layers"] = {}
+            for lkey, spec in specs["layers"].items():
+                pattern, t = _LAYER_NAMES[lkey]
+                names = [pattern.format(i=i) for i in range(cfg.num_layers)]
+                out["layers"][lkey] = _sharded_array(
+                    model_dir, tensors, names, t, spec, orig_specs["layers"][lkey],
+                    shardings["layers"][lkey], np_dtype, repeat, cfg)
+        else:
+            name, t = _TOP_NAMES[key]
+            out[key] = _sharded_array(model_dir, tensors, [name], t, specs[key],
+                                      orig_specs[key], shardings[key], np_dtype, repeat, cfg,
+                                      stacked=False)
+    return scfg, out
+
+
+def _sharded_array(model_dir, tensors, names, transpose, spec, orig_spec, sharding, np_dtype,
+                   repeat, cfg, stacked=True):
+    """One params array built shard by shard from its HF tensors (one per layer)."""
+    want = orig_spec.shape[1:] if stacked else orig_spec.shape  # [in, out] per layer
+    for name in names:
+        if name not in tensors:
+            raise WeightsError(model_dir, f"tensor {name} is missing from the checkpoint "
+                                          f"(architecture {cfg.architecture})")
+        file, handle = tensors[name]
+        try:
+            shape = tuple(handle.get_slice(name).get_shape())
+        except (SafetensorError, TypeError, ValueError) as e:
+            raise WeightsError(file, f"tensor {name} cannot be read ({e})") from e
+        hf_want = tuple(want[::-1]) if transpose else tuple(want)
+        if shape != hf_want:
+            raise WeightsError(file, f"tensor {name} has shape {shape}, config.json implies "
+                                     f"{hf_want}")
+    axes = spec.axes[1:] if stacked else spec.axes
+    head_dim = cfg.head_dim
+
+    def source_index(dim: int, sl: slice) -> np.ndarray:
+        """Indices into the file's tensor for a slice of our (possibly repeated) axis."""
+        idx = np.arange(spec.shape[dim + stacked])[sl]
+        if axes[dim] == "kv_heads" and repeat > 1:  # column c of repeated head c // D
+            idx = (idx // head_dim // repeat) * head_dim + idx % head_dim
+        return idx
+
+    def read(name: str, index: tuple) -> np.ndarray:
+        file, handle = tensors[name]
+        ours = [source_index(d, sl) for d, sl in enumerate(index)]
+        theirs = ours[::-1] if transpose else ours
+        bounds = tuple(slice(int(i.min()), int(i.max()) + 1) for i in theirs)
+        try:
+            block = handle.get_slice(name)[bounds]
+        except (SafetensorError, TypeError, ValueError) as e:
+            raise WeightsError(file, f"tensor {name} cannot be read ({e})") from e
+        block = block[np.ix_(*[i - i.min() for i in theirs])]
+        return (block.T if transpose else block).astype(np_dtype)
+
+    def callback(index):
+        index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
+        if not stacked:
+            return read(names[0], index)
+        layers = range(cfg.num_layers)[index[0]]
+        return np.stack([read(names[i], index[1:]) for i in layers])
+
+    return jax.make_array_from_callback(spec.shape, sharding, callback)
 
 
 def _cache_key(model_dir: Path, dtype) -> str:

@@ -37,13 +37,14 @@ from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.sampling import SamplingBatch, SamplingParams, sample
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "dtype", "max_q_len"),
+@functools.partial(jax.jit,
+                   static_argnames=("cfg", "attn_impl", "dtype", "max_q_len", "parallel"),
                    donate_argnames=("cache",))
-def _step(params, cache, batch, sampling, *, cfg, attn_impl, dtype, max_q_len):
-    # cfg/attn_impl/dtype/max_q_len are static: one executable per bucket, no
+def _step(params, cache, batch, sampling, *, cfg, attn_impl, dtype, max_q_len, parallel=None):
+    # cfg/attn_impl/dtype/max_q_len/parallel are static: one executable per bucket, no
     # recompiles from the traced metadata (num_seqs, kv_lens, ...).
     logits, cache = decoder.forward(params, cache, batch, cfg=cfg, attn_impl=attn_impl,
-                                    dtype=dtype, max_q_len=max_q_len)
+                                    dtype=dtype, max_q_len=max_q_len, parallel=parallel)
     return sample(logits, sampling), cache
 
 
@@ -83,12 +84,14 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params, *, num_blocks: int, block_size: int,
                  max_blocks_per_seq: int, buckets: BucketSet, dtype, attn_impl: str,
-                 executables: ExecutableCache | None = None):
-        self.cfg, self.params = cfg, params
+                 executables: ExecutableCache | None = None, parallel=None):
+        # parallel: an arcjax.parallel.TensorParallel (params already in its shardings,
+        # cfg its sharded_config); the cache is created in its shards, inputs replicated.
+        self.cfg, self.params, self.parallel = cfg, params, parallel
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_blocks = max_blocks_per_seq
         self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
-        self.cache = make_cache(cfg, num_blocks, block_size, self.dtype)
+        self.cache = self._new_cache()
         self.executables = executables if executables is not None else ExecutableCache()
         self._compiled: dict[Bucket, object] = {}
 
@@ -113,21 +116,26 @@ class ModelRunner:
     def _executable(self, bucket: Bucket, batch, sampling):
         exe = self._compiled.get(bucket)
         if exe is None:
-            key = (self.cfg, self.attn_impl, str(self.dtype), bucket.max_q_len,
+            key = (self.cfg, self.attn_impl, str(self.dtype), bucket.max_q_len, self.parallel,
                    _signature((self.params, self.cache, batch, sampling)))
             exe = self.executables.get_or_compile(key, lambda: _step.lower(
                 self.params, self.cache, batch, sampling, cfg=self.cfg,
                 attn_impl=self.attn_impl, dtype=self.dtype,
-                max_q_len=bucket.max_q_len).compile())
+                max_q_len=bucket.max_q_len, parallel=self.parallel).compile())
             self._compiled[bucket] = exe
         return exe
 
     def run(self, bucket: Bucket, batch, sampling) -> np.ndarray:
         """Runs the step; returns sampled token ids [S] (host) after the device is done."""
-        batch = jax.tree.map(jnp.asarray, batch)
-        sampling = jax.tree.map(jnp.asarray, sampling)
+        if self.parallel is None:
+            batch = jax.tree.map(jnp.asarray, batch)
+            sampling = jax.tree.map(jnp.asarray, sampling)
+        else:  # replicated on the mesh (each process places its own devices' copies)
+            batch, sampling = self.parallel.put_replicated((batch, sampling))
         exe = self._executable(bucket, batch, sampling)
         tokens, self.cache = exe(self.params, self.cache, batch, sampling)
+        if self.parallel is not None:  # replicated: any local copy is the value
+            tokens = tokens.addressable_data(0)
         return np.asarray(tokens)
 
     def cache_lost(self) -> bool:
@@ -136,7 +144,13 @@ class ModelRunner:
 
     def reset_cache(self) -> None:
         """A fresh zeroed KV cache (every sequence's KV is gone)."""
-        self.cache = make_cache(self.cfg, self.num_blocks, self.block_size, self.dtype)
+        self.cache = self._new_cache()
+
+    def _new_cache(self):
+        if self.parallel is not None:
+            return self.parallel.make_cache(self.cfg, self.num_blocks, self.block_size,
+                                            self.dtype)
+        return make_cache(self.cfg, self.num_blocks, self.block_size, self.dtype)
 
     def warm(self, buckets) -> float:
         """Acquires (compiles, or finds) the executables of `buckets` and runs each once on

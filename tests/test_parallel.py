@@ -1,0 +1,211 @@
+"""Tensor parallelism (arcjax.parallel) on 8 forced CPU devices, and two processes joined by
+jax.distributed on 127.0.0.1.
+
+The multi-device runs happen in subprocesses (this file run as a script): the test process
+keeps its single CPU device. Every subprocess is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=4,
+                attention_impl="xla", chunk_tile=16, max_num_batched_tokens=32,
+                dtype="float32")
+PROMPT_LENS = (40, 9)  # the 40-token prompt is chunked (32-token budget, 16-token tiles)
+MAX_TOKENS = 6
+# (architecture, tensor-parallel sizes compared with one device). Llama: 4 heads, 2 KV
+# heads (tp=4 repeats each KV head twice); Qwen2: q/k/v biases and tied embeddings;
+# Llama8Heads: 8 query heads, 2 KV heads (tp=8 repeats each KV head 4 times).
+CASES = (("LlamaForCausalLM", (2, 4)), ("Qwen2ForCausalLM", (2,)), ("Llama8Heads", (8,)))
+SUBPROCESS_TIMEOUT_S = 420
+
+
+def _prompts():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 380, size=n).tolist() for n in PROMPT_LENS]
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _greedy(llm):
+    from arcjax import SamplingParams
+
+    outs = llm.generate(_prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+                        use_tqdm=False)
+    return [list(o.token_ids) for o in outs]
+
+
+# --- subprocess bodies -------------------------------------------------------------------
+def _run_tensor_parallel(model_dirs: dict) -> dict:
+    """8 host devices: greedy tokens per (arch, tp), shardings and per-device bytes."""
+    import jax
+
+    import arcjax
+    from arcjax.errors import EngineConfigError
+    from arcjax.parallel import per_device_bytes
+
+    assert jax.device_count() == 8
+    out = {"tokens": {}, "checks": {}}
+    for arch, sizes in CASES:
+        for tp in (1,) + sizes:
+            llm = arcjax.LLM(model_dirs[arch], tensor_parallel_size=tp, **GEOMETRY)
+            out["tokens"][f"{arch}/{tp}"] = _greedy(llm)
+            runner = llm.engine.runner
+            wq, k = runner.params["layers"]["wq"], runner.cache["k"]
+            out["checks"][f"{arch}/{tp}"] = {
+                "wq_spec": list(getattr(wq.sharding, "spec", ())),
+                "wq_shard_shape": list(wq.addressable_shards[0].data.shape),
+                "wq_devices": len(wq.sharding.device_set),
+                "cache_spec": list(getattr(k.sharding, "spec", ())),
+                "cache_shape": list(k.shape),
+                "cache_shard_shape": list(k.addressable_shards[0].data.shape),
+                "param_bytes": sorted(set(per_device_bytes(runner.params).values())),
+                "cache_bytes": sorted(set(per_device_bytes(runner.cache).values())),
+                "num_kv_heads": runner.cfg.num_kv_heads,
+            }
+            del llm
+    errors = {}
+    for tp in (3, 8):  # 3 does not divide 4 heads; 8 exceeds them
+        try:
+            arcjax.LLM(model_dirs["LlamaForCausalLM"], tensor_parallel_size=tp, **GEOMETRY)
+            errors[tp] = None
+        except EngineConfigError as e:
+            errors[tp] = e.field
+    out["errors"] = errors
+    return out
+
+
+def _run_host(model_dir: str, process_id: int, port: int) -> dict:
+    """One of two processes (one CPU device each), tensor parallel across both."""
+    import jax
+
+    import arcjax
+    from arcjax.parallel import follow, initialize, stop_followers
+
+    initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
+               initialization_timeout=120)
+    assert jax.device_count() == 2 and jax.local_device_count() == 1
+    llm = arcjax.LLM(model_dir, tensor_parallel_size=2, **GEOMETRY)
+    wq = llm.engine.runner.params["layers"]["wq"]
+    info = {"process": process_id, "devices": jax.device_count(),
+            "wq_local_shards": len(wq.addressable_shards),
+            "wq_shard_shape": list(wq.addressable_shards[0].data.shape)}
+    if process_id == 0:
+        info["tokens"] = _greedy(llm)
+        stop_followers(llm.engine)
+    else:
+        info["steps"] = follow(llm.engine)
+    info["sync_steps"] = llm.engine.sync.step
+    jax.distributed.shutdown()
+    return info
+
+
+# --- the tests ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dirs():
+    from hf_models import tiny_llama_8_heads_dir, tiny_model_dir
+
+    dirs = {arch: tiny_model_dir(arch) for arch, _ in CASES if arch.endswith("CausalLM")}
+    return dirs | {"Llama8Heads": tiny_llama_8_heads_dir()}
+
+
+@pytest.fixture(scope="module")
+def tp_results(model_dirs):
+    proc = subprocess.run([sys.executable, __file__, "tp", json.dumps(model_dirs)],
+                          env=_env(8), capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,tp", [(a, t) for a, sizes in CASES for t in sizes])
+def test_greedy_tokens_equal_single_device(tp_results, arch, tp):
+    single = tp_results["tokens"][f"{arch}/1"]
+    assert all(len(t) == MAX_TOKENS for t in single)
+    assert tp_results["tokens"][f"{arch}/{tp}"] == single
+
+
+@pytest.mark.slow
+def test_weights_and_cache_really_sharded(tp_results):
+    checks = tp_results["checks"]
+    one, two, four = (checks[f"LlamaForCausalLM/{t}"] for t in (1, 2, 4))
+    # wq [L, H, Hq * D] = [2, 64, 64]: split on the heads axis.
+    assert two["wq_spec"] == [None, None, "tp"] and two["wq_devices"] == 2
+    assert two["wq_shard_shape"] == [2, 64, 32] and four["wq_shard_shape"] == [2, 64, 16]
+    # cache [pages, block, Hkv, D]: split by KV head; tp=4 > 2 KV heads: repeated to 4.
+    assert two["cache_spec"] == [None, None, "tp"]
+    assert two["cache_shard_shape"][2] == 1 and four["num_kv_heads"] == 4
+    assert four["cache_shape"][2] == 4 and four["cache_shard_shape"][2] == 1
+    # Every device holds the same share; tp=2 holds about half the params of one device.
+    for c in (two, four):
+        assert len(c["param_bytes"]) == 1 and len(c["cache_bytes"]) == 1
+    assert two["cache_bytes"][0] * 2 == one["cache_bytes"][0]
+    assert one["param_bytes"][0] / 2 < two["param_bytes"][0] < one["param_bytes"][0] * 0.6
+    qwen = checks["Qwen2ForCausalLM/2"]
+    assert qwen["wq_shard_shape"] == [2, 64, 32]
+    eight = checks["Llama8Heads/8"]
+    assert eight["wq_devices"] == 8 and eight["wq_shard_shape"] == [2, 64, 8]
+    assert eight["num_kv_heads"] == 8 and eight["cache_shard_shape"][2] == 1
+
+
+@pytest.mark.slow
+def test_bad_tensor_parallel_size_names_the_field(tp_results):
+    assert tp_results["errors"] == {"3": "tensor_parallel_size", "8": "tensor_parallel_size"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tp_results, model_dirs):
+    model = model_dirs["LlamaForCausalLM"]
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, __file__, "host", model, str(pid), str(port)],
+                              env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for pid in (0, 1)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=SUBPROCESS_TIMEOUT_S)
+            assert p.returncode == 0, err[-4000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    leader, follower = results
+    assert leader["devices"] == 2 and leader["wq_local_shards"] == 1
+    assert leader["wq_shard_shape"] == [2, 64, 32]
+    assert leader["tokens"] == tp_results["tokens"]["LlamaForCausalLM/1"]
+    assert follower["steps"] == leader["sync_steps"] == follower["sync_steps"]
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "tp":
+        result = _run_tensor_parallel(json.loads(sys.argv[2]))
+    else:
+        result = _run_host(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    print(json.dumps(result))
