@@ -1,0 +1,49 @@
+"""Every bucket of the engine's step lowers for CUDA with the Pallas GPU kernel, on the CPU.
+
+The whole jitted step (embedding, the layer scan with `write_kv` and ragged paged attention,
+the LM head at the sampled rows, on-device sampling) is lowered with abstract inputs for a
+small Llama-shaped model in bfloat16, so a lowering regression anywhere in the step shows up
+without a GPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from arcjax.model.config import ModelConfig
+from arcjax.model.specs import cache_specs, is_spec, param_specs
+from arcjax.runtime import runner
+from arcjax.runtime.batching import empty_batch
+from arcjax.runtime.buckets import BucketSet
+from arcjax.runtime.sampling import SamplingBatch
+from pallas_kernels import lowering
+
+_UNAVAILABLE = lowering.cuda_lowering_unavailable()
+pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")
+
+CFG = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                  num_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=1024)
+BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 16, 64, 32
+BUCKETS = BucketSet.create(tile=64, max_tokens=256, max_seqs=16)
+
+
+def _abstract(tree, dtype=None):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype), tree)
+
+
+def _abstract_specs(specs, dtype):
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec)
+
+
+@pytest.mark.parametrize("bucket", BUCKETS.all(), ids=str)
+def test_every_engine_bucket_lowers_with_the_pallas_kernel(bucket):
+    dtype = jnp.bfloat16
+    params = _abstract_specs(param_specs(CFG), dtype)
+    cache = _abstract_specs(cache_specs(CFG, NUM_BLOCKS, BLOCK_SIZE), dtype)
+    batch = _abstract(empty_batch(bucket, max_blocks=MAX_BLOCKS, block_size=BLOCK_SIZE,
+                                  num_blocks=NUM_BLOCKS))
+    sampling = _abstract(SamplingBatch.build([], bucket.seqs))
+    text = lowering.lower_for_cuda(runner._step.__wrapped__, params, cache, batch, sampling,
+                                   cfg=CFG, attn_impl="pallas_gpu", dtype=dtype,
+                                   max_q_len=bucket.max_q_len)
+    assert lowering.triton_kernel_calls(text) >= 1, "attention did not lower to the kernel"
