@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -195,3 +196,90 @@ def format_table(columns: Mapping[str, BurstSummary]) -> str:
     row("longest gap between two tokens of a user", lambda s: f"{s.longest_gap:.2f} s")
     row("window", lambda s: f"{s.window[1] - s.window[0]:.1f} s")
     return markdown_table(["", *columns], [[label, *cells] for label, cells in rows])
+
+
+# --- step records and knob engagement -----------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """One step, real (the engine's trace) or simulated (`scheduler.simulate`).
+
+    Attributes:
+      start, end: the step's times (seconds, the run's clock).
+      prefill_tokens, decode_tokens, num_seqs: what ran.
+      engaged: what each scheduling knob did (`Engaged.as_dict()`; falsy = did not act).
+      cached_tokens: prompt tokens admitted this step from the prefix cache.
+      index: the step's number in its run.
+      bucket: (T, S, max_q_len) the engine ran it in (None in simulation).
+      compiled: the engine had to acquire an executable in this step (never after warm-up).
+      sampled: requests that got a token this step (engine).
+      error: set when the engine's step failed (its requests finished "error").
+    """
+
+    start: float
+    end: float
+    prefill_tokens: int
+    decode_tokens: int
+    num_seqs: int
+    engaged: Mapping[str, object]
+    cached_tokens: int = 0
+    index: int = 0
+    bucket: tuple[int, int, int] | None = None
+    compiled: bool = False
+    sampled: tuple = ()
+    error: str | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def kind(self) -> str:
+        return step_kind(self.prefill_tokens, self.decode_tokens)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["engaged"] = _jsonable(dict(self.engaged))
+        return d
+
+
+def _jsonable(x):
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+# Scheduler config field -> the `engaged` entry that records it acting.
+KNOB_ENGAGEMENT = {
+    "prefill_max_seqs": "cap_deferred",
+    "prefill_floor_steps": "floor_held",
+    "long_prefill_token_threshold": "long_prefill_capped",
+    "max_num_partial_prefills": "partial_limit",
+    "max_num_batched_tokens": "budget_full_at",
+    "max_num_seqs": "seqs_full",
+    "chunk_tile": "tile_trimmed",
+}
+
+
+def engagement(records: Iterable[StepRecord]) -> dict[str, int]:
+    """How many steps each knob engaged in (knobs that never engaged map to 0).
+
+    An `engaged` entry is falsy (0, False, ()) exactly when its knob did not act.
+    """
+    counts: Counter = Counter()
+    for r in records:
+        for knob, value in r.engaged.items():
+            counts[knob] += bool(value)
+    return dict(counts)
+
+
+def knob_report(counts: Mapping[str, int], configured: Mapping[str, object]) -> dict:
+    """For every configured knob (config field name): its value, and in how many steps
+    its `engaged` entry acted."""
+    report = {}
+    for knob, value in dict(configured).items():
+        n = counts.get(KNOB_ENGAGEMENT.get(knob, knob), 0)
+        report[knob] = {"value": value, "engaged_steps": n, "engaged": n > 0}
+    return report

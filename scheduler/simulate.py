@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 
 from scheduler import metrics
+from scheduler.metrics import StepRecord
 from scheduler.commit import commit
 from scheduler.config import SchedulerConfig
 from scheduler.plan import StepPlan
@@ -82,19 +83,6 @@ class RequestRecord:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class StepRecord:
-    """One simulated step (the fields scheduler.metrics reads, plus what the planner did)."""
-
-    start: float
-    end: float
-    prefill_tokens: int
-    decode_tokens: int
-    num_seqs: int
-    engaged: tuple[str, ...]
-    cached_tokens: int = 0  # prompt tokens the prefix cache saved (not in prefill_tokens)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class SimResult:
     """A simulated run: per-request token times (TTFT and inter-token gaps follow from them, see
     scheduler.metrics), per-step records, the clock at the end, and requests left unfinished."""
@@ -114,12 +102,8 @@ class SimResult:
         return sum(step.cached_tokens for step in self.steps)
 
     def engagement(self) -> dict[str, int]:
-        """Steps in which each knob engaged."""
-        counts: dict[str, int] = {}
-        for step in self.steps:
-            for knob in step.engaged:
-                counts[knob] = counts.get(knob, 0) + 1
-        return counts
+        """Steps in which each knob engaged (knobs that never did are left out)."""
+        return {k: n for k, n in metrics.engagement(self.steps).items() if n}
 
 
 def burst(num_users: int, prompt_tokens: int, max_tokens: int, *,
@@ -177,7 +161,7 @@ def simulate(config: SchedulerConfig, cost: CostModel, requests: Iterable[Reques
                 times[rid].append(end)
         steps.append(StepRecord(start=now, end=end, prefill_tokens=plan.num_prefill_tokens,
                                 decode_tokens=plan.num_decode_tokens, num_seqs=plan.num_seqs,
-                                engaged=plan.engaged.active(),
+                                engaged=plan.engaged.as_dict(), index=len(steps),
                                 cached_tokens=plan.num_cached_tokens))
         now = end
     records = tuple(RequestRecord(request_id=rid, arrival_time=arrivals[rid],

@@ -72,13 +72,13 @@ class Step:
     end: float
     prefill_tokens: int
     decode_tokens: int
-    engaged: tuple[str, ...] = ()
+    engaged: dict = dataclasses.field(default_factory=dict)
 
 
 def synthetic_run(window_s: float = 100.0, t0: float = 10.0) -> burst.BurstRun:
     """Burst at t0 (10 by default): from t=10, two 2 s prompt steps (user a, then b), then 1 s
     decode steps; user c never gets a token."""
-    steps = (Step(10, 12, 400, 0, ("cap_deferred",)), Step(12, 14, 400, 1, ("cap_deferred",)),
+    steps = (Step(10, 12, 400, 0, {"cap_deferred": 1}), Step(12, 14, 400, 1, {"cap_deferred": 1}),
              Step(14, 15, 0, 2), Step(15, 16, 0, 2), Step(16, 17, 0, 1))
     requests = (RequestRecord(request_id="a", arrival_time=t0, token_times=(12, 14, 15, 16)),
                 RequestRecord(request_id="b", arrival_time=t0, token_times=(14, 15, 16, 17)),

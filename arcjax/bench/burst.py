@@ -19,19 +19,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import time
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import scheduler
 from arcjax.engine.engine import Engine
 from arcjax.engine.tokenizer import Tokenizer
-from arcjax.engine.trace import engagement, knob_report
 from arcjax.runtime.buckets import Bucket, BucketSet
-from arcjax.runtime.runner import ModelRunner
 from arcjax.runtime.sampling import SamplingParams
 from scheduler import metrics
 from scheduler.arms import KNOB_SHORT, Arm
-from scheduler.metrics import markdown_table
+from scheduler.metrics import engagement, knob_report, markdown_table
 from scheduler.simulate import RequestRecord, simulate
 
 # A fallback word list for tokenizers whose vocabulary holds too few whole words.
@@ -78,7 +75,7 @@ class BurstRun:
       window_s: the configured window length.
       requests: per user: arrival_time and token_times (scheduler.simulate.RequestRecord).
       steps: every step run, in order: start, end, prefill_tokens, decode_tokens, engaged
-        (arcjax.engine.trace.StepRecord on the engine, scheduler.simulate.StepRecord in simulation).
+        (scheduler.metrics.StepRecord, from the engine's trace or the simulator).
       max_new_tokens: tokens every user asked for (a user with fewer at the window's end is
         still waiting for its next token: an open stall).
       configured_knobs: SchedulerConfig field -> value the arm set explicitly.
@@ -161,14 +158,8 @@ def planned_buckets(buckets: BucketSet, config: scheduler.SchedulerConfig,
 # --- metrics ---------------------------------------------------------------------------------
 
 def engaged_counts(steps) -> dict[str, int]:
-    """Steps in which each `Engaged` field acted; reads engine records (a mapping per step)
-    and simulated ones (a tuple of the names that acted)."""
-    counts = engagement(s for s in steps if isinstance(s.engaged, Mapping))
-    for s in steps:
-        if not isinstance(s.engaged, Mapping):
-            for name in s.engaged:
-                counts[name] = counts.get(name, 0) + 1
-    return {k: n for k, n in counts.items() if n}
+    """Steps in which each `Engaged` field acted (only those that did)."""
+    return {k: n for k, n in engagement(steps).items() if n}
 
 
 def _finite(x: float | None) -> float | None:

@@ -1,4 +1,7 @@
-"""Per-step trace: one record per engine step, a run summary, JSONL export.
+"""Per-step trace: a run summary and JSONL export of `StepRecord`s.
+
+The record type is `scheduler.metrics.StepRecord`, the one step record of the project: the
+simulator writes the same type, so every metric reads real and simulated runs alike.
 
 NOTE: step times are taken after the device result is on the host, so the sum of
 step durations is a lower bound of the wall time spent in `step()`; the self-check
@@ -8,83 +11,13 @@ detokenizing, the caller's own code).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections import Counter
 from typing import Iterable, Mapping
 
-from scheduler.metrics import step_kind
+from scheduler.metrics import StepRecord, engagement, knob_report
 
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-    index: int
-    start: float
-    end: float
-    prefill_tokens: int
-    decode_tokens: int
-    num_seqs: int
-    bucket: tuple[int, int, int]  # (T, S, max_q_len)
-    compiled: bool  # this step compiled its bucket (never after warm-up)
-    engaged: Mapping  # the plan's record of what each scheduling knob did
-    sampled: tuple[str, ...] = ()  # requests that got a token this step
-    error: str | None = None  # set when the step failed (its requests finished "error")
-    cached_tokens: int = 0  # prompt tokens admitted this step from the prefix cache
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-    @property
-    def kind(self) -> str:
-        return step_kind(self.prefill_tokens, self.decode_tokens)
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["engaged"] = _jsonable(dict(self.engaged))
-        return d
-
-
-def _jsonable(x):
-    if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
-
-
-# Scheduler config field -> the `engaged` entry that records it acting.
-KNOB_ENGAGEMENT = {
-    "prefill_max_seqs": "cap_deferred",
-    "prefill_floor_steps": "floor_held",
-    "long_prefill_token_threshold": "long_prefill_capped",
-    "max_num_partial_prefills": "partial_limit",
-    "max_num_batched_tokens": "budget_full_at",
-    "max_num_seqs": "seqs_full",
-    "chunk_tile": "tile_trimmed",
-}
-
-
-def engagement(records: Iterable[StepRecord]) -> dict[str, int]:
-    """How many steps each knob engaged in (knobs that never engaged map to 0).
-
-    An `engaged` entry is falsy (0, False, ()) exactly when its knob did not act.
-    """
-    counts: Counter = Counter()
-    for r in records:
-        for knob, value in r.engaged.items():
-            counts[knob] += bool(value)
-    return dict(counts)
-
-
-def knob_report(counts: Mapping[str, int], configured: Mapping[str, object]) -> dict:
-    """For every configured knob (config field name): its value, and in how many steps
-    its `engaged` entry acted."""
-    report = {}
-    for knob, value in dict(configured).items():
-        n = counts.get(KNOB_ENGAGEMENT.get(knob, knob), 0)
-        report[knob] = {"value": value, "engaged_steps": n, "engaged": n > 0}
-    return report
+__all__ = ["StepRecord", "summarize", "write_jsonl"]
 
 
 def summarize(records: list[StepRecord], wall_time: float,

@@ -34,7 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arcjax.errors import EngineConfigError
 from arcjax.model.config import ModelConfig
-from arcjax.model.specs import ParamSpec, cache_specs, is_spec, param_specs
+from arcjax.model.specs import cache_specs, is_spec, param_specs
 
 TP_AXIS = "tp"
 # Logical axes split over the tensor axis; every other logical axis is replicated.
