@@ -137,6 +137,30 @@ async def _until_disconnect(request: Request, coro):
     return False, None
 
 
+class _TraceFanout:
+    """`Engine.trace_sink` that calls several listeners (servers sharing one engine, and
+    whoever listened before the first server came)."""
+
+    def __init__(self, first=None):
+        self._sinks = [first] if first is not None else []
+
+    @classmethod
+    def install(cls, engine) -> "_TraceFanout":
+        if not isinstance(engine.trace_sink, cls):
+            engine.trace_sink = cls(engine.trace_sink)
+        return engine.trace_sink
+
+    def add(self, sink) -> None:
+        self._sinks = [*self._sinks, sink]  # copy-on-write: the engine thread iterates
+
+    def remove(self, sink) -> None:
+        self._sinks = [s for s in self._sinks if s != sink]
+
+    def __call__(self, record) -> None:
+        for sink in self._sinks:
+            sink(record)
+
+
 class OpenAIServer:
     """The app and its state for one `AsyncLLM` (see the module docstring)."""
 
@@ -147,14 +171,8 @@ class OpenAIServer:
         model = llm.engine_config.model
         self.model_name = self.config.served_model_name or model or DEFAULT_MODEL_NAME
         self.metrics = ServerMetrics(engine, self.model_name)
-        previous = engine.trace_sink
-        if previous is None:
-            engine.trace_sink = self.metrics.on_step
-        else:  # keep whoever was listening first
-            def both(record, _first=previous, _second=self.metrics.on_step):
-                _first(record)
-                _second(record)
-            engine.trace_sink = both
+        self._fanout = _TraceFanout.install(engine)
+        self._fanout.add(self.metrics.on_step)
         self.chat_template = (ChatTemplate.from_dir(engine.model_dir)
                               if engine.model_dir is not None else ChatTemplate(None))
         self.created = int(time.time())
@@ -162,6 +180,10 @@ class OpenAIServer:
         self.active: set[str] = set()  # engine request ids this server is waiting on
         self.in_flight = 0  # generation requests (HTTP) not finished yet
         self.app = self._build_app()
+
+    def close(self) -> None:
+        """Stops counting engine steps (the engine may outlive this server)."""
+        self._fanout.remove(self.metrics.on_step)
 
     # --- the app ----------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -505,5 +527,6 @@ def serve(model: str | None = None, config: ServeConfig | None = None, *, warmup
         print(f"arcjax serve: {api.model_name!r} on http://{config.host}:{config.port}",
               flush=True)
         uv.run()
+        api.close()
     finally:
         llm.shutdown()
