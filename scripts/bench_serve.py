@@ -336,6 +336,38 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _run_arm(spec: str, options: dict, warm: list[str], reps: list[list[str]]) -> list[dict]:
+    """One arm: a server subprocess (--launch) and/or an in-process AsyncLLM (--inprocess),
+    both alive at once, both warmed, then their measured runs interleaved repeat by repeat
+    so that their ratio is measured side by side on a noisy machine."""
+    server = ServerProcess(options) if _LAUNCH.value else None
+    llm = None
+    runs = []
+    try:
+        if _INPROCESS.value:
+            from arcjax import AsyncLLM
+
+            llm = AsyncLLM(_MODEL.value, **options)
+        if server:
+            _measure_http(server.url, "bench", warm, spec)  # warm-up (compiles)
+        if llm:
+            _measure_inprocess(llm, warm, spec)
+        for rep, prompts in enumerate(reps):
+            if server:
+                runs.append({**_measure_http(server.url, "bench", prompts, spec), "repeat": rep})
+            if llm:
+                runs.append({**_measure_inprocess(llm, prompts, spec), "repeat": rep})
+    finally:
+        if llm:
+            llm.shutdown()
+        if server:
+            code = server.stop()
+            for r in runs:
+                if r["target"] == "http":
+                    r["server_exit"] = code
+    return runs
+
+
 def summarize(runs: list[dict]) -> list[dict]:
     """Median TTFT p50 and throughput over the repeats of each (label, target)."""
     groups: dict[tuple, list[dict]] = {}
@@ -404,28 +436,7 @@ def main(argv):
         for rep, prompts in enumerate(reps):
             runs.append({**_measure_http(url, model, prompts, "server"), "repeat": rep})
     for spec in (_ARMS.value if (_LAUNCH.value or _INPROCESS.value) else []):
-        options = _arm_options(spec, len(warm), num_blocks)
-        if _LAUNCH.value:
-            server = ServerProcess(options)
-            try:
-                _measure_http(server.url, "bench", warm, spec)  # warm-up (compiles)
-                for rep, prompts in enumerate(reps):
-                    runs.append({**_measure_http(server.url, "bench", prompts, spec),
-                                 "repeat": rep})
-            finally:
-                code = server.stop()
-                if runs:
-                    runs[-1]["server_exit"] = code
-        if _INPROCESS.value:
-            from arcjax import AsyncLLM
-
-            llm = AsyncLLM(_MODEL.value, **options)
-            try:
-                _measure_inprocess(llm, warm, spec)  # warm-up
-                for rep, prompts in enumerate(reps):
-                    runs.append({**_measure_inprocess(llm, prompts, spec), "repeat": rep})
-            finally:
-                llm.shutdown()
+        runs += _run_arm(spec, _arm_options(spec, len(warm), num_blocks), warm, reps)
     print(table(runs))
     summary = summarize(runs)
     for row in summary:

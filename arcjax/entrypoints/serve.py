@@ -97,14 +97,22 @@ def _error(status: int, message: str, type_: str, param=None, code=None) -> JSON
 
 
 class _EventStream(StreamingResponse):
-    """A StreamingResponse that always closes its body iterator (a cancelled stream then
-    aborts its requests at once instead of when the generator is garbage collected)."""
+    """A StreamingResponse that always closes its body iterator and then runs `on_close`,
+    even if the body never started (a cancelled stream then aborts its requests at once,
+    not when the generator is garbage collected)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                await self._on_close()
 
 
 async def _disconnected(request: Request) -> None:
@@ -336,8 +344,13 @@ class OpenAIServer:
                 return Response(status_code=499)
             body = self._events(first, stream, len(prompts), rid, created, chat,
                                 parsed.include_usage)
+
+            async def on_close():
+                await stream.aclose()
+                self.in_flight -= 1
+
             handed_over = True
-            return _EventStream(body, media_type="text/event-stream",
+            return _EventStream(body, on_close, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache"})
         finally:
             if not handed_over:
@@ -402,7 +415,8 @@ class OpenAIServer:
 
     async def _events(self, first, stream, n: int, rid: str, created: int, chat: bool,
                       include_usage: bool) -> AsyncIterator[str]:
-        """The SSE body: OpenAI chunks, an optional usage chunk, then [DONE]."""
+        """The SSE body: OpenAI chunks, an optional usage chunk, then [DONE]. (The response
+        closes `stream` when it ends, however it ends.)"""
         model = self.model_name
         finals: list[RequestOutput | None] = [None] * n
         try:
@@ -436,9 +450,6 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
         except InputError as e:  # a prompt refused when queued, after the first output
             yield proto.sse(proto.error_body(str(e), "invalid_request_error", e.field))
-        finally:
-            await stream.aclose()
-            self.in_flight -= 1
 
     # --- shutdown -----------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:
