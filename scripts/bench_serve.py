@@ -66,6 +66,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "prompt and arrival seed")
 _BLOCK = flags.DEFINE_integer("block_size", 16, "--launch/--inprocess: tokens per KV block")
 _BLOCKS = flags.DEFINE_integer("num_kv_blocks", 0, "KV blocks; 0 = room for every user")
 _SEQS = flags.DEFINE_integer("max_num_seqs", 0, "0 = max(8, users)")
+_WARMUP_ALL = flags.DEFINE_bool("warmup_all", True, "--launch/--inprocess: compile every "
+                                 "bucket first (`arcjax serve --warmup`, runner.warmup()), so "
+                                 "no measured run compiles")
 _CACHE = flags.DEFINE_string("compilation_cache_dir", None, "JAX persistent compilation cache")
 _OUT = flags.DEFINE_string("out", None, "write every run as JSON here")
 _PLOT = flags.DEFINE_string("plot", None, "write the TTFT CDF and user timelines (PNG) here")
@@ -81,32 +84,63 @@ class User:
 
 
 # --- load generators --------------------------------------------------------------------------
-async def _http_user(client, url: str, model: str, prompt: str, user: User) -> None:
-    import httpx
+async def _http_user(url: str, model: str, prompt: str, user: User) -> None:
+    """One streaming /v1/completions request over a raw asyncio connection (HTTP/1.1,
+    chunked or close-delimited body): a client far lighter than httpx, so 64 streams
+    measure the server, not the load generator."""
+    from urllib.parse import urlsplit
 
-    body = {"model": model, "prompt": prompt, "max_tokens": _NEW.value, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": _NEW.value,
+                       "temperature": 0, "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
+    parts = urlsplit(url)
+    path = (parts.path.rstrip("/") or "") + "/v1/completions"
     user.start = time.perf_counter()
+    writer = None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                user.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    user.done = True
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                     f"Connection: close\r\n\r\n".encode() + body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = int(head.split(b" ", 2)[1])
+        chunked = b"transfer-encoding: chunked" in head.lower()
+        if status != 200:
+            user.error = f"HTTP {status}: {(await reader.read(300))!r}"
+            return
+        buf = b""
+        while True:
+            if chunked:
+                size = int((await reader.readuntil(b"\r\n")).strip().split(b";")[0], 16)
+                if size == 0:
                     break
-                obj = json.loads(data)
+                data = await reader.readexactly(size + 2)
+                buf += data[:-2]
+            else:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                buf += data
+            *events, buf = buf.split(b"\n\n")
+            now = time.perf_counter()
+            for event in events:
+                if not event.startswith(b"data: "):
+                    continue
+                payload = event[6:]
+                if payload == b"[DONE]":
+                    user.done = True
+                    continue
+                obj = json.loads(payload)
                 if obj.get("choices"):
                     if obj["choices"][0].get("text"):
-                        user.times.append(time.perf_counter())
+                        user.times.append(now)
                 elif obj.get("usage"):
                     user.tokens = obj["usage"]["completion_tokens"]
-    except httpx.HTTPError as e:
+    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
         user.error = repr(e)
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 async def _inproc_user(llm, prompt: str, user: User) -> None:
@@ -228,12 +262,14 @@ class ServerProcess:
                *(f"--{k.replace('_', '-')}={v}" for k, v in options.items())]
         if _CACHE.value:
             cmd.append(f"--compilation-cache-dir={_CACHE.value}")
+        if _WARMUP_ALL.value:
+            cmd.append("--warmup")
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(cmd, env=env, cwd=root)
         import httpx
 
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 1800
         while True:
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
@@ -250,11 +286,7 @@ class ServerProcess:
 
 
 async def _http_run(url: str, model: str, prompts: list[str]):
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(_WINDOW.value + 30), limits=limits) as c:
-        return await _run_load(prompts, lambda p, u: _http_user(c, url, model, p, u))
+    return await _run_load(prompts, lambda p, u: _http_user(url, model, p, u))
 
 
 def _measure_http(url: str, model: str, prompts: list[str], label: str) -> dict:
@@ -348,6 +380,8 @@ def _run_arm(spec: str, options: dict, warm: list[str], reps: list[list[str]]) -
             from arcjax import AsyncLLM
 
             llm = AsyncLLM(_MODEL.value, **options)
+            if _WARMUP_ALL.value:
+                llm.engine.runner.warmup()
         if server:
             _measure_http(server.url, "bench", warm, spec)  # warm-up (compiles)
         if llm:
