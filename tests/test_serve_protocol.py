@@ -98,3 +98,25 @@ def test_response_shapes():
     assert proto.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'
     assert proto.error_body("bad", "invalid_request_error", "n") == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}}
+
+
+def test_cli_flags_mirror_engine_options(monkeypatch):
+    from arcjax.engine.config import EngineConfig
+    from arcjax.entrypoints.cli import parse_serve
+
+    monkeypatch.setenv("ARCJAX_API_KEY", "from-env")
+    monkeypatch.setenv("ARC_PREFILL_MAX_SEQS", "4")
+    monkeypatch.setenv("ARC_PREFILL_FLOOR_STEPS", "2")
+    cmd = parse_serve(["serve", "/some/model", "--port", "9000", "--policy", "prefill_first",
+                       "--max-num-batched-tokens", "512", "--prefill-floor-steps", "0",
+                       "--dtype", "float32", "--max-queued-requests", "5"])
+    assert cmd.model_dir == "/some/model" and cmd.config.port == 9000
+    assert cmd.config.host == "127.0.0.1" and cmd.config.api_key == "from-env"
+    assert cmd.config.max_queued_requests == 5
+    assert cmd.engine_options == {"policy": "prefill_first", "max_num_batched_tokens": 512,
+                                  "prefill_floor_steps": 0, "dtype": "float32"}
+    cfg = EngineConfig.from_options(None, **cmd.engine_options)
+    assert cfg.prefill_max_seqs == 4  # from the environment
+    assert cfg.prefill_floor_steps == 0  # the flag wins over ARC_PREFILL_FLOOR_STEPS
+    assert parse_serve(["serve", "--api-key", "k"]).config.api_key == "k"
+    assert parse_serve(["serve"]).model_dir is None
