@@ -478,7 +478,8 @@ def test_metrics_parse_and_count(server):
 def test_drain_lets_in_flight_requests_finish(llm):
     running = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
                                                           shutdown_timeout=30)))
-    body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=40, temperature=0,
+    # long enough (240 steps) that the drain is still waiting when /health is asked
+    body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=240, temperature=0,
                 ignore_eos=True, stream=True)
     with _sse_stream(running, body) as r:
         lines = r.iter_lines()
