@@ -424,8 +424,11 @@ def plot(runs: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 1 + len(runs), figsize=(5 * (1 + len(runs)), 4), squeeze=False)
-    ax = axes[0][0]
+    cols = min(4, 1 + len(runs))
+    rows = -(-(1 + len(runs)) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    ax = flat[0]
     for r in runs:
         xs = r["ttft_all_s"]
         ax.step(xs, [(i + 1) / r["users"] for i in range(len(xs))], where="post",
@@ -434,12 +437,14 @@ def plot(runs: list[dict], path: str) -> None:
     ax.set_ylabel("fraction of users")
     ax.set_title("TTFT CDF")
     ax.legend(fontsize=7)
-    for ax, r in zip(axes[0][1:], runs):
+    for ax, r in zip(flat[1:], runs):
         for u, times in enumerate(r["timelines"]):
             ax.plot(times, [u] * len(times), "|", markersize=3)
-        ax.set_title(f"{r['label']} ({r['target']})", fontsize=9)
+        ax.set_title(f"{r['label']} ({r['target']}) #{r.get('repeat', 0)}", fontsize=9)
         ax.set_xlabel("time since start (s)")
         ax.set_ylabel("user")
+    for ax in flat[1 + len(runs):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
