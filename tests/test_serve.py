@@ -68,6 +68,7 @@ class RunningServer:
     def stop(self, timeout: float = 30) -> None:
         self.uv.request_shutdown()
         self.thread.join(timeout)
+        self.api.close()
 
 
 # --- fixtures -------------------------------------------------------------------------------
@@ -225,3 +226,333 @@ def test_chat_equal_llm_generate(server, reference, llm):
         return r.choices[0].message.content
 
     assert asyncio.run(run()) == expected
+
+
+# --- load, disconnects, slow readers --------------------------------------------------------
+def test_64_concurrent_streams(server, llm):
+    """64 streaming clients at once (max_num_seqs 8, budget 128): all finish, every block is
+    freed, and /metrics counts the steps in which max_num_seqs held admissions back."""
+    before = _metrics(server)
+
+    async def run():
+        client = _aclient(server)
+
+        async def one(i):
+            text, reasons = "", []
+            async for c in await client.completions.create(
+                    model=MODEL, prompt=PROMPTS[i % 3] + " " * (i % 5), max_tokens=6,
+                    temperature=0.8, seed=i, stream=True):
+                text += c.choices[0].text
+                reasons.append(c.choices[0].finish_reason)
+            return reasons[-1]
+
+        return await asyncio.wait_for(asyncio.gather(*map(one, range(64))), 90)
+
+    reasons = asyncio.run(run())
+    assert len(reasons) == 64 and set(reasons) <= {"length", "stop"}
+    assert _wait_for(lambda: llm.engine.blocks_in_use() == 0 and llm.num_unfinished == 0)
+    after = _metrics(server)
+    for knob in ("seqs_full",):
+        key = f"arcjax_scheduler_knob_engaged_steps_total[knob={knob}]"
+        assert after[key] > before[key], knob
+    done = [f"arcjax_requests_total[finish_reason={r}]" for r in ("length", "stop")]
+    assert sum(after[k] - before[k] for k in done) == 64
+
+
+def _sse_stream(server, body, **kw):
+    return httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30, **kw)
+
+
+def test_disconnect_mid_stream_frees_blocks(server, llm):
+    before = _metrics(server)
+    body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0,
+                ignore_eos=True, stream=True)
+    with _sse_stream(server, body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few chunks (and blank separators)
+        assert any(g.startswith("data: ") for g in got)
+        assert llm.engine.blocks_in_use() > 0
+    # closed mid-stream: the request is aborted and its blocks freed
+    assert _wait_for(lambda: llm.num_unfinished == 0 and llm.engine.blocks_in_use() == 0, 5)
+    after = _metrics(server)
+    assert after["arcjax_kv_blocks_in_use"] == 0
+    key = "arcjax_requests_total[finish_reason=abort]"
+    assert after[key] == before.get(key, 0) + 1
+    assert after["arcjax_generation_tokens_total"] < before["arcjax_generation_tokens_total"] + 200
+
+
+def test_disconnect_while_not_streaming(server, llm):
+    key = "arcjax_requests_total[finish_reason=abort]"
+    before = _metrics(server)[key]
+    body = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=240, temperature=0,
+                ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body,
+                   timeout=httpx.Timeout(30, read=0.3))
+    assert _wait_for(lambda: llm.num_unfinished == 0 and llm.engine.blocks_in_use() == 0, 5)
+    assert _metrics(server)[key] == before + 1
+
+
+def test_slow_reader_does_not_slow_others(server, llm):
+    """One client reads a chunk every 50 ms; 8 others stream at full speed meanwhile. The
+    engine finishes the slow reader's request long before it has read it, and the fast clients
+    finish while it is still reading."""
+    import socket as socket_mod
+
+    payload = json.dumps(dict(model=MODEL, prompt=PROMPTS[2], max_tokens=60, temperature=0,
+                              ignore_eos=True, stream=True)).encode()
+    sock = socket_mod.create_connection(("127.0.0.1", server.port))
+    sock.setsockopt(socket_mod.SOL_SOCKET, socket_mod.SO_RCVBUF, 4096)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    slow_done = threading.Event()
+    slow_data = []
+    engine_idle_while_reading = []
+
+    def slow():
+        buf = b""
+        while b"[DONE]" not in buf:
+            chunk = sock.recv(256)
+            if not chunk:
+                break
+            buf += chunk
+            engine_idle_while_reading.append(llm.num_unfinished == 0)
+            time.sleep(0.05)
+        slow_data.append(buf)
+        slow_done.set()
+
+    t = threading.Thread(target=slow, daemon=True)
+    t.start()
+
+    async def fast():
+        client = _aclient(server)
+
+        async def one(i):
+            n = 0
+            async for c in await client.completions.create(
+                    model=MODEL, prompt=PROMPTS[i % 3], max_tokens=20, temperature=0,
+                    extra_body={"ignore_eos": True}, stream=True):
+                n += bool(c.choices[0].text)
+            return n
+
+        return await asyncio.wait_for(asyncio.gather(*map(one, range(8))), 60)
+
+    counts = asyncio.run(fast())
+    assert all(n > 0 for n in counts)
+    assert not slow_done.is_set(), "fast clients should finish while the slow one reads"
+    t.join(60)
+    sock.close()
+    assert b"[DONE]" in slow_data[0] and b'"finish_reason":"length"' in slow_data[0]
+    assert any(engine_idle_while_reading), "the engine waited for the slow reader"
+
+
+# --- errors ---------------------------------------------------------------------------------
+BAD_REQUESTS = [
+    ({"prompt": "x", "logprobs": 1}, "logprobs"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": -1}, "top_k"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10_000}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": "x", "seed": -3}, "seed"),
+    ({"prompt": "x", "stop": 5}, "stop"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 2, 100_000]}, "prompt"),
+    ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": {"a": 1}}, "prompt"),
+    ({"prompt": "x " * 300}, "prompt"),
+    ({}, "prompt"),
+    ([1, 2], "body"),
+]
+
+
+@pytest.mark.parametrize("body,field", BAD_REQUESTS, ids=[f for _, f in BAD_REQUESTS])
+def test_bad_completion_requests_are_400_naming_the_field(server, body, field):
+    if isinstance(body, dict):
+        body = {"model": MODEL, **body}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["type"] == "invalid_request_error" and err["message"]
+
+
+BAD_CHATS = [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
+      "max_completion_tokens": 4}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x " * 300}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+]
+
+
+@pytest.mark.parametrize("body,field", BAD_CHATS, ids=[f for _, f in BAD_CHATS])
+def test_bad_chat_requests_are_400_naming_the_field(server, body, field):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, **body},
+                   timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_error_statuses(server, llm):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(server).completions.create(model=MODEL, prompt="x", max_tokens=4, n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError) as e:
+        _client(server).completions.create(model="gpt-4", prompt="x", max_tokens=4)
+    assert e.value.body["code"] == "model_not_found"
+    r = httpx.get(server.url + "/v1/nothing-here", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    assert httpx.get(server.url + "/v1/completions", timeout=10).status_code == 405
+    # a server with an API key, and one whose queue holds nothing, on the same engine
+    keyed = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
+                                                        api_key="sesame")))
+    full = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
+                                                       max_queued_requests=0)))
+    assert len(llm.engine.trace_sink._sinks) == 3  # one fan-out, every server counted once
+    try:
+        for key in ("wrong", None):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            r = httpx.post(keyed.url + "/v1/completions", headers=headers, timeout=10,
+                           json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            _client(keyed, api_key="wrong").models.list()
+        r = _client(keyed, api_key="sesame").completions.create(model=MODEL, prompt="x",
+                                                                 max_tokens=2)
+        assert r.choices[0].text is not None
+        assert httpx.get(keyed.url + "/health", timeout=10).status_code == 200
+        with pytest.raises(openai.RateLimitError) as e:
+            _client(full).completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+    finally:
+        keyed.stop()
+        full.stop()
+
+
+# --- metrics --------------------------------------------------------------------------------
+def test_metrics_parse_and_count(server):
+    _client(server).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=8,
+                                       temperature=0)
+    m = _metrics(server)
+    for name in ("arcjax_time_to_first_token_seconds_count",
+                 "arcjax_inter_token_latency_seconds_count",
+                 "arcjax_e2e_request_latency_seconds_count", "arcjax_prompt_tokens_total",
+                 "arcjax_generation_tokens_total", "arcjax_engine_steps_total"):
+        assert m[name] > 0, name
+    for name in ("arcjax_num_requests_running", "arcjax_num_requests_waiting",
+                 "arcjax_kv_blocks_in_use", "arcjax_preemptions_total",
+                 "arcjax_prefix_cache_hit_tokens_total",
+                 "arcjax_scheduler_knob_engaged_steps_total[knob=cap_deferred]",
+                 "arcjax_scheduler_knob_engaged_steps_total[knob=floor_held]",
+                 "arcjax_scheduler_knob_engaged_steps_total[knob=budget_full_at]"):
+        assert name in m, name
+    assert m["arcjax_kv_blocks_total"] == 96
+    assert m["arcjax_requests_total[finish_reason=length]"] >= 3
+
+
+# --- shutdown -------------------------------------------------------------------------------
+def test_drain_lets_in_flight_requests_finish(llm):
+    running = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
+                                                          shutdown_timeout=30)))
+    # long enough (240 steps) that the drain is still waiting when /health is asked
+    body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=240, temperature=0,
+                ignore_eos=True, stream=True)
+    with _sse_stream(running, body) as r:
+        lines = r.iter_lines()
+        first = next(lines)
+        assert first.startswith("data: ")
+        stopper = threading.Thread(target=running.stop)
+        stopper.start()
+        assert _wait_for(lambda: running.api.draining, 5)
+        assert httpx.get(running.url + "/health", timeout=10).status_code == 503
+        r2 = httpx.post(running.url + "/v1/completions", timeout=10,
+                        json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r2.status_code == 503 and r2.json()["error"]["code"] == "shutting_down"
+        rest = list(lines)
+    assert rest[-2:] == ["data: [DONE]", ""] or rest[-1] == "data: [DONE]"
+    assert any('"finish_reason":"length"' in line for line in rest)
+    stopper.join(30)
+    assert not running.thread.is_alive()
+
+
+def test_drain_timeout_aborts_the_rest(llm):
+    running = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
+                                                          shutdown_timeout=0.2)))
+    body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=240, temperature=0,
+                ignore_eos=True, stream=True)
+    with _sse_stream(running, body) as r:
+        lines = r.iter_lines()
+        next(lines)
+        running.stop()
+        rest = list(lines)
+    assert any('"finish_reason":"abort"' in line for line in rest)
+    assert not running.thread.is_alive()
+    assert _wait_for(lambda: llm.engine.blocks_in_use() == 0, 5)
+
+
+def test_sigterm_subprocess_drains_and_exits_0():
+    """`python -m arcjax.serve MODEL_DIR ...` in a subprocess: SIGTERM while a stream is in
+    flight -> /health 503, the stream completes, exit status 0."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in GEOMETRY.items()]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "arcjax.serve", chat_model_dir(),
+                             f"--port={port}", "--served-model-name=tiny",
+                             "--shutdown-timeout=60", *flags], env=env, cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up():
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                return proc.poll() is None and False
+        assert _wait_for(up, 90), proc.stdout.read1().decode() if proc.poll() else "no start"
+        body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=100, temperature=0,
+                    ignore_eos=True, stream=True)
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            assert httpx.get(url + "/health", timeout=10).status_code == 503
+            rest = list(lines)
+        assert any('"finish_reason":"length"' in line for line in rest)
+        assert "data: [DONE]" in rest
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

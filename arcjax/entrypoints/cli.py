@@ -69,22 +69,44 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     return parser, _add_engine_flags(p)
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclasses.dataclass(frozen=True)
+class ServeCommand:
+    """`arcjax serve` as parsed: what `serve()` is called with."""
+
+    model_dir: str | None
+    config: "object"  # arcjax.entrypoints.serve.ServeConfig
+    engine_options: dict
+    warmup: bool
+    compilation_cache_dir: str | None
+
+
+def parse_serve(argv: list[str]) -> ServeCommand:
+    """Parses `serve [MODEL_DIR] [--flags]` (argv without the program name). Engine flags
+    not given are left out, so ARC_* variables and defaults apply; $ARCJAX_API_KEY fills
+    --api-key."""
+    from arcjax.entrypoints.serve import ServeConfig
+
     parser, engine_names = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    from arcjax.entrypoints.serve import ServeConfig, serve
-
-    if args.compilation_cache_dir:
-        from arcjax.runtime.runner import enable_persistent_compilation_cache
-
-        enable_persistent_compilation_cache(args.compilation_cache_dir)
+    args = parser.parse_args(argv)
     options = {k: getattr(args, k) for k in engine_names if getattr(args, k) is not None}
     config = ServeConfig(host=args.host, port=args.port,
                          api_key=args.api_key or os.environ.get("ARCJAX_API_KEY") or None,
                          served_model_name=args.served_model_name,
                          max_queued_requests=args.max_queued_requests,
                          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
-    serve(args.model_dir, config, warmup=args.warmup, **options)
+    return ServeCommand(args.model_dir, config, options, args.warmup, args.compilation_cache_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `arcjax` console script."""
+    cmd = parse_serve(sys.argv[1:] if argv is None else argv)
+    from arcjax.entrypoints.serve import serve
+
+    if cmd.compilation_cache_dir:
+        from arcjax.runtime.runner import enable_persistent_compilation_cache
+
+        enable_persistent_compilation_cache(cmd.compilation_cache_dir)
+    serve(cmd.model_dir, cmd.config, warmup=cmd.warmup, **cmd.engine_options)
     return 0
 
 

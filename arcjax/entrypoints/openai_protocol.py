@@ -129,7 +129,7 @@ def parse_completion(body) -> ParsedRequest:
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         prompts = (tuple(prompt),)
     elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or isinstance(p, list) and all(_is_int(t) for t in p)
+            isinstance(p, str) or isinstance(p, list) and p and all(_is_int(t) for t in p)
             for p in prompt):
         prompts = tuple(p if isinstance(p, str) else tuple(p) for p in prompt)
     else:

@@ -97,14 +97,22 @@ def _error(status: int, message: str, type_: str, param=None, code=None) -> JSON
 
 
 class _EventStream(StreamingResponse):
-    """A StreamingResponse that always closes its body iterator (a cancelled stream then
-    aborts its requests at once instead of when the generator is garbage collected)."""
+    """A StreamingResponse that always closes its body iterator and then runs `on_close`,
+    even if the body never started (a cancelled stream then aborts its requests at once,
+    not when the generator is garbage collected)."""
+
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                await self._on_close()
 
 
 async def _disconnected(request: Request) -> None:
@@ -137,6 +145,30 @@ async def _until_disconnect(request: Request, coro):
     return False, None
 
 
+class _TraceFanout:
+    """`Engine.trace_sink` that calls several listeners (servers sharing one engine, and
+    whoever listened before the first server came)."""
+
+    def __init__(self, first=None):
+        self._sinks = [first] if first is not None else []
+
+    @classmethod
+    def install(cls, engine) -> "_TraceFanout":
+        if not isinstance(engine.trace_sink, cls):
+            engine.trace_sink = cls(engine.trace_sink)
+        return engine.trace_sink
+
+    def add(self, sink) -> None:
+        self._sinks = [*self._sinks, sink]  # copy-on-write: the engine thread iterates
+
+    def remove(self, sink) -> None:
+        self._sinks = [s for s in self._sinks if s != sink]
+
+    def __call__(self, record) -> None:
+        for sink in self._sinks:
+            sink(record)
+
+
 class OpenAIServer:
     """The app and its state for one `AsyncLLM` (see the module docstring)."""
 
@@ -147,14 +179,8 @@ class OpenAIServer:
         model = llm.engine_config.model
         self.model_name = self.config.served_model_name or model or DEFAULT_MODEL_NAME
         self.metrics = ServerMetrics(engine, self.model_name)
-        previous = engine.trace_sink
-        if previous is None:
-            engine.trace_sink = self.metrics.on_step
-        else:  # keep whoever was listening first
-            def both(record, _first=previous, _second=self.metrics.on_step):
-                _first(record)
-                _second(record)
-            engine.trace_sink = both
+        self._fanout = _TraceFanout.install(engine)
+        self._fanout.add(self.metrics.on_step)
         self.chat_template = (ChatTemplate.from_dir(engine.model_dir)
                               if engine.model_dir is not None else ChatTemplate(None))
         self.created = int(time.time())
@@ -162,6 +188,10 @@ class OpenAIServer:
         self.active: set[str] = set()  # engine request ids this server is waiting on
         self.in_flight = 0  # generation requests (HTTP) not finished yet
         self.app = self._build_app()
+
+    def close(self) -> None:
+        """Stops counting engine steps (the engine may outlive this server)."""
+        self._fanout.remove(self.metrics.on_step)
 
     # --- the app ----------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -314,8 +344,13 @@ class OpenAIServer:
                 return Response(status_code=499)
             body = self._events(first, stream, len(prompts), rid, created, chat,
                                 parsed.include_usage)
+
+            async def on_close():
+                await stream.aclose()
+                self.in_flight -= 1
+
             handed_over = True
-            return _EventStream(body, media_type="text/event-stream",
+            return _EventStream(body, on_close, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache"})
         finally:
             if not handed_over:
@@ -380,7 +415,8 @@ class OpenAIServer:
 
     async def _events(self, first, stream, n: int, rid: str, created: int, chat: bool,
                       include_usage: bool) -> AsyncIterator[str]:
-        """The SSE body: OpenAI chunks, an optional usage chunk, then [DONE]."""
+        """The SSE body: OpenAI chunks, an optional usage chunk, then [DONE]. (The response
+        closes `stream` when it ends, however it ends.)"""
         model = self.model_name
         finals: list[RequestOutput | None] = [None] * n
         try:
@@ -414,9 +450,6 @@ class OpenAIServer:
             yield "data: [DONE]\n\n"
         except InputError as e:  # a prompt refused when queued, after the first output
             yield proto.sse(proto.error_body(str(e), "invalid_request_error", e.field))
-        finally:
-            await stream.aclose()
-            self.in_flight -= 1
 
     # --- shutdown -----------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:
@@ -505,5 +538,6 @@ def serve(model: str | None = None, config: ServeConfig | None = None, *, warmup
         print(f"arcjax serve: {api.model_name!r} on http://{config.host}:{config.port}",
               flush=True)
         uv.run()
+        api.close()
     finally:
         llm.shutdown()

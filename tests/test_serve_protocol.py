@@ -1,0 +1,122 @@
+"""The pure core of the server: OpenAI request bodies -> prompts and SamplingParams (no I/O)."""
+
+import pytest
+
+from arcjax import InputError, SamplingParams
+from arcjax.engine.outputs import RequestMetrics, RequestOutput
+from arcjax.entrypoints import openai_protocol as proto
+
+
+def test_completion_defaults_and_prompt_forms():
+    p = proto.parse_completion({"model": "m", "prompt": "hi"})
+    assert p.prompts == ("hi",) and p.params == SamplingParams(max_tokens=16)
+    assert not p.stream and not p.include_usage and p.model == "m"
+    assert proto.parse_completion({"prompt": [1, 2, 3]}).prompts == ((1, 2, 3),)
+    assert proto.parse_completion({"prompt": ["a", "b"]}).prompts == ("a", "b")
+    assert proto.parse_completion({"prompt": [[1], [2, 3]]}).prompts == ((1,), (2, 3))
+    assert proto.parse_completion({"prompt": ["a", [5]]}).prompts == ("a", (5,))
+
+
+def test_sampling_fields_map_to_sampling_params():
+    p = proto.parse_completion({"prompt": "x", "max_tokens": 5, "temperature": 0,
+                                "top_p": 0.5, "top_k": 3, "min_p": 0.1, "seed": 7,
+                                "stop": ["\n"], "stop_token_ids": [2], "ignore_eos": True,
+                                "stream": True, "stream_options": {"include_usage": True},
+                                "user": "someone", "n": 1, "logprobs": None,
+                                "presence_penalty": 0, "echo": False})
+    assert p.params == SamplingParams(max_tokens=5, temperature=0, top_p=0.5, top_k=3,
+                                      min_p=0.1, seed=7, stop=("\n",), stop_token_ids=(2,),
+                                      ignore_eos=True)
+    assert p.stream and p.include_usage
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"prompt": "x", "logprobs": 0}, "logprobs"),
+    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "n": True}, "n"),
+    ({"prompt": "x", "frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+    ({"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": 3}, "stop_token_ids"),
+    ({"prompt": "x", "stream": True, "stream_options": {"x": 1}}, "stream_options"),
+    ({"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}},
+     "stream_options.include_usage"),
+    ({"prompt": "x", "model": 3}, "model"),
+    ({"prompt": [True]}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": None}, "prompt"),
+    ("prompt", "body"),
+])
+def test_completion_refusals_name_the_field(body, field):
+    with pytest.raises(InputError) as e:
+        proto.parse_completion(body)
+    assert e.value.field == field
+
+
+def test_chat_parsing():
+    p = proto.parse_chat({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None}], "max_completion_tokens": 4})
+    assert p.messages == ({"role": "user", "content": "ab"},
+                          {"role": "assistant", "content": ""})
+    assert p.params.max_tokens == 4 and p.max_tokens_given
+    assert p.max_tokens_field == "max_completion_tokens"
+    p = proto.parse_chat({"messages": [{"role": "user", "content": "x"}]})
+    assert not p.max_tokens_given and p.add_generation_prompt
+    for body, field in [({"messages": [{"role": "user", "content": "x"}], "prompt": "x"},
+                         "prompt"),
+                        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+                        ({"messages": [{"role": "assistant", "content": "x",
+                                        "tool_calls": [{}]}]}, "messages[0].tool_calls"),
+                        ({"messages": [{"role": "user", "content": "x"}],
+                          "tool_choice": "auto"}, "tool_choice"),
+                        ({"messages": [{"role": "user", "content": "x"}],
+                          "max_completion_tokens": -1}, "max_completion_tokens")]:
+        with pytest.raises(InputError) as e:
+            proto.parse_chat(body)
+        assert e.value.field == field
+
+
+def _out(text, ids, prompt_ids, reason, cached=0):
+    m = RequestMetrics(0.0, 0.0, 0.1, (0.1,), 0.2)
+    return RequestOutput("r", None, tuple(prompt_ids), text, tuple(ids), True, reason, m,
+                         num_cached_tokens=cached)
+
+
+def test_response_shapes():
+    outs = [_out("ab", [1, 2], [5, 6, 7], "length", cached=2), _out("c", [3], [8], "stop")]
+    r = proto.completion_response("cmpl-1", 7, "m", outs)
+    assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                          "prompt_tokens_details": {"cached_tokens": 2}}
+    assert [c["text"] for c in r["choices"]] == ["ab", "c"]
+    assert r["choices"][1]["finish_reason"] == "stop" and r["object"] == "text_completion"
+    c = proto.chat_response("chatcmpl-1", 7, "m", outs[:1])
+    assert c["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert proto.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'
+    assert proto.error_body("bad", "invalid_request_error", "n") == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}}
+
+
+def test_cli_flags_mirror_engine_options(monkeypatch):
+    from arcjax.engine.config import EngineConfig
+    from arcjax.entrypoints.cli import parse_serve
+
+    monkeypatch.setenv("ARCJAX_API_KEY", "from-env")
+    monkeypatch.setenv("ARC_PREFILL_MAX_SEQS", "4")
+    monkeypatch.setenv("ARC_PREFILL_FLOOR_STEPS", "2")
+    cmd = parse_serve(["serve", "/some/model", "--port", "9000", "--policy", "prefill_first",
+                       "--max-num-batched-tokens", "512", "--prefill-floor-steps", "0",
+                       "--dtype", "float32", "--max-queued-requests", "5"])
+    assert cmd.model_dir == "/some/model" and cmd.config.port == 9000
+    assert cmd.config.host == "127.0.0.1" and cmd.config.api_key == "from-env"
+    assert cmd.config.max_queued_requests == 5
+    assert cmd.engine_options == {"policy": "prefill_first", "max_num_batched_tokens": 512,
+                                  "prefill_floor_steps": 0, "dtype": "float32"}
+    cfg = EngineConfig.from_options(None, **cmd.engine_options)
+    assert cfg.prefill_max_seqs == 4  # from the environment
+    assert cfg.prefill_floor_steps == 0  # the flag wins over ARC_PREFILL_FLOOR_STEPS
+    assert parse_serve(["serve", "--api-key", "k"]).config.api_key == "k"
+    assert parse_serve(["serve"]).model_dir is None
