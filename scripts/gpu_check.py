@@ -9,7 +9,8 @@
   4. Kernel table: prefill chunks of 2,048 and 8,192 tokens (TFLOP/s), decode 256 x 2k
      and 64 x 8k (TB/s), a mixed batch; Llama-8B heads (32:8, D=128), block 16; the
      default tiling and two alternatives.
-  5. End-to-end model parts: a hook, not written yet (see `end_to_end`).
+  5. End to end (scripts/gpu_e2e.py): a random-weight Llama-3-8B-shaped model, offline
+     throughput and the seed's K=128 burst per arm.
 
 Every section is written to `--out` as soon as it finishes, so a run cut short by the
 time limit still leaves what it measured. `--cpu_smoke` runs the same code with tiny
@@ -314,18 +315,13 @@ def kernel_table(cfg: CheckConfig, report: Report) -> dict:
     return dict(ok=not errors, dtype="bfloat16", rows=rows)
 
 
-def end_to_end(cfg: CheckConfig) -> dict:
-    """HOOK: end-to-end model parts (not written yet).
+def end_to_end(cfg: CheckConfig, report: Report) -> dict:
+    """The engine on a random-weight Llama-3-8B-shaped model: offline throughput and the
+    seed's K=128 burst per arm, while the budget lasts (scripts/gpu_e2e.py)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_e2e
 
-    To add (after the arcjax/ re-layout): a random-weight Llama-3-8B-shaped model
-    (bf16, 32 layers, 32:8 heads, D=128), warm every bucket, then (a) offline
-    throughput: N prompts of fixed length through `LLM.generate`, tokens/s for
-    prefill and decode; (b) the burst experiment of BACKGROUND.md (K users arriving
-    at once, TTFT p50/p90/max, decode step times). Return rows like kernel_table's
-    and set "ok"; keep the whole check under 8 minutes (the budget flag).
-    """
-    del cfg
-    return dict(ok=True, status="not implemented: hook for the end-to-end model section")
+    return gpu_e2e.run(cfg.cpu_smoke, lambda: cfg.budget_s - report.elapsed())
 
 
 def _cell(v) -> str:
@@ -362,7 +358,11 @@ def to_markdown(sections: dict[str, dict]) -> str:
                                                "target", "meets_target", "error",
                                                "skipped"]), ""]
         elif name == "end_to_end":
-            out += [s.get("status", ""), ""]
+            out += [_table(s.get("rows", []), ["part", "arm", "requests", "users", "wall_s",
+                                               "prefill_tok_s", "output_tok_s", "ttft_p50_s",
+                                               "ttft_p90_s", "ttft_max_s",
+                                               "users_first_token_within_2s", "max_stall_s",
+                                               "skipped"]), ""]
     return "\n".join(out)
 
 
@@ -384,7 +384,7 @@ def main(argv):
         run_section(report, "gpu_tests", gpu_tests, cfg)
         run_section(report, "correctness", correctness, cfg)
         run_section(report, "kernel_table", kernel_table, cfg, report)
-        run_section(report, "end_to_end", end_to_end, cfg)
+        run_section(report, "end_to_end", end_to_end, cfg, report)
         # Warnings raised while the kernels lowered and compiled (e.g. deprecations).
         if "warnings" in report.sections["environment"]:
             report.sections["environment"]["warnings"] = sorted(

@@ -34,5 +34,9 @@ def test_cpu_smoke_writes_every_section(tmp_path):
     assert {r["kind"] for r in table} == {"prefill", "decode", "mixed"}
     assert all(r["ms"] > 0 for r in table if r["tiling"] == "default")
     assert sum(r["tiling"] != "default" for r in table) == 2 * 3  # two alternatives each
+    e2e = sections["end_to_end"]["rows"]
+    assert [r["part"] for r in e2e] == ["throughput", "burst", "burst", "burst"]
+    assert e2e[0]["output_tok_s"] > 0
+    assert all(r["users_with_first_token"] == r["users"] for r in e2e[1:])
     markdown = (out / "gpu_check.md").read_text()
     assert "## kernel_table: ok" in markdown and "end_to_end" in markdown
