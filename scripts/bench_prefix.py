@@ -43,6 +43,7 @@ class PrefixBenchConfig:
     turn_tokens: int = 64
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    num_kv_blocks: int = 0  # 0 = the engine's default
     seed: int = 0
     out: str = ""
 
@@ -85,7 +86,8 @@ def run(cfg: PrefixBenchConfig) -> dict:
     max_len = max(cfg.shared_tokens + cfg.unique_tokens,
                   cfg.turns * (cfg.turn_tokens + cfg.max_new_tokens)) + cfg.max_new_tokens
     options = dict(max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
-                   max_num_batched_tokens=cfg.max_num_batched_tokens)
+                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                   num_kv_blocks=cfg.num_kv_blocks or None)
     engines = {mode: arcjax.LLM(cfg.model or None, enable_prefix_caching=mode == "on",
                                 **options) for mode in ("off", "on")}
     vocab = engines["on"].config.vocab_size

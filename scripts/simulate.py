@@ -22,7 +22,7 @@ import json
 from absl import app, flags
 
 from scheduler import Arm, SchedulerConfig, parse_arm
-from scheduler.metrics import format_table, summarize
+from scheduler.metrics import BurstSummary, format_table, summarize
 from scheduler.simulate import CostModel, burst, shared_prefix_burst, simulate
 
 _USERS = flags.DEFINE_integer("users", 32, "K: users arriving at once")
@@ -88,31 +88,46 @@ def read_flags() -> SimulateConfig:
                           cost=cost)
 
 
-def main(argv):
-    del argv
-    sim = read_flags()
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SimulateResult:
+    """Per arm (its spec): the burst summary, knob engagement and cached prompt tokens."""
+
+    summaries: dict[str, BurstSummary]
+    engaged: dict[str, dict[str, int]]
+    cached_tokens: dict[str, int]
+
+
+def run(sim: SimulateConfig) -> SimulateResult:
+    """Simulates every arm of `sim` on its burst."""
     if sim.system_prompt_tokens:
         requests = shared_prefix_burst(sim.users, sim.system_prompt_tokens, sim.prompt_tokens,
                                        sim.max_tokens)
     else:
         requests = burst(sim.users, sim.prompt_tokens, sim.max_tokens)
     window = (0.0, sim.window_s) if sim.window_s else None
-    columns, engaged, cached = {}, {}, {}
+    summaries, engaged, cached = {}, {}, {}
     for arm in sim.variants:
         result = simulate(arm.config(sim.base), sim.cost, requests, until=sim.window_s or None)
-        columns[arm.name] = summarize(result.requests, result.steps, window)
+        summaries[arm.name] = summarize(result.requests, result.steps, window)
         engaged[arm.name] = result.engagement()
         cached[arm.name] = result.cached_tokens
+    return SimulateResult(summaries=summaries, engaged=engaged, cached_tokens=cached)
+
+
+def main(argv):
+    del argv
+    sim = read_flags()
+    res = run(sim)
     shared = (f"{sim.system_prompt_tokens}-token shared system prompt + "
               if sim.system_prompt_tokens else "")
     print(f"K = {sim.users} users at once, {shared}{sim.prompt_tokens}-token prompts, "
           f"{sim.max_tokens} tokens each; budget {sim.base.max_num_batched_tokens}, "
           f"tile {sim.base.chunk_tile}; cost {json.dumps(sim.cost.to_json())}")
-    print(format_table(columns))
-    for variant, counts in engaged.items():
+    print(format_table(res.summaries))
+    for variant, counts in res.engaged.items():
         print(f"knobs engaged ({variant}): "
               + (", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none")
-              + f"; prompt tokens served by the prefix cache: {cached[variant]}")
+              + f"; prompt tokens served by the prefix cache: {res.cached_tokens[variant]}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler import Request, SchedulerConfig
+from scheduler import Request, SchedulerConfig, parse_arm
 from scheduler import metrics
 from scheduler.simulate import CostModel, burst, simulate
 
@@ -156,11 +156,37 @@ def _script(name, *args):
     return out.stdout
 
 
-def test_simulate_script_prints_the_burst_table():
-    out = _script("simulate.py", "--users=8", "--prompt_tokens=100", "--max_tokens=4",
-                  "--variants=prefill_first,prefill_first:prefill_max_seqs=2,token_budget")
-    assert "TTFT p50" in out and "prefill_first:prefill_max_seqs=2" in out
-    assert "cap_deferred" in out
+def _simulate_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("simulate_script",
+                                                  ROOT / "scripts" / "simulate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_simulate_script_run_gives_every_arm():
+    sim_script = _simulate_script()
+    arms = ("prefill_first", "prefill_first:prefill_max_seqs=2", "token_budget")
+    sim = sim_script.SimulateConfig(
+        users=8, prompt_tokens=100, system_prompt_tokens=0, max_tokens=4, window_s=0.0,
+        variants=tuple(parse_arm(a) for a in arms), base=_config(), cost=CostModel())
+    res = sim_script.run(sim)
+    assert list(res.summaries) == list(arms)
+    assert all(s.users_with_first_token == 8 for s in res.summaries.values())
+    assert res.engaged["prefill_first:prefill_max_seqs=2"]["cap_deferred"] > 0
+    assert "cap_deferred" not in res.engaged["prefill_first"]
+    # the cap spreads admissions over more prompt steps
+    capped, free = (res.summaries[a].kinds["prompt"].count for a in arms[1::-1])
+    assert capped > free
+
+
+def test_simulate_script_prints_the_burst_table():  # the command line itself
+    out = _script("simulate.py", "--users=4", "--prompt_tokens=50", "--max_tokens=2",
+                  "--variants=token_budget")
+    assert "TTFT p50" in out and "token_budget" in out
 
 
 def test_bench_script_runs_small():
