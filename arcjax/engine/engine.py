@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import scheduler
+from arcjax.engine import logprobs
 from arcjax.engine.outputs import RequestOutput
 from arcjax.engine.request import FINISH_ABORT, FINISH_ERROR, RequestState
 from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -75,7 +76,7 @@ class Engine:
     # --- submission (any thread) --------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, *,
-                    sink: Sink | None = None) -> str:
+                    sink: Sink | None = None, priority: int = 0) -> str:
         """Validates and queues one request. Returns its id.
 
         Args:
@@ -85,6 +86,7 @@ class Engine:
           arrival_time: on the engine's clock; None = now.
           sink: receives every output of this request (from the stepping thread); without
             one, outputs are returned by `step()`.
+          priority: smaller is served first (the scheduler's order); equal: FCFS.
 
         Raises:
           RequestError (a ValueError naming `.field`): the request is refused; nothing is queued.
@@ -97,6 +99,8 @@ class Engine:
         arrival = self.clock() if arrival_time is None else arrival_time
         if not isinstance(arrival, (int, float)) or isinstance(arrival, bool):
             raise RequestError("arrival_time", f"must be a number, got {arrival!r}")
+        if not isinstance(priority, (int, np.integer)) or isinstance(priority, (bool, np.bool_)):
+            raise RequestError("priority", f"must be an int, got {priority!r}")
         with self._lock:
             if request_id is None:
                 request_id = next(i for i in map(str, self._auto_ids) if i not in self._unfinished)
@@ -104,11 +108,15 @@ class Engine:
             if request_id in self._unfinished:
                 raise DuplicateRequestError("request_id", f"{request_id!r} is already in use")
             request = scheduler.Request(request_id=request_id, prompt_token_ids=ids,
-                                        max_tokens=params.max_tokens, arrival_time=arrival)
+                                        max_tokens=params.max_tokens, arrival_time=arrival,
+                                        priority=int(priority))
             scheduler.validate_request(request, self.sched_config)
             seed = params.seed if params.seed is not None else zlib.crc32(
                 f"{self._seed}:{request_id}".encode())
-            detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            ) if self.tokenizer else None
             state = RequestState(request_id, text, ids, params, seed, float(arrival), detok)
             state.sink = sink
             self._unfinished.add(request_id)
@@ -268,9 +276,17 @@ class Engine:
                 req.num_cached_tokens = cached
         compiled_before = self.runner.num_executables
         try:
-            bucket, batch, sampling = self.runner.prepare(
-                plan, [(r.params, r.seed, len(r.token_ids)) for r in reqs])
-            tokens = self.runner.run(bucket, batch, sampling)
+            prompts = logprobs.prompt_rows(plan, reqs)
+            prepared = self.runner.prepare(plan, logprobs.sampling_rows(
+                plan, reqs, self.runner.counts, self.eos_token_ids), prompts)
+            bucket = prepared[0]
+            out = self.runner.run(*prepared)
+            tokens = out.tokens
+            lp = (logprobs.host_logprobs(out.logprobs) if any(
+                r.logprobs is not None for r in reqs) else None)
+            if prompts is not None:
+                logprobs.record_prompt_logprobs(plan, reqs, prompts, logprobs.host_logprobs(
+                    out.prompt_logprobs), self.tokenizer)
         except Exception as e:  # noqa: BLE001  the step fails, the engine goes on
             return self._fail(plan, reqs, start, f"device step failed: {e!r}")
         now = self.clock()
@@ -284,7 +300,8 @@ class Engine:
                 token = int(tokens[i])
                 sampled.append(token)
                 try:
-                    if req.append(token, now, self.eos_token_ids):
+                    entry = logprobs.sampled_entry(lp, i, token, req, self.tokenizer)
+                    if req.append(token, now, self.eos_token_ids, entry):
                         stopped.append(req.request_id)
                 except Exception as e:  # noqa: BLE001  one request's bug stops only it
                     req.finish(FINISH_ERROR, now, f"output processing failed: {e!r}")
@@ -347,6 +364,7 @@ class Engine:
             out = req.output()
             if req.finished:
                 self.requests.pop(rid, None)
+                self.runner.counts.release(rid)
                 traced = self._traced.pop(rid, 0)
                 if traced != len(req.token_ids):
                     self._trace_errors.append(f"{rid}: {len(req.token_ids)} tokens, "
