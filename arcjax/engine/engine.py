@@ -25,6 +25,7 @@ NOTE: threading and lifetimes (WORKSPACE.md, "Threading and lifetimes").
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -35,6 +36,7 @@ import numpy as np
 
 import scheduler
 from arcjax.engine import logprobs
+from arcjax.engine.group import RequestGroup, child_id, child_seed
 from arcjax.engine.outputs import RequestOutput
 from arcjax.engine.request import FINISH_ABORT, FINISH_ERROR, RequestState
 from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -64,7 +66,10 @@ class Engine:
         self._seed = seed
         self._lock = threading.Lock()  # guards the inbox, the id set and the pending list
         self._step_lock = threading.Lock()  # one step (or inbox drain) at a time
-        self._inbox: list[tuple] = []  # ("add", RequestState, scheduler.Request) | ("abort", id)
+        # ("add", RequestState, scheduler.Request) | ("group", RequestGroup, entering pairs)
+        # | ("abort", id)
+        self._inbox: list[tuple] = []
+        self._groups: dict[str, RequestGroup] = {}  # n > 1 requests by the user's id
         self._unfinished: set[str] = set()  # ids submitted and not yet finished
         self._pending: list[RequestOutput] = []  # outputs of requests without a sink
         self._auto_ids = itertools.count()
@@ -113,15 +118,38 @@ class Engine:
             scheduler.validate_request(request, self.sched_config)
             seed = params.seed if params.seed is not None else zlib.crc32(
                 f"{self._seed}:{request_id}".encode())
-            detok = IncrementalDetokenizer(
-                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                spaces_between_special_tokens=params.spaces_between_special_tokens,
-            ) if self.tokenizer else None
-            state = RequestState(request_id, text, ids, params, seed, float(arrival), detok)
-            state.sink = sink
             self._unfinished.add(request_id)
-            self._inbox.append(("add", state, request))
+            if params.n == 1:
+                state = self._state(request_id, text, ids, params, seed, arrival)
+                state.sink = sink
+                self._inbox.append(("add", state, request))
+            else:
+                self._inbox.append(("group", *self._group(request, text, params, seed, sink)))
         return request_id
+
+    def _state(self, rid: str, text, ids, params: SamplingParams, seed: int,
+               arrival: float) -> RequestState:
+        detok = IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        ) if self.tokenizer else None
+        return RequestState(rid, text, ids, params, seed, float(arrival), detok)
+
+    def _group(self, request: scheduler.Request, text, params: SamplingParams, seed: int,
+               sink) -> tuple[RequestGroup, list]:
+        """n children of one request (group.py): child i has its own seed stream. Returns the
+        group and the (state, scheduler request) pairs that enter the scheduler now."""
+        pairs = []
+        for i in range(params.n):
+            cid = child_id(request.request_id, i)
+            cp = dataclasses.replace(params, n=1, seed=child_seed(seed, i))
+            state = self._state(cid, text, request.prompt_token_ids, cp, cp.seed,
+                                request.arrival_time)
+            state.index, state.parent_id = i, request.request_id
+            pairs.append((state, dataclasses.replace(request, request_id=cid)))
+        hold = 1 if self.sched_config.enable_prefix_caching else params.n
+        group = RequestGroup(request.request_id, [st for st, _ in pairs], pairs[hold:], sink)
+        return group, pairs[:hold]
 
     def check(self, prompt, params: SamplingParams) -> tuple[str | None, tuple[int, ...]]:
         """Validates a request without queueing it. Returns (prompt text, token ids)."""
@@ -219,6 +247,11 @@ class Engine:
                     self.state = scheduler.abort(self.state, rid)
                     req.finish(FINISH_ERROR, now, message)
                     changed[rid] = req
+            for group in self._groups.values():  # n > 1 children not yet in the scheduler
+                for req, _ in group.waiting:
+                    req.finish(FINISH_ERROR, now, message)
+                    changed[req.request_id] = req
+                group.waiting.clear()
             self._deliver(changed)
 
     # --- the step (one thread at a time) ---------------------------------------------
@@ -244,24 +277,38 @@ class Engine:
         changed = {}
         now = self.clock()
         for item in items:
+            if item[0] == "group":
+                group = item[1]
+                self._groups[group.request_id] = group
+                for req, request in item[2]:
+                    self._enter(req, request, changed, now)
+                continue
             if item[0] == "add":
-                _, req, request = item
-                self.requests[req.request_id] = req
-                self._traced[req.request_id] = 0
-                try:
-                    self.state = scheduler.add_request(self.state, request)
-                except Exception as e:  # noqa: BLE001  validated at submission: a bug if seen
-                    req.finish(FINISH_ERROR, now, f"could not be queued: {e!r}")
-                    changed[req.request_id] = req
+                self._enter(item[1], item[2], changed, now)
                 continue
             rid = item[1]
-            req = self.requests.get(rid)
-            if req is None:  # already finished, or aborted twice
-                continue
-            self.state = scheduler.abort(self.state, rid)
-            req.finish(FINISH_ABORT, now)
-            changed[rid] = req
+            group = self._groups.get(rid)
+            for req in (group.children if group else [self.requests.get(rid)]):
+                if req is None or req.finished:  # already finished, or aborted twice
+                    continue
+                if req.request_id in self.requests:
+                    self.state = scheduler.abort(self.state, req.request_id)
+                req.finish(FINISH_ABORT, now)
+                changed[req.request_id] = req
+            if group:
+                group.waiting.clear()
         return changed
+
+    def _enter(self, req: RequestState, request: scheduler.Request, changed: dict,
+               now: float) -> None:
+        """Puts one request into the scheduler (stepping thread)."""
+        self.requests[req.request_id] = req
+        self._traced[req.request_id] = 0
+        try:
+            self.state = scheduler.add_request(self.state, request)
+        except Exception as e:  # noqa: BLE001  validated at submission: a bug if seen
+            req.finish(FINISH_ERROR, now, f"could not be queued: {e!r}")
+            changed[req.request_id] = req
 
     def _iterate(self) -> dict[str, RequestState]:
         plan = scheduler.schedule(self.state, self.sched_config)
@@ -358,10 +405,11 @@ class Engine:
 
     def _deliver(self, changed: dict[str, RequestState]) -> None:
         """Hands every changed request's output to its sink (or the pending list) and
-        releases finished requests."""
-        pending = []
+        releases finished requests. A child of an n > 1 request is reported through its
+        group's output (once per call), whose waiting children enter when ready."""
+        pending, groups = [], {}
         for rid, req in changed.items():
-            out = req.output()
+            out = req.output() if req.parent_id is None else None
             if req.finished:
                 self.requests.pop(rid, None)
                 self.runner.counts.release(rid)
@@ -369,20 +417,36 @@ class Engine:
                 if traced != len(req.token_ids):
                     self._trace_errors.append(f"{rid}: {len(req.token_ids)} tokens, "
                                               f"{traced} traced")
-                with self._lock:
-                    self._unfinished.discard(rid)
-            if req.sink is None:
-                pending.append(out)
+            if req.parent_id is not None:
+                groups[req.parent_id] = self._groups[req.parent_id]
                 continue
-            try:
-                req.sink(out)
-            except Exception:  # noqa: BLE001  its consumer is gone: stop generating for it
-                if not req.finished:
-                    with self._lock:
-                        self._inbox.append(("abort", rid))
+            self._emit(rid, out, req.sink, pending)
+        now = self.clock()
+        for gid, group in groups.items():
+            if group.ready():  # child 0's prompt is computed: the others share its blocks
+                waiting, group.waiting = group.waiting, []
+                for req, request in waiting:
+                    self._enter(req, request, {}, now)
+            if group.finished:
+                del self._groups[gid]
+            self._emit(gid, group.output(), group.sink, pending)
         if pending:
             with self._lock:
                 self._pending.extend(pending)
+
+    def _emit(self, rid: str, out: RequestOutput, sink, pending: list) -> None:
+        if out.finished:
+            with self._lock:
+                self._unfinished.discard(rid)
+        if sink is None:
+            pending.append(out)
+            return
+        try:
+            sink(out)
+        except Exception:  # noqa: BLE001  its consumer is gone: stop generating for it
+            if not out.finished:
+                with self._lock:
+                    self._inbox.append(("abort", rid))
 
     # --- checks -------------------------------------------------------------------------
     def check_trace(self) -> int:
@@ -401,7 +465,7 @@ class Engine:
         inbox or the scheduler), running, unfinished; KV blocks in use and in all; steps."""
         state = self.state  # an immutable snapshot
         with self._lock:
-            queued = sum(1 for item in self._inbox if item[0] == "add")
+            queued = sum(1 for item in self._inbox if item[0] in ("add", "group"))
             unfinished = len(self._unfinished)
         return {"waiting": len(state.waiting) + queued, "running": state.num_running,
                 "unfinished": unfinished, "kv_blocks_in_use": state.pool.num_in_use,
