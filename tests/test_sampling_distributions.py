@@ -98,3 +98,28 @@ def test_batch_independent_with_every_feature_on():
     mixed_t, mixed_lp = run(rows, [np.zeros(V, np.int32), row], logits[[0, 1, 3, 2]], 16)
     assert mixed_t[2] == alone_t[0] and mixed_t[2] != 1  # stop id 1 masked (2 < min_tokens)
     assert abs(mixed_lp[2] - alone_lp[0]) < 1e-6
+
+
+@pytest.mark.parametrize("p", [SamplingParams(temperature=1.0, top_p=0.9),
+                               SamplingParams(temperature=1.0, top_k=100, min_p=0.1),
+                               SamplingParams(temperature=1.0, top_k=10, top_p=0.5)],
+                         ids=["top_p_bisect", "top_k_bisect", "fast"])
+def test_filter_mask_equals_the_sorted_definition(p):
+    from arcjax.runtime.sampling import _filter_mask
+
+    rs = np.random.RandomState(3)
+    v = 300
+    logits = (rs.randn(4, v) * 0.5).astype(np.float32)  # flat: top_p needs > 64 tokens
+    sp = SamplingBatch.build([(p, 0, 0)] * 4, 4)
+    got = np.asarray(jax.jit(_filter_mask)(logits, sp, np.ones(4, bool)))
+    for r in range(4):
+        z = logits[r].astype(np.float64)
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()
+        order = np.argsort(-probs, kind="stable")
+        mass_before = np.cumsum(probs[order]) - probs[order]
+        keep_sorted = ((p.top_k == 0) | (np.arange(v) < p.top_k)) & (mass_before < p.top_p)
+        keep_sorted &= probs[order] >= p.min_p * probs.max()
+        want = np.zeros(v, bool)
+        want[order] = keep_sorted
+        np.testing.assert_array_equal(got[r], want)

@@ -111,25 +111,65 @@ def logprobs_if(need: jax.Array, logits: jax.Array, tokens: jax.Array) -> TokenL
                         lambda: empty_logprobs(*logits.shape))
 
 
-def _filter_mask(scaled: jax.Array, sp: SamplingBatch) -> jax.Array:
-    """Tokens kept by top-k, top-p and min-p, in vocabulary order. scaled: [S, V]."""
-    order = jnp.argsort(-scaled, axis=-1, stable=True)  # [S, V], best first
-    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
-    ranks = jnp.arange(scaled.shape[-1])[None, :]
-    keep = (sp.top_k[:, None] == 0) | (ranks < sp.top_k[:, None])
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < sp.top_p[:, None]  # mass before token
-    keep &= probs >= sp.min_p[:, None] * probs[:, :1]
-    rows = jnp.arange(scaled.shape[0])[:, None]
-    return jnp.zeros_like(keep).at[rows, order].set(keep)
+_BISECT_STEPS = 40  # halvings of [-1, max prob]: the boundary to ~1e-12 of the top prob
+_CANDIDATES = 64  # the fast path finds the top-k / top-p boundary among this many tokens
+
+
+def _filter_mask(scaled: jax.Array, sp: SamplingBatch, rows: jax.Array) -> jax.Array:
+    """Tokens kept by top-k, top-p and min-p, in vocabulary order. scaled: [S, V]; rows:
+    [S] bool, the rows that filter (the others may get any mask).
+
+    No full sort (an [S, V] sort costs ~60x a greedy step's sampling on CPU): top-k and
+    top-p keep exactly the tokens whose probability is at least a threshold c (the smallest
+    p_t with count(p > p_t) < k and mass(p > p_t) < top_p; both tests are monotone in p).
+    Fast path: when every filtering row's boundary lies among its top `_CANDIDATES` tokens
+    (top_k <= 64, or those tokens hold top_p of the mass), c is read off `lax.top_k`.
+    Otherwise a bisection on c (one count and one masked sum over [S, V] per halving).
+    Tokens tied with the boundary token are all kept (a stable sort would keep lower ids
+    first). min-p is a direct threshold.
+    """
+    probs = jax.nn.softmax(scaled, axis=-1)  # [S, V]
+    pmax = jnp.max(probs, axis=-1)  # [S]
+    k = sp.top_k
+    kc = min(_CANDIDATES, scaled.shape[-1])
+    top, _ = jax.lax.top_k(probs, kc)  # [S, kc], best first
+    mass = jnp.cumsum(top, axis=-1)
+    ok = ((k[:, None] == 0) | (jnp.arange(kc)[None, :] < k[:, None])) & (mass - top < sp.top_p[:, None])
+    n_kept = jnp.sum(ok, axis=-1)  # >= 1: the top token is always kept
+    fits = ((k > 0) & (k <= kc)) | (mass[:, -1] >= sp.top_p) | ~rows
+
+    def fast():
+        c = jnp.take_along_axis(top, (n_kept - 1)[:, None], axis=-1)  # [S, 1]
+        return probs >= c
+
+    def bisect():
+        def kept(x):  # [S] -> [S]: would a token of probability x be kept?
+            above = probs > x[:, None]
+            ok_k = (k == 0) | (jnp.sum(above, axis=-1) < k)
+            return ok_k & (jnp.sum(jnp.where(above, probs, 0.0), axis=-1) < sp.top_p)
+
+        def halve(_, bounds):
+            lo, hi = bounds  # kept(hi) holds, kept(lo) does not (or lo = -1: all kept)
+            mid = 0.5 * (lo + hi)
+            ok = kept(mid)
+            return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+        lo, _ = jax.lax.fori_loop(0, _BISECT_STEPS, halve, (jnp.full_like(pmax, -1.0), pmax))
+        return probs > lo[:, None]
+
+    keep = jax.lax.cond(jnp.all(fits), fast, bisect)
+    return keep & (probs >= sp.min_p[:, None] * pmax[:, None])
 
 
 def sample(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
     """logits [S, V] float32 -> token ids [S] int32; temperature 0 rows are greedy.
 
-    Random rows use the Gumbel-max trick with noise indexed by vocabulary id, so a
-    row's draw is the same whether or not the (sorting) filter path ran for the batch.
-    The sort runs only when some row uses top-k/top-p/min-p, the noise only when some
-    row samples at all. (No penalties here: `sample_step` applies them first.)
+    Random rows draw by an exponential race, `argmax_i p_i / E_i` with E_i ~ Exp(1): the
+    Gumbel-max trick with one log per token instead of two (3x cheaper on CPU), same
+    distribution. The noise is indexed by vocabulary id, so a row's draw is the same
+    whether or not the filter path ran for the batch. The filter runs only when some row
+    uses top-k/top-p/min-p, the noise only when some row samples at all. (No penalties
+    here: `sample_step` applies them first.)
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     random_row = sp.temperature > 0
@@ -137,12 +177,16 @@ def sample(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
 
     def draw(_):
         scaled = logits / jnp.where(random_row, sp.temperature, 1.0)[:, None]
-        keep = jax.lax.cond(jnp.any(filtered_row), lambda: _filter_mask(scaled, sp),
+        keep = jax.lax.cond(jnp.any(filtered_row),
+                            lambda: _filter_mask(scaled, sp, filtered_row),
                             lambda: jnp.ones(scaled.shape, bool))
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(
             sp.seed, sp.counter)
-        noise = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:]))(keys)  # [S, V]
-        return jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1).astype(jnp.int32)
+        # E = -log(u), u in [tiny, 1): E > 0 always (jax.random.exponential can return 0)
+        noise = -jnp.log(jax.vmap(lambda k: jax.random.uniform(
+            k, scaled.shape[-1:], minval=jnp.finfo(jnp.float32).tiny))(keys))  # [S, V]
+        weight = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # [S, V]
+        return jnp.argmax(jnp.where(keep, weight / noise, -1.0), axis=-1).astype(jnp.int32)
 
     drawn = jax.lax.cond(jnp.any(random_row), draw, lambda _: greedy, None)
     return jnp.where(random_row, drawn, greedy)
