@@ -92,11 +92,11 @@ class TokenLogprobs:
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
     """logits [R, V] float32, tokens [R] int32 -> raw log-probabilities of those tokens and
     the top K per row."""
-    lp = jax.nn.log_softmax(logits, axis=-1)  # [R, V]
-    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]  # [R]
-    rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1, dtype=jnp.int32)
-    top_lp, top_ids = jax.lax.top_k(lp, min(MAX_LOGPROBS, logits.shape[-1]))
-    return TokenLogprobs(chosen, rank, top_ids.astype(jnp.int32), top_lp)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [R]; log_softmax is never materialized
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]  # [R]
+    rank = 1 + jnp.sum(logits > chosen[:, None], axis=-1, dtype=jnp.int32)
+    top, top_ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, logits.shape[-1]))
+    return TokenLogprobs(chosen - lse, rank, top_ids.astype(jnp.int32), top - lse[:, None])
 
 
 def empty_logprobs(rows: int, vocab: int) -> TokenLogprobs:
@@ -115,9 +115,11 @@ _BISECT_STEPS = 40  # halvings of [-1, max prob]: the boundary to ~1e-12 of the 
 _CANDIDATES = 64  # the fast path finds the top-k / top-p boundary among this many tokens
 
 
-def _filter_mask(scaled: jax.Array, sp: SamplingBatch, rows: jax.Array) -> jax.Array:
+def _filter_mask(scaled: jax.Array, sp: SamplingBatch, rows: jax.Array,
+                 weight: jax.Array | None = None) -> jax.Array:
     """Tokens kept by top-k, top-p and min-p, in vocabulary order. scaled: [S, V]; rows:
-    [S] bool, the rows that filter (the others may get any mask).
+    [S] bool, the rows that filter (the others may get any mask); weight: exp(scaled -
+    row max), if the caller has it.
 
     No full sort (an [S, V] sort costs ~60x a greedy step's sampling on CPU): top-k and
     top-p keep exactly the tokens whose probability is at least a threshold c (the smallest
@@ -128,8 +130,11 @@ def _filter_mask(scaled: jax.Array, sp: SamplingBatch, rows: jax.Array) -> jax.A
     Tokens tied with the boundary token are all kept (a stable sort would keep lower ids
     first). min-p is a direct threshold.
     """
-    probs = jax.nn.softmax(scaled, axis=-1)  # [S, V]
-    pmax = jnp.max(probs, axis=-1)  # [S]
+    if weight is None:
+        weight = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+    total = jnp.sum(weight, axis=-1, keepdims=True)  # [S, 1]
+    probs = weight / total  # [S, V]
+    pmax = 1.0 / total[:, 0]  # [S]: the top token's weight is 1
     k = sp.top_k
     kc = min(_CANDIDATES, scaled.shape[-1])
     top, _ = jax.lax.top_k(probs, kc)  # [S, kc], best first
@@ -177,15 +182,15 @@ def sample(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
 
     def draw(_):
         scaled = logits / jnp.where(random_row, sp.temperature, 1.0)[:, None]
+        weight = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # [S, V]
         keep = jax.lax.cond(jnp.any(filtered_row),
-                            lambda: _filter_mask(scaled, sp, filtered_row),
+                            lambda: _filter_mask(scaled, sp, filtered_row, weight),
                             lambda: jnp.ones(scaled.shape, bool))
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(
             sp.seed, sp.counter)
         # E = -log(u), u in [tiny, 1): E > 0 always (jax.random.exponential can return 0)
         noise = -jnp.log(jax.vmap(lambda k: jax.random.uniform(
             k, scaled.shape[-1:], minval=jnp.finfo(jnp.float32).tiny))(keys))  # [S, V]
-        weight = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # [S, V]
         return jnp.argmax(jnp.where(keep, weight / noise, -1.0), axis=-1).astype(jnp.int32)
 
     drawn = jax.lax.cond(jnp.any(random_row), draw, lambda _: greedy, None)
