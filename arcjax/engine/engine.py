@@ -4,7 +4,8 @@ One `step()` (the stepping thread; one step at a time):
   1. drain the inbox: queued requests enter the scheduler, queued aborts leave it
   2. plan = scheduler.schedule(state, config)        pure: rows, blocks, engaged
   3. bucket, batch = runner.prepare(plan, rows)      host arrays padded to a bucket
-  4. tokens = runner.run(bucket, batch, sampling)    one compiled executable per bucket
+  4. out = runner.run(bucket, batch, sampling)       one compiled executable per bucket;
+     tokens, raw logprobs (sampled + top 20; prompt rows when asked), count-table update
   5. append tokens (stop strings, detokenization), then state = scheduler.commit(...)
   6. trace record; every changed request's output goes to its sink, or to the list the
      next `step()` returns; a finished request is released once its final output is out

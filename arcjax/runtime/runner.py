@@ -39,7 +39,7 @@ from arcjax.runtime.batching import build_batch, empty_batch
 from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.outputs import PromptTargets, StepOutput, prompt_targets
 from arcjax.runtime.penalties import TokenCounts
-from arcjax.runtime.sampling import SamplingBatch, SamplingParams, logprobs_if, sample_step
+from arcjax.runtime.sampling import SamplingBatch, logprobs_if, sample_step
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "attn_impl", "dtype", "max_q_len"),
