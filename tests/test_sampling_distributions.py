@@ -123,3 +123,18 @@ def test_filter_mask_equals_the_sorted_definition(p):
         want = np.zeros(v, bool)
         want[order] = keep_sorted
         np.testing.assert_array_equal(got[r], want)
+
+
+def test_unfiltered_rows_do_not_depend_on_filtered_neighbours():
+    v = 300
+    logits = (np.random.RandomState(8).randn(2, v) * 0.3).astype(np.float32)  # flat
+    plain = SamplingParams(temperature=1.0, seed=5)
+    rows = [(plain, 5, c) for c in range(N // 8)]
+    lg = np.repeat(logits[:1], len(rows), axis=0)
+    alone, _, _ = _step(lg, SamplingBatch.build(rows, len(rows)), np.zeros((2, v), np.int32))
+    mixed_rows = rows + [(SamplingParams(temperature=1.0, top_k=3), 1, 0)]
+    lg2 = np.concatenate([lg, logits[1:]])
+    mixed, _, _ = _step(lg2, SamplingBatch.build(mixed_rows, len(mixed_rows)),
+                        np.zeros((2, v), np.int32))
+    np.testing.assert_array_equal(np.asarray(mixed)[:len(rows)], np.asarray(alone))
+    assert len(set(np.asarray(alone).tolist())) > 64  # not cut to the top 64 candidates

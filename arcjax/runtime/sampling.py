@@ -141,11 +141,12 @@ def _filter_mask(scaled: jax.Array, sp: SamplingBatch, rows: jax.Array,
     mass = jnp.cumsum(top, axis=-1)
     ok = ((k[:, None] == 0) | (jnp.arange(kc)[None, :] < k[:, None])) & (mass - top < sp.top_p[:, None])
     n_kept = jnp.sum(ok, axis=-1)  # >= 1: the top token is always kept
-    fits = ((k > 0) & (k <= kc)) | (mass[:, -1] >= sp.top_p) | ~rows
+    unbounded = (k == 0) & (sp.top_p >= 1)  # min-p only: no top-k/top-p threshold
+    fits = ((k > 0) & (k <= kc)) | (mass[:, -1] >= sp.top_p) | unbounded | ~rows
 
     def fast():
         c = jnp.take_along_axis(top, (n_kept - 1)[:, None], axis=-1)  # [S, 1]
-        return probs >= c
+        return probs >= jnp.where(unbounded[:, None], 0.0, c)
 
     def bisect():
         def kept(x):  # [S] -> [S]: would a token of probability x be kept?
@@ -163,7 +164,8 @@ def _filter_mask(scaled: jax.Array, sp: SamplingBatch, rows: jax.Array,
         return probs > lo[:, None]
 
     keep = jax.lax.cond(jnp.all(fits), fast, bisect)
-    return keep & (probs >= sp.min_p[:, None] * pmax[:, None])
+    keep &= probs >= sp.min_p[:, None] * pmax[:, None]
+    return keep | ~rows[:, None]  # rows that do not filter keep every token
 
 
 def sample(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
