@@ -117,6 +117,7 @@ def test_chat_equals_transformers_apply_chat_template_and_special_tokens():
     tok = llm.tokenizer
     ids = [1] + tok.encode("fox", add_special_tokens=False) + [2]
     assert tok.decode(ids) == "fox"
-    assert tok.decode(ids, skip_special_tokens=False) == "<s> fox </s>"
+    assert tok.decode(ids, skip_special_tokens=False,
+                      spaces_between_special_tokens=True) == "<s> fox </s>"
     assert tok.decode(ids, skip_special_tokens=False,
                       spaces_between_special_tokens=False) == "<s>fox</s>"

@@ -143,7 +143,8 @@ class Engine:
         pairs = []
         for i in range(params.n):
             cid = child_id(request.request_id, i)
-            cp = dataclasses.replace(params, n=1, seed=child_seed(seed, i))
+            cp = dataclasses.replace(params, n=1, seed=child_seed(seed, i), prompt_logprobs=(
+                params.prompt_logprobs if i == 0 else None))  # the group reports child 0's
             state = self._state(cid, text, request.prompt_token_ids, cp, cp.seed,
                                 request.arrival_time)
             state.index, state.parent_id = i, request.request_id

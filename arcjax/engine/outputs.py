@@ -48,7 +48,7 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Logprob:
     logprob: float  # natural log of the token's probability (raw model distribution)
     rank: int  # 1 = the most likely token at that position
@@ -58,7 +58,7 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class CompletionOutput:
     """One completion (sample) of a request."""
 

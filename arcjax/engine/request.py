@@ -110,9 +110,9 @@ class RequestState:
         if self.detok is not None and self.finish_reason == FINISH_LENGTH:
             self.text += self.detok.flush()
 
-    def completion(self) -> CompletionOutput:
+    def completion(self, token_ids: tuple[int, ...] | None = None) -> CompletionOutput:
         return CompletionOutput(
-            self.index, self.text, tuple(self.token_ids),
+            self.index, self.text, tuple(self.token_ids) if token_ids is None else token_ids,
             self.cumulative_logprob if self.logprobs is not None else None,
             list(self.logprobs) if self.logprobs is not None else None, self.finish_reason)
 
@@ -124,10 +124,11 @@ class RequestState:
     def output(self) -> RequestOutput:
         """The request's output now; `delta_text` is the text new since the last call."""
         delta, self.emitted_len = self.text[self.emitted_len:], len(self.text)
+        token_ids = tuple(self.token_ids)  # shared with the completion
         out = RequestOutput(self.request_id, self.prompt, self.prompt_ids, self.text,
-                            tuple(self.token_ids), self.finished, self.finish_reason,
+                            token_ids, self.finished, self.finish_reason,
                             self.metrics(), delta, self.error, self.num_cached_tokens,
-                            (self.completion(),),
+                            (self.completion(token_ids),),
                             list(self.prompt_logprobs) if self.prompt_logprobs is not None
                             else None)
         if self.finished:

@@ -146,15 +146,17 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True,
-               spaces_between_special_tokens: bool = True) -> str:
+               spaces_between_special_tokens: bool = False) -> str:
         """Text of `ids`; incomplete UTF-8 sequences decode to U+FFFD.
 
-        With `skip_special_tokens=False`, added (special) tokens are kept; as in vLLM, each
-        added token and each run of ordinary tokens is decoded on its own and the pieces are
-        joined with " " when `spaces_between_special_tokens`, else with "".
+        With `skip_special_tokens=False`, added (special) tokens are kept; with
+        `spaces_between_special_tokens` (vLLM's SamplingParams default; False here keeps the
+        library's plain decode), each added token and each run of ordinary tokens is
+        decoded on its own and the pieces are joined with " ".
         """
         ids = list(ids)
-        if skip_special_tokens or not self.added_token_ids.intersection(ids):
+        if (skip_special_tokens or not spaces_between_special_tokens
+                or not self.added_token_ids.intersection(ids)):
             return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         pieces, run = [], []
         for t in ids:
@@ -167,7 +169,7 @@ class Tokenizer:
                 run.append(t)
         if run:
             pieces.append(self._tok.decode(run, skip_special_tokens=False))
-        return (" " if spaces_between_special_tokens else "").join(pieces)
+        return " ".join(pieces)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text (specials kept), cached: for logprob entries."""
