@@ -6,14 +6,14 @@ errors of `arcjax.errors`, and `EngineConfig` / `build_engine` for embedding the
 
 from arcjax.engine.build import build_engine, default_model_path
 from arcjax.engine.config import EngineConfig
-from arcjax.engine.outputs import RequestMetrics, RequestOutput
+from arcjax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.llm import LLM
 from arcjax.errors import (ConfigError, EngineConfigError, InputError, ModelFileError,
                            RequestError, SamplingParamsError, UnknownRequestError)
 from arcjax.runtime.sampling import SamplingParams
 
-__all__ = ["AsyncLLM", "LLM", "ConfigError", "EngineConfig", "EngineConfigError", "InputError",
+__all__ = ["AsyncLLM", "CompletionOutput", "LLM", "Logprob", "ConfigError", "EngineConfig", "EngineConfigError", "InputError",
            "ModelFileError", "RequestError", "RequestMetrics", "RequestOutput",
            "SamplingParams", "SamplingParamsError", "UnknownRequestError", "build_engine",
            "default_model_path"]

@@ -4,7 +4,8 @@ One `step()` (the stepping thread; one step at a time):
   1. drain the inbox: queued requests enter the scheduler, queued aborts leave it
   2. plan = scheduler.schedule(state, config)        pure: rows, blocks, engaged
   3. bucket, batch = runner.prepare(plan, rows)      host arrays padded to a bucket
-  4. tokens = runner.run(bucket, batch, sampling)    one compiled executable per bucket
+  4. out = runner.run(bucket, batch, sampling)       one compiled executable per bucket;
+     tokens, raw logprobs (sampled + top 20; prompt rows when asked), count-table update
   5. append tokens (stop strings, detokenization), then state = scheduler.commit(...)
   6. trace record; every changed request's output goes to its sink, or to the list the
      next `step()` returns; a finished request is released once its final output is out
@@ -28,6 +29,7 @@ NOTE: threading and lifetimes (WORKSPACE.md, "Threading and lifetimes").
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -37,6 +39,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 import scheduler
+from arcjax.engine import logprobs
+from arcjax.engine.group import RequestGroup, child_id, child_seed
 from arcjax.engine.outputs import RequestOutput
 from arcjax.engine.request import FINISH_ABORT, FINISH_ERROR, RequestState
 from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -67,7 +71,10 @@ class Engine:
         self._seed = seed
         self._lock = threading.Lock()  # guards the inbox, the id set and the pending list
         self._step_lock = threading.Lock()  # one step (or inbox drain) at a time
-        self._inbox: list[tuple] = []  # ("add", RequestState, scheduler.Request) | ("abort", id)
+        # ("add", RequestState, scheduler.Request) | ("group", RequestGroup, entering pairs)
+        # | ("abort", id)
+        self._inbox: list[tuple] = []
+        self._groups: dict[str, RequestGroup] = {}  # n > 1 requests by the user's id
         self._unfinished: set[str] = set()  # ids submitted and not yet finished
         self._pending: list[RequestOutput] = []  # outputs of requests without a sink
         self._auto_ids = itertools.count()
@@ -80,7 +87,7 @@ class Engine:
     # --- submission (any thread) --------------------------------------------------------
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, *,
-                    sink: Sink | None = None) -> str:
+                    sink: Sink | None = None, priority: int = 0) -> str:
         """Validates and queues one request. Returns its id.
 
         Args:
@@ -90,6 +97,7 @@ class Engine:
           arrival_time: on the engine's clock; None = now.
           sink: receives every output of this request (from the stepping thread); without
             one, outputs are returned by `step()`.
+          priority: smaller is served first (the scheduler's order); equal: FCFS.
 
         Raises:
           RequestError (a ValueError naming `.field`): the request is refused; nothing is queued.
@@ -102,6 +110,10 @@ class Engine:
         arrival = self.clock() if arrival_time is None else arrival_time
         if not isinstance(arrival, (int, float)) or isinstance(arrival, bool):
             raise RequestError("arrival_time", f"must be a number, got {arrival!r}")
+        if not isinstance(priority, (int, np.integer)) or isinstance(priority, (bool, np.bool_)):
+            raise RequestError("priority", f"must be an int, got {priority!r}")
+        if self.sync is not None and params.n > 1:
+            raise RequestError("n", "n > 1 is not supported across several hosts yet", limit=1)
         with self._lock:
             if request_id is None:
                 request_id = next(i for i in map(str, self._auto_ids) if i not in self._unfinished)
@@ -109,16 +121,44 @@ class Engine:
             if request_id in self._unfinished:
                 raise DuplicateRequestError("request_id", f"{request_id!r} is already in use")
             request = scheduler.Request(request_id=request_id, prompt_token_ids=ids,
-                                        max_tokens=params.max_tokens, arrival_time=arrival)
+                                        max_tokens=params.max_tokens, arrival_time=arrival,
+                                        priority=int(priority))
             scheduler.validate_request(request, self.sched_config)
             seed = params.seed if params.seed is not None else zlib.crc32(
                 f"{self._seed}:{request_id}".encode())
-            detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
-            state = RequestState(request_id, text, ids, params, seed, float(arrival), detok)
-            state.sink = sink
             self._unfinished.add(request_id)
-            self._inbox.append(("add", state, request))
+            if params.n == 1:
+                state = self._state(request_id, text, ids, params, seed, arrival)
+                state.sink = sink
+                self._inbox.append(("add", state, request))
+            else:
+                self._inbox.append(("group", *self._group(request, text, params, seed, sink)))
         return request_id
+
+    def _state(self, rid: str, text, ids, params: SamplingParams, seed: int,
+               arrival: float) -> RequestState:
+        detok = IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        ) if self.tokenizer else None
+        return RequestState(rid, text, ids, params, seed, float(arrival), detok)
+
+    def _group(self, request: scheduler.Request, text, params: SamplingParams, seed: int,
+               sink) -> tuple[RequestGroup, list]:
+        """n children of one request (group.py): child i has its own seed stream. Returns the
+        group and the (state, scheduler request) pairs that enter the scheduler now."""
+        pairs = []
+        for i in range(params.n):
+            cid = child_id(request.request_id, i)
+            cp = dataclasses.replace(params, n=1, seed=child_seed(seed, i), prompt_logprobs=(
+                params.prompt_logprobs if i == 0 else None))  # the group reports child 0's
+            state = self._state(cid, text, request.prompt_token_ids, cp, cp.seed,
+                                request.arrival_time)
+            state.index, state.parent_id = i, request.request_id
+            pairs.append((state, dataclasses.replace(request, request_id=cid)))
+        hold = 1 if self.sched_config.enable_prefix_caching else params.n
+        group = RequestGroup(request.request_id, [st for st, _ in pairs], pairs[hold:], sink)
+        return group, pairs[:hold]
 
     def check(self, prompt, params: SamplingParams) -> tuple[str | None, tuple[int, ...]]:
         """Validates a request without queueing it. Returns (prompt text, token ids)."""
@@ -216,6 +256,11 @@ class Engine:
                     self.state = scheduler.abort(self.state, rid)
                     req.finish(FINISH_ERROR, now, message)
                     changed[rid] = req
+            for group in self._groups.values():  # n > 1 children not yet in the scheduler
+                for req, _ in group.waiting:
+                    req.finish(FINISH_ERROR, now, message)
+                    changed[req.request_id] = req
+                group.waiting.clear()
             self._deliver(changed)
 
     # --- the step (one thread at a time) ---------------------------------------------
@@ -243,30 +288,44 @@ class Engine:
         changed = {}
         now = self.clock()
         for item in items:
+            if item[0] == "group":
+                group = item[1]
+                self._groups[group.request_id] = group
+                for req, request in item[2]:
+                    self._enter(req, request, changed, now)
+                continue
             if item[0] == "add":
-                _, req, request = item
-                self.requests[req.request_id] = req
-                self._traced[req.request_id] = 0
-                try:
-                    self.state = scheduler.add_request(self.state, request)
-                except Exception as e:  # noqa: BLE001  validated at submission: a bug if seen
-                    req.finish(FINISH_ERROR, now, f"could not be queued: {e!r}")
-                    changed[req.request_id] = req
+                self._enter(item[1], item[2], changed, now)
                 continue
             rid = item[1]
-            req = self.requests.get(rid)
-            if req is None or req.finished:  # already finished, or aborted twice
-                continue
-            self.state = scheduler.abort(self.state, rid)
-            req.finish(FINISH_ABORT, now)
-            changed[rid] = req
+            group = self._groups.get(rid)
+            for req in (group.children if group else [self.requests.get(rid)]):
+                if req is None or req.finished:  # already finished, or aborted twice
+                    continue
+                if req.request_id in self.requests:
+                    self.state = scheduler.abort(self.state, req.request_id)
+                req.finish(FINISH_ABORT, now)
+                changed[req.request_id] = req
+            if group:
+                group.waiting.clear()
         return changed
+
+    def _enter(self, req: RequestState, request: scheduler.Request, changed: dict,
+               now: float) -> None:
+        """Puts one request into the scheduler (stepping thread)."""
+        self.requests[req.request_id] = req
+        self._traced[req.request_id] = 0
+        try:
+            self.state = scheduler.add_request(self.state, request)
+        except Exception as e:  # noqa: BLE001  validated at submission: a bug if seen
+            req.finish(FINISH_ERROR, now, f"could not be queued: {e!r}")
+            changed[req.request_id] = req
 
     def _exchange_inbox(self, items: list) -> list:
         """Multi-host: the leader's inbox items, in order, the same on every process."""
         wire = [("add", it[1].request_id, it[1].prompt, it[1].prompt_ids, it[1].params,
-                 it[1].seed, it[1].arrival, it[2].max_tokens) if it[0] == "add" else it
-                for it in items]
+                 it[1].seed, it[1].arrival, it[2].max_tokens, it[2].priority)
+                if it[0] == "add" else it for it in items]
         received = self.sync.exchange_inbox(wire)
         if self.sync.is_leader:
             return items
@@ -275,13 +334,13 @@ class Engine:
             if item[0] != "add":
                 out.append(item)
                 continue
-            _, rid, text, ids, params, seed, arrival, max_tokens = item
-            detok = IncrementalDetokenizer(self.tokenizer, ids) if self.tokenizer else None
+            _, rid, text, ids, params, seed, arrival, max_tokens, priority = item
             with self._lock:
                 self._unfinished.add(rid)
-            out.append(("add", RequestState(rid, text, ids, params, seed, arrival, detok),
+            out.append(("add", self._state(rid, text, ids, params, seed, arrival),
                         scheduler.Request(request_id=rid, prompt_token_ids=ids,
-                                          max_tokens=max_tokens, arrival_time=arrival)))
+                                          max_tokens=max_tokens, arrival_time=arrival,
+                                          priority=priority)))
         return out
 
     def _iterate(self) -> dict[str, RequestState]:
@@ -301,9 +360,17 @@ class Engine:
                 req.num_cached_tokens = cached
         compiled_before = self.runner.num_executables
         try:
-            bucket, batch, sampling = self.runner.prepare(
-                plan, [(r.params, r.seed, len(r.token_ids)) for r in reqs])
-            tokens = self.runner.run(bucket, batch, sampling)
+            prompts = logprobs.prompt_rows(plan, reqs)
+            prepared = self.runner.prepare(plan, logprobs.sampling_rows(
+                plan, reqs, self.runner.counts, self.eos_token_ids), prompts)
+            bucket = prepared[0]
+            out = self.runner.run(*prepared)
+            tokens = out.tokens
+            lp = (logprobs.host_logprobs(out.logprobs) if any(
+                r.logprobs is not None for r in reqs) else None)
+            if prompts is not None:
+                logprobs.record_prompt_logprobs(plan, reqs, prompts, logprobs.host_logprobs(
+                    out.prompt_logprobs), self.tokenizer)
         except Exception as e:  # noqa: BLE001  the step fails, the engine goes on
             return self._fail(plan, reqs, start, f"device step failed: {e!r}")
         now = self.clock()
@@ -317,7 +384,8 @@ class Engine:
                 token = int(tokens[i])
                 sampled.append(token)
                 try:
-                    if req.append(token, now, self.eos_token_ids):
+                    entry = logprobs.sampled_entry(lp, i, token, req, self.tokenizer)
+                    if req.append(token, now, self.eos_token_ids, entry):
                         stopped.append(req.request_id)
                 except Exception as e:  # noqa: BLE001  one request's bug stops only it
                     req.finish(FINISH_ERROR, now, f"output processing failed: {e!r}")
@@ -374,30 +442,48 @@ class Engine:
 
     def _deliver(self, changed: dict[str, RequestState]) -> None:
         """Hands every changed request's output to its sink (or the pending list) and
-        releases finished requests."""
-        pending = []
+        releases finished requests. A child of an n > 1 request is reported through its
+        group's output (once per call), whose waiting children enter when ready."""
+        pending, groups = [], {}
         for rid, req in changed.items():
-            out = req.output()
+            out = req.output() if req.parent_id is None else None
             if req.finished:
                 self.requests.pop(rid, None)
+                self.runner.counts.release(rid)
                 traced = self._traced.pop(rid, 0)
                 if traced != len(req.token_ids):
                     self._trace_errors.append(f"{rid}: {len(req.token_ids)} tokens, "
                                               f"{traced} traced")
-                with self._lock:
-                    self._unfinished.discard(rid)
-            if req.sink is None:
-                pending.append(out)
+            if req.parent_id is not None:
+                groups[req.parent_id] = self._groups[req.parent_id]
                 continue
-            try:
-                req.sink(out)
-            except Exception:  # noqa: BLE001  its consumer is gone: stop generating for it
-                if not req.finished:
-                    with self._lock:
-                        self._inbox.append(("abort", rid))
+            self._emit(rid, out, req.sink, pending)
+        now = self.clock()
+        for gid, group in groups.items():
+            if group.ready():  # child 0's prompt is computed: the others share its blocks
+                waiting, group.waiting = group.waiting, []
+                for req, request in waiting:
+                    self._enter(req, request, {}, now)
+            if group.finished:
+                del self._groups[gid]
+            self._emit(gid, group.output(), group.sink, pending)
         if pending:
             with self._lock:
                 self._pending.extend(pending)
+
+    def _emit(self, rid: str, out: RequestOutput, sink, pending: list) -> None:
+        if out.finished:
+            with self._lock:
+                self._unfinished.discard(rid)
+        if sink is None:
+            pending.append(out)
+            return
+        try:
+            sink(out)
+        except Exception:  # noqa: BLE001  its consumer is gone: stop generating for it
+            if not out.finished:
+                with self._lock:
+                    self._inbox.append(("abort", rid))
 
     # --- checks -------------------------------------------------------------------------
     def check_trace(self) -> int:
@@ -416,7 +502,7 @@ class Engine:
         inbox or the scheduler), running, unfinished; KV blocks in use and in all; steps."""
         state = self.state  # an immutable snapshot
         with self._lock:
-            queued = sum(1 for item in self._inbox if item[0] == "add")
+            queued = sum(1 for item in self._inbox if item[0] in ("add", "group"))
             unfinished = len(self._unfinished)
         return {"waiting": len(state.waiting) + queued, "running": state.num_running,
                 "unfinished": unfinished, "kv_blocks_in_use": state.pool.num_in_use,

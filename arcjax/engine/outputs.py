@@ -1,4 +1,12 @@
-"""What users get back: `RequestOutput` with its `RequestMetrics`."""
+"""What users get back: `RequestOutput` (vLLM's shape: `.outputs`, a list of
+`CompletionOutput`, one per sample; `.text` / `.token_ids` are the first's) with its
+`RequestMetrics`, and `Logprob` entries.
+
+Log-probabilities are RAW (log_softmax of the model's logits before penalties, temperature
+and filters; vLLM's default `logprobs_mode`). A position's entry is a dict
+{token id: Logprob} holding the chosen token (sampled, or the prompt's next token) and the
+top `k` tokens (k = SamplingParams.logprobs / prompt_logprobs), so it has k or k + 1 items.
+"""
 
 from __future__ import annotations
 
@@ -40,6 +48,32 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Logprob:
+    logprob: float  # natural log of the token's probability (raw model distribution)
+    rank: int  # 1 = the most likely token at that position
+    decoded_token: str | None = None  # the token's text (None without a tokenizer)
+
+
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One completion (sample) of a request."""
+
+    index: int  # 0 .. n - 1
+    text: str
+    token_ids: tuple[int, ...]
+    cumulative_logprob: float | None  # sum of the sampled tokens' logprobs (when asked)
+    logprobs: list[PositionLogprobs] | None  # one entry per generated token, or None
+    finish_reason: str | None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     request_id: str
@@ -53,3 +87,7 @@ class RequestOutput:
     delta_text: str = ""  # text new since the previous output for this request
     error: str | None = None  # why the request finished with reason "error"
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
+    outputs: tuple[CompletionOutput, ...] = ()  # the n completions (index order)
+    # Per prompt position: None for position 0, and for positions the step did not compute
+    # (prefix-cache hits; see WORKSPACE.md); else the position's entry. None if not asked.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

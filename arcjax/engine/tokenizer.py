@@ -84,6 +84,8 @@ class Tokenizer:
         # ourselves only when add_bos_token asks for it and the post-processor does not.
         post_adds_bos = bos_token_id is not None and tokenizer.encode("").ids[:1] == [bos_token_id]
         self._prepend_bos = add_bos_token and bos_token_id is not None and not post_adds_bos
+        self.added_token_ids = frozenset(tokenizer.get_added_tokens_decoder())
+        self._token_text: dict[int, str] = {}
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> Tokenizer:
@@ -143,9 +145,39 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; incomplete UTF-8 sequences decode to U+FFFD."""
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = False) -> str:
+        """Text of `ids`; incomplete UTF-8 sequences decode to U+FFFD.
+
+        With `skip_special_tokens=False`, added (special) tokens are kept; with
+        `spaces_between_special_tokens` (vLLM's SamplingParams default; False here keeps the
+        library's plain decode), each added token and each run of ordinary tokens is
+        decoded on its own and the pieces are joined with " ".
+        """
+        ids = list(ids)
+        if (skip_special_tokens or not spaces_between_special_tokens
+                or not self.added_token_ids.intersection(ids)):
+            return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        pieces, run = [], []
+        for t in ids:
+            if t in self.added_token_ids:
+                if run:
+                    pieces.append(self._tok.decode(run, skip_special_tokens=False))
+                    run = []
+                pieces.append(self._tok.id_to_token(t))
+            else:
+                run.append(t)
+        if run:
+            pieces.append(self._tok.decode(run, skip_special_tokens=False))
+        return " ".join(pieces)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text (specials kept), cached: for logprob entries."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self._tok.decode([token_id],
+                                                                  skip_special_tokens=False)
+        return text
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
@@ -171,9 +203,11 @@ class IncrementalDetokenizer:
         prompt_ids: Sequence[int] = (),
         *,
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ):
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._spaces = spaces_between_special_tokens
         self._ids: list[int] = list(prompt_ids)
         self._read_offset = len(self._ids)
         self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
@@ -216,6 +250,7 @@ class IncrementalDetokenizer:
 
     def _window_texts(self) -> tuple[str, str]:
         decode = self._tok.decode
-        emitted = decode(self._ids[self._prefix_offset : self._read_offset], self._skip)
-        full = decode(self._ids[self._prefix_offset :], self._skip)
+        emitted = decode(self._ids[self._prefix_offset : self._read_offset], self._skip,
+                         self._spaces)
+        full = decode(self._ids[self._prefix_offset :], self._skip, self._spaces)
         return emitted, full

@@ -8,8 +8,9 @@ online API (`add_request`) get their outputs from `step()`, whoever else steps.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -17,6 +18,7 @@ from arcjax.engine.build import build_engine
 from arcjax.engine.config import SCHEDULER_OPTIONS, EngineConfig
 from arcjax.engine.outputs import RequestOutput
 from arcjax.engine.trace import summarize, write_jsonl
+from arcjax.entrypoints.chat import ChatTemplate, ChatTemplateError
 from arcjax.errors import RequestError
 from arcjax.runtime.sampling import SamplingParams
 
@@ -40,6 +42,7 @@ class LLM:
         self.model_dir = self.engine.model_dir
         self.config = self.engine.runner.cfg
         self.tokenizer = self.engine.tokenizer
+        self._chat_template: ChatTemplate | None = None  # read on the first chat()
         self.scheduler_options = {k: getattr(self.engine.sched_config, k)
                                   for k in SCHEDULER_OPTIONS}
 
@@ -129,6 +132,40 @@ class LLM:
                     rate = bar.format_dict.get("elapsed") or 0
                     bar.set_postfix(tok_s=f"{generated / rate:.1f}" if rate else "-")
         return [final[rid] for rid in ids]
+
+    def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, **template_kwargs) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of {"role", "content"} dicts) or a
+        list of conversations; returns one output per conversation, in order.
+
+        The model's chat template (tokenizer_config.json `chat_template`, or
+        chat_template.jinja) is rendered in jinja2's sandbox as transformers'
+        `apply_chat_template` does (`arcjax.entrypoints.chat`), then tokenized without
+        adding special tokens (the template prints them). `output.prompt` is the rendered text.
+
+        Raises:
+          ChatTemplateError (field "messages"): no template, or the template refused the
+            conversation. RequestError: a malformed conversation or bad sampling_params.
+        """
+        if self.tokenizer is None or self.model_dir is None:
+            raise ChatTemplateError("messages", "chat needs a model directory with a tokenizer")
+        if isinstance(messages, (list, tuple)) and messages and all(
+                isinstance(m, Mapping) for m in messages):
+            conversations = [messages]
+        elif isinstance(messages, (list, tuple)) and messages and all(
+                isinstance(c, (list, tuple)) and c and all(isinstance(m, Mapping) for m in c)
+                for c in messages):
+            conversations = list(messages)
+        else:
+            raise RequestError("messages", "must be a conversation (a non-empty list of "
+                               "message dicts) or a list of conversations")
+        if self._chat_template is None:
+            self._chat_template = ChatTemplate.from_dir(self.model_dir)
+        texts = [self._chat_template.render(c, add_generation_prompt=add_generation_prompt,
+                                            **template_kwargs) for c in conversations]
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts)]
 
     # --- trace ------------------------------------------------------------------------
     def trace_summary(self, wall_time: float) -> dict:

@@ -31,15 +31,16 @@ class ProtocolError(RequestError):
 # Sampling fields shared by both endpoints -> SamplingParams field.
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "min_p": "min_p", "seed": "seed", "stop": "stop",
-             "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
+             "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
+             "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
+             "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens"}
 # Known fields the engine does not support, with the values that mean "not used".
 _UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False),
                 "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
-                "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-                "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
+                "logit_bias": (None, {}),
                 "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                 "function_call": (None, "none"), "parallel_tool_calls": (None,),
-                "response_format": (None, {"type": "text"}), "min_tokens": (None, 0),
+                "response_format": (None, {"type": "text"}),
                 "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,)}
 _IGNORED = {"user"}  # see the module NOTE
 _COMMON = {"model", "max_tokens", "stream", "stream_options", *_SAMPLING, *_UNSUPPORTED,

@@ -4,7 +4,9 @@
    columns into host arrays (`batching.build_batch`) and the per-row sampling inputs.
 2. `run(bucket, batch, sampling)` calls the bucket's executable: forward over the
    ragged batch, KV written through `slot_mapping` into the donated cache, logits
-   only at each sequence's last row, sampling on device. Returns token ids [S].
+   only at each sequence's last row, sampling on device (penalties from the device-
+   resident count table, `penalties.py`). Returns a `StepOutput`: token ids [S] and
+   raw log-probabilities (plus, for steps with prompt_logprobs rows, at every row).
 3. Executables are compiled ahead of time (`jit(...).lower(...).compile()`), so the
    runner knows exactly when a step needs one (`num_executables`, the trace's
    `compiled` flag) and `warmup()` prepares every bucket.
@@ -20,6 +22,7 @@ that runner's own history only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -34,18 +37,27 @@ from arcjax.model.config import ModelConfig
 from arcjax.model.specs import make_cache
 from arcjax.runtime.batching import build_batch, empty_batch
 from arcjax.runtime.buckets import Bucket, BucketSet
-from arcjax.runtime.sampling import SamplingBatch, SamplingParams, sample
+from arcjax.runtime.outputs import PromptTargets, StepOutput, prompt_targets
+from arcjax.runtime.penalties import TokenCounts
+from arcjax.runtime.sampling import SamplingBatch, logprobs_if, sample_step
 
 
 @functools.partial(jax.jit,
                    static_argnames=("cfg", "attn_impl", "dtype", "max_q_len", "parallel"),
-                   donate_argnames=("cache",))
-def _step(params, cache, batch, sampling, *, cfg, attn_impl, dtype, max_q_len, parallel=None):
+                   donate_argnames=("cache", "counts"))
+def _step(params, cache, batch, sampling, counts, prompt=None, *, cfg, attn_impl, dtype,
+          max_q_len, parallel=None):
     # cfg/attn_impl/dtype/max_q_len/parallel are static: one executable per bucket, no
-    # recompiles from the traced metadata (num_seqs, kv_lens, ...).
+    # recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt` (prompt
+    # logprobs) is None or not: at most a second executable per bucket, built on demand.
     logits, cache = decoder.forward(params, cache, batch, cfg=cfg, attn_impl=attn_impl,
                                     dtype=dtype, max_q_len=max_q_len, parallel=parallel)
-    return sample(logits, sampling), cache
+    prompt_lp = None
+    if prompt is not None:  # logits at every token row [T, V]; sampling reads its rows
+        prompt_lp = logprobs_if(jnp.bool_(True), logits, prompt.targets)
+        logits = logits[prompt.sample_rows]
+    tokens, logprobs, counts = sample_step(logits, sampling, counts)
+    return StepOutput(tokens, logprobs, prompt_lp), cache, counts
 
 
 def _signature(tree) -> tuple:
@@ -93,58 +105,74 @@ class ModelRunner:
         self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
         self.cache = self._new_cache()
         self.executables = executables if executables is not None else ExecutableCache()
-        self._compiled: dict[Bucket, object] = {}
+        self._compiled: dict[tuple[Bucket, bool], object] = {}
+        # penalties / min_tokens state: one slot per sequence a step can hold (penalties.py)
+        self.counts = TokenCounts(buckets.seq_rungs[-1], cfg.vocab_size)
 
     @property
     def num_executables(self) -> int:
         """Buckets this runner has acquired an executable for (compiled or found)."""
-        return len(self._compiled)
+        return len({b for b, _ in self._compiled})
 
-    def prepare(self, plan, sampling_rows: Sequence[tuple[SamplingParams, int, int]]):
-        """Packs one step plan. Returns (bucket, batch, sampling) as host arrays.
+    def prepare(self, plan, sampling_rows: Sequence[tuple], prompt_rows=None):
+        """Packs one step plan. Returns (bucket, batch, sampling[, prompt]) as host arrays.
 
         Args:
           plan: a `scheduler.StepPlan` (its columns are read, never its chunk records).
-          sampling_rows: (params, seed, tokens generated so far) per row.
+          sampling_rows: (params, seed, tokens generated so far[, count-table slot]) per row.
+          prompt_rows: None, or per row the prompt whose log-probabilities it wants (None
+            for rows that do not): the step then computes logits at every token row and
+            returns a 4-tuple whose last item is the `PromptTargets`.
         """
         bucket = self.buckets.select(plan.num_tokens, plan.num_seqs, plan.decode_only)
         batch = build_batch(plan.token_ids, plan.starts, plan.lengths, plan.block_tables,
                             bucket=bucket, max_blocks=self.max_blocks,
                             block_size=self.block_size, num_blocks=self.num_blocks)
-        return bucket, batch, SamplingBatch.build(list(sampling_rows), bucket.seqs)
+        sampling = SamplingBatch.build(list(sampling_rows), bucket.seqs, self.counts.spare)
+        if prompt_rows is None:
+            return bucket, batch, sampling
+        prompt = prompt_targets(plan.starts, plan.lengths, prompt_rows, batch.logits_rows,
+                                bucket.tokens)
+        return bucket, dataclasses.replace(batch, logits_rows=np.arange(
+            bucket.tokens, dtype=np.int32)), sampling, prompt
 
-    def _executable(self, bucket: Bucket, batch, sampling):
-        exe = self._compiled.get(bucket)
+    def _executable(self, bucket: Bucket, batch, sampling, prompt):
+        exe = self._compiled.get((bucket, prompt is not None))
         if exe is None:
             key = (self.cfg, self.attn_impl, str(self.dtype), bucket.max_q_len, self.parallel,
-                   _signature((self.params, self.cache, batch, sampling)))
+                   _signature((self.params, self.cache, batch, sampling, self.counts.table,
+                               prompt)))
             exe = self.executables.get_or_compile(key, lambda: _step.lower(
-                self.params, self.cache, batch, sampling, cfg=self.cfg,
-                attn_impl=self.attn_impl, dtype=self.dtype,
+                self.params, self.cache, batch, sampling, self.counts.table, prompt,
+                cfg=self.cfg, attn_impl=self.attn_impl, dtype=self.dtype,
                 max_q_len=bucket.max_q_len, parallel=self.parallel).compile())
-            self._compiled[bucket] = exe
+            self._compiled[(bucket, prompt is not None)] = exe
         return exe
 
-    def run(self, bucket: Bucket, batch, sampling) -> np.ndarray:
-        """Runs the step; returns sampled token ids [S] (host) after the device is done."""
+    def run(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None
+            ) -> StepOutput:
+        """Runs the step; returns its `StepOutput`: `tokens` [S] on the host (after the
+        device is done), log-probabilities still on the device (read them only if asked)."""
         if self.parallel is None:
-            batch = jax.tree.map(jnp.asarray, batch)
-            sampling = jax.tree.map(jnp.asarray, sampling)
+            batch, sampling, prompt = jax.tree.map(jnp.asarray, (batch, sampling, prompt))
         else:  # replicated on the mesh (each process places its own devices' copies)
-            batch, sampling = self.parallel.put_replicated((batch, sampling))
-        exe = self._executable(bucket, batch, sampling)
-        tokens, self.cache = exe(self.params, self.cache, batch, sampling)
+            batch, sampling, prompt = self.parallel.put_replicated((batch, sampling, prompt))
+        exe = self._executable(bucket, batch, sampling, prompt)
+        out, self.cache, self.counts.table = exe(self.params, self.cache, batch, sampling,
+                                                 self.counts.table, prompt)
+        tokens = out.tokens
         if self.parallel is not None:  # replicated: any local copy is the value
             tokens = tokens.addressable_data(0)
-        return np.asarray(tokens)
+        return dataclasses.replace(out, tokens=np.asarray(tokens))
 
     def cache_lost(self) -> bool:
         """Whether the KV cache buffer was consumed by a call that then failed."""
-        return any(x.is_deleted() for x in jax.tree.leaves(self.cache))
+        return any(x.is_deleted() for x in jax.tree.leaves((self.cache, self.counts.table)))
 
     def reset_cache(self) -> None:
         """A fresh zeroed KV cache (every sequence's KV is gone)."""
         self.cache = self._new_cache()
+        self.counts.reset()
 
     def _new_cache(self):
         if self.parallel is not None:
@@ -159,7 +187,7 @@ class ModelRunner:
         for bucket in sorted(buckets):
             batch = empty_batch(bucket, max_blocks=self.max_blocks, block_size=self.block_size,
                                 num_blocks=self.num_blocks)
-            self.run(bucket, batch, SamplingBatch.build([], bucket.seqs))
+            self.run(bucket, batch, SamplingBatch.build([], bucket.seqs, self.counts.spare))
         return time.perf_counter() - t0
 
     def warmup(self) -> float:

@@ -1,103 +1,32 @@
-"""Sampling parameters (validated on the host) and per-row sampling on device.
+"""Per-row sampling on device: penalties, min_tokens, temperature, filters, log-probabilities.
+
+One jitted step samples every row with no host round trip (`sample_step`):
+  1. raw log-probabilities (log_softmax of the model's logits), only when a row asks;
+  2. penalties and min_tokens from the token-count table (`penalties.py`), only when a
+     row uses them;
+  3. temperature, top-k / top-p / min-p, Gumbel-max draw (greedy rows: argmax);
+  4. the sampled tokens are counted into the table (rows that use it).
+Each optional stage sits behind a `lax.cond` on "some row needs it", so a greedy batch
+pays for an argmax and the predicates only.
 
 NOTE: reproducibility. Row r's random key is `fold_in(key(seed_r), counter_r)` where
 `counter_r` is how many tokens that request has generated so far. It depends on
 nothing else in the batch, so a seeded request samples the same tokens whatever it
-is batched with, and across preemption (which keeps generated tokens).
+is batched with, and across preemption (which keeps generated tokens). Penalties read
+only the row's own table row, so they keep that property.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arcjax.errors import SamplingParamsError
-
-
-INT32_MAX = 2**31 - 1
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
-def _is_number(x) -> bool:
-    return _is_int(x) or (isinstance(x, (float, np.floating)) and not isinstance(x, bool))
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request samples and when it stops (vLLM's names and meanings).
-
-    Every field is checked when the object is built: a wrong type or an out-of-range value
-    raises `SamplingParamsError` whose `.field` names it (bool is not accepted as an int,
-    floats must be finite, integers must fit the device's int32 arrays; `top_k` larger than
-    the vocabulary simply keeps every token). `stop` may be a string, a sequence of
-    strings, or None (no stop strings).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __post_init__(self):
-        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
-        try:
-            stop = tuple(stop)
-            stop_ids = tuple(self.stop_token_ids)
-        except TypeError:
-            raise SamplingParamsError("stop", "stop and stop_token_ids must be sequences") from None
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) if _is_int(t) else t
-                                                         for t in stop_ids))
-        self._check_int("max_tokens", 1, INT32_MAX)
-        self._check_float("temperature", 0.0, None)
-        self._check_int("top_k", 0, INT32_MAX)
-        self._check_float("top_p", 0.0, 1.0, low_open=True)
-        self._check_float("min_p", 0.0, 1.0)
-        if self.seed is not None:
-            self._check_int("seed", 0, 2**32 - 1)
-        if not all(isinstance(s, str) for s in self.stop):
-            raise SamplingParamsError("stop", f"stop strings must be str, got {self.stop!r}")
-        if any(not s for s in self.stop):
-            raise SamplingParamsError("stop", "stop strings must be non-empty")
-        for t in self.stop_token_ids:
-            if not _is_int(t) or not 0 <= t <= INT32_MAX:
-                raise SamplingParamsError("stop_token_ids",
-                                          f"token ids must be ints >= 0, got {t!r}")
-        if not isinstance(self.ignore_eos, (bool, np.bool_)):
-            raise SamplingParamsError("ignore_eos", f"must be a bool, got {self.ignore_eos!r}")
-
-    def _check_int(self, name: str, low: int, high: int) -> None:
-        value = getattr(self, name)
-        if not _is_int(value):
-            raise SamplingParamsError(name, f"must be an int, got {value!r}")
-        if not low <= value <= high:
-            raise SamplingParamsError(name, f"must be in [{low}, {high}], got {value}",
-                                      limit=low if value < low else high)
-        object.__setattr__(self, name, int(value))
-
-    def _check_float(self, name: str, low: float, high: float | None,
-                     low_open: bool = False) -> None:
-        value = getattr(self, name)
-        if not _is_number(value) or not math.isfinite(value):
-            raise SamplingParamsError(name, f"must be a finite number, got {value!r}")
-        bad_low = value <= low if low_open else value < low
-        if bad_low or (high is not None and value > high):
-            span = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]"
-            raise SamplingParamsError(name, f"must be in {span}, got {value}",
-                                      limit=low if bad_low else high)
-        object.__setattr__(self, name, float(value))
+from arcjax.errors import SamplingParamsError  # noqa: F401  re-exported for callers
+from arcjax.runtime.penalties import apply_penalties, count_sampled
+from arcjax.runtime.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams  # noqa: F401
 
 
 @jax.tree_util.register_dataclass
@@ -111,41 +40,143 @@ class SamplingBatch:
     min_p: jax.Array  # [S] float32
     seed: jax.Array  # [S] uint32
     counter: jax.Array  # [S] int32, tokens generated so far by the row's request
+    presence: jax.Array  # [S] float32 presence_penalty
+    frequency: jax.Array  # [S] float32 frequency_penalty
+    repetition: jax.Array  # [S] float32 repetition_penalty
+    min_tokens: jax.Array  # [S] int32
+    slot: jax.Array  # [S] int32 row of the token-count table (the spare row when unused)
+    penalized: jax.Array  # [S] bool: reads and updates its table row
+    logprobs: jax.Array  # [S] bool: returns log-probabilities
 
     @classmethod
-    def build(cls, rows: list[tuple[SamplingParams, int, int]], size: int) -> "SamplingBatch":
-        """rows: (params, seed, counter) per sequence; padded to `size` with greedy rows."""
+    def build(cls, rows: list[tuple], size: int, spare_slot: int = 0) -> "SamplingBatch":
+        """rows: (params, seed, counter[, slot]) per sequence, `slot` None or absent when the
+        row does not use the count table; padded to `size` with greedy rows."""
         temp = np.zeros(size, np.float32)
         top_k = np.zeros(size, np.int32)
         top_p = np.ones(size, np.float32)
         min_p = np.zeros(size, np.float32)
         seed = np.zeros(size, np.uint32)
         counter = np.zeros(size, np.int32)
-        for i, (p, s, c) in enumerate(rows):
+        presence = np.zeros(size, np.float32)
+        frequency = np.zeros(size, np.float32)
+        repetition = np.ones(size, np.float32)
+        min_tokens = np.zeros(size, np.int32)
+        slot = np.full(size, spare_slot, np.int32)
+        penalized = np.zeros(size, bool)
+        logprobs = np.zeros(size, bool)
+        for i, row in enumerate(rows):
+            p, s, c = row[:3]
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             seed[i], counter[i] = s, c
-        return cls(temp, top_k, top_p, min_p, seed, counter)
+            logprobs[i] = p.logprobs is not None
+            if len(row) > 3 and row[3] is not None:
+                slot[i], penalized[i] = row[3], True
+                presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
+                repetition[i], min_tokens[i] = p.repetition_penalty, p.min_tokens
+        return cls(temp, top_k, top_p, min_p, seed, counter, presence, frequency, repetition,
+                   min_tokens, slot, penalized, logprobs)
 
 
-def _filter_mask(scaled: jax.Array, sp: SamplingBatch) -> jax.Array:
-    """Tokens kept by top-k, top-p and min-p, in vocabulary order. scaled: [S, V]."""
-    order = jnp.argsort(-scaled, axis=-1, stable=True)  # [S, V], best first
-    probs = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
-    ranks = jnp.arange(scaled.shape[-1])[None, :]
-    keep = (sp.top_k[:, None] == 0) | (ranks < sp.top_k[:, None])
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < sp.top_p[:, None]  # mass before token
-    keep &= probs >= sp.min_p[:, None] * probs[:, :1]
-    rows = jnp.arange(scaled.shape[0])[:, None]
-    return jnp.zeros_like(keep).at[rows, order].set(keep)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Raw log-probabilities at some positions (rows), K = min(20, V) candidates each."""
+
+    logprob: jax.Array  # [R] float32, of the row's token (sampled, or the next prompt token)
+    rank: jax.Array  # [R] int32, 1 = the most likely token
+    top_ids: jax.Array  # [R, K] int32, most likely first
+    top_logprobs: jax.Array  # [R, K] float32
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+    """logits [R, V] float32, tokens [R] int32 -> raw log-probabilities of those tokens and
+    the top K per row."""
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [R]; log_softmax is never materialized
+    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]  # [R]
+    rank = 1 + jnp.sum(logits > chosen[:, None], axis=-1, dtype=jnp.int32)
+    top, top_ids = jax.lax.top_k(logits, min(MAX_LOGPROBS, logits.shape[-1]))
+    return TokenLogprobs(chosen - lse, rank, top_ids.astype(jnp.int32), top - lse[:, None])
+
+
+def empty_logprobs(rows: int, vocab: int) -> TokenLogprobs:
+    k = min(MAX_LOGPROBS, vocab)
+    return TokenLogprobs(jnp.zeros(rows, jnp.float32), jnp.zeros(rows, jnp.int32),
+                         jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32))
+
+
+def logprobs_if(need: jax.Array, logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
+    """`token_logprobs` when `need` (a traced bool), else zeros (a greedy step skips it)."""
+    return jax.lax.cond(need, lambda: token_logprobs(logits, tokens),
+                        lambda: empty_logprobs(*logits.shape))
+
+
+_BISECT_STEPS = 40  # halvings of [-1, max prob]: the boundary to ~1e-12 of the top prob
+_CANDIDATES = 64  # the fast path finds the top-k / top-p boundary among this many tokens
+
+
+def _filter_mask(scaled: jax.Array, sp: SamplingBatch, rows: jax.Array,
+                 weight: jax.Array | None = None) -> jax.Array:
+    """Tokens kept by top-k, top-p and min-p, in vocabulary order. scaled: [S, V]; rows:
+    [S] bool, the rows that filter (the others may get any mask); weight: exp(scaled -
+    row max), if the caller has it.
+
+    No full sort (an [S, V] sort costs ~60x a greedy step's sampling on CPU): top-k and
+    top-p keep exactly the tokens whose probability is at least a threshold c (the smallest
+    p_t with count(p > p_t) < k and mass(p > p_t) < top_p; both tests are monotone in p).
+    Fast path: when every filtering row's boundary lies among its top `_CANDIDATES` tokens
+    (top_k <= 64, or those tokens hold top_p of the mass), c is read off `lax.top_k`.
+    Otherwise a bisection on c (one count and one masked sum over [S, V] per halving).
+    Tokens tied with the boundary token are all kept (a stable sort would keep lower ids
+    first). min-p is a direct threshold.
+    """
+    if weight is None:
+        weight = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))
+    total = jnp.sum(weight, axis=-1, keepdims=True)  # [S, 1]
+    probs = weight / total  # [S, V]
+    pmax = 1.0 / total[:, 0]  # [S]: the top token's weight is 1
+    k = sp.top_k
+    kc = min(_CANDIDATES, scaled.shape[-1])
+    top, _ = jax.lax.top_k(probs, kc)  # [S, kc], best first
+    mass = jnp.cumsum(top, axis=-1)
+    ok = ((k[:, None] == 0) | (jnp.arange(kc)[None, :] < k[:, None])) & (mass - top < sp.top_p[:, None])
+    n_kept = jnp.sum(ok, axis=-1)  # >= 1: the top token is always kept
+    unbounded = (k == 0) & (sp.top_p >= 1)  # min-p only: no top-k/top-p threshold
+    fits = ((k > 0) & (k <= kc)) | (mass[:, -1] >= sp.top_p) | unbounded | ~rows
+
+    def fast():
+        c = jnp.take_along_axis(top, (n_kept - 1)[:, None], axis=-1)  # [S, 1]
+        return probs >= jnp.where(unbounded[:, None], 0.0, c)
+
+    def bisect():
+        def kept(x):  # [S] -> [S]: would a token of probability x be kept?
+            above = probs > x[:, None]
+            ok_k = (k == 0) | (jnp.sum(above, axis=-1) < k)
+            return ok_k & (jnp.sum(jnp.where(above, probs, 0.0), axis=-1) < sp.top_p)
+
+        def halve(_, bounds):
+            lo, hi = bounds  # kept(hi) holds, kept(lo) does not (or lo = -1: all kept)
+            mid = 0.5 * (lo + hi)
+            ok = kept(mid)
+            return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+        lo, _ = jax.lax.fori_loop(0, _BISECT_STEPS, halve, (jnp.full_like(pmax, -1.0), pmax))
+        return probs > lo[:, None]
+
+    keep = jax.lax.cond(jnp.all(fits), fast, bisect)
+    keep &= probs >= sp.min_p[:, None] * pmax[:, None]
+    return keep | ~rows[:, None]  # rows that do not filter keep every token
 
 
 def sample(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
     """logits [S, V] float32 -> token ids [S] int32; temperature 0 rows are greedy.
 
-    Random rows use the Gumbel-max trick with noise indexed by vocabulary id, so a
-    row's draw is the same whether or not the (sorting) filter path ran for the batch.
-    The sort runs only when some row uses top-k/top-p/min-p, the noise only when some
-    row samples at all.
+    Random rows draw by an exponential race, `argmax_i p_i / E_i` with E_i ~ Exp(1): the
+    Gumbel-max trick with one log per token instead of two (3x cheaper on CPU), same
+    distribution. The noise is indexed by vocabulary id, so a row's draw is the same
+    whether or not the filter path ran for the batch. The filter runs only when some row
+    uses top-k/top-p/min-p, the noise only when some row samples at all. (No penalties
+    here: `sample_step` applies them first.)
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     random_row = sp.temperature > 0
@@ -153,12 +184,31 @@ def sample(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
 
     def draw(_):
         scaled = logits / jnp.where(random_row, sp.temperature, 1.0)[:, None]
-        keep = jax.lax.cond(jnp.any(filtered_row), lambda: _filter_mask(scaled, sp),
+        weight = jnp.exp(scaled - jnp.max(scaled, axis=-1, keepdims=True))  # [S, V]
+        keep = jax.lax.cond(jnp.any(filtered_row),
+                            lambda: _filter_mask(scaled, sp, filtered_row, weight),
                             lambda: jnp.ones(scaled.shape, bool))
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(
             sp.seed, sp.counter)
-        noise = jax.vmap(lambda k: jax.random.gumbel(k, scaled.shape[-1:]))(keys)  # [S, V]
-        return jnp.argmax(jnp.where(keep, scaled + noise, -jnp.inf), axis=-1).astype(jnp.int32)
+        # E = -log(u), u in [tiny, 1): E > 0 always (jax.random.exponential can return 0)
+        noise = -jnp.log(jax.vmap(lambda k: jax.random.uniform(
+            k, scaled.shape[-1:], minval=jnp.finfo(jnp.float32).tiny))(keys))  # [S, V]
+        return jnp.argmax(jnp.where(keep, weight / noise, -1.0), axis=-1).astype(jnp.int32)
 
     drawn = jax.lax.cond(jnp.any(random_row), draw, lambda _: greedy, None)
     return jnp.where(random_row, drawn, greedy)
+
+
+def sample_step(logits: jax.Array, sp: SamplingBatch, counts: jax.Array):
+    """The step's sampling. logits [S, V] float32; counts: the token-count table
+    [slots + 1, V] int32 (donated by the caller).
+
+    Returns:
+      (tokens [S] int32, TokenLogprobs of the sampled tokens (zeros unless some row asked),
+       the updated count table).
+    """
+    adjusted = jax.lax.cond(jnp.any(sp.penalized),
+                            lambda: apply_penalties(logits, counts, sp), lambda: logits)
+    tokens = sample(adjusted, sp)
+    logprobs = logprobs_if(jnp.any(sp.logprobs), logits, tokens)
+    return tokens, logprobs, count_sampled(counts, sp.slot, tokens, sp.penalized)

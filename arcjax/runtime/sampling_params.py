@@ -1,0 +1,136 @@
+"""`SamplingParams`: how one request samples, what it returns, when it stops (vLLM's names).
+
+Validated once, on the host, when the object is built: every field is type-checked and a
+bad value raises `SamplingParamsError` whose `.field` names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from arcjax.errors import SamplingParamsError
+
+INT32_MAX = 2**31 - 1
+MAX_LOGPROBS = 20  # top-k log-probabilities per position: the device always computes 20
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _is_number(x) -> bool:
+    return _is_int(x) or (isinstance(x, (float, np.floating)) and not isinstance(x, bool))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops (vLLM's names and meanings).
+
+    Every field is checked when the object is built: a wrong type or an out-of-range value
+    raises `SamplingParamsError` whose `.field` names it (bool is not accepted as an int,
+    floats must be finite, integers must fit the device's int32 arrays; `top_k` larger than
+    the vocabulary simply keeps every token). `stop` may be a string, a sequence of
+    strings, or None (no stop strings).
+
+    Semantics (vLLM's):
+      n: completions of the prompt; completion i samples with seed `seed + i` (or its own
+        derived seed when `seed` is None).
+      presence_penalty / frequency_penalty (in [-2, 2]): over OUTPUT tokens only,
+        `logit -= frequency_penalty * count + presence_penalty * (count > 0)`.
+      repetition_penalty (> 0): over tokens in the prompt OR the output, a positive logit is
+        divided by it, a negative one multiplied.
+      min_tokens: the stop token ids (and EOS unless ignore_eos) are masked, and stop strings
+        are not checked, until this many tokens have been generated.
+      logprobs: None = none; k in [0, 20] = the sampled token's log-probability plus the k
+        most likely tokens'. prompt_logprobs: the same for every prompt position after the
+        first. Both are RAW: log_softmax of the model's logits, before penalties,
+        temperature and filters (vLLM's default `logprobs_mode="raw_logprobs"`).
+      skip_special_tokens / spaces_between_special_tokens: detokenization of the output.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self):
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
+        try:
+            stop = tuple(stop)
+            stop_ids = tuple(self.stop_token_ids)
+        except TypeError:
+            raise SamplingParamsError("stop", "stop and stop_token_ids must be sequences") from None
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) if _is_int(t) else t
+                                                         for t in stop_ids))
+        self._check_int("max_tokens", 1, INT32_MAX)
+        self._check_float("temperature", 0.0, None)
+        self._check_int("top_k", 0, INT32_MAX)
+        self._check_float("top_p", 0.0, 1.0, low_open=True)
+        self._check_float("min_p", 0.0, 1.0)
+        if self.seed is not None:
+            self._check_int("seed", 0, 2**32 - 1)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise SamplingParamsError("stop", f"stop strings must be str, got {self.stop!r}")
+        if any(not s for s in self.stop):
+            raise SamplingParamsError("stop", "stop strings must be non-empty")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or not 0 <= t <= INT32_MAX:
+                raise SamplingParamsError("stop_token_ids",
+                                          f"token ids must be ints >= 0, got {t!r}")
+        self._check_int("n", 1, 1024)
+        self._check_float("presence_penalty", -2.0, 2.0)
+        self._check_float("frequency_penalty", -2.0, 2.0)
+        self._check_float("repetition_penalty", 0.0, None, low_open=True)
+        self._check_int("min_tokens", 0, self.max_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                self._check_int(name, 0, MAX_LOGPROBS)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise SamplingParamsError(name, f"must be a bool, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))
+
+    @property
+    def uses_penalty_state(self) -> bool:
+        """Whether sampling reads the request's token counts (penalties or min_tokens)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1 or self.min_tokens > 0)
+
+    def _check_int(self, name: str, low: int, high: int) -> None:
+        value = getattr(self, name)
+        if not _is_int(value):
+            raise SamplingParamsError(name, f"must be an int, got {value!r}")
+        if not low <= value <= high:
+            raise SamplingParamsError(name, f"must be in [{low}, {high}], got {value}",
+                                      limit=low if value < low else high)
+        object.__setattr__(self, name, int(value))
+
+    def _check_float(self, name: str, low: float, high: float | None,
+                     low_open: bool = False) -> None:
+        value = getattr(self, name)
+        if not _is_number(value) or not math.isfinite(value):
+            raise SamplingParamsError(name, f"must be a finite number, got {value!r}")
+        bad_low = value <= low if low_open else value < low
+        if bad_low or (high is not None and value > high):
+            span = f"{'(' if low_open else '['}{low}, {high if high is not None else 'inf'}]"
+            raise SamplingParamsError(name, f"must be in {span}, got {value}",
+                                      limit=low if bad_low else high)
+        object.__setattr__(self, name, float(value))
