@@ -43,6 +43,7 @@ class PrefixBenchConfig:
     turn_tokens: int = 64
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    policy: str = "token_budget"
     num_kv_blocks: int = 0  # 0 = the engine's default
     seed: int = 0
     out: str = ""
@@ -86,7 +87,7 @@ def run(cfg: PrefixBenchConfig) -> dict:
     max_len = max(cfg.shared_tokens + cfg.unique_tokens,
                   cfg.turns * (cfg.turn_tokens + cfg.max_new_tokens)) + cfg.max_new_tokens
     options = dict(max_model_len=max_len, max_num_seqs=cfg.max_num_seqs,
-                   max_num_batched_tokens=cfg.max_num_batched_tokens,
+                   max_num_batched_tokens=cfg.max_num_batched_tokens, policy=cfg.policy,
                    num_kv_blocks=cfg.num_kv_blocks or None)
     engines = {mode: arcjax.LLM(cfg.model or None, enable_prefix_caching=mode == "on",
                                 **options) for mode in ("off", "on")}
@@ -144,7 +145,8 @@ def main(argv):
     res = run(cfg)
     a, b = res["shared_prompt"], res["multi_turn"]
     print(f"(a) {cfg.num_requests} x ({cfg.shared_tokens} shared + {cfg.unique_tokens} unique) "
-          f"tokens, {cfg.max_new_tokens} new each")
+          f"tokens, {cfg.max_new_tokens} new each; policy {cfg.policy}, max_num_seqs "
+          f"{cfg.max_num_seqs}")
     for mode in ("off", "on"):
         m = a[mode]
         print(f"  caching {mode:3}: TTFT p50 {m['ttft_p50_s']:.2f} s, p90 {m['ttft_p90_s']:.2f} s, "

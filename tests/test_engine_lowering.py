@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or
 CFG = ModelConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
                   num_heads=8, num_kv_heads=2, head_dim=64, max_position_embeddings=1024)
 BLOCK_SIZE, NUM_BLOCKS, MAX_BLOCKS = 16, 64, 32
-BUCKETS = BucketSet.create(tile=64, max_tokens=256, max_seqs=16)
+MAX_SEQS = 16
+BUCKETS = BucketSet.create(tile=64, max_tokens=256, max_seqs=MAX_SEQS)
 
 
 def _abstract(tree, dtype=None):
@@ -42,8 +43,9 @@ def test_every_engine_bucket_lowers_with_the_pallas_kernel(bucket):
     cache = _abstract_specs(cache_specs(CFG, NUM_BLOCKS, BLOCK_SIZE), dtype)
     batch = _abstract(empty_batch(bucket, max_blocks=MAX_BLOCKS, block_size=BLOCK_SIZE,
                                   num_blocks=NUM_BLOCKS))
-    sampling = _abstract(SamplingBatch.build([], bucket.seqs))
+    sampling = _abstract(SamplingBatch.build([], bucket.seqs, MAX_SEQS))
+    counts = jax.ShapeDtypeStruct((MAX_SEQS + 1, CFG.vocab_size), jnp.int32)  # penalties.py
     text = lowering.lower_for_cuda(runner._step.__wrapped__, params, cache, batch, sampling,
-                                   cfg=CFG, attn_impl="pallas_gpu", dtype=dtype,
+                                   counts, cfg=CFG, attn_impl="pallas_gpu", dtype=dtype,
                                    max_q_len=bucket.max_q_len)
     assert lowering.triton_kernel_calls(text) >= 1, "attention did not lower to the kernel"
