@@ -354,7 +354,7 @@ BAD_REQUESTS = [
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 5.0}, "presence_penalty"),  # outside [-2, 2]
     ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),

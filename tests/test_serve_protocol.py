@@ -34,7 +34,7 @@ def test_sampling_fields_map_to_sampling_params():
     ({"prompt": "x", "logprobs": 0}, "logprobs"),
     ({"prompt": "x", "n": 3}, "n"),
     ({"prompt": "x", "n": True}, "n"),
-    ({"prompt": "x", "frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "temperature": float("nan")}, "temperature"),
     ({"prompt": "x", "max_tokens": True}, "max_tokens"),
