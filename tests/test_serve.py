@@ -228,6 +228,83 @@ def test_chat_equal_llm_generate(server, reference, llm):
     assert asyncio.run(run()) == expected
 
 
+# --- n and logprobs -------------------------------------------------------------------------
+def _sampled(n=2, **kw):
+    return SamplingParams(max_tokens=6, temperature=1.0, seed=1234, n=n, **kw)
+
+
+def test_completions_n_and_logprobs_equal_llm_generate(server, reference):
+    ref = reference.generate(PROMPTS[:2], _sampled(logprobs=3), use_tqdm=False)
+    client = _client(server)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=6, temperature=1,
+                                  seed=1234, n=2, logprobs=3)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    expected = [c for o in ref for c in o.outputs]
+    assert [c.text for c in r.choices] == [c.text for c in expected]
+    assert r.choices[0].text != r.choices[1].text or r.choices[2].text != r.choices[3].text
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in expected)
+    for choice, c in zip(r.choices, expected):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(c.token_ids) == len(lp.top_logprobs)
+        for i, (tid, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert lp.tokens[i] == entry[tid].decoded_token
+            assert lp.token_logprobs[i] == pytest.approx(entry[tid].logprob, abs=1e-6)
+            top = lp.top_logprobs[i]
+            # the top 3, and the sampled token if not among them (texts are keys: a text
+            # shared by two tokens, e.g. partial UTF-8 "\ufffd", keeps the better one)
+            assert 1 <= len(top) <= 4
+            ranked = sorted(entry.values(), key=lambda x: x.rank)
+            assert list(top) == list(dict.fromkeys(x.decoded_token for x in ranked))
+            assert list(top.values()) == sorted(top.values(), reverse=True)
+        assert lp.text_offset[0] == 0
+    # streaming: both indices, texts and logprob tokens equal the non-streaming response
+    texts, tokens = {}, {}
+    for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6,
+                                           temperature=1, seed=1234, n=2, logprobs=3,
+                                           stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            tokens.setdefault(c.index, []).extend(c.logprobs.tokens if c.logprobs else [])
+    assert texts == {0: r.choices[0].text, 1: r.choices[1].text}
+    assert tokens == {0: r.choices[0].logprobs.tokens, 1: r.choices[1].logprobs.tokens}
+
+
+def test_chat_n_and_logprobs(server, reference):
+    messages = [{"role": "user", "content": "def fibonacci(n):"}]
+    client = _client(server)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                       temperature=1, seed=1234, n=2, logprobs=True,
+                                       top_logprobs=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    from arcjax.entrypoints.chat import ChatTemplate
+
+    ids = reference.tokenizer.encode(ChatTemplate.from_dir(chat_model_dir()).render(messages),
+                                     add_special_tokens=False)
+    ref = reference.generate([ids], _sampled(logprobs=2), use_tqdm=False)[0].outputs
+    assert [c.message.content for c in r.choices] == [c.text for c in ref]
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in ref)
+    for choice, c in zip(r.choices, ref):
+        content = choice.logprobs.content
+        assert len(content) == len(c.token_ids)
+        for item, tid, entry in zip(content, c.token_ids, c.logprobs):
+            assert item.token == entry[tid].decoded_token
+            assert item.logprob == pytest.approx(entry[tid].logprob, abs=1e-6)
+            assert item.bytes == list(item.token.encode())
+            assert len(item.top_logprobs) == 2
+            assert item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                                 temperature=1, seed=1234, n=2, logprobs=True,
+                                                 stream=True))
+    texts = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            assert c.logprobs is None or all(t.top_logprobs == [] for t in c.logprobs.content)
+    assert texts == {0: r.choices[0].message.content, 1: r.choices[1].message.content}
+
+
 # --- load, disconnects, slow readers --------------------------------------------------------
 def test_64_concurrent_streams(server, llm):
     """64 streaming clients at once (max_num_seqs 8, budget 128): all finish, every block is
@@ -349,8 +426,10 @@ def test_slow_reader_does_not_slow_others(server, llm):
 
 # --- errors ---------------------------------------------------------------------------------
 BAD_REQUESTS = [
-    ({"prompt": "x", "logprobs": 1}, "logprobs"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": "2"}, "n"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
@@ -396,7 +475,11 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
@@ -419,7 +502,7 @@ def test_error_statuses(server, llm):
     r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
     with pytest.raises(openai.BadRequestError) as e:
-        _client(server).completions.create(model=MODEL, prompt="x", max_tokens=4, n=2)
+        _client(server).completions.create(model=MODEL, prompt="x", max_tokens=4, n=0)
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError) as e:
         _client(server).completions.create(model="gpt-4", prompt="x", max_tokens=4)

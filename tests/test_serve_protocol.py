@@ -31,8 +31,13 @@ def test_sampling_fields_map_to_sampling_params():
 
 
 @pytest.mark.parametrize("body,field", [
-    ({"prompt": "x", "logprobs": 0}, "logprobs"),
-    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "logprobs": "2"}, "logprobs"),
+    ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": "2"}, "n"),
+    ({"prompt": "x", "n": 1025}, "n"),
     ({"prompt": "x", "n": True}, "n"),
     ({"prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
@@ -120,3 +125,50 @@ def test_cli_flags_mirror_engine_options(monkeypatch):
     assert cfg.prefill_floor_steps == 0  # the flag wins over ARC_PREFILL_FLOOR_STEPS
     assert parse_serve(["serve", "--api-key", "k"]).config.api_key == "k"
     assert parse_serve(["serve"]).model_dir is None
+
+
+def test_n_and_logprobs_parsing():
+    p = proto.parse_completion({"prompt": "x", "n": 3, "logprobs": 2})
+    assert p.params.n == 3 and p.params.logprobs == 2
+    assert proto.parse_completion({"prompt": "x", "logprobs": False}).params.logprobs is None
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    p = proto.parse_chat({**chat, "n": 2, "logprobs": True, "top_logprobs": 3})
+    assert p.params.n == 2 and p.params.logprobs == 3
+    assert proto.parse_chat({**chat, "logprobs": True}).params.logprobs == 0
+    assert proto.parse_chat({**chat, "logprobs": False}).params.logprobs is None
+    for body, field in [({**chat, "top_logprobs": 2}, "top_logprobs"),
+                        ({**chat, "logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+                        ({**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({**chat, "logprobs": 1}, "logprobs"),
+                        ({**chat, "n": 0}, "n")]:
+        with pytest.raises(InputError) as e:
+            proto.parse_chat(body)
+        assert e.value.field == field
+
+
+def test_choices_and_logprob_shapes():
+    from arcjax.engine.outputs import CompletionOutput, Logprob
+
+    # position 0: sampled 7 (rank 1) among top 2; position 1: sampled 9 outside the top 2
+    e0 = {7: Logprob(-0.1, 1, "a"), 8: Logprob(-2.0, 2, "b")}
+    e1 = {9: Logprob(-3.0, 5, "é"), 4: Logprob(-0.5, 1, "c"), 5: Logprob(-1.0, 2, "d")}
+    m = RequestMetrics(0.0, 0.0, 0.1, (0.1,), 0.2)
+    outs = (CompletionOutput(0, "aé", (7, 9), -3.1, [e0, e1], "length"),
+            CompletionOutput(1, "b", (8,), -2.0, [{8: Logprob(-2.0, 2, "b"),
+                                                    7: Logprob(-0.1, 1, "a")}], "stop"))
+    o = RequestOutput("r", None, (1, 2), "aé", (7, 9), True, "length", m, outputs=outs)
+    r = proto.completion_response("c", 1, "m", [o, o], n=2, logprobs=2)
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in r["choices"]] == ["aé", "b", "aé", "b"]
+    assert r["usage"]["completion_tokens"] == 6 and r["usage"]["prompt_tokens"] == 4
+    lp0 = r["choices"][0]["logprobs"]
+    assert lp0["tokens"] == ["a", "é"] and lp0["token_logprobs"] == [-0.1, -3.0]
+    assert lp0["text_offset"] == [0, 1]
+    assert [list(t.items()) for t in lp0["top_logprobs"]] == [
+        [("a", -0.1), ("b", -2.0)], [("c", -0.5), ("d", -1.0), ("é", -3.0)]]
+    c = proto.chat_response("c", 1, "m", [o], n=2, logprobs=1)
+    content = c["choices"][0]["logprobs"]["content"]
+    assert content[1] == {"token": "é", "logprob": -3.0, "bytes": [0xC3, 0xA9],
+                          "top_logprobs": [{"token": "c", "logprob": -0.5, "bytes": [99]}]}
+    assert c["choices"][1]["message"]["content"] == "b"
+    assert proto.completion_response("c", 1, "m", [o])["choices"][0]["logprobs"] is None

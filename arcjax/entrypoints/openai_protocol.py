@@ -7,7 +7,7 @@ builders below.
 NOTE: validation lives here and in `SamplingParams` (types and ranges) and `Engine.check`
 (lengths, vocabulary); every refusal is an `InputError` whose `.field` is the request's own
 field name, so the server answers 400 with `param` naming it. Fields the engine does not
-support (logprobs, n > 1, penalties, tools, ...) are refused by name unless they carry their
+support (best_of, echo, logit_bias, tools, ...) are refused by name unless they carry their
 neutral value; fields that are not part of the API at all are refused too. The one field
 accepted and ignored is `user` (an end-user id OpenAI keeps for abuse monitoring: it never
 changes the output, and clients send it by default in some SDKs).
@@ -20,6 +20,7 @@ import json
 from collections.abc import Sequence
 
 from arcjax.engine.outputs import RequestOutput
+from arcjax.entrypoints import openai_logprobs as lp
 from arcjax.errors import RequestError, SamplingParamsError
 from arcjax.runtime.sampling import SamplingParams
 
@@ -33,20 +34,22 @@ _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "min_p": "min_p", "seed": "seed", "stop": "stop",
              "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos",
              "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty",
-             "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens"}
+             "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
+             "n": "n"}
 # Known fields the engine does not support, with the values that mean "not used".
-_UNSUPPORTED = {"n": (None, 1), "best_of": (None, 1), "logprobs": (None, False),
-                "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+_UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
                 "logit_bias": (None, {}),
                 "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
                 "function_call": (None, "none"), "parallel_tool_calls": (None,),
                 "response_format": (None, {"type": "text"}),
                 "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,)}
 _IGNORED = {"user"}  # see the module NOTE
-_COMMON = {"model", "max_tokens", "stream", "stream_options", *_SAMPLING, *_UNSUPPORTED,
-           *_IGNORED}
+_COMMON = {"model", "max_tokens", "stream", "stream_options", "logprobs", *_SAMPLING,
+           *_UNSUPPORTED, *_IGNORED}
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "add_generation_prompt"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "add_generation_prompt",
+                          "top_logprobs"}
+_COMPLETION_NEUTRAL = {"top_logprobs": (None, 0)}  # a chat field; refused in completions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,19 +72,42 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_fields(body, allowed: set[str]) -> None:
+def _check_fields(body, allowed: set[str], unsupported: dict = _UNSUPPORTED) -> None:
     if not isinstance(body, dict):
         raise ProtocolError("body", f"must be a JSON object, got {type(body).__name__}")
     for name in body:
-        if name not in allowed:
+        if name not in allowed and name not in unsupported:
             raise ProtocolError(name, "unknown field")
-    for name, neutral in _UNSUPPORTED.items():
+    for name, neutral in unsupported.items():
         if name in body and not any(type(body[name]) is type(v) and body[name] == v
                                     for v in neutral):
             raise ProtocolError(name, f"not supported by this server (got {body[name]!r})")
 
 
-def _common(body: dict, max_field: str, default_max: int | None):
+def _completion_logprobs(body: dict) -> int | None:
+    """Completions' `logprobs`: None/false = off, an int = the top-k count."""
+    k = body.get("logprobs")
+    if k is None or k is False:
+        return None
+    if not _is_int(k):
+        raise ProtocolError("logprobs", f"must be an int in [0, 20], got {k!r}")
+    return k
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs: bool` and `top_logprobs: int` -> the top-k count, or None."""
+    on, k = body.get("logprobs"), body.get("top_logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise ProtocolError("logprobs", f"must be a boolean, got {on!r}")
+    if k is not None:
+        if not _is_int(k) or not 0 <= k <= 20:
+            raise ProtocolError("top_logprobs", f"must be an int in [0, 20], got {k!r}")
+        if not on:
+            raise ProtocolError("top_logprobs", "requires logprobs: true")
+    return (k or 0) if on else None
+
+
+def _common(body: dict, max_field: str, default_max: int | None, logprobs: int | None = None):
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ProtocolError("model", f"must be a string, got {model!r}")
@@ -111,6 +137,7 @@ def _common(body: dict, max_field: str, default_max: int | None):
     max_tokens = body.get(max_field)
     given = max_tokens is not None
     kwargs["max_tokens"] = max_tokens if given else (default_max or 1)
+    kwargs["logprobs"] = logprobs
     try:
         params = SamplingParams(**kwargs)
     except SamplingParamsError as e:
@@ -121,7 +148,7 @@ def _common(body: dict, max_field: str, default_max: int | None):
 
 def parse_completion(body) -> ParsedRequest:
     """A /v1/completions body (decoded JSON). Raises InputError naming the field."""
-    _check_fields(body, _COMPLETION_FIELDS)
+    _check_fields(body, _COMPLETION_FIELDS, {**_UNSUPPORTED, **_COMPLETION_NEUTRAL})
     if "prompt" not in body:
         raise ProtocolError("prompt", "is required")
     prompt = body["prompt"]
@@ -136,7 +163,8 @@ def parse_completion(body) -> ParsedRequest:
     else:
         raise ProtocolError("prompt", "must be a string, a list of strings, a list of token "
                                       "ids or a list of lists of token ids (non-empty)")
-    model, params, stream, include_usage, given = _common(body, "max_tokens", 16)
+    model, params, stream, include_usage, given = _common(body, "max_tokens", 16,
+                                                          _completion_logprobs(body))
     return ParsedRequest(model, prompts, params, stream, include_usage, "max_tokens", given)
 
 
@@ -176,7 +204,8 @@ def parse_chat(body) -> ParsedRequest:
     add_gen = body.get("add_generation_prompt", True)
     if not isinstance(add_gen, bool):
         raise ProtocolError("add_generation_prompt", "must be a boolean")
-    model, params, stream, include_usage, given = _common(body, max_field, None)
+    model, params, stream, include_usage, given = _common(body, max_field, None,
+                                                          _chat_logprobs(body))
     return ParsedRequest(model, (), params, stream, include_usage, max_field, given,
                          tuple(clean), add_gen)
 
@@ -189,27 +218,37 @@ def error_body(message: str, type_: str, param: str | None = None,
 
 
 def usage(outputs: Sequence[RequestOutput]) -> dict:
+    """Prompt tokens once per prompt; completion tokens of every choice."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(o.token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in lp.completions_of(o))
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens
                                                            for o in outputs)}}
 
 
-def completion_response(rid: str, created: int, model: str,
-                        outputs: Sequence[RequestOutput]) -> dict:
+def _choices(outputs: Sequence[RequestOutput], n: int):
+    """(choice index, completion) of every sample: prompt_index * n + sample index."""
+    for i, o in enumerate(outputs):
+        for c in lp.completions_of(o):
+            yield i * n + c.index, c
+
+
+def completion_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput],
+                        n: int = 1, logprobs: int | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": i, "text": o.text, "logprobs": None,
-                         "finish_reason": o.finish_reason} for i, o in enumerate(outputs)],
+            "choices": [{"index": i, "text": c.text,
+                         "logprobs": lp.choice_logprobs(c, logprobs, chat=False),
+                         "finish_reason": c.finish_reason} for i, c in _choices(outputs, n)],
             "usage": usage(outputs)}
 
 
-def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput]) -> dict:
+def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput],
+                  n: int = 1, logprobs: int | None = None) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
-                         "logprobs": None, "finish_reason": o.finish_reason}
-                        for i, o in enumerate(outputs)],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": lp.choice_logprobs(c, logprobs, chat=True),
+                         "finish_reason": c.finish_reason} for i, c in _choices(outputs, n)],
             "usage": usage(outputs)}
 
 
@@ -221,16 +260,16 @@ def sse(data: dict | str) -> str:
 
 
 def completion_chunk(rid: str, created: int, model: str, index: int, text: str,
-                     finish_reason: str | None) -> dict:
+                     finish_reason: str | None, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
 
 
 def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
-               finish_reason: str | None) -> dict:
+               finish_reason: str | None, logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None,
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
 
 

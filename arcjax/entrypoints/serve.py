@@ -45,6 +45,7 @@ from arcjax.entrypoints import openai_protocol as proto
 from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.chat import ChatTemplate
 from arcjax.entrypoints.metrics import ServerMetrics
+from arcjax.entrypoints.openai_logprobs import ChoiceStream, completions_of
 from arcjax.errors import InputError, RequestError, UnknownRequestError
 
 log = logging.getLogger(__name__)
@@ -323,7 +324,8 @@ class OpenAIServer:
 
     async def _generate(self, request: Request, parsed: proto.ParsedRequest,
                         prompts: Sequence[tuple[int, ...]], *, chat: bool) -> Response:
-        self._check_queue(len(prompts))
+        n = parsed.params.n
+        self._check_queue(len(prompts) * n)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
         stream = self._outputs(rid, prompts, parsed.params)
@@ -338,12 +340,13 @@ class OpenAIServer:
                 if failed is not None:
                     raise HTTPError(500, f"generation failed: {failed.error}", "internal_error")
                 build = proto.chat_response if chat else proto.completion_response
-                return JSONResponse(build(rid, created, self.model_name, finals))
+                return JSONResponse(build(rid, created, self.model_name, finals, n,
+                                          parsed.params.logprobs))
             ok, first = await _until_disconnect(request, stream.__anext__())
             if not ok:
                 return Response(status_code=499)
             body = self._events(first, stream, len(prompts), rid, created, chat,
-                                parsed.include_usage)
+                                parsed.include_usage, n, parsed.params.logprobs)
 
             async def on_close():
                 await stream.aclose()
@@ -413,28 +416,36 @@ class OpenAIServer:
                 finals[i] = out
         return finals
 
-    async def _events(self, first, stream, n: int, rid: str, created: int, chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
-        """The SSE body: OpenAI chunks, an optional usage chunk, then [DONE]. (The response
-        closes `stream` when it ends, however it ends.)"""
+    async def _events(self, first, stream, num_prompts: int, rid: str, created: int,
+                      chat: bool, include_usage: bool, n: int = 1,
+                      logprobs: int | None = None) -> AsyncIterator[str]:
+        """The SSE body: OpenAI chunks (one per choice with something new: choice index
+        prompt_index * n + sample index), an optional usage chunk, then [DONE]. (The
+        response closes `stream` when it ends, however it ends.)"""
         model = self.model_name
-        finals: list[RequestOutput | None] = [None] * n
+        finals: list[RequestOutput | None] = [None] * num_prompts
+        choices = ChoiceStream(logprobs, chat)
         try:
             if chat:
-                for i in range(n):
-                    yield proto.sse(proto.chat_chunk(rid, created, model, i,
+                for j in range(n):
+                    yield proto.sse(proto.chat_chunk(rid, created, model, j,
                                                      {"role": "assistant", "content": ""}, None))
             item = first
             while item is not None:
                 i, out = item
-                if out.delta_text or out.finished:
-                    reason = out.finish_reason if out.finished else None
+                for c in completions_of(out):
+                    index = i * n + c.index
+                    new = choices.delta(index, c)
+                    if new is None:
+                        continue
+                    text, lps, reason = new
                     if chat:
-                        delta = {"content": out.delta_text} if out.delta_text else {}
-                        yield proto.sse(proto.chat_chunk(rid, created, model, i, delta, reason))
+                        delta = {"content": text} if text else {}
+                        yield proto.sse(proto.chat_chunk(rid, created, model, index, delta,
+                                                         reason, lps))
                     else:
-                        yield proto.sse(proto.completion_chunk(rid, created, model, i,
-                                                               out.delta_text, reason))
+                        yield proto.sse(proto.completion_chunk(rid, created, model, index,
+                                                               text, reason, lps))
                 if out.finished:
                     finals[i] = out
                     if out.finish_reason == "error":
