@@ -261,7 +261,9 @@ def test_completions_n_and_logprobs_equal_llm_generate(server, reference):
     texts, tokens = {}, {}
     for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6,
                                            temperature=1, seed=1234, n=2, logprobs=3,
-                                           stream=True):
+                                           stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:  # the last chunk: every choice's tokens
+            assert chunk.usage.completion_tokens == sum(len(c.token_ids) for c in expected[:2])
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
             tokens.setdefault(c.index, []).extend(c.logprobs.tokens if c.logprobs else [])

@@ -172,3 +172,25 @@ def test_choices_and_logprob_shapes():
                           "top_logprobs": [{"token": "c", "logprob": -0.5, "bytes": [99]}]}
     assert c["choices"][1]["message"]["content"] == "b"
     assert proto.completion_response("c", 1, "m", [o])["choices"][0]["logprobs"] is None
+
+
+def test_choice_stream_deltas():
+    from arcjax.engine.outputs import CompletionOutput, Logprob
+    from arcjax.entrypoints.openai_logprobs import ChoiceStream
+
+    e = {t: {t: Logprob(-float(t), 1, s)} for t, s in [(1, "ab"), (2, "\ufffd"), (3, "é")]}
+    s = ChoiceStream(0, chat=False)
+    assert s.delta(0, CompletionOutput(0, "ab", (1,), -1.0, [e[1]], None)) == (
+        "ab", {"tokens": ["ab"], "token_logprobs": [-1.0], "top_logprobs": [{"ab": -1.0}],
+               "text_offset": [0]}, None)
+    # a token whose text is held back sends nothing; it rides with the next chunk
+    assert s.delta(0, CompletionOutput(0, "ab", (1, 2), -3.0, [e[1], e[2]], None)) is None
+    assert s.delta(1, CompletionOutput(1, "", (), 0.0, [], None)) is None  # another choice
+    text, lps, reason = s.delta(0, CompletionOutput(0, "abé", (1, 2, 3), -6.0,
+                                                    [e[1], e[2], e[3]], "length"))
+    assert (text, reason) == ("é", "length")
+    assert lps["tokens"] == ["\ufffd", "é"] and lps["text_offset"] == [2, 3]
+    assert s.delta(0, CompletionOutput(0, "abé", (1, 2, 3), -6.0, None, "length")) is None
+    plain = ChoiceStream(None, chat=True)  # logprobs off: text deltas only
+    assert plain.delta(0, CompletionOutput(0, "x", (1,), None, None, "stop")) == ("x", None,
+                                                                                  "stop")

@@ -4,7 +4,9 @@
    parsed by `openai_protocol` (one place for validation; typed errors name the field),
    chat messages are rendered by `chat.ChatTemplate`, every prompt is checked by
    `Engine.check` before anything is queued (all-or-nothing), then each prompt runs as
-   `AsyncLLM.generate(...)` under a server-chosen request id.
+   `AsyncLLM.generate(...)` under a server-chosen request id; with `n` > 1 the engine
+   returns n completions per prompt (choice index prompt_index * n + sample index) and
+   `openai_logprobs` shapes them, their log-probabilities and their per-choice deltas.
 2. Non-streaming: outputs are collected while a watcher waits for the client's
    `http.disconnect`; streaming: the first output is awaited under the same watcher (so a bad
    request still gets its 400 before any header), then server-sent events follow; on a
