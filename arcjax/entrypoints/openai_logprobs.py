@@ -23,7 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from arcjax.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from arcjax.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+)
 
 
 def completions_of(out: RequestOutput) -> tuple[CompletionOutput, ...]:
