@@ -254,6 +254,9 @@ def test_auto_ids_skip_ids_in_use():
     assert auto not in ("0", "1")
     with pytest.raises(UnknownRequestError):
         llm.abort("never-added")
+    with pytest.raises(RequestError) as err:  # reserved for the ids of n > 1 samples
+        llm.add_request(_prompt(2), GREEDY, request_id="a\x1fn0")
+    assert err.value.field == "request_id"
     _drain(llm)
 
 

@@ -40,7 +40,7 @@ import numpy as np
 
 import scheduler
 from arcjax.engine import logprobs
-from arcjax.engine.group import RequestGroup, child_id, child_seed
+from arcjax.engine.group import CHILD_SEP, RequestGroup, child_id, child_seed
 from arcjax.engine.outputs import RequestOutput
 from arcjax.engine.request import FINISH_ABORT, FINISH_ERROR, RequestState
 from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -118,6 +118,9 @@ class Engine:
             if request_id is None:
                 request_id = next(i for i in map(str, self._auto_ids) if i not in self._unfinished)
             request_id = str(request_id)
+            if CHILD_SEP[0] in request_id:
+                raise RequestError("request_id", "must not contain the control character "
+                                   f"{CHILD_SEP[0]!r} (it names n > 1 samples)")
             if request_id in self._unfinished:
                 raise DuplicateRequestError("request_id", f"{request_id!r} is already in use")
             request = scheduler.Request(request_id=request_id, prompt_token_ids=ids,
