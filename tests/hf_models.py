@@ -120,3 +120,26 @@ def tiny_model_with_tokenizer(arch: str = "LlamaForCausalLM") -> str:
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False}, f)
     return path
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model_with_chat_template(template: str | None, arch: str = "LlamaForCausalLM") -> str:
+    """`tiny_model_with_tokenizer(arch)` copied with `chat_template` set in its
+    tokenizer_config.json (None: no template at all)."""
+    import json
+    import os
+    import shutil
+
+    src = tiny_model_with_tokenizer(arch)
+    path = tempfile.mkdtemp(prefix="arcjax-chat-")
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), path)
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg.pop("chat_template", None)
+    if template is not None:
+        cfg["chat_template"] = template
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return path

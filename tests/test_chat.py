@@ -1,15 +1,11 @@
 """Chat templates render exactly as transformers' apply_chat_template does."""
 
-import json
-import os
-import shutil
-import tempfile
 
 import pytest
 
 from arcjax.engine.build import default_model_path
 from arcjax.entrypoints.chat import ChatTemplate, ChatTemplateError
-from hf_models import tiny_model_with_tokenizer
+from hf_models import tiny_model_with_tokenizer, tiny_model_with_chat_template
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
@@ -39,17 +35,7 @@ CONVERSATIONS = [
 
 
 def _model_with_template(template: str) -> str:
-    src = tiny_model_with_tokenizer("LlamaForCausalLM")
-    path = tempfile.mkdtemp(prefix="arcjax-chat-")
-    for f in os.listdir(src):
-        shutil.copy(os.path.join(src, f), path)
-    cfg_path = os.path.join(path, "tokenizer_config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["chat_template"] = template
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    return path
+    return tiny_model_with_chat_template(template)
 
 
 @pytest.mark.parametrize("template", [CHATML, LLAMA2, FANCY], ids=["chatml", "llama2", "fancy"])

@@ -1,16 +1,12 @@
 """n > 1 (vLLM's RequestOutput.outputs), priority, special-token detokenization, LLM.chat."""
 
-import json
-import os
-import shutil
-import tempfile
 
 import numpy as np
 import pytest
 
 from arcjax import LLM, SamplingParams
 from arcjax.entrypoints.chat import ChatTemplateError
-from hf_models import tiny_model_dir, tiny_model_with_tokenizer
+from hf_models import tiny_model_dir, tiny_model_with_chat_template
 
 ARCH = "LlamaForCausalLM"
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
@@ -70,18 +66,7 @@ def test_priority_orders_admission():
 
 
 def _chat_model(template):
-    src = tiny_model_with_tokenizer(ARCH)
-    path = tempfile.mkdtemp(prefix="arcjax-llmchat-")
-    for f in os.listdir(src):
-        shutil.copy(os.path.join(src, f), path)
-    cfg_path = os.path.join(path, "tokenizer_config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    if template is not None:
-        cfg["chat_template"] = template
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    return path
+    return tiny_model_with_chat_template(template)
 
 
 CHATML = ("{{ bos_token }}{% for message in messages %}{{ '<|im_start|>' + message['role'] + "

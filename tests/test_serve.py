@@ -9,16 +9,13 @@ Every load is bounded in count and time.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import shutil
 import socket
-import tempfile
 import threading
 import time
 
-from hf_models import tiny_model_with_tokenizer
+from hf_models import tiny_model_with_chat_template
 
 ARCH = "LlamaForCausalLM"
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
@@ -27,20 +24,9 @@ CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m[
                  "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
 
 
-@functools.lru_cache(maxsize=None)
 def chat_model_dir() -> str:
     """The tiny byte-level-BPE Llama with a chat template added."""
-    src = tiny_model_with_tokenizer(ARCH)
-    path = tempfile.mkdtemp(prefix="arcjax-serve-")
-    for f in os.listdir(src):
-        shutil.copy(os.path.join(src, f), path)
-    cfg_path = os.path.join(path, "tokenizer_config.json")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    cfg["chat_template"] = CHAT_TEMPLATE
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    return path
+    return tiny_model_with_chat_template(CHAT_TEMPLATE)
 
 
 class RunningServer:
