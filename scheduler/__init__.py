@@ -7,6 +7,10 @@ and nothing here mutates its inputs. One engine step:
   2. the engine runs plan's rows and samples      (outside this package)
   3. state, finished = commit(plan.state, plan, sampled_token_ids, now, finished_ids)
 
+Overlapped: `advance(plan.state, plan)` folds a step in flight in with placeholder tokens, the
+next step is planned from it, and `commit` of the first plan then fills the tokens in
+(scheduler/commit.py).
+
 Requests enter with add_request(state, Request(...)) and leave through commit or abort.
 Automatic prefix caching (config.enable_prefix_caching, on by default) lives in scheduler/prefix.py:
 plan.num_cached / Finished.num_cached_tokens / state.num_cached(request_id) say how many prompt
@@ -16,18 +20,18 @@ cached-unreferenced) and state.pool.num_in_use the blocks live sequences hold.
 
 from scheduler.arms import ARM_KEYS, KNOB_SHORT, Arm, parse_arm
 from scheduler.blocks import BlockPool, blocks_for
-from scheduler.commit import commit
+from scheduler.commit import advance, commit
 from scheduler.config import POLICIES, SchedulerConfig
 from scheduler.errors import CommitError, ConfigError, DuplicateRequestError, InputError, RequestError
 from scheduler.errors import RequestTooLargeError, StepOrderError, UnknownRequestError
 from scheduler.plan import Chunk, Engaged, StepPlan
 from scheduler.policies import schedule
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, Request, RequestId
-from scheduler.state import SchedulerState, abort, add_request, validate_request
+from scheduler.state import PLACEHOLDER, SchedulerState, abort, add_request, validate_request
 
 __all__ = [
     "ARM_KEYS", "Arm", "BlockPool", "Chunk", "CommitError", "ConfigError", "DuplicateRequestError",
-    "Engaged", "FINISH_LENGTH", "FINISH_STOP", "Finished", "InputError", "KNOB_SHORT", "POLICIES",
+    "Engaged", "FINISH_LENGTH", "PLACEHOLDER", "advance", "FINISH_STOP", "Finished", "InputError", "KNOB_SHORT", "POLICIES",
     "Request", "RequestError", "RequestId", "RequestTooLargeError", "SchedulerConfig",
     "SchedulerState", "StepOrderError", "StepPlan", "UnknownRequestError", "abort", "add_request",
     "blocks_for", "commit", "parse_arm", "schedule", "validate_request",

@@ -12,6 +12,25 @@ leaves its blocks reusable.
 
 NOTE: sequences aborted between `schedule` and `commit` are skipped: their rows are matched by id
 when the decode table is not the plan's own. Their sampled tokens are dropped.
+
+Overlapped scheduling (the engine plans step N+1 while step N runs on the device):
+
+  1. plan_n = schedule(state)                      step N launched
+  2. ahead = advance(plan_n.state, plan_n)         as if every sampling row of N yielded one token,
+                                                   a PLACEHOLDER whose value the host does not need
+  3. plan_m = schedule(ahead)                      step N+1 launched; its decode rows that feed a
+                                                   placeholder take step N's token on the device
+  4. state, fin = commit(plan_m.state, plan_n, sampled_n, now, stopped_n)   fills the placeholders
+  5. ahead = advance(state, plan_m) ... and so on: at most one advanced, unfilled step at a time.
+
+`advance` is `commit` with placeholder tokens and no stops: cursors move, blocks filled by N are
+cached (their tokens were all fed by N, hence known), and rows reaching max_tokens finish and free
+their blocks (the device runs N before N+1, so a block reused by N+1 is written after N read it).
+Their records wait in `state.unfilled` until step 4 fills their last token. Step 4 also finishes
+what the engine stopped at step N (EOS, stop strings): those requests leave like an abort, so a
+step-N+1 row of theirs is skipped by its commit (token dropped, blocks already freed, output
+unaffected). Outputs are therefore the serial ones; only the wasted N+1 rows of stopped requests
+differ (tests/test_scheduler_overlap.py).
 """
 
 from __future__ import annotations
@@ -23,9 +42,10 @@ from operator import add, le
 from scheduler.blocks import BlockPool
 from scheduler.errors import CommitError, StepOrderError
 from scheduler.plan import StepPlan
-from scheduler.prefix import ROOT_DIGEST, block_hash
-from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId
-from scheduler.state import DecodeRow, DecodeTable, Partial, SchedulerState, gen_chunk
+from scheduler.prefix import ROOT_DIGEST, block_hash, chain_hashes
+from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId, Sequence
+from scheduler.state import PLACEHOLDER, DecodeRow, DecodeTable, Partial, SchedulerState
+from scheduler.state import Unfilled, gen_chunk
 
 
 def _check(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...],
@@ -142,6 +162,11 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
     """
     sampled = tuple(sampled_token_ids)
     stopped = frozenset(finished_ids)
+    if state.unfilled is not None:
+        if state.unfilled.step != plan.state.step:
+            raise StepOrderError(f"commit the advanced plan of step {state.unfilled.step} "
+                                 f"before the plan of step {plan.state.step}")
+        return _fill(state, plan, sampled, now, stopped)
     if plan.is_empty and state.step == plan.state.step and not sampled and not stopped:
         return state, ()  # nothing ran; an empty plan leaves nothing in flight
     _check(state, plan, sampled, stopped)
@@ -197,10 +222,108 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
     return _replaced(state, dec, pool, tuple(partial.values())), tuple(finished)
 
 
+def advance(state: SchedulerState, plan: StepPlan) -> SchedulerState:
+    """Folds in the plan in flight as if each of its sampling rows yielded one PLACEHOLDER token,
+    so that the next step can be planned before this one's tokens are known. Pure.
+
+    Args:
+      state: `plan.state`, possibly after `add_request` / `abort` calls.
+      plan: the plan in flight.
+
+    Returns:
+      A state with nothing in flight and `unfilled` set: `schedule` may plan from it, and
+      `commit(later_state, plan, sampled, now, finished_ids)` fills in the real tokens.
+
+    Raises:
+      StepOrderError: the plan is not the one in flight, or an earlier advanced step is still
+        unfilled (commit it first: at most one step runs ahead).
+    """
+    if state.unfilled is not None:
+        raise StepOrderError(f"step {state.unfilled.step} was advanced and not committed yet")
+    if plan.is_empty and state.step == plan.state.step:
+        return state  # nothing in flight
+    ahead, finished = commit(state, plan, (PLACEHOLDER,) * plan.num_sampled, 0.0)
+    return _replaced(ahead, ahead.decoding, ahead.pool, ahead.partial,
+                     unfilled=Unfilled(step=plan.state.step, finished=finished))
+
+
+def _filled(seq: Sequence, token: int, block_size: int) -> Sequence:
+    """A waiting sequence (preempted while its newest token was a placeholder), filled."""
+    tokens = seq.tokens[:-1] + (token,)
+    hashes = seq.block_hashes
+    if hashes and len(tokens) % block_size == 0 and len(hashes) == len(tokens) // block_size:
+        parent = hashes[-2] if len(hashes) > 1 else ROOT_DIGEST  # the last block held it
+        hashes = hashes[:-1] + chain_hashes(tokens, block_size, parent, len(hashes) - 1)
+    return Sequence(request=seq.request, key=seq.key, tokens=tokens, block_hashes=hashes,
+                    cached_tokens=seq.cached_tokens)
+
+
+def _fill(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...], now: float,
+          stopped: frozenset) -> tuple[SchedulerState, tuple[Finished, ...]]:
+    """`commit` of an advanced plan: real tokens replace its placeholders; stopped requests leave
+    (see the module docstring)."""
+    if len(sampled) != plan.num_sampled:
+        raise CommitError("sampled_token_ids",
+                          f"expected {plan.num_sampled} tokens (one per sampling row), "
+                          f"got {len(sampled)}")
+    token_of = dict(zip(compress(plan.request_ids, plan.samples), sampled))
+    strangers = stopped - token_of.keys()
+    if strangers:
+        raise CommitError("finished_ids",
+                          f"{sorted(map(str, strangers))} sampled nothing this step")
+    unfilled, pool, bs = state.unfilled, state.pool, state.config.block_size
+    row_of = {rid: i for i, rid in enumerate(plan.request_ids)}
+    finished = []
+    for f in unfilled.finished:
+        reason = FINISH_STOP if f.request_id in stopped else f.reason
+        finished.append(Finished(
+            request_id=f.request_id, output_token_ids=f.output_token_ids[:-1] + (
+                token_of[f.request_id],), reason=reason, finish_time=now,
+            num_cached_tokens=f.num_cached_tokens))
+    # decode rows: the newest token of each row that sampled in the plan
+    dec = state.decoding
+    recent = list(dec.recent)
+    ended = set()
+    for i, rid in enumerate(dec.ids):
+        token = token_of.get(rid)
+        if token is not None and recent[i][-1] == PLACEHOLDER:
+            recent[i] = recent[i][:-1] + (token,)
+            if rid in stopped:
+                ended.add(i)
+    dec = dec.with_progress(recent=tuple(recent))
+    for i in ended:
+        finished.append(Finished(request_id=dec.ids[i], output_token_ids=dec.outputs(i),
+                                 reason=FINISH_STOP, finish_time=now,
+                                 num_cached_tokens=dec.seqs[i].cached_tokens or 0))
+        pool = pool.give(dec.tables[i])
+    dec = dec.without(ended)
+    # sequences a later plan preempted before the fill (no blocks held)
+    waiting = state.waiting
+    if unfilled.preempted:
+        held = set(unfilled.preempted)
+        kept = []
+        for seq in waiting:
+            rid = seq.request_id
+            if rid in held and seq.tokens[-1] == PLACEHOLDER and rid in token_of:
+                seq = _filled(seq, token_of[rid], bs)
+                if rid in stopped:
+                    finished.append(Finished(
+                        request_id=rid, output_token_ids=seq.kept_outputs(), reason=FINISH_STOP,
+                        finish_time=now, num_cached_tokens=seq.cached_tokens or 0))
+                    continue
+            kept.append(seq)
+        waiting = tuple(kept)
+    finished.sort(key=lambda f: row_of[f.request_id])
+    return SchedulerState(
+        config=state.config, waiting=waiting, partial=state.partial, decoding=dec, pool=pool,
+        step=state.step, decode_steps_since_prefill=state.decode_steps_since_prefill,
+        next_ticket=state.next_ticket, in_flight=state.in_flight, unfilled=None), tuple(finished)
+
+
 def _replaced(state: SchedulerState, dec: DecodeTable, pool: BlockPool,
-              partial: tuple[Partial, ...]) -> SchedulerState:
+              partial: tuple[Partial, ...], unfilled: Unfilled | None = None) -> SchedulerState:
     """`state` after a commit: new running sequences and pool, nothing in flight."""
     return SchedulerState(
         config=state.config, waiting=state.waiting, partial=partial, decoding=dec, pool=pool,
         step=state.step, decode_steps_since_prefill=state.decode_steps_since_prefill,
-        next_ticket=state.next_ticket, in_flight=False)
+        next_ticket=state.next_ticket, in_flight=False, unfilled=unfilled)

@@ -29,6 +29,7 @@ schedules are always a prefix of the (post-preemption) decode table; `commit` re
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 
 from scheduler.blocks import BlockTable, blocks_for
@@ -36,7 +37,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.plan import Engaged, NOTHING_ENGAGED, StepPlan
 from scheduler.prefix import ROOT_DIGEST, chain_hashes
 from scheduler.request import Sequence, SeqKey
-from scheduler.state import Partial, SchedulerState, gen_chunk
+from scheduler.state import PLACEHOLDER, Partial, SchedulerState, gen_chunk
 
 _key_of_seq = lambda seq: seq.key  # noqa: E731
 _key_of_partial = lambda part: part.seq.key  # noqa: E731
@@ -59,6 +60,7 @@ class StepBuilder:
         self.admitted: list[Partial] = []
         self.waiting_from = 0  # state.waiting[waiting_from:] is still waiting
         self.preempted: list[Sequence] = []
+        self.preempted_unfilled: list = []  # of them, ids whose newest token is a placeholder
         self.partials_after = len(state.partial)  # mid-prefill once this step commits
         self.engaged: dict[str, object] = {}
 
@@ -150,6 +152,8 @@ class StepBuilder:
             dec = self.dec
             seq = dec.seqs[-1]
             kept = seq.tokens + dec.generated(len(dec) - 1)
+            if kept[-1] == PLACEHOLDER:  # overlapped: `commit` of the advanced step fills it
+                self.preempted_unfilled.append(seq.request_id)
             hashes = dec.hashes[-1]
             if self.pool.cache is not None:  # digests of the kept tokens' full blocks
                 parent = hashes[-1] if hashes else ROOT_DIGEST
@@ -374,10 +378,14 @@ class StepBuilder:
         if self.preempted:
             preempted = sorted(self.preempted, key=_key_of_seq)
             waiting = tuple(heapq.merge(preempted, waiting, key=_key_of_seq))
+        unfilled = state.unfilled
+        if self.preempted_unfilled:
+            unfilled = dataclasses.replace(unfilled, preempted=unfilled.preempted + tuple(
+                self.preempted_unfilled))
         new_state = SchedulerState(
             config=state.config, waiting=waiting, partial=partial, decoding=dec, pool=self.pool,
             step=state.step + 1, decode_steps_since_prefill=since,
-            next_ticket=state.next_ticket, in_flight=bool(k or rows))
+            next_ticket=state.next_ticket, in_flight=bool(k or rows), unfilled=unfilled)
         preempted_ids = tuple(seq.request_id for seq in self.preempted)
         if preempted_ids:
             self._note("preempted", preempted_ids)

@@ -33,7 +33,11 @@ from scheduler.config import SchedulerConfig
 from scheduler.prefix import chain_hashes
 from scheduler.errors import DuplicateRequestError, RequestError, RequestTooLargeError
 from scheduler.errors import UnknownRequestError
-from scheduler.request import Request, RequestId, Sequence, SeqKey
+from scheduler.request import Finished, Request, RequestId, Sequence, SeqKey
+
+# The value of a token sampled by a step whose results have not been committed yet (overlapped
+# scheduling, `commit.advance`). Real token ids are >= 0 (`validate_request`).
+PLACEHOLDER = -1
 
 
 def _key_of(seq: Sequence) -> SeqKey:
@@ -192,6 +196,25 @@ class DecodeTable:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Unfilled:
+    """A step that `advance` folded in with PLACEHOLDER tokens; `commit` of its plan fills them.
+
+    Where the placeholders are: the newest token (`recent[-1]`) of every decode row that sampled
+    in that step, the last token of each sequence in `preempted` (sent back to waiting by a later
+    plan before the fill), and the last output of each record in `finished`.
+
+    Attributes:
+      step: `plan.state.step` of the advanced plan (what `commit` matches).
+      finished: requests that step finished by length; `commit` fills and reports them.
+      preempted: ids a later plan preempted while their newest token was a placeholder.
+    """
+
+    step: int
+    finished: tuple[Finished, ...] = ()
+    preempted: tuple[RequestId, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SchedulerState:
     """Everything the planner knows between steps.
 
@@ -205,7 +228,9 @@ class SchedulerState:
       decode_steps_since_prefill: steps with decode rows and no prefill since the last step with
         prefill (the floor counter).
       next_ticket: ticket of the next added request.
-      in_flight: a plan was made from this state and awaits `commit`.
+      in_flight: a plan was made from this state and awaits `commit` (or `advance`).
+      unfilled: None, or the step `advance` folded in whose sampled tokens are still unknown
+        (overlapped scheduling: at most one such step; see scheduler/commit.py).
     """
 
     config: SchedulerConfig
@@ -217,6 +242,7 @@ class SchedulerState:
     decode_steps_since_prefill: int = 0
     next_ticket: int = 0
     in_flight: bool = False
+    unfilled: Unfilled | None = None
 
     @classmethod
     def empty(cls, config: SchedulerConfig) -> "SchedulerState":
@@ -233,9 +259,13 @@ class SchedulerState:
         return bool(self.waiting or self.partial or len(self.decoding))
 
     def request_ids(self) -> tuple[RequestId, ...]:
-        """Ids of every request held, waiting first, then mid-prefill, then decoding."""
-        return (tuple(s.request_id for s in self.waiting)
-                + tuple(p.seq.request_id for p in self.partial) + self.decoding.ids)
+        """Ids of every request held, waiting first, then mid-prefill, then decoding, then those
+        finished by an advanced step whose tokens `commit` has not brought yet."""
+        ids = (tuple(s.request_id for s in self.waiting)
+               + tuple(p.seq.request_id for p in self.partial) + self.decoding.ids)
+        if self.unfilled is not None:
+            ids += tuple(f.request_id for f in self.unfilled.finished)
+        return ids
 
     def owned_blocks(self) -> dict[RequestId, BlockTable]:
         """Block table of every running sequence."""
@@ -329,7 +359,8 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
 def abort(state: SchedulerState, request_id: RequestId) -> SchedulerState:
     """Removes a request, waiting or running, and frees every block it held.
 
-    Allowed while a plan is in flight: `commit` then skips the aborted sequence's rows.
+    Allowed while a plan is in flight: `commit` then skips the aborted sequence's rows. A request
+    that an advanced step finished (tokens not committed yet) is dropped from that step's records.
 
     Raises:
       UnknownRequestError (a KeyError): the id is neither waiting nor running.
@@ -346,4 +377,8 @@ def abort(state: SchedulerState, request_id: RequestId) -> SchedulerState:
         row = dec.ids.index(request_id)
         return dataclasses.replace(state, decoding=dec.without({row}),
                                    pool=state.pool.give(dec.tables[row]))
+    unfilled = state.unfilled
+    if unfilled is not None and any(f.request_id == request_id for f in unfilled.finished):
+        kept = tuple(f for f in unfilled.finished if f.request_id != request_id)
+        return dataclasses.replace(state, unfilled=dataclasses.replace(unfilled, finished=kept))
     raise UnknownRequestError(request_id)
