@@ -45,7 +45,7 @@ from scheduler.plan import StepPlan
 from scheduler.prefix import ROOT_DIGEST, block_hash, chain_hashes
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId, Sequence
 from scheduler.state import PLACEHOLDER, DecodeRow, DecodeTable, Partial, SchedulerState
-from scheduler.state import Unfilled, gen_chunk
+from scheduler.state import Unfilled, abort, gen_chunk
 
 
 def _check(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...],
@@ -245,6 +245,35 @@ def advance(state: SchedulerState, plan: StepPlan) -> SchedulerState:
     ahead, finished = commit(state, plan, (PLACEHOLDER,) * plan.num_sampled, 0.0)
     return _replaced(ahead, ahead.decoding, ahead.pool, ahead.partial,
                      unfilled=Unfilled(step=plan.state.step, finished=finished))
+
+
+def abandon(state: SchedulerState, plans: SequenceOf[StepPlan]) -> SchedulerState:
+    """Drops plans that will never be committed (their step failed). Pure.
+
+    Every request with a row in `plans`, or with a placeholder token, is aborted (its blocks
+    freed); the state keeps everything else and has nothing in flight or unfilled.
+
+    Raises:
+      StepOrderError: `plans` lacks the plan in flight or the advanced, unfilled one.
+    """
+    steps = {plan.state.step for plan in plans}
+    if state.in_flight and state.step not in steps:
+        raise StepOrderError(f"the plan of step {state.step} is in flight and not abandoned")
+    unfilled = state.unfilled
+    if unfilled is not None and unfilled.step not in steps:
+        raise StepOrderError(f"the advanced plan of step {unfilled.step} is not abandoned")
+    doomed = {rid for plan in plans for rid in plan.request_ids}
+    if unfilled is not None:
+        doomed.update(f.request_id for f in unfilled.finished)
+        doomed.update(unfilled.preempted)
+    present = set(state.request_ids())
+    for rid in sorted(doomed & present, key=str):
+        state = abort(state, rid)
+    return SchedulerState(
+        config=state.config, waiting=state.waiting, partial=state.partial,
+        decoding=state.decoding, pool=state.pool, step=state.step,
+        decode_steps_since_prefill=state.decode_steps_since_prefill,
+        next_ticket=state.next_ticket, in_flight=False, unfilled=None)
 
 
 def _filled(seq: Sequence, token: int, block_size: int) -> Sequence:

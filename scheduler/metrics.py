@@ -214,6 +214,9 @@ class StepRecord:
       compiled: the engine had to acquire an executable in this step (never after warm-up).
       sampled: requests that got a token this step (engine).
       error: set when the engine's step failed (its requests finished "error").
+      dispatched: when the step was handed to the device (engine; None in simulation).
+      ready: when the device finished it, if the engine watched (`ModelRunner.
+        watch_completion`), else None. `device_idle_gaps` reads both.
     """
 
     start: float
@@ -228,6 +231,8 @@ class StepRecord:
     compiled: bool = False
     sampled: tuple = ()
     error: str | None = None
+    dispatched: float | None = None
+    ready: float | None = None
 
     @property
     def duration(self) -> float:

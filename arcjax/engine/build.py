@@ -88,4 +88,8 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                     model_dir=model_dir, trace_capacity=config.trace_capacity, **options)
     if jax.process_count() > 1:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
+        if config.async_scheduling:
+            raise EngineConfigError("async_scheduling", "not supported across several "
+                                    "processes yet (multi-host runs the serial loop)")
+    engine.async_scheduling = config.async_scheduling is not False and engine.sync is None
     return engine

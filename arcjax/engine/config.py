@@ -45,6 +45,10 @@ class EngineConfig:
       tensor_parallel_size: devices the model is split over (heads, KV heads, MLP and
         vocabulary; see `arcjax.parallel`); they may span processes (`jax.distributed`,
         `arcjax.parallel.initialize`). 1 = one device, no mesh.
+      async_scheduling: plan and pack step N+1 while the device runs step N, the sampled
+        tokens fed forward on the device (`scheduler.advance`); greedy outputs are identical
+        either way. None = on, except across several processes (multi-host), where it is
+        not supported yet; False = the serial loop.
       policy ... enable_prefix_caching: the scheduler knobs (see scheduler.SchedulerConfig);
         max_num_seqs defaults to 64 here; prefix caching is on by default.
     """
@@ -60,6 +64,7 @@ class EngineConfig:
     cache_dir: str | None = None
     trace_capacity: int = 10_000
     tensor_parallel_size: int = 1
+    async_scheduling: bool | None = None
     policy: str = "token_budget"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -98,6 +103,9 @@ class EngineConfig:
         _int("seed", self.seed, 0)
         _int("trace_capacity", self.trace_capacity, 1)
         _int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise EngineConfigError("async_scheduling", f"must be a bool or None, got "
+                                                        f"{self.async_scheduling!r}")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
         # The scheduler validates its own knobs (ConfigError naming the field); the cache

@@ -47,10 +47,39 @@ from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from arcjax.engine.trace import StepRecord
 from arcjax.errors import DuplicateRequestError, RequestError, UnknownRequestError
 from arcjax.parallel.multihost import plan_digest
-from arcjax.runtime.runner import ModelRunner
+from arcjax.runtime.buckets import Bucket
+from arcjax.runtime.runner import ModelRunner, StepHandle
 from arcjax.runtime.sampling import SamplingParams
 
 Sink = Callable[[RequestOutput], None]
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step dispatched to the device and not yet committed."""
+
+    plan: scheduler.StepPlan
+    reqs: list[RequestState]
+    handle: StepHandle
+    bucket: Bucket
+    prompts: list | None
+    start: float
+    compiled: bool
+
+
+def _feed_rows(plan, prev: _Launched, num_tokens: int) -> tuple[StepHandle, np.ndarray] | None:
+    """For each decode row of `plan` whose input is a placeholder, the row of `prev` that
+    samples it (the device feeds it); None when no row needs one."""
+    k = plan.num_decode_rows
+    rows = None
+    position = None
+    for i in range(k):
+        if plan.row_token_ids(i)[0] == scheduler.PLACEHOLDER:
+            if rows is None:
+                rows = np.full(num_tokens, -1, np.int32)
+                position = {rid: j for j, rid in enumerate(prev.plan.request_ids)}
+            rows[i] = position[plan.request_ids[i]]
+    return None if rows is None else (prev.handle, rows)
 
 
 class Engine:
@@ -81,6 +110,10 @@ class Engine:
         self._traced: dict[str, int] = {}  # tokens the trace sampled, per held request
         self.sync = None  # multi-host: an arcjax.parallel.StepSync (build_engine sets it)
         self._trace_errors: list[str] = []
+        # Overlapped scheduling (plan step N+1 while step N runs); build_engine sets it from
+        # EngineConfig.async_scheduling. `_in_flight`: the step launched and not committed.
+        self.async_scheduling = False
+        self._in_flight: _Launched | None = None
         eos = tokenizer.eos_token_ids if tokenizer else runner.cfg.eos_token_ids
         self.eos_token_ids = frozenset(eos)
 
@@ -259,6 +292,9 @@ class Engine:
                     self.state = scheduler.abort(self.state, rid)
                     req.finish(FINISH_ERROR, now, message)
                     changed[rid] = req
+            if self._in_flight is not None:  # its rows are all aborted: drop the plan
+                self.state = scheduler.abandon(self.state, [self._in_flight.plan])
+                self._in_flight = None
             for group in self._groups.values():  # n > 1 children not yet in the scheduler
                 for req, _ in group.waiting:
                     req.finish(FINISH_ERROR, now, message)
@@ -347,14 +383,52 @@ class Engine:
         return out
 
     def _iterate(self) -> dict[str, RequestState]:
-        plan = scheduler.schedule(self.state, self.sched_config)
+        """Plans and launches one step; commits the step before it (overlapped) or this one.
+
+        Serial: schedule -> launch -> collect -> commit. Overlapped (`async_scheduling`): the
+        step launched by the previous call is still running; it is advanced with placeholder
+        tokens (`scheduler.advance`), the next step is planned and launched behind it (its
+        placeholder ids fed on the device), and only then is the previous step collected and
+        committed, while the device runs the new one.
+        """
+        prev = self._in_flight
+        ahead = self.state
+        if prev is not None:
+            try:
+                ahead = scheduler.advance(self.state, prev.plan)
+            except Exception as e:  # noqa: BLE001  a bug: drop the step's requests
+                self._in_flight = None
+                return self._abandon([prev], f"advance failed: {e!r}")
+        plan = scheduler.schedule(ahead, self.sched_config)
         if self.sync is not None:  # every process must have planned this very step
             self.sync.check_plan(plan_digest(plan, [
                 (self.requests[rid].seed, len(self.requests[rid].token_ids))
                 for rid in plan.request_ids]))
-        if plan.is_empty:
-            self.state = plan.state
-            return {}
+        self.state = plan.state
+        changed: dict[str, RequestState] = {}
+        launched = None
+        if not plan.is_empty:
+            launched = self._launch(plan, prev)
+            if not isinstance(launched, _Launched):  # packing or dispatch failed: plan dropped
+                self.state = ahead
+                changed = self._fail(plan, *launched)
+                launched = None
+        if prev is not None:
+            self._in_flight = None
+            done, ok = self._finish(prev, launched)
+            changed.update(done)
+            if not ok:  # the failure took the step launched behind it down too
+                launched = None
+        if launched is not None:
+            if self.async_scheduling:
+                self._in_flight = launched
+            else:
+                changed.update(self._finish(launched, None)[0])
+        return changed
+
+    def _launch(self, plan, prev: "_Launched | None"):
+        """Packs and dispatches `plan`. Returns a `_Launched`, or (reqs, start, message) when
+        packing or dispatch failed."""
         start = self.clock()
         reqs = [self.requests[rid] for rid in plan.request_ids]
         for req, cached in zip(reqs, plan.num_cached):
@@ -363,29 +437,44 @@ class Engine:
                 req.num_cached_tokens = cached
         compiled_before = self.runner.num_executables
         try:
+            ahead = None  # rows whose newest token is the previous step's, still on the device
+            if prev is not None:
+                ahead = {rid for rid, s in zip(prev.plan.request_ids, prev.plan.samples) if s}
             prompts = logprobs.prompt_rows(plan, reqs)
             prepared = self.runner.prepare(plan, logprobs.sampling_rows(
-                plan, reqs, self.runner.counts, self.eos_token_ids), prompts)
-            bucket = prepared[0]
-            out = self.runner.run(*prepared)
+                plan, reqs, self.runner.counts, self.eos_token_ids, ahead), prompts)
+            feed = _feed_rows(plan, prev, prepared[0].tokens) if prev is not None else None
+            handle = self.runner.launch(*prepared, feed=feed)
+        except Exception as e:  # noqa: BLE001  the step fails, the engine goes on
+            return reqs, start, f"device step failed: {e!r}"
+        return _Launched(plan, reqs, handle, prepared[0], prompts, start,
+                         self.runner.num_executables > compiled_before)
+
+    def _finish(self, step: "_Launched", after: "_Launched | None"
+                ) -> tuple[dict[str, RequestState], bool]:
+        """Collects a launched step's tokens and commits them. `after`: the step launched
+        behind it (overlapped), which a failure here takes down too. Returns the changed
+        requests and whether it succeeded."""
+        plan, reqs = step.plan, step.reqs
+        try:
+            out = self.runner.collect(step.handle)
             tokens = out.tokens
             lp = (logprobs.host_logprobs(out.logprobs) if any(
                 r.logprobs is not None for r in reqs) else None)
-            if prompts is not None:
-                logprobs.record_prompt_logprobs(plan, reqs, prompts, logprobs.host_logprobs(
+            if step.prompts is not None:
+                logprobs.record_prompt_logprobs(plan, reqs, step.prompts, logprobs.host_logprobs(
                     out.prompt_logprobs), self.tokenizer)
         except Exception as e:  # noqa: BLE001  the step fails, the engine goes on
-            return self._fail(plan, reqs, start, f"device step failed: {e!r}")
+            return self._abandon([step, after], f"device step failed: {e!r}"), False
         now = self.clock()
-        compiled = self.runner.num_executables > compiled_before
-        snapshots = [(req, req.snapshot()) for req, s in zip(reqs, plan.samples) if s]
-        sampled, stopped, changed = [], [], {}
+        live = [i for i, (req, s) in enumerate(zip(reqs, plan.samples))
+                if s and not req.finished and req.request_id in self.requests]
+        snapshots = [(reqs[i], reqs[i].snapshot()) for i in live]
+        sampled = [int(tokens[i]) for i, s in enumerate(plan.samples) if s]
+        stopped, changed = [], {}
         try:
-            for i, (req, samples) in enumerate(zip(reqs, plan.samples)):
-                if not samples:
-                    continue
-                token = int(tokens[i])
-                sampled.append(token)
+            for i in live:
+                req, token = reqs[i], int(tokens[i])
                 try:
                     entry = logprobs.sampled_entry(lp, i, token, req, self.tokenizer)
                     if req.append(token, now, self.eos_token_ids, entry):
@@ -394,24 +483,54 @@ class Engine:
                     req.finish(FINISH_ERROR, now, f"output processing failed: {e!r}")
                     stopped.append(req.request_id)
                 changed[req.request_id] = req
-            state, finished = scheduler.commit(plan.state, plan, sampled, now,
+            state, finished = scheduler.commit(self.state, plan, sampled, now,
                                                finished_ids=tuple(stopped))
         except Exception as e:  # noqa: BLE001  commit failed: roll every request back
             for req, snap in snapshots:
                 req.restore(snap)
-            return self._fail(plan, reqs, start, f"commit failed: {e!r}")
+            return self._abandon([step, after], f"commit failed: {e!r}"), False
         self.state = state
         for f in finished:
             self.requests[f.request_id].finish(f.reason, now)
-        sampled_ids = tuple(rid for rid, s in zip(plan.request_ids, plan.samples) if s)
+        sampled_ids = tuple(reqs[i].request_id for i in live)
         for rid in sampled_ids:
             self._traced[rid] += 1
+        bucket = step.bucket
         self._record(StepRecord(
-            index=self.num_steps, start=start, end=now,
+            index=self.num_steps, start=step.start, end=now,
             prefill_tokens=plan.num_prefill_tokens, decode_tokens=plan.num_decode_tokens,
             num_seqs=plan.num_seqs, bucket=(bucket.tokens, bucket.seqs, bucket.max_q_len),
-            compiled=compiled, engaged=plan.engaged.as_dict(), sampled=sampled_ids,
-            cached_tokens=plan.num_cached_tokens))
+            compiled=step.compiled, engaged=plan.engaged.as_dict(), sampled=sampled_ids,
+            cached_tokens=plan.num_cached_tokens, dispatched=step.handle.dispatched,
+            ready=step.handle.wait_ready()))
+        return changed, True
+
+    def _abandon(self, steps: list["_Launched | None"], message: str) -> dict[str, RequestState]:
+        """A launched step failed (device, commit, or advance): every request of `steps` (the
+        step and, overlapped, the one launched behind it) finishes with "error", and their
+        plans leave the scheduler state (`scheduler.abandon`); the others go on. The KV cache
+        is rebuilt if the failed call consumed it."""
+        now = self.clock()
+        changed = {}
+        steps = [s for s in steps if s is not None]
+        for s in steps:
+            for req in s.reqs:
+                if req.request_id in self.requests and not req.finished:
+                    req.finish(FINISH_ERROR, now, message)
+                    changed[req.request_id] = req
+        self.state = scheduler.abandon(self.state, [s.plan for s in steps])
+        if self.runner.cache_lost():
+            for rid, req in list(self.requests.items()):
+                if not req.finished:
+                    self.state = scheduler.abort(self.state, rid)
+                    req.finish(FINISH_ERROR, now, message + " (KV cache reset)")
+                    changed[rid] = req
+            self.runner.reset_cache()
+        for s in steps:
+            self._record(StepRecord(
+                index=self.num_steps, start=s.start, end=now, prefill_tokens=0, decode_tokens=0,
+                num_seqs=s.plan.num_seqs, bucket=(0, 0, 0), compiled=False,
+                engaged=s.plan.engaged.as_dict(), sampled=(), error=message))
         return changed
 
     def _fail(self, plan, reqs: list[RequestState], start: float,

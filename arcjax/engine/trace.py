@@ -3,10 +3,18 @@
 The record type is `scheduler.metrics.StepRecord`, the one step record of the project: the
 simulator writes the same type, so every metric reads real and simulated runs alike.
 
-NOTE: step times are taken after the device result is on the host, so the sum of
-step durations is a lower bound of the wall time spent in `step()`; the self-check
-reports that fraction (the rest is host work between steps: emitting outputs,
-detokenizing, the caller's own code).
+NOTE: a step's record spans from its planning to its tokens being on the host. With
+overlapped scheduling those spans overlap (step N+1 is planned and launched before step
+N's tokens are read), so the summary's step time is the union of the spans, a lower bound
+of the wall time spent in `step()`; the rest is host work outside any step (emitting
+outputs, detokenizing, the caller's own code).
+
+Device idle time between consecutive steps (`device_idle_gaps`) is the time from one
+step's completion on the device to the next step's dispatch, when positive. The
+completion time is exact when the runner watches completions (`ModelRunner.
+watch_completion`, what scripts/bench_throughput.py --idle_gap turns on); otherwise it
+is when the host received the tokens, which overlapped scheduling reads only after the
+next dispatch (so unwatched overlapped gaps read 0).
 """
 
 from __future__ import annotations
@@ -17,7 +25,25 @@ from typing import Iterable, Mapping
 
 from scheduler.metrics import StepRecord, engagement, knob_report
 
-__all__ = ["StepRecord", "summarize", "write_jsonl"]
+__all__ = ["StepRecord", "busy_time", "device_idle_gaps", "summarize", "write_jsonl"]
+
+
+def busy_time(records: Iterable[StepRecord]) -> float:
+    """Seconds covered by at least one step's [start, end] span (their union)."""
+    total, reach = 0.0, float("-inf")
+    for r in sorted(records, key=lambda r: r.start):
+        if r.end > reach:
+            total += r.end - max(r.start, reach)
+            reach = r.end
+    return total
+
+
+def device_idle_gaps(records: list[StepRecord]) -> list[float]:
+    """Per pair of consecutive successful steps: max(0, next dispatch - this completion)
+    (completion = `ready`, else the host's `end`). Pairs without a dispatch time are skipped."""
+    steps = [r for r in records if r.error is None and r.dispatched is not None]
+    return [max(0.0, b.dispatched - (a.ready if a.ready is not None else a.end))
+            for a, b in zip(steps, steps[1:])]
 
 
 def summarize(records: list[StepRecord], wall_time: float,
@@ -25,7 +51,8 @@ def summarize(records: list[StepRecord], wall_time: float,
     """Run summary: step counts by kind, step-time coverage of wall time, and for every
     configured knob whether it ever engaged and how often."""
     kinds = Counter(r.kind for r in records)
-    busy = sum(r.duration for r in records)
+    busy = busy_time(records)
+    gaps = device_idle_gaps(records)
     knobs = knob_report(engagement(records), configured_knobs)
     cached = sum(r.cached_tokens for r in records)
     computed = sum(r.prefill_tokens for r in records)
@@ -36,6 +63,9 @@ def summarize(records: list[StepRecord], wall_time: float,
         "step_time_s": busy,
         "wall_time_s": wall_time,
         "step_time_fraction_of_wall": busy / wall_time if wall_time > 0 else None,
+        "device_idle_gap_s": {"total": sum(gaps), "mean": sum(gaps) / len(gaps) if gaps else None,
+                              "watched": bool(records) and all(
+                                  r.ready is not None for r in records if r.error is None)},
         "knobs": knobs,
         # Prompt tokens served from the prefix cache over all prompt tokens the steps admitted
         # or computed (recomputation after preemption counts as computed).

@@ -23,6 +23,16 @@ _CHOICES = {"dtype": DTYPES, "attention_impl": ATTENTION_IMPLS,
             "policy": ("prefill_first", "alternate", "token_budget")}
 
 
+def _bool(text: str) -> bool:
+    """A boolean flag value: true/false, 1/0, yes/no, on/off (any case)."""
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -37,7 +47,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> list[str]:
         kind = hints[f.name]
         base = next((t for t in (bool, int, float, str) if t is kind or t in typing.get_args(kind)),
                     str)
-        group.add_argument(_flag(f.name), dest=f.name, type=base, default=None,
+        group.add_argument(_flag(f.name), dest=f.name, type=_bool if base is bool else base,
+                           default=None,
                            choices=_CHOICES.get(f.name),
                            help=f"default: {f.default!r}")
         names.append(f.name)

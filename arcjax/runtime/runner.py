@@ -7,6 +7,11 @@
    only at each sequence's last row, sampling on device (penalties from the device-
    resident count table, `penalties.py`). Returns a `StepOutput`: token ids [S] and
    raw log-probabilities (plus, for steps with prompt_logprobs rows, at every row).
+   `run` is `collect(launch(...))`. Overlapped scheduling calls them apart: `launch` dispatches
+   the step and returns a `StepHandle` at once (JAX dispatch is asynchronous) and starts the
+   tokens' copy to the host; the next step's `launch(..., feed=(handle, rows))` takes the
+   tokens this one samples straight from the device into its input ids (`_feed`: no host
+   round trip on the critical path); `collect(handle)` waits for the tokens on the host.
 3. Executables are compiled ahead of time (`jit(...).lower(...).compile()`), so the
    runner knows exactly when a step needs one (`num_executables`, the trace's
    `compiled` flag) and `warmup()` prepares every bucket.
@@ -60,6 +65,60 @@ def _step(params, cache, batch, sampling, counts, prompt=None, *, cfg, attn_impl
     return StepOutput(tokens, logprobs, prompt_lp), cache, counts
 
 
+@jax.jit
+def _feed(token_ids, prev_tokens, rows):
+    """Input ids with row t replaced by `prev_tokens[rows[t]]` wherever rows[t] >= 0."""
+    return jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], token_ids)
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A launched step: its outputs (on the device until `collect`), and times.
+
+    Attributes:
+      out: the `StepOutput`, device arrays.
+      dispatched: clock time just before the step was dispatched.
+      ready: clock time the device finished it, when the runner watches completions
+        (`ModelRunner.watch_completion`), else None.
+    """
+
+    out: StepOutput
+    dispatched: float
+    ready: float | None = None
+    _done: threading.Event | None = None
+
+    def wait_ready(self) -> float | None:
+        """`ready`, once the watcher has seen the step finish (None when not watched)."""
+        if self._done is not None:
+            self._done.wait()
+        return self.ready
+
+
+class _CompletionWatcher:
+    """A daemon thread that blocks on each launched step's tokens and stamps when the device
+    finished it (for measuring the device's idle time between steps; off by default)."""
+
+    def __init__(self):
+        import queue
+
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name="arcjax-step-watcher", daemon=True).start()
+
+    def add(self, handle: StepHandle) -> None:
+        handle._done = threading.Event()
+        self._queue.put(handle)
+
+    def _loop(self) -> None:
+        while True:
+            handle = self._queue.get()
+            try:
+                handle.out.tokens.block_until_ready()
+            except Exception:  # noqa: BLE001  the step failed: `collect` reports it
+                pass
+            handle.ready = time.perf_counter()
+            handle._done.set()
+
+
 def _signature(tree) -> tuple:
     """Structure, shapes, dtypes and shardings of every leaf."""
     leaves, treedef = jax.tree.flatten(tree)
@@ -108,6 +167,19 @@ class ModelRunner:
         self._compiled: dict[tuple[Bucket, bool], object] = {}
         # penalties / min_tokens state: one slot per sequence a step can hold (penalties.py)
         self.counts = TokenCounts(buckets.seq_rungs[-1], cfg.vocab_size)
+        self._watcher: _CompletionWatcher | None = None
+
+    @property
+    def watch_completion(self) -> bool:
+        """Whether each step's device completion time is recorded (`StepHandle.ready`)."""
+        return self._watcher is not None
+
+    @watch_completion.setter
+    def watch_completion(self, on: bool) -> None:
+        if on and self._watcher is None:
+            self._watcher = _CompletionWatcher()
+        elif not on:
+            self._watcher = None
 
     @property
     def num_executables(self) -> int:
@@ -153,17 +225,45 @@ class ModelRunner:
             ) -> StepOutput:
         """Runs the step; returns its `StepOutput`: `tokens` [S] on the host (after the
         device is done), log-probabilities still on the device (read them only if asked)."""
+        return self.collect(self.launch(bucket, batch, sampling, prompt))
+
+    def launch(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
+               feed: tuple[StepHandle, np.ndarray] | None = None) -> StepHandle:
+        """Dispatches the step and returns without waiting for the device.
+
+        Args:
+          feed: None, or (the previous step's handle, rows [bucket.tokens] int32): input id t
+            becomes that step's sampled token of row rows[t] wherever rows[t] >= 0 (the
+            host's batch holds a placeholder there), computed on the device.
+        """
         if self.parallel is None:
             batch, sampling, prompt = jax.tree.map(jnp.asarray, (batch, sampling, prompt))
         else:  # replicated on the mesh (each process places its own devices' copies)
             batch, sampling, prompt = self.parallel.put_replicated((batch, sampling, prompt))
+        if feed is not None:
+            prev, rows = feed
+            rows = (jnp.asarray(rows) if self.parallel is None
+                    else self.parallel.put_replicated(rows))
+            batch = dataclasses.replace(batch, token_ids=_feed(batch.token_ids,
+                                                               prev.out.tokens, rows))
         exe = self._executable(bucket, batch, sampling, prompt)
+        dispatched = time.perf_counter()
         out, self.cache, self.counts.table = exe(self.params, self.cache, batch, sampling,
                                                  self.counts.table, prompt)
-        tokens = out.tokens
+        handle = StepHandle(out, dispatched)
+        if self.parallel is None:
+            out.tokens.copy_to_host_async()
+        if self._watcher is not None:
+            self._watcher.add(handle)
+        return handle
+
+    def collect(self, handle: StepHandle) -> StepOutput:
+        """The launched step's `StepOutput` with `tokens` on the host (waits for the device);
+        log-probabilities stay on the device (read them only if asked)."""
+        tokens = handle.out.tokens
         if self.parallel is not None:  # replicated: any local copy is the value
             tokens = tokens.addressable_data(0)
-        return dataclasses.replace(out, tokens=np.asarray(tokens))
+        return dataclasses.replace(handle.out, tokens=np.asarray(tokens))
 
     def cache_lost(self) -> bool:
         """Whether the KV cache buffer was consumed by a call that then failed."""
