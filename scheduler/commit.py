@@ -190,7 +190,7 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
     dec = dec.without(set(done))
 
     if plan.num_decode_rows == len(plan.request_ids):  # no prefill rows: partials unchanged
-        return _replaced(state, dec, pool, state.partial), tuple(finished)
+        return _replaced(state, dec, pool, state.partial, finished), tuple(finished)
 
     # 3. prefill rows
     partial = {p.seq.request_id: p for p in state.partial}
@@ -219,7 +219,7 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
             ready.append(DecodeRow(seq, computed, (token,), (), seq.block_hashes, part.table))
     dec = dec.inserted(ready)
 
-    return _replaced(state, dec, pool, tuple(partial.values())), tuple(finished)
+    return _replaced(state, dec, pool, tuple(partial.values()), finished), tuple(finished)
 
 
 def advance(state: SchedulerState, plan: StepPlan) -> SchedulerState:
@@ -243,7 +243,7 @@ def advance(state: SchedulerState, plan: StepPlan) -> SchedulerState:
     if plan.is_empty and state.step == plan.state.step:
         return state  # nothing in flight
     ahead, finished = commit(state, plan, (PLACEHOLDER,) * plan.num_sampled, 0.0)
-    return _replaced(ahead, ahead.decoding, ahead.pool, ahead.partial,
+    return _replaced(state, ahead.decoding, ahead.pool, ahead.partial, (),  # still held
                      unfilled=Unfilled(step=plan.state.step, finished=finished))
 
 
@@ -266,14 +266,13 @@ def abandon(state: SchedulerState, plans: SequenceOf[StepPlan]) -> SchedulerStat
     if unfilled is not None:
         doomed.update(f.request_id for f in unfilled.finished)
         doomed.update(unfilled.preempted)
-    present = set(state.request_ids())
-    for rid in sorted(doomed & present, key=str):
+    for rid in sorted(doomed & state.held, key=str):
         state = abort(state, rid)
     return SchedulerState(
         config=state.config, waiting=state.waiting, partial=state.partial,
         decoding=state.decoding, pool=state.pool, step=state.step,
         decode_steps_since_prefill=state.decode_steps_since_prefill,
-        next_ticket=state.next_ticket, in_flight=False, unfilled=None)
+        next_ticket=state.next_ticket, in_flight=False, unfilled=None, held=state.held)
 
 
 def _filled(seq: Sequence, token: int, block_size: int) -> Sequence:
@@ -329,11 +328,11 @@ def _fill(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...], now: 
     # sequences a later plan preempted before the fill (no blocks held)
     waiting = state.waiting
     if unfilled.preempted:
-        held = set(unfilled.preempted)
+        unknown = set(unfilled.preempted)
         kept = []
         for seq in waiting:
             rid = seq.request_id
-            if rid in held and seq.tokens[-1] == PLACEHOLDER and rid in token_of:
+            if rid in unknown and seq.tokens[-1] == PLACEHOLDER and rid in token_of:
                 seq = _filled(seq, token_of[rid], bs)
                 if rid in stopped:
                     finished.append(Finished(
@@ -343,16 +342,21 @@ def _fill(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...], now: 
             kept.append(seq)
         waiting = tuple(kept)
     finished.sort(key=lambda f: row_of[f.request_id])
+    held = state.held.difference([f.request_id for f in finished]) if finished else state.held
     return SchedulerState(
         config=state.config, waiting=waiting, partial=state.partial, decoding=dec, pool=pool,
         step=state.step, decode_steps_since_prefill=state.decode_steps_since_prefill,
-        next_ticket=state.next_ticket, in_flight=state.in_flight, unfilled=None), tuple(finished)
+        next_ticket=state.next_ticket, in_flight=state.in_flight, unfilled=None,
+        held=held), tuple(finished)
 
 
 def _replaced(state: SchedulerState, dec: DecodeTable, pool: BlockPool,
-              partial: tuple[Partial, ...], unfilled: Unfilled | None = None) -> SchedulerState:
-    """`state` after a commit: new running sequences and pool, nothing in flight."""
+              partial: tuple[Partial, ...], finished, unfilled: Unfilled | None = None
+              ) -> SchedulerState:
+    """`state` after a commit: new running sequences and pool, `finished` gone, nothing in
+    flight."""
+    held = state.held.difference([f.request_id for f in finished]) if finished else state.held
     return SchedulerState(
         config=state.config, waiting=state.waiting, partial=partial, decoding=dec, pool=pool,
         step=state.step, decode_steps_since_prefill=state.decode_steps_since_prefill,
-        next_ticket=state.next_ticket, in_flight=False, unfilled=unfilled)
+        next_ticket=state.next_ticket, in_flight=False, unfilled=unfilled, held=held)

@@ -385,7 +385,8 @@ class StepBuilder:
         new_state = SchedulerState(
             config=state.config, waiting=waiting, partial=partial, decoding=dec, pool=self.pool,
             step=state.step + 1, decode_steps_since_prefill=since,
-            next_ticket=state.next_ticket, in_flight=bool(k or rows), unfilled=unfilled)
+            next_ticket=state.next_ticket, in_flight=bool(k or rows), unfilled=unfilled,
+            held=state.held)
         preempted_ids = tuple(seq.request_id for seq in self.preempted)
         if preempted_ids:
             self._note("preempted", preempted_ids)

@@ -52,10 +52,22 @@ def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
 def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_DIGEST,
                  first_block: int = 0) -> tuple[bytes, ...]:
     """Digests of the full blocks of `tokens` from block `first_block` on (parent: the digest of
-    block first_block - 1)."""
+    block first_block - 1). Same digests as `block_hash` block by block; the ids are packed once
+    and each block hashes a slice of them."""
+    first = first_block * block_size
+    count = (len(tokens) - first) // block_size
+    if count <= 0:
+        return ()
+    ids = array("q", tokens[first:first + count * block_size])
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    raw = memoryview(ids).cast("B")
+    width = block_size * ids.itemsize
     out = []
-    for start in range(first_block * block_size, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[start:start + block_size])
+    for start in range(0, count * width, width):
+        digest = hashlib.blake2b(parent, digest_size=16)
+        digest.update(raw[start:start + width])
+        parent = digest.digest()
         out.append(parent)
     return tuple(out)
 

@@ -152,7 +152,7 @@ def test_env_knobs_are_honoured_and_explicit_options_win(monkeypatch):
 def test_failed_device_step_finishes_its_requests_with_error_and_others_continue(monkeypatch):
     llm = _llm()
     runner = llm.engine.runner
-    real_run = runner.run
+    real_launch = runner.launch
     a = llm.add_request(_prompt(1), GREEDY)
     llm.step()
     doomed = llm.add_request(_prompt(2), GREEDY)
@@ -160,13 +160,13 @@ def test_failed_device_step_finishes_its_requests_with_error_and_others_continue
     llm.abort(aborted)  # pending abort: must survive the failing step
     calls = []
 
-    def flaky(*args):
+    def flaky(*args, **kwargs):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("injected device failure")
-        return real_run(*args)
+        return real_launch(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "run", flaky)
+    monkeypatch.setattr(runner, "launch", flaky)
     outs = _drain(llm)
     assert outs[aborted][-1].finish_reason == "abort"
     assert outs[a][-1].finish_reason == "error" and "injected" in outs[a][-1].error

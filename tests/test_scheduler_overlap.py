@@ -170,6 +170,7 @@ def drive_overlapped(workload, overlap: list[bool], abort_points: list[tuple[int
                 in_flight = plan
         state = aborts(step, 2, state)
         check_blocks(state, config, exact=False)
+        assert state.held == frozenset(state.request_ids())
         step += 1
     assert all(s in ("finished", "aborted") for s in status.values()), status
     assert state.pool.num_free == config.num_blocks and state.pool.num_in_use == 0

@@ -301,6 +301,7 @@ def check_state(state: SchedulerState, config: SchedulerConfig, mirror: dict) ->
     check_blocks(state, config, exact=True)
     ids = state.request_ids()
     assert len(ids) == len(set(ids))
+    assert state.held == frozenset(ids)
     assert all(mirror[rid].status == "live" for rid in ids)
     assert list(state.waiting) == sorted(state.waiting, key=lambda s: s.key)
     assert list(state.decoding.keys) == sorted(state.decoding.keys)

@@ -1,0 +1,190 @@
+"""Overlapped scheduling in the engine (`async_scheduling`): step N+1 is planned and launched
+before step N's tokens reach the host, its placeholder input ids fed on the device.
+
+Exactness: every test model and schedule gives the same greedy tokens with the option on and
+off, equal to transformers; seeded sampling with penalties, min_tokens, stop ids and logprobs
+gives the same tokens and log-probabilities; failures and aborts while two steps are in
+flight leave no block held and the engine serving.
+"""
+
+import numpy as np
+import pytest
+
+import scheduler
+from arcjax import LLM, SamplingParams
+from arcjax.engine.trace import device_idle_gaps
+from hf_models import ARCHS, hf_greedy, tiny_model_dir
+from test_engine import GEOMETRY, _expected, _prompts
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _llm(arch="LlamaForCausalLM", **options):
+    return LLM(tiny_model_dir(arch), **{**GEOMETRY, **options})
+
+
+def _generate(llm, params):
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    assert llm.engine.blocks_in_use() == 0
+    llm.engine.check_trace()
+    return outs
+
+
+SCHEDULES = [
+    dict(policy="token_budget", chunk_tile=16, max_num_batched_tokens=64),
+    dict(policy="prefill_first", chunk_tile=16, max_num_batched_tokens=128, prefill_max_seqs=2),
+    dict(policy="alternate", chunk_tile=32, max_num_batched_tokens=128,
+         max_num_partial_prefills=2),
+    # 12 blocks of 8: sequences are preempted (rows whose newest token is still on the device)
+    dict(policy="token_budget", chunk_tile=16, max_num_batched_tokens=128, num_kv_blocks=12),
+]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("schedule", range(len(SCHEDULES)))
+def test_greedy_identical_on_and_off_and_equal_to_transformers(arch, schedule):
+    if arch != "LlamaForCausalLM" and schedule not in (0, 3):
+        pytest.skip("every schedule on one model, two schedules on the others (suite time)")
+    options = SCHEDULES[schedule]
+    got = {}
+    for on in (False, True):
+        llm = _llm(arch, async_scheduling=on, **options)
+        assert llm.engine.async_scheduling is on
+        got[on] = [list(o.token_ids) for o in _generate(llm, GREEDY)]
+        if "num_kv_blocks" in options:
+            assert sum(len(r.engaged["preempted"]) for r in llm.engine.trace) > 0
+    assert got[True] == got[False] == _expected(arch)
+
+
+def test_stops_mid_flight_drop_the_next_steps_row_and_keep_outputs():
+    """Requests stopping on a token (the host learns it one step late) and by max_tokens at
+    different steps: the same outputs, finish reasons and logprobs either way."""
+    prompts = _prompts()
+    free = _llm(async_scheduling=False).generate(prompts, GREEDY, use_tqdm=False)
+    params = [SamplingParams(max_tokens=3 + i, temperature=0, ignore_eos=True, logprobs=2,
+                             stop_token_ids=(o.token_ids[(3 * i) % 8],))
+              for i, o in enumerate(free)]
+    runs = {}
+    for on in (False, True):
+        outs = _generate(_llm(async_scheduling=on, chunk_tile=16, max_num_batched_tokens=64),
+                         params)
+        runs[on] = [(list(o.token_ids), o.finish_reason,
+                     [{t: round(lp.logprob, 5) for t, lp in e.items()} for e in o.outputs[0].logprobs]
+                         )
+                    for o in outs]
+    assert runs[True] == runs[False]
+    assert {r[1] for r in runs[True]} == {"stop", "length"}
+
+
+def test_seeded_sampling_with_penalties_and_n_is_identical():
+    params = [SamplingParams(max_tokens=6 + i % 3, temperature=0.9, top_p=0.95, seed=100 + i,
+                             presence_penalty=0.4, frequency_penalty=0.2,
+                             repetition_penalty=1.1, min_tokens=3, n=1 + i % 2,
+                             stop_token_ids=(7, 11, 13), logprobs=1)
+              for i in range(len(_prompts()))]
+    runs = {}
+    for on in (False, True):
+        outs = _generate(_llm(async_scheduling=on, chunk_tile=16, max_num_batched_tokens=64),
+                         params)
+        runs[on] = [[(list(c.token_ids), c.finish_reason) for c in o.outputs] for o in outs]
+    assert runs[True] == runs[False]
+
+
+def test_steps_overlap_and_the_trace_measures_idle_gaps():
+    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
+    llm.engine.runner.watch_completion = True
+    _generate(llm, GREEDY)
+    trace = [r for r in llm.engine.trace]
+    assert all(r.dispatched is not None and r.ready is not None for r in trace)
+    # overlapped: some step was dispatched before the previous one's tokens were read
+    assert any(b.dispatched < a.end for a, b in zip(trace, trace[1:]))
+    gaps = device_idle_gaps(trace)
+    assert len(gaps) == len(trace) - 1 and all(g >= 0 for g in gaps)
+    summary = llm.trace_summary(trace[-1].end - trace[0].start)
+    assert summary["device_idle_gap_s"]["watched"]
+    assert 0 < summary["step_time_fraction_of_wall"] <= 1
+
+
+def _drain(llm):
+    outs = {}
+    while llm.engine.has_unfinished():
+        for o in llm.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_a_failure_with_two_steps_in_flight_errors_their_requests_only(monkeypatch, where):
+    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
+    runner = llm.engine.runner
+    real = getattr(runner, where)
+    prompts = _prompts()
+    a = llm.add_request(prompts[0], GREEDY)
+    llm.step()
+    llm.step()  # a decodes, a step in flight
+    b = llm.add_request(prompts[1], GREEDY)
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, where, flaky)
+    outs = _drain(llm)
+    monkeypatch.setattr(runner, where, real)
+    assert outs[a][-1].finish_reason == "error" and "injected" in outs[a][-1].error
+    if where == "collect":  # b was in the step launched behind the failed one
+        assert outs[b][-1].finish_reason == "error"
+    assert llm.engine.blocks_in_use() == 0 and not llm.engine.state.in_flight
+    assert llm.engine.state.unfilled is None
+    later = llm.generate([prompts[4]], GREEDY, use_tqdm=False)[0]
+    assert list(later.token_ids) == hf_greedy(tiny_model_dir(), prompts[4], 8)
+    llm.engine.check_trace()
+
+
+def test_failed_commit_with_a_step_in_flight(monkeypatch):
+    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
+    prompts = _prompts()
+    rid = llm.add_request(prompts[2], GREEDY)
+    llm.step()
+    llm.step()
+    real = scheduler.commit
+    monkeypatch.setattr(scheduler, "commit", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("injected commit failure")))
+    outs = llm.step()
+    monkeypatch.setattr(scheduler, "commit", real)
+    final = [o for o in outs if o.request_id == rid][-1]
+    assert final.finish_reason == "error"
+    assert llm.engine.blocks_in_use() == 0 and not llm.engine.state.in_flight
+    assert llm.generate([prompts[3]], GREEDY, use_tqdm=False)[0].finish_reason == "length"
+    llm.engine.check_trace()
+
+
+def test_abort_while_a_step_is_in_flight_frees_blocks_at_once():
+    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
+    prompts = _prompts()
+    ids = [llm.add_request(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+           for p in prompts[:3]]
+    for _ in range(4):
+        llm.step()
+    assert llm.engine._in_flight is not None
+    llm.abort(ids[1])
+    held = llm.engine.blocks_in_use()
+    outs = _drain(llm)
+    assert outs[ids[1]][-1].finish_reason == "abort"
+    assert [outs[i][-1].finish_reason for i in (ids[0], ids[2])] == ["length", "length"]
+    assert held > 0 and llm.engine.blocks_in_use() == 0
+    llm.engine.check_trace()
+
+
+def test_option_is_validated_and_reported():
+    from arcjax.errors import EngineConfigError
+    from arcjax.engine.config import EngineConfig
+
+    with pytest.raises(EngineConfigError) as err:
+        EngineConfig.from_options(None, async_scheduling="yes")
+    assert err.value.field == "async_scheduling"
+    assert EngineConfig.from_options(None).async_scheduling is None  # auto: on, one process
+    np.testing.assert_equal(_llm().engine.async_scheduling, True)
