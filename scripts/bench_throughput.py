@@ -5,7 +5,15 @@ generated greedily by arcjax (after warm-up) and by transformers (CPU torch, bat
 `--hf_batch` left-padded prompts, `max_new_tokens` = the batch's longest output, every
 row then truncated to its own length). Prints tokens/s for each and the ratio.
 
+arcjax runs once per `--async_scheduling` arm (overlapped scheduling on / off, engines of
+one process sharing compiled steps), arms alternating over `--repeats`; each arm reports
+its median tokens/s, the device's idle time between steps (completions watched by a
+thread: `ModelRunner.watch_completion`), and whether its outputs equal the other arms'.
+`--lone` also times one request alone (`--lone_prompt` tokens, `--lone_tokens` new):
+time per output token (median over `--lone_repeats`), per arm.
+
   python scripts/bench_throughput.py --num_requests=256 --out=runs/throughput.json
+  python scripts/bench_throughput.py --skip_hf --num_requests=64 --lone
 """
 
 from __future__ import annotations
@@ -28,6 +36,13 @@ _SEQS = flags.DEFINE_integer("max_num_seqs", 64, "arcjax max running sequences")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "only run arcjax")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
 _CC = flags.DEFINE_string("compilation_cache_dir", None, "JAX persistent compilation cache")
+_ASYNC = flags.DEFINE_list("async_scheduling", ["true", "false"],
+                           "arcjax arms: overlapped scheduling on (true) / off (false)")
+_REPEATS = flags.DEFINE_integer("repeats", 1, "runs of the workload per arm (alternating)")
+_LONE = flags.DEFINE_bool("lone", False, "also time one request alone per arm")
+_LONE_PROMPT = flags.DEFINE_integer("lone_prompt", 128, "--lone: prompt tokens")
+_LONE_TOKENS = flags.DEFINE_integer("lone_tokens", 64, "--lone: new tokens")
+_LONE_REPEATS = flags.DEFINE_integer("lone_repeats", 10, "--lone: runs per arm (alternating)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,24 +58,61 @@ class Workload:
                    outputs=rs.randint(output_len[0], output_len[1] + 1, n).tolist())
 
 
-def run_arcjax(model_dir, wl: Workload) -> dict:
+def _arm(value: str) -> bool:
+    v = value.strip().lower()
+    if v not in ("true", "false", "on", "off", "1", "0"):
+        raise app.UsageError(f"--async_scheduling: expected true or false, got {value!r}")
+    return v in ("true", "on", "1")
+
+
+def build_engines(model_dir, wl: Workload) -> dict:
+    """One `LLM` per arm (same geometry: the compiled steps are shared), warmed up."""
     import arcjax
     from arcjax.runtime.runner import enable_persistent_compilation_cache
 
     max_len = max(len(p) + o for p, o in zip(wl.prompts, wl.outputs))
+    max_len = max(max_len, _LONE_PROMPT.value + _LONE_TOKENS.value)
     if _CC.value:
         enable_persistent_compilation_cache(_CC.value)
-    llm = arcjax.LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=_BUDGET.value,
-                     max_num_seqs=_SEQS.value)
-    warm = llm.warmup()
+    engines = {}
+    for on in map(_arm, _ASYNC.value):
+        llm = arcjax.LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=_BUDGET.value,
+                         max_num_seqs=_SEQS.value, async_scheduling=on)
+        llm.engine.runner.watch_completion = True
+        engines[on] = (llm, llm.warmup())
+    return engines
+
+
+def run_arcjax(llm, wl: Workload) -> dict:
+    from arcjax.engine.trace import device_idle_gaps
+
+    import arcjax
+
     params = [arcjax.SamplingParams(max_tokens=o, temperature=0, ignore_eos=True)
               for o in wl.outputs]
+    first = llm.engine.num_steps
     t0 = time.perf_counter()
     outs = llm.generate(wl.prompts, params, use_tqdm=False)
     wall = time.perf_counter() - t0
+    steps = [r for r in llm.engine.trace if r.index >= first]
+    gaps = device_idle_gaps(steps)
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"warmup_s": warm, "wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
-            "steps": llm.engine.num_steps, "tokens": [list(o.token_ids) for o in outs]}
+    return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
+            "steps": len(steps), "idle_gap_total_s": sum(gaps),
+            "idle_gap_mean_ms": 1e3 * sum(gaps) / max(1, len(gaps)),
+            "idle_fraction_of_wall": sum(gaps) / wall,
+            "tokens": [list(o.token_ids) for o in outs]}
+
+
+def run_lone(llm, vocab: int) -> float:
+    """Time per output token (ms) of one request alone (metrics.tpot)."""
+    import arcjax
+
+    rs = np.random.RandomState(_SEED.value + 1)
+    prompt = rs.randint(3, vocab, _LONE_PROMPT.value).tolist()
+    params = arcjax.SamplingParams(max_tokens=_LONE_TOKENS.value, temperature=0,
+                                   ignore_eos=True)
+    return 1e3 * llm.generate([prompt], params, use_tqdm=False)[0].metrics.tpot
 
 
 def run_transformers(model_dir, wl: Workload, batch: int) -> dict:
@@ -104,21 +156,55 @@ def main(argv):
                        [int(x) for x in _OUTPUT.value], vocab, _SEED.value)
     res = {"model": model_dir, "num_requests": _N.value, "prompt_len": _PROMPT.value,
            "output_len": _OUTPUT.value, "seed": _SEED.value}
-    res["arcjax"] = run_arcjax(model_dir, wl)
-    print(f"arcjax:       {res['arcjax']['tok_s']:9.1f} tok/s  ({res['arcjax']['wall_s']:.1f} s, "
-          f"warm-up {res['arcjax']['warmup_s']:.1f} s)")
+    engines = build_engines(model_dir, wl)
+    runs = {on: [] for on in engines}
+    lone = {on: [] for on in engines}
+    for llm, _ in engines.values():  # one unmeasured run each: first-use costs
+        run_lone(llm, vocab)
+    for _ in range(_REPEATS.value):
+        for on, (llm, _) in engines.items():
+            runs[on].append(run_arcjax(llm, wl))
+    if _LONE.value:  # without the completion watcher: what a user gets
+        for llm, _ in engines.values():
+            llm.engine.runner.watch_completion = False
+        for _ in range(_LONE_REPEATS.value):
+            for on, (llm, _) in engines.items():
+                lone[on].append(run_lone(llm, vocab))
+    reference = next(iter(runs.values()))[0]["tokens"]
+    res["arms"] = {}
+    for on, arm_runs in runs.items():
+        name = f"async_scheduling={str(on).lower()}"
+        best = sorted(arm_runs, key=lambda r: r["tok_s"])[len(arm_runs) // 2]  # the median
+        same = all(r["tokens"] == reference for r in arm_runs)
+        res["arms"][name] = {
+            "warmup_s": engines[on][1], "tok_s_median": best["tok_s"],
+            "tok_s_all": [r["tok_s"] for r in arm_runs],
+            "idle_gap_mean_ms": best["idle_gap_mean_ms"],
+            "idle_fraction_of_wall": best["idle_fraction_of_wall"], "steps": best["steps"],
+            "outputs_equal_first_arm": same, "tokens": best["tokens"]}
+        each = ", ".join(f"{r['tok_s']:.0f}" for r in arm_runs)
+        line = (f"arcjax {name}: {best['tok_s']:9.1f} tok/s (median of {len(arm_runs)}: "
+                f"{each}), device idle between "
+                f"steps {best['idle_gap_mean_ms']:.2f} ms/step = "
+                f"{100 * best['idle_fraction_of_wall']:.1f}% of wall, outputs equal: {same}")
+        if lone[on]:
+            res["arms"][name]["lone_tpot_ms"] = lone[on]
+            line += (f"; lone request {float(np.median(lone[on])):.2f} ms/token "
+                     f"(median of {len(lone[on])})")
+        print(line)
     if not _SKIP_HF.value:
-        res["transformers"] = run_transformers(model_dir, wl, _HF_BATCH.value)
-        hf = res["transformers"]
-        print(f"transformers: {hf['tok_s']:9.1f} tok/s  ({hf['wall_s']:.1f} s, batch {_HF_BATCH.value})")
-        res["ratio"] = res["arcjax"]["tok_s"] / hf["tok_s"]
-        same = sum(a == b for a, b in zip(res["arcjax"]["tokens"], hf["tokens"]))
-        res["identical_outputs"] = same
-        print(f"ratio arcjax/transformers: {res['ratio']:.2f}x; identical greedy outputs: "
-              f"{same}/{_N.value}")
-    for k in ("arcjax", "transformers"):
-        if k in res:
-            res[k].pop("tokens")
+        res["transformers"] = hf = run_transformers(model_dir, wl, _HF_BATCH.value)
+        print(f"transformers: {hf['tok_s']:9.1f} tok/s  ({hf['wall_s']:.1f} s, "
+              f"batch {_HF_BATCH.value})")
+        for name, arm in res["arms"].items():
+            arm["ratio_vs_transformers"] = arm["tok_s_median"] / hf["tok_s"]
+            arm["identical_to_transformers"] = sum(
+                a == b for a, b in zip(arm["tokens"], hf["tokens"]))
+            print(f"{name}: {arm['ratio_vs_transformers']:.2f}x transformers; identical greedy "
+                  f"outputs: {arm['identical_to_transformers']}/{_N.value}")
+        hf.pop("tokens")
+    for arm in res["arms"].values():
+        arm.pop("tokens")
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(res, f, indent=2)

@@ -188,3 +188,29 @@ def test_option_is_validated_and_reported():
     assert err.value.field == "async_scheduling"
     assert EngineConfig.from_options(None).async_scheduling is None  # auto: on, one process
     np.testing.assert_equal(_llm().engine.async_scheduling, True)
+
+
+def test_bench_throughput_script_reports_both_arms(tmp_path):
+    """scripts/bench_throughput.py on a tiny model: both arms run, their outputs agree (and
+    agree with transformers), idle gaps and the lone-request figure are reported."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_throughput.py"
+    out = tmp_path / "t.json"
+    proc = subprocess.run(
+        [sys.executable, str(script), f"--model={tiny_model_dir()}", "--num_requests=6",
+         "--prompt_len=4,40", "--output_len=2,12", "--max_num_seqs=8",
+         "--max_num_batched_tokens=128", "--hf_batch=4", "--lone", "--lone_prompt=16",
+         "--lone_tokens=6", "--lone_repeats=2", f"--out={out}"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    arms = res["arms"]
+    assert set(arms) == {"async_scheduling=true", "async_scheduling=false"}
+    for arm in arms.values():
+        assert arm["outputs_equal_first_arm"] and arm["identical_to_transformers"] == 6
+        assert arm["idle_gap_mean_ms"] >= 0 and len(arm["lone_tpot_ms"]) == 2
+        assert arm["tok_s_median"] > 0 and arm["ratio_vs_transformers"] > 0

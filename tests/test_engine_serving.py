@@ -179,9 +179,11 @@ def test_failed_device_step_finishes_its_requests_with_error_and_others_continue
 
 
 def test_failed_commit_rolls_tokens_back(monkeypatch):
+    """Serial loop: the commit of the step that failed is this step's (overlapped, it is the
+    previous step's: tests/test_engine_overlap.py)."""
     import scheduler
 
-    llm = _llm()
+    llm = _llm(async_scheduling=False)
     rid = llm.add_request(_prompt(5), GREEDY)
     llm.step()
     real = scheduler.commit

@@ -236,14 +236,14 @@ class ModelRunner:
             becomes that step's sampled token of row rows[t] wherever rows[t] >= 0 (the
             host's batch holds a placeholder there), computed on the device.
         """
-        if self.parallel is None:
-            batch, sampling, prompt = jax.tree.map(jnp.asarray, (batch, sampling, prompt))
-        else:  # replicated on the mesh (each process places its own devices' copies)
+        # One device: the host arrays go to the executable as they are (its C++ call path
+        # transfers them, ~10x cheaper than a device_put per array).
+        if self.parallel is not None:  # replicated on the mesh (each process its own copies)
             batch, sampling, prompt = self.parallel.put_replicated((batch, sampling, prompt))
         if feed is not None:
             prev, rows = feed
-            rows = (jnp.asarray(rows) if self.parallel is None
-                    else self.parallel.put_replicated(rows))
+            if self.parallel is not None:
+                rows = self.parallel.put_replicated(rows)
             batch = dataclasses.replace(batch, token_ids=_feed(batch.token_ids,
                                                                prev.out.tokens, rows))
         exe = self._executable(bucket, batch, sampling, prompt)
