@@ -90,6 +90,8 @@ def test_every_selectable_bucket_is_enumerated():
     bs = BucketSet.create(tile=16, max_tokens=200, max_seqs=40)
     every = set(bs.all())
     assert len(every) < 40
+    assert [bs.select(n, n, decode_only=True).seqs for n in (1, 2, 3, 5, 9)] == [1, 2, 4, 8, 16]
+    assert bs.select(3, 1, decode_only=False).seqs == 8  # small rungs are decode-only
     for n_seqs in range(1, 41):
         assert bs.select(n_seqs, n_seqs, decode_only=True) in every
         for n_tokens in range(n_seqs, 201, 7):

@@ -354,7 +354,7 @@ def test_disconnect_while_not_streaming(server, llm):
                 ignore_eos=True)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body,
-                   timeout=httpx.Timeout(30, read=0.3))
+                   timeout=httpx.Timeout(30, read=0.05))
     assert _wait_for(lambda: llm.num_unfinished == 0 and llm.engine.blocks_in_use() == 0, 5)
     assert _metrics(server)[key] == before + 1
 
@@ -611,14 +611,19 @@ def test_sigterm_subprocess_drains_and_exits_0():
             except httpx.TransportError:
                 return proc.poll() is None and False
         assert _wait_for(up, 90), proc.stdout.read1().decode() if proc.poll() else "no start"
-        body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=100, temperature=0,
+        body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=220, temperature=0,
                     ignore_eos=True, stream=True)
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.2)
-            assert httpx.get(url + "/health", timeout=10).status_code == 503
+
+            def draining():
+                try:
+                    return httpx.get(url + "/health", timeout=10).status_code == 503
+                except httpx.TransportError:
+                    return False
+            assert _wait_for(draining, 10)
             rest = list(lines)
         assert any('"finish_reason":"length"' in line for line in rest)
         assert "data: [DONE]" in rest
