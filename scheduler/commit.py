@@ -75,7 +75,8 @@ def _advance_decodes(dec: DecodeTable, plan: StepPlan, sampled: tuple[int, ...],
     """
     k = plan.num_decode_rows
     older = dec.older
-    if dec is plan.state.decoding:  # fast path: rows 0..k-1 are the plan's decode rows
+    if dec.ids is plan.state.decoding.ids:  # fast path: rows 0..k-1 are the plan's decode
+        # rows (same rows in the same order; an overlapped fill only replaced `recent`)
         advanced = tuple(map(add, dec.computed[:k], repeat(1, k)))
         at_limit = list(compress(range(k), map(le, dec.limits, advanced)))
         computed = advanced + dec.computed[k:]

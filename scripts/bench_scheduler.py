@@ -13,6 +13,10 @@ legacy policies plan prompt steps.
 Each configuration runs with prefix caching off and on (--prefix_caching); the prompts share no
 prefix, so "on" measures the bookkeeping (hashing and caching every block that fills).
 
+Also timed, per caching setting: `add_request` into a state with `waiting` queued requests (a
+burst of `--burst` arrivals, best of 20 bursts, microseconds per call), and an overlapped pair
+(`advance` + `schedule` + the filling `commit`) beside the serial pair in the "same state" table.
+
 Usage: python scripts/bench_scheduler.py [--policies=token_budget,alternate,prefill_first]
 """
 
@@ -40,6 +44,7 @@ _STAGGER = flags.DEFINE_boolean(
     "steps; --nostagger makes every row open a block on the same step (the worst case)")
 _REPEATS = flags.DEFINE_integer("repeats", 2000, "pairs timed per 'same state' figure")
 _STEPS = flags.DEFINE_integer("steps", 200, "pairs in the 'rolling' figure")
+_BURST = flags.DEFINE_integer("burst", 128, "arrivals per timed add_request burst")
 _CACHING = flags.DEFINE_list("prefix_caching", ["false", "true"],
                              "enable_prefix_caching values to time (prompts share no prefix, so "
                              "'true' shows what hashing and caching full blocks costs)")
@@ -107,6 +112,40 @@ def time_pairs(state, config, repeats: int, *, materialize: bool = False,
     return min(rounds), statistics.median(rounds)
 
 
+def time_add_request(bench: BenchConfig, config: scheduler.SchedulerConfig,
+                     burst: int) -> float:
+    """Best-of-20 microseconds per `add_request` call: `burst` arrivals into a state holding
+    `bench.waiting` queued requests (and nothing running)."""
+    state = scheduler.SchedulerState.empty(config)
+    for i in range(bench.waiting):
+        state = scheduler.add_request(state, _request(i, bench))
+    arrivals = [_request(bench.waiting + i, bench) for i in range(burst)]
+    best = float("inf")
+    for _ in range(20):
+        start = time.perf_counter()
+        s = state
+        for request in arrivals:
+            s = scheduler.add_request(s, request)
+        best = min(best, (time.perf_counter() - start) / burst * 1e6)
+    return best
+
+
+def time_overlapped(state, config, repeats: int) -> float:
+    """Best thread-CPU microseconds per overlapped pair from one state: a step in flight is
+    advanced, the next planned, then the first committed (the filling commit)."""
+    first = scheduler.schedule(state, config)
+    rounds = []
+    per_round = max(1, repeats // 50)
+    for _ in range(50):
+        start = time.thread_time()
+        for _ in range(per_round):
+            ahead = scheduler.advance(first.state, first)
+            plan = scheduler.schedule(ahead, config)
+            scheduler.commit(plan.state, first, (1,) * first.num_sampled, 0.0)
+        rounds.append((time.thread_time() - start) / per_round * 1e6)
+    return min(rounds)
+
+
 def time_rolling(state, config, steps: int) -> tuple[float, str]:
     """Mean thread-CPU microseconds per pair over `steps` consecutive steps (garbage collection
     included), and the step kinds seen."""
@@ -135,8 +174,15 @@ def main(argv):
           " median wall time of 50 rounds, and best thread CPU time; '+ token ids' also "
           "materializes plan.token_ids (CPU time); 'rolling' averages 'steps' consecutive pairs "
           "(CPU time; the running set grows when max_num_seqs > running)")
+    for caching in bench.prefix_caching:
+        config = scheduler.SchedulerConfig(num_blocks=needed, enable_prefix_caching=caching)
+        us = time_add_request(bench, config, _BURST.value)
+        print(f"add_request with {bench.waiting} waiting, prefix caching "
+              f"{'on' if caching else 'off'}: {us:.1f} us per call (best of 20 bursts of "
+              f"{_BURST.value}; {us * _BURST.value / 1e3:.2f} ms per burst)")
     print(f"{'policy':<14} {'cache':>5} {'max_num_seqs':>12} {'wall best':>9} {'median':>7} "
-          f"{'cpu best':>8} {'+ token ids':>11} {'rolling':>8}  first plan / rolling step kinds")
+          f"{'cpu best':>8} {'+ token ids':>11} {'overlapped':>10} {'rolling':>8}  "
+          f"first plan / rolling step kinds")
     for max_num_seqs, caching, policy in itertools.product(
             bench.max_num_seqs, bench.prefix_caching, bench.policies):
         config = scheduler.SchedulerConfig(policy=policy, max_num_seqs=max_num_seqs,
@@ -147,9 +193,11 @@ def main(argv):
         cpu, _ = time_pairs(state, config, bench.repeats, clock=time.thread_time)
         with_tokens, _ = time_pairs(state, config, bench.repeats, materialize=True,
                                     clock=time.thread_time)
+        overlapped = time_overlapped(state, config, bench.repeats)
         rolling, kinds = time_rolling(state, config, bench.steps)
         print(f"{policy:<14} {'on' if caching else 'off':>5} {max_num_seqs:>12} {best:>9.1f} "
-              f"{median:>7.1f} {cpu:>8.1f} {with_tokens:>11.1f} {rolling:>8.1f}  "
+              f"{median:>7.1f} {cpu:>8.1f} {with_tokens:>11.1f} {overlapped:>10.1f} "
+              f"{rolling:>8.1f}  "
               f"{first.kind} ({first.num_seqs} rows, {first.num_tokens} tokens) / {kinds}")
 
 if __name__ == "__main__":

@@ -191,8 +191,9 @@ def test_simulate_script_prints_the_burst_table():  # the command line itself
 
 def test_bench_script_runs_small():
     out = _script("bench_scheduler.py", "--running=8", "--waiting=16", "--prompt_tokens=64",
-                  "--repeats=20", "--steps=5", "--max_num_seqs=8,16")
+                  "--repeats=20", "--steps=5", "--max_num_seqs=8,16", "--burst=4")
     assert out.count("token_budget") == 4  # 2 max_num_seqs x prefix caching off / on
+    assert out.count("add_request with 16 waiting") == 2
 
 
 def test_simulate_script_calibrates_from_rows(tmp_path):
