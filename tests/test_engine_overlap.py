@@ -186,8 +186,11 @@ def test_option_is_validated_and_reported():
     with pytest.raises(EngineConfigError) as err:
         EngineConfig.from_options(None, async_scheduling="yes")
     assert err.value.field == "async_scheduling"
-    assert EngineConfig.from_options(None).async_scheduling is None  # auto: on, one process
-    np.testing.assert_equal(_llm().engine.async_scheduling, True)
+    assert EngineConfig.from_options(None).async_scheduling is None  # auto
+    from arcjax.engine.build import _overlap_pays
+
+    # auto: on with an accelerator or more than one core (this suite's CI machine has two)
+    np.testing.assert_equal(_llm().engine.async_scheduling, _overlap_pays())
 
 
 def test_bench_throughput_script_reports_both_arms(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jax
@@ -30,6 +31,19 @@ def default_model_path() -> Path:
 
 def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+def _overlap_pays() -> bool:
+    """Whether overlapped scheduling is faster here: always with an accelerator (host and
+    device run side by side); on the CPU backend only with more than one core available
+    (on one core the host's planning and XLA's compute share it, and overlapping only adds
+    work: scripts/bench_throughput.py pinned to one core, RESULTS.md)."""
+    if jax.default_backend() != "cpu":
+        return True
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except AttributeError:  # no affinity API (macOS): count the cores
+        return (os.cpu_count() or 1) > 1
 
 
 def _default_num_blocks(cfg, dtype, block_size: int, max_blocks: int, max_num_seqs: int,
@@ -91,5 +105,6 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
         if config.async_scheduling:
             raise EngineConfigError("async_scheduling", "not supported across several "
                                     "processes yet (multi-host runs the serial loop)")
-    engine.async_scheduling = config.async_scheduling is not False and engine.sync is None
+    engine.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                               else engine.sync is None and _overlap_pays())
     return engine

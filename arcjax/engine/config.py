@@ -47,8 +47,9 @@ class EngineConfig:
         `arcjax.parallel.initialize`). 1 = one device, no mesh.
       async_scheduling: plan and pack step N+1 while the device runs step N, the sampled
         tokens fed forward on the device (`scheduler.advance`); greedy outputs are identical
-        either way. None = on, except across several processes (multi-host), where it is
-        not supported yet; False = the serial loop.
+        either way. None = on where it is faster: with an accelerator, or on the CPU backend
+        with more than one core available (not across several processes: multi-host runs
+        the serial loop); True / False force it.
       policy ... enable_prefix_caching: the scheduler knobs (see scheduler.SchedulerConfig);
         max_num_seqs defaults to 64 here; prefix caching is on by default.
     """

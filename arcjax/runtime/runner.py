@@ -108,9 +108,15 @@ class _CompletionWatcher:
         handle._done = threading.Event()
         self._queue.put(handle)
 
+    def stop(self) -> None:
+        """Ends the thread once the steps queued so far are stamped."""
+        self._queue.put(None)
+
     def _loop(self) -> None:
         while True:
             handle = self._queue.get()
+            if handle is None:
+                return
             try:
                 handle.out.tokens.block_until_ready()
             except Exception:  # noqa: BLE001  the step failed: `collect` reports it
@@ -178,7 +184,8 @@ class ModelRunner:
     def watch_completion(self, on: bool) -> None:
         if on and self._watcher is None:
             self._watcher = _CompletionWatcher()
-        elif not on:
+        elif not on and self._watcher is not None:
+            self._watcher.stop()
             self._watcher = None
 
     @property
