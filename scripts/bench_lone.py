@@ -6,7 +6,8 @@ prompt, and also 1 token; time per output token = (wall(new) - wall(1)) / (new -
 median over `--repeats` runs (engines alternate). Pin the process to one core for a
 one-thread comparison:
 
-  taskset -c 0 python scripts/bench_lone.py --repeats=10 --out=runs/lone.json
+  pip install mistralrs==0.9.5    # optional, not a project dependency
+  RAYON_NUM_THREADS=1 taskset -c 0 python scripts/bench_lone.py --repeats=10 --out=runs/lone.json
 """
 
 from __future__ import annotations
