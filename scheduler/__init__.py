@@ -20,7 +20,7 @@ cached-unreferenced) and state.pool.num_in_use the blocks live sequences hold.
 
 from scheduler.arms import ARM_KEYS, KNOB_SHORT, Arm, parse_arm
 from scheduler.blocks import BlockPool, blocks_for
-from scheduler.commit import abandon, advance, commit
+from scheduler.commit import abandon, advance, commit, forget_prefix_cache
 from scheduler.config import POLICIES, SchedulerConfig
 from scheduler.errors import CommitError, ConfigError, DuplicateRequestError, InputError, RequestError
 from scheduler.errors import RequestTooLargeError, StepOrderError, UnknownRequestError
@@ -31,8 +31,9 @@ from scheduler.state import PLACEHOLDER, SchedulerState, abort, add_request, val
 
 __all__ = [
     "ARM_KEYS", "Arm", "BlockPool", "Chunk", "CommitError", "ConfigError", "DuplicateRequestError",
-    "Engaged", "FINISH_LENGTH", "PLACEHOLDER", "abandon", "advance", "FINISH_STOP", "Finished", "InputError", "KNOB_SHORT", "POLICIES",
-    "Request", "RequestError", "RequestId", "RequestTooLargeError", "SchedulerConfig",
-    "SchedulerState", "StepOrderError", "StepPlan", "UnknownRequestError", "abort", "add_request",
-    "blocks_for", "commit", "parse_arm", "schedule", "validate_request",
+    "Engaged", "FINISH_LENGTH", "FINISH_STOP", "Finished", "InputError", "KNOB_SHORT",
+    "PLACEHOLDER", "POLICIES", "Request", "RequestError", "RequestId", "RequestTooLargeError",
+    "SchedulerConfig", "SchedulerState", "StepOrderError", "StepPlan", "UnknownRequestError",
+    "abandon", "abort", "add_request", "advance", "blocks_for", "commit", "forget_prefix_cache",
+    "parse_arm", "schedule", "validate_request",
 ]

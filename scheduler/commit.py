@@ -35,6 +35,7 @@ differ (tests/test_scheduler_overlap.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Sequence as SequenceOf
 from itertools import compress, repeat
 from operator import add, le
@@ -252,11 +253,14 @@ def abandon(state: SchedulerState, plans: SequenceOf[StepPlan]) -> SchedulerStat
     """Drops plans that will never be committed (their step failed). Pure.
 
     Every request with a row in `plans`, or with a placeholder token, is aborted (its blocks
-    freed); the state keeps everything else and has nothing in flight or unfilled.
+    freed); the state keeps everything else and has nothing in flight or unfilled. A state
+    holding no request at all is cleared whatever `plans` is.
 
     Raises:
       StepOrderError: `plans` lacks the plan in flight or the advanced, unfilled one.
     """
+    if not state.held:  # nothing left to protect: no row can hold a placeholder or a block
+        return _cleared(state)
     steps = {plan.state.step for plan in plans}
     if state.in_flight and state.step not in steps:
         raise StepOrderError(f"the plan of step {state.step} is in flight and not abandoned")
@@ -269,11 +273,29 @@ def abandon(state: SchedulerState, plans: SequenceOf[StepPlan]) -> SchedulerStat
         doomed.update(unfilled.preempted)
     for rid in sorted(doomed & state.held, key=str):
         state = abort(state, rid)
+    return _cleared(state)
+
+
+def _cleared(state: SchedulerState) -> SchedulerState:
     return SchedulerState(
         config=state.config, waiting=state.waiting, partial=state.partial,
         decoding=state.decoding, pool=state.pool, step=state.step,
         decode_steps_since_prefill=state.decode_steps_since_prefill,
         next_ticket=state.next_ticket, in_flight=False, unfilled=None, held=state.held)
+
+
+def forget_prefix_cache(state: SchedulerState) -> SchedulerState:
+    """The state with an empty prefix cache: every block free, no digest remembered (after the
+    engine lost or reset the KV cache those digests would point at). Pure.
+
+    Raises:
+      StepOrderError: some sequence still holds blocks, or a plan is in flight.
+    """
+    if state.pool.num_in_use or state.in_flight or state.unfilled is not None:
+        raise StepOrderError("the prefix cache can be forgotten only when no sequence holds "
+                             "blocks and nothing is in flight")
+    return dataclasses.replace(state, pool=BlockPool.full(
+        state.config.num_blocks, prefix_caching=state.config.enable_prefix_caching))
 
 
 def _filled(seq: Sequence, token: int, block_size: int) -> Sequence:

@@ -103,6 +103,7 @@ def test_steps_overlap_and_the_trace_measures_idle_gaps():
     summary = llm.trace_summary(trace[-1].end - trace[0].start)
     assert summary["device_idle_gap_s"]["watched"]
     assert 0 < summary["step_time_fraction_of_wall"] <= 1
+    llm.engine.runner.watch_completion = False
 
 
 def _drain(llm):
@@ -114,7 +115,10 @@ def _drain(llm):
 
 
 @pytest.mark.parametrize("where", ["launch", "collect"])
-def test_a_failure_with_two_steps_in_flight_errors_their_requests_only(monkeypatch, where):
+def test_a_failure_with_two_steps_in_flight(monkeypatch, where):
+    """A failed launch errors its step's requests; a failed collect (the device failed:
+    its KV, and blocks already cached from it, are unknown) resets the KV cache and the
+    prefix cache, erroring every running request. Either way the engine serves on."""
     llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
     runner = llm.engine.runner
     real = getattr(runner, where)
@@ -139,6 +143,8 @@ def test_a_failure_with_two_steps_in_flight_errors_their_requests_only(monkeypat
         assert outs[b][-1].finish_reason == "error"
     assert llm.engine.blocks_in_use() == 0 and not llm.engine.state.in_flight
     assert llm.engine.state.unfilled is None
+    if where == "collect":
+        assert not llm.engine.state.pool.cached_free_blocks()  # the prefix cache forgotten
     later = llm.generate([prompts[4]], GREEDY, use_tqdm=False)[0]
     assert list(later.token_ids) == hf_greedy(tiny_model_dir(), prompts[4], 8)
     llm.engine.check_trace()
@@ -217,3 +223,48 @@ def test_bench_throughput_script_reports_both_arms(tmp_path):
         assert arm["outputs_equal_first_arm"] and arm["identical_to_transformers"] == 6
         assert arm["idle_gap_mean_ms"] >= 0 and len(arm["lone_tpot_ms"]) == 2
         assert arm["tok_s_median"] > 0 and arm["ratio_vs_transformers"] > 0
+
+
+def test_a_failing_trace_sink_is_detached_and_the_engine_goes_on():
+    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
+
+    def broken(record):
+        raise OSError("disk full")
+
+    llm.engine.trace_sink = broken
+    outs = _generate(llm, GREEDY)
+    assert [list(o.token_ids) for o in outs] == _expected()
+    assert llm.engine.trace_sink is None and "disk full" in llm.engine.trace_sink_error
+
+
+def test_fail_all_with_a_step_in_flight_leaves_a_clean_state():
+    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
+    prompts = _prompts()
+    for p in prompts[:3]:
+        llm.add_request(p, GREEDY)
+    llm.step()
+    llm.step()
+    assert llm.engine._in_flight is not None
+    llm.engine.fail_all("stopped by the test")
+    assert not llm.engine.has_unfinished() and llm.engine._in_flight is None
+    assert not llm.engine.state.in_flight and llm.engine.state.unfilled is None
+    assert llm.engine.blocks_in_use() == 0
+    out = llm.generate([prompts[4]], GREEDY, use_tqdm=False)[0]
+    assert list(out.token_ids) == hf_greedy(tiny_model_dir(), prompts[4], 8)
+
+
+def test_a_reused_id_right_after_an_abort_samples_like_a_fresh_request():
+    """The per-request random counter counts an in-flight token only for rows that feed
+    one, not by id: a new request reusing an aborted id gets a fresh counter."""
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    prompt = _prompts()[1]
+    fresh = _llm(async_scheduling=False).generate([prompt], params, use_tqdm=False)[0]
+    llm = _llm(async_scheduling=True)
+    llm.add_request(prompt, params, request_id="x")
+    for _ in range(3):
+        llm.step()
+    llm.abort("x")
+    llm.step()  # the abort's output
+    llm.add_request(prompt, params, request_id="x")
+    outs = _drain(llm)
+    assert list(outs["x"][-1].token_ids) == list(fresh.token_ids)

@@ -302,3 +302,27 @@ def test_preempting_a_placeholder_row_refills_its_tokens_and_digests():
         done += fin
     outs = {f.request_id: f.output_token_ids for f in done}
     assert outs["a"][:2] == (40, 41) and outs["b"][0] == 50 and len(outs["b"]) == 3
+
+
+def test_abandon_and_forget_the_prefix_cache():
+    from scheduler import abandon, forget_prefix_cache
+
+    config = SchedulerConfig(num_blocks=16, block_size=4, max_num_batched_tokens=64, chunk_tile=4)
+    state = SchedulerState.empty(config)
+    for rid in ("a", "b"):
+        state = add_request(state, Request(request_id=rid, prompt_token_ids=tuple(range(1, 10)),
+                                           max_tokens=3))
+    p1 = schedule(state, config)
+    p2 = schedule(advance(p1.state, p1), config)
+    with pytest.raises(StepOrderError):
+        abandon(p2.state, [p2])  # the advanced plan p1 is not abandoned
+    with pytest.raises(StepOrderError):
+        forget_prefix_cache(p2.state)
+    dropped = abandon(p2.state, [p1, p2])
+    assert dropped.request_ids() == () and dropped.pool.num_in_use == 0
+    assert not dropped.in_flight and dropped.unfilled is None
+    assert dropped.pool.cached_free_blocks()  # the prompts' full blocks were cached
+    fresh = forget_prefix_cache(dropped)
+    assert not fresh.pool.cached_free_blocks() and fresh.pool.num_free == config.num_blocks
+    # nothing held: any in-flight state clears, whatever plans are named
+    assert not abandon(abort(abort(p2.state, "a"), "b"), []).in_flight

@@ -67,19 +67,15 @@ class _Launched:
     compiled: bool
 
 
-def _feed_rows(plan, prev: _Launched, num_tokens: int) -> tuple[StepHandle, np.ndarray] | None:
-    """For each decode row of `plan` whose input is a placeholder, the row of `prev` that
-    samples it (the device feeds it); None when no row needs one."""
-    k = plan.num_decode_rows
-    rows = None
-    position = None
-    for i in range(k):
-        if plan.row_token_ids(i)[0] == scheduler.PLACEHOLDER:
-            if rows is None:
-                rows = np.full(num_tokens, -1, np.int32)
-                position = {rid: j for j, rid in enumerate(prev.plan.request_ids)}
-            rows[i] = position[plan.request_ids[i]]
-    return None if rows is None else (prev.handle, rows)
+def _feed_rows(plan, ahead: list[int], prev: _Launched,
+               num_tokens: int) -> tuple[StepHandle, np.ndarray]:
+    """For each decode row of `plan` in `ahead` (its input is a placeholder), the row of
+    `prev` that samples that token: the device feeds it."""
+    rows = np.full(num_tokens, -1, np.int32)
+    position = {rid: j for j, rid in enumerate(prev.plan.request_ids)}
+    for i in ahead:
+        rows[i] = position[plan.request_ids[i]]
+    return prev.handle, rows
 
 
 class Engine:
@@ -96,6 +92,7 @@ class Engine:
         self.requests: dict[str, RequestState] = {}  # in the scheduler, unfinished
         self.trace: collections.deque[StepRecord] = collections.deque(maxlen=trace_capacity)
         self.trace_sink: Callable[[StepRecord], None] | None = None  # e.g. a JSONL writer
+        self.trace_sink_error: str | None = None  # why a failing sink was detached
         self.num_steps = 0
         self._seed = seed
         self._lock = threading.Lock()  # guards the inbox, the id set and the pending list
@@ -292,9 +289,9 @@ class Engine:
                     self.state = scheduler.abort(self.state, rid)
                     req.finish(FINISH_ERROR, now, message)
                     changed[rid] = req
-            if self._in_flight is not None:  # its rows are all aborted: drop the plan
-                self.state = scheduler.abandon(self.state, [self._in_flight.plan])
-                self._in_flight = None
+            # every request is aborted: nothing in flight can matter any more
+            self.state = scheduler.abandon(self.state, [])
+            self._in_flight = None
             for group in self._groups.values():  # n > 1 children not yet in the scheduler
                 for req, _ in group.waiting:
                     req.finish(FINISH_ERROR, now, message)
@@ -413,37 +410,36 @@ class Engine:
                 self.state = ahead
                 changed = self._fail(plan, *launched)
                 launched = None
-        if prev is not None:
-            self._in_flight = None
+        # Registered before `prev` is finished: whatever happens there, the step launched
+        # behind it is known (to commit next time, or to abandon).
+        self._in_flight = launched if self.async_scheduling else None
+        if prev is not None and self.state.unfilled is not None:  # (a reset dropped it)
             done, ok = self._finish(prev, launched)
             changed.update(done)
             if not ok:  # the failure took the step launched behind it down too
-                launched = None
-        if launched is not None:
-            if self.async_scheduling:
-                self._in_flight = launched
-            else:
-                changed.update(self._finish(launched, None)[0])
+                self._in_flight = launched = None
+        if launched is not None and not self.async_scheduling:
+            changed.update(self._finish(launched, None)[0])
         return changed
 
     def _launch(self, plan, prev: "_Launched | None"):
         """Packs and dispatches `plan`. Returns a `_Launched`, or (reqs, start, message) when
         packing or dispatch failed."""
         start = self.clock()
-        reqs = [self.requests[rid] for rid in plan.request_ids]
-        for req, cached in zip(reqs, plan.num_cached):
-            if req.first_scheduled is None:
-                req.first_scheduled = start
-                req.num_cached_tokens = cached
+        reqs = [self.requests.get(rid) for rid in plan.request_ids]
         compiled_before = self.runner.num_executables
         try:
-            ahead = None  # rows whose newest token is the previous step's, still on the device
-            if prev is not None:
-                ahead = {rid for rid, s in zip(prev.plan.request_ids, prev.plan.samples) if s}
+            for req, cached in zip(reqs, plan.num_cached):
+                if req.first_scheduled is None:
+                    req.first_scheduled = start
+                    req.num_cached_tokens = cached
+            # decode rows whose input token is the previous step's, still on the device
+            ahead = [i for i in range(plan.num_decode_rows)
+                     if plan.row_token_ids(i)[0] == scheduler.PLACEHOLDER]
             prompts = logprobs.prompt_rows(plan, reqs)
             prepared = self.runner.prepare(plan, logprobs.sampling_rows(
-                plan, reqs, self.runner.counts, self.eos_token_ids, ahead), prompts)
-            feed = _feed_rows(plan, prev, prepared[0].tokens) if prev is not None else None
+                plan, reqs, self.runner.counts, self.eos_token_ids, set(ahead)), prompts)
+            feed = _feed_rows(plan, ahead, prev, prepared[0].tokens) if ahead else None
             handle = self.runner.launch(*prepared, feed=feed)
         except Exception as e:  # noqa: BLE001  the step fails, the engine goes on
             return reqs, start, f"device step failed: {e!r}"
@@ -465,7 +461,7 @@ class Engine:
                 logprobs.record_prompt_logprobs(plan, reqs, step.prompts, logprobs.host_logprobs(
                     out.prompt_logprobs), self.tokenizer)
         except Exception as e:  # noqa: BLE001  the step fails, the engine goes on
-            return self._abandon([step, after], f"device step failed: {e!r}"), False
+            return self._abandon([step, after], f"device step failed: {e!r}", device=True), False
         now = self.clock()
         live = [i for i, (req, s) in enumerate(zip(reqs, plan.samples))
                 if s and not req.finished and req.request_id in self.requests]
@@ -505,7 +501,8 @@ class Engine:
             ready=step.handle.wait_ready()))
         return changed, True
 
-    def _abandon(self, steps: list["_Launched | None"], message: str) -> dict[str, RequestState]:
+    def _abandon(self, steps: list["_Launched | None"], message: str, *,
+                 device: bool = False) -> dict[str, RequestState]:
         """A launched step failed (device, commit, or advance): every request of `steps` (the
         step and, overlapped, the one launched behind it) finishes with "error", and their
         plans leave the scheduler state (`scheduler.abandon`); the others go on. The KV cache
@@ -515,17 +512,14 @@ class Engine:
         steps = [s for s in steps if s is not None]
         for s in steps:
             for req in s.reqs:
-                if req.request_id in self.requests and not req.finished:
+                if req is not None and req.request_id in self.requests and not req.finished:
                     req.finish(FINISH_ERROR, now, message)
                     changed[req.request_id] = req
         self.state = scheduler.abandon(self.state, [s.plan for s in steps])
-        if self.runner.cache_lost():
-            for rid, req in list(self.requests.items()):
-                if not req.finished:
-                    self.state = scheduler.abort(self.state, rid)
-                    req.finish(FINISH_ERROR, now, message + " (KV cache reset)")
-                    changed[rid] = req
-            self.runner.reset_cache()
+        if device or self.runner.cache_lost():
+            # The KV of the failed step (and of blocks `advance` already cached from it) is
+            # unknown: start afresh.
+            self._reset_device(now, message, changed)
         for s in steps:
             self._record(StepRecord(
                 index=self.num_steps, start=s.start, end=now, prefill_tokens=0, decode_tokens=0,
@@ -539,28 +533,40 @@ class Engine:
         now = self.clock()
         changed = {}
         for req in reqs:
-            if req.request_id in self.requests and not req.finished:
+            if req is not None and req.request_id in self.requests and not req.finished:
                 self.state = scheduler.abort(self.state, req.request_id)
                 req.finish(FINISH_ERROR, now, message)
                 changed[req.request_id] = req
         if self.runner.cache_lost():  # the donated cache died with the call: start afresh
-            for rid, req in list(self.requests.items()):
-                if not req.finished:
-                    self.state = scheduler.abort(self.state, rid)
-                    req.finish(FINISH_ERROR, now, message + " (KV cache reset)")
-                    changed[rid] = req
-            self.runner.reset_cache()
+            self._reset_device(now, message, changed)
         self._record(StepRecord(
             index=self.num_steps, start=start, end=now, prefill_tokens=0, decode_tokens=0,
             num_seqs=plan.num_seqs, bucket=(0, 0, 0), compiled=False,
             engaged=plan.engaged.as_dict(), sampled=(), error=message))
         return changed
 
+    def _reset_device(self, now: float, message: str, changed: dict) -> None:
+        """The KV cache is lost or unknown: every running request finishes with "error", the
+        step in flight is dropped, the cache is rebuilt and the prefix cache forgotten (its
+        digests would point at zeroed KV)."""
+        for rid, req in list(self.requests.items()):
+            if not req.finished:
+                self.state = scheduler.abort(self.state, rid)
+                req.finish(FINISH_ERROR, now, message + " (KV cache reset)")
+                changed[rid] = req
+        self.state = scheduler.forget_prefix_cache(scheduler.abandon(self.state, []))
+        self._in_flight = None
+        self.runner.reset_cache()
+
     def _record(self, record: StepRecord) -> None:
         self.num_steps += 1
         self.trace.append(record)
         if self.trace_sink is not None:
-            self.trace_sink(record)
+            try:
+                self.trace_sink(record)
+            except Exception as e:  # noqa: BLE001  a broken sink must not stop the engine
+                self.trace_sink_error = f"trace_sink failed and was detached: {e!r}"
+                self.trace_sink = None
 
     def _deliver(self, changed: dict[str, RequestState]) -> None:
         """Hands every changed request's output to its sink (or the pending list) and

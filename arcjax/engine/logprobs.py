@@ -19,18 +19,19 @@ def sampling_rows(plan, reqs: list[RequestState], counts: TokenCounts,
                   eos_token_ids: frozenset, ahead: set | None = None) -> list[tuple]:
     """(params, seed, tokens generated so far, count-table slot or None) per plan row.
 
-    `ahead`: ids whose newest token was sampled by the step still in flight (overlapped
-    scheduling): it counts as generated although the host has not seen it yet."""
+    `ahead`: rows whose newest token was sampled by the step still in flight (overlapped
+    scheduling: their input is a placeholder): it counts as generated although the host has
+    not seen it yet."""
     busy = set(plan.request_ids)
     rows = []
-    for req, samples in zip(reqs, plan.samples):
+    for i, (req, samples) in enumerate(zip(reqs, plan.samples)):
         p, slot = req.params, None
         if samples and p.uses_penalty_state:
             stop = set(p.stop_token_ids) if p.min_tokens else set()
             if p.min_tokens and not p.ignore_eos:
                 stop |= eos_token_ids
             slot = counts.slot(req.request_id, busy, req.prompt_ids, req.token_ids, stop)
-        made = len(req.token_ids) + (1 if ahead and req.request_id in ahead else 0)
+        made = len(req.token_ids) + (1 if ahead and i in ahead else 0)
         rows.append((p, req.seed, made, slot))
     return rows
 
