@@ -505,8 +505,8 @@ class Engine:
                  device: bool = False) -> dict[str, RequestState]:
         """A launched step failed (device, commit, or advance): every request of `steps` (the
         step and, overlapped, the one launched behind it) finishes with "error", and their
-        plans leave the scheduler state (`scheduler.abandon`); the others go on. The KV cache
-        is rebuilt if the failed call consumed it."""
+        plans leave the scheduler state (`scheduler.abandon`); the others go on, unless the
+        device failed (`device`) or the call consumed the cache: then `_reset_device`."""
         now = self.clock()
         changed = {}
         steps = [s for s in steps if s is not None]
