@@ -632,3 +632,25 @@ def test_sigterm_subprocess_drains_and_exits_0():
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_async_llm_merges_the_outputs_a_slow_reader_missed(llm):
+    """A reader that falls behind gets the newest output with every delta it replaces
+    (as vLLM's output collector): fewer outputs, the same text, the final one last."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def read(slow: bool):
+        outs = []
+        async for out in llm.generate(PROMPTS[0], params):
+            outs.append(out)
+            if slow:
+                await asyncio.sleep(0.05)  # the loop is free; the engine thread runs on
+        return outs
+
+    fast, slow = asyncio.run(read(False)), asyncio.run(read(True))
+    for outs in (fast, slow):
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        assert "".join(o.delta_text for o in outs) == outs[-1].text
+        assert len(outs[-1].token_ids) == 40
+    assert slow[-1].token_ids == fast[-1].token_ids
+    assert len(slow) < len(fast)

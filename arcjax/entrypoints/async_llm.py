@@ -11,7 +11,10 @@
 4. `await llm.abort(request_id)`; `llm.shutdown()` stops the thread (aborting what is left).
 
 NOTE: the engine thread never waits on a consumer: outputs go into an unbounded asyncio
-queue per request, so a slow reader delays only itself. A sink whose event loop is gone
+queue per request, so a slow reader delays only itself. A reader that fell behind gets one
+output for everything queued (the newest, its `delta_text` the concatenation of the deltas
+it replaces), as vLLM's output collector merges deltas: a busy server then formats one
+chunk instead of several. A sink whose event loop is gone
 gets its request aborted by the engine. An exception escaping a step (a bug) finishes every
 unfinished request with reason "error" and the loop keeps serving.
 """
@@ -19,6 +22,7 @@ unfinished request with reason "error" and the loop keeps serving.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -86,6 +90,12 @@ class AsyncLLM:
         try:
             while not finished:
                 out = await queue.get()
+                if not out.finished and not queue.empty():  # behind: merge what is queued
+                    deltas = [out.delta_text]
+                    while not out.finished and not queue.empty():
+                        out = queue.get_nowait()
+                        deltas.append(out.delta_text)
+                    out = dataclasses.replace(out, delta_text="".join(deltas))
                 finished = out.finished
                 yield out
         finally:
