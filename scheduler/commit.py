@@ -260,7 +260,7 @@ def abandon(state: SchedulerState, plans: SequenceOf[StepPlan]) -> SchedulerStat
       StepOrderError: `plans` lacks the plan in flight or the advanced, unfilled one.
     """
     if not state.held:  # nothing left to protect: no row can hold a placeholder or a block
-        return _cleared(state)
+        return _replaced(state, state.decoding, state.pool, state.partial, ())
     steps = {plan.state.step for plan in plans}
     if state.in_flight and state.step not in steps:
         raise StepOrderError(f"the plan of step {state.step} is in flight and not abandoned")
@@ -273,15 +273,7 @@ def abandon(state: SchedulerState, plans: SequenceOf[StepPlan]) -> SchedulerStat
         doomed.update(unfilled.preempted)
     for rid in sorted(doomed & state.held, key=str):
         state = abort(state, rid)
-    return _cleared(state)
-
-
-def _cleared(state: SchedulerState) -> SchedulerState:
-    return SchedulerState(
-        config=state.config, waiting=state.waiting, partial=state.partial,
-        decoding=state.decoding, pool=state.pool, step=state.step,
-        decode_steps_since_prefill=state.decode_steps_since_prefill,
-        next_ticket=state.next_ticket, in_flight=False, unfilled=None, held=state.held)
+    return _replaced(state, state.decoding, state.pool, state.partial, ())
 
 
 def forget_prefix_cache(state: SchedulerState) -> SchedulerState:

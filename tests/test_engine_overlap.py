@@ -10,17 +10,13 @@ flight leave no block held and the engine serving.
 import numpy as np
 import pytest
 
-import scheduler
-from arcjax import LLM, SamplingParams
+from arcjax import SamplingParams
 from arcjax.engine.trace import device_idle_gaps
 from hf_models import ARCHS, hf_greedy, tiny_model_dir
-from test_engine import GEOMETRY, _expected, _prompts
+from test_engine import _expected, _llm, _prompts
+from test_engine_serving import _drain
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-
-
-def _llm(arch="LlamaForCausalLM", **options):
-    return LLM(tiny_model_dir(arch), **{**GEOMETRY, **options})
 
 
 def _generate(llm, params):
@@ -106,14 +102,6 @@ def test_steps_overlap_and_the_trace_measures_idle_gaps():
     llm.engine.runner.watch_completion = False
 
 
-def _drain(llm):
-    outs = {}
-    while llm.engine.has_unfinished():
-        for o in llm.step():
-            outs.setdefault(o.request_id, []).append(o)
-    return outs
-
-
 @pytest.mark.parametrize("where", ["launch", "collect"])
 def test_a_failure_with_two_steps_in_flight(monkeypatch, where):
     """A failed launch errors its step's requests; a failed collect (the device failed:
@@ -147,24 +135,6 @@ def test_a_failure_with_two_steps_in_flight(monkeypatch, where):
         assert not llm.engine.state.pool.cached_free_blocks()  # the prefix cache forgotten
     later = llm.generate([prompts[4]], GREEDY, use_tqdm=False)[0]
     assert list(later.token_ids) == hf_greedy(tiny_model_dir(), prompts[4], 8)
-    llm.engine.check_trace()
-
-
-def test_failed_commit_with_a_step_in_flight(monkeypatch):
-    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
-    prompts = _prompts()
-    rid = llm.add_request(prompts[2], GREEDY)
-    llm.step()
-    llm.step()
-    real = scheduler.commit
-    monkeypatch.setattr(scheduler, "commit", lambda *a, **k: (_ for _ in ()).throw(
-        RuntimeError("injected commit failure")))
-    outs = llm.step()
-    monkeypatch.setattr(scheduler, "commit", real)
-    final = [o for o in outs if o.request_id == rid][-1]
-    assert final.finish_reason == "error"
-    assert llm.engine.blocks_in_use() == 0 and not llm.engine.state.in_flight
-    assert llm.generate([prompts[3]], GREEDY, use_tqdm=False)[0].finish_reason == "length"
     llm.engine.check_trace()
 
 

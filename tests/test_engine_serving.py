@@ -178,14 +178,18 @@ def test_failed_device_step_finishes_its_requests_with_error_and_others_continue
     assert any(r.error for r in llm.engine.trace)
 
 
-def test_failed_commit_rolls_tokens_back(monkeypatch):
-    """Serial loop: the commit of the step that failed is this step's (overlapped, it is the
-    previous step's: tests/test_engine_overlap.py)."""
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_failed_commit_rolls_tokens_back(monkeypatch, overlapped):
+    """The failing commit's tokens are rolled back, its request errors, nothing stays in
+    flight and the engine serves on. Serial, the commit that fails is the second step's;
+    overlapped, the third step commits the second (the first step's commit ran in the
+    second)."""
     import scheduler
 
-    llm = _llm(async_scheduling=False)
+    llm = _llm(async_scheduling=overlapped)
     rid = llm.add_request(_prompt(5), GREEDY)
-    llm.step()
+    for _ in range(2 if overlapped else 1):
+        llm.step()
     real = scheduler.commit
     monkeypatch.setattr(scheduler, "commit", lambda *a, **k: (_ for _ in ()).throw(
         RuntimeError("injected commit failure")))
@@ -196,6 +200,9 @@ def test_failed_commit_rolls_tokens_back(monkeypatch):
     assert len(final.token_ids) == 1  # the prefill's token only: the failed step's was rolled back
     llm.engine.check_trace()
     assert llm.engine.blocks_in_use() == 0
+    assert not llm.engine.state.in_flight and llm.engine.state.unfilled is None
+    later = llm.generate([_prompt(6)], GREEDY, use_tqdm=False)[0]
+    assert list(later.token_ids) == hf_greedy(tiny_model_dir(ARCH), _prompt(6), 6)
 
 
 # 4. memory: finished requests are released, the trace is a ring, ids are reusable

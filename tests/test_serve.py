@@ -605,25 +605,20 @@ def test_sigterm_subprocess_drains_and_exits_0():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        def up():
+        def health_is(code):
             try:
-                return httpx.get(url + "/health", timeout=1).status_code == 200
+                return httpx.get(url + "/health", timeout=5).status_code == code
             except httpx.TransportError:
-                return proc.poll() is None and False
-        assert _wait_for(up, 90), proc.stdout.read1().decode() if proc.poll() else "no start"
+                return False
+        assert _wait_for(lambda: health_is(200), 90), (
+            proc.stdout.read1().decode() if proc.poll() else "no start")
         body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=220, temperature=0,
                     ignore_eos=True, stream=True)
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             proc.send_signal(signal.SIGTERM)
-
-            def draining():
-                try:
-                    return httpx.get(url + "/health", timeout=10).status_code == 503
-                except httpx.TransportError:
-                    return False
-            assert _wait_for(draining, 10)
+            assert _wait_for(lambda: health_is(503), 10)
             rest = list(lines)
         assert any('"finish_reason":"length"' in line for line in rest)
         assert "data: [DONE]" in rest

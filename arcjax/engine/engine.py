@@ -521,10 +521,7 @@ class Engine:
             # unknown: start afresh.
             self._reset_device(now, message, changed)
         for s in steps:
-            self._record(StepRecord(
-                index=self.num_steps, start=s.start, end=now, prefill_tokens=0, decode_tokens=0,
-                num_seqs=s.plan.num_seqs, bucket=(0, 0, 0), compiled=False,
-                engaged=s.plan.engaged.as_dict(), sampled=(), error=message))
+            self._record_failure(s.plan, s.start, now, message)
         return changed
 
     def _fail(self, plan, reqs: list[RequestState], start: float,
@@ -539,11 +536,15 @@ class Engine:
                 changed[req.request_id] = req
         if self.runner.cache_lost():  # the donated cache died with the call: start afresh
             self._reset_device(now, message, changed)
+        self._record_failure(plan, start, now, message)
+        return changed
+
+    def _record_failure(self, plan, start: float, now: float, message: str) -> None:
+        """The trace record of a failed step (nothing ran, nothing sampled)."""
         self._record(StepRecord(
             index=self.num_steps, start=start, end=now, prefill_tokens=0, decode_tokens=0,
             num_seqs=plan.num_seqs, bucket=(0, 0, 0), compiled=False,
             engaged=plan.engaged.as_dict(), sampled=(), error=message))
-        return changed
 
     def _reset_device(self, now: float, message: str, changed: dict) -> None:
         """The KV cache is lost or unknown: every running request finishes with "error", the
