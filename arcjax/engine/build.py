@@ -69,12 +69,13 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     model_dir = Path(config.model) if config.model is not None else default_model_path()
     dtype = jnp.dtype(config.dtype or ("bfloat16" if _on_gpu() else "float32"))
     parallel = None
-    if jax.process_count() > 1 and config.tensor_parallel_size != jax.device_count():
+    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+    if jax.process_count() > 1 and max(tp, ep) != jax.device_count():
         raise EngineConfigError("tensor_parallel_size", f"over {jax.process_count()} "
                                 f"processes it must span all {jax.device_count()} devices, "
-                                f"got {config.tensor_parallel_size}", limit=jax.device_count())
-    if config.tensor_parallel_size > 1 or jax.process_count() > 1:
-        parallel = TensorParallel.create(read_config(model_dir), config.tensor_parallel_size)
+                                f"got {max(tp, ep)}", limit=jax.device_count())
+    if max(tp, ep) > 1 or jax.process_count() > 1:
+        parallel = TensorParallel.create(read_config(model_dir), tp, ep=ep)
     # With `parallel`, cfg is the sharded config (KV heads repeated when tp exceeds them).
     cfg, params = load_hf(model_dir, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel)
     tokenizer = (Tokenizer.from_dir(model_dir)
@@ -88,7 +89,7 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     num_blocks = config.num_kv_blocks or _default_num_blocks(
         cfg, dtype, config.block_size, max_blocks, config.max_num_seqs,
         config.kv_memory_fraction, config.tensor_parallel_size)
-    sched = config.scheduler_config(num_blocks)
+    sched = config.scheduler_config(num_blocks, cfg.sliding_window if cfg.all_sliding else None)
     step_tokens = max(sched.max_num_batched_tokens,
                       max_model_len if sched.policy == "prefill_first" else 0)
     buckets = BucketSet.create(tile=sched.chunk_tile, max_tokens=step_tokens,

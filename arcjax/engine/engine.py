@@ -498,7 +498,7 @@ class Engine:
             num_seqs=plan.num_seqs, bucket=(bucket.tokens, bucket.seqs, bucket.max_q_len),
             compiled=step.compiled, engaged=plan.engaged.as_dict(), sampled=sampled_ids,
             cached_tokens=plan.num_cached_tokens, dispatched=step.handle.dispatched,
-            ready=step.handle.wait_ready()))
+            ready=step.handle.wait_ready(), expert_tokens=out.expert_tokens()))
         return changed, True
 
     def _abandon(self, steps: list["_Launched | None"], message: str, *,

@@ -159,16 +159,6 @@ def _lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     return logits
 
 
-def _attention_options(cfg: ModelConfig, window: jax.Array | None) -> dict:
-    """The attention kernel's per-model keywords: scale, window (traced, per layer), cap."""
-    options = {"sm_scale": cfg.sm_scale}
-    if window is not None:
-        options["sliding_window"] = window
-    if cfg.attn_logit_softcap is not None:
-        options["logit_softcap"] = cfg.attn_logit_softcap
-    return options
-
-
 def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
             attn_impl: str = "auto", dtype=jnp.float32,
             max_q_len: int | None = None, parallel=None) -> tuple[jax.Array, Cache]:
@@ -222,7 +212,9 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                                              slots)
             out = pallas_kernels.ragged_paged_attention(
                 q, kc, vc, tables, kv_lens, cu_seqlens_q, num_seqs, impl=attn_impl,
-                max_q_len=max_q_len, **_attention_options(cfg, window if windowed else None))
+                max_q_len=max_q_len, sm_scale=cfg.sm_scale,
+                sliding_window=window if windowed else None,
+                logit_softcap=cfg.attn_logit_softcap)
             return out.astype(q.dtype), kc, vc
 
         if parallel is not None:  # per device: its heads, its KV heads, its cache shard

@@ -6,7 +6,8 @@
    ragged batch, KV written through `slot_mapping` into the donated cache, logits
    only at each sequence's last row, sampling on device (penalties from the device-
    resident count table, `penalties.py`). Returns a `StepOutput`: token ids [S] and
-   raw log-probabilities (plus, for steps with prompt_logprobs rows, at every row).
+   raw log-probabilities (plus, for steps with prompt_logprobs rows, at every row), and
+   for a mixture of experts the tokens each expert received per layer.
    `run` is `collect(launch(...))`. Overlapped scheduling calls them apart: `launch` dispatches
    the step and returns a `StepHandle` at once (JAX dispatch is asynchronous) and starts the
    tokens' copy to the host; the next step's `launch(..., feed=(handle, rows))` takes the
@@ -55,14 +56,15 @@ def _step(params, cache, batch, sampling, counts, prompt=None, *, cfg, attn_impl
     # cfg/attn_impl/dtype/max_q_len/parallel are static: one executable per bucket, no
     # recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt` (prompt
     # logprobs) is None or not: at most a second executable per bucket, built on demand.
-    logits, cache = decoder.forward(params, cache, batch, cfg=cfg, attn_impl=attn_impl,
-                                    dtype=dtype, max_q_len=max_q_len, parallel=parallel)
+    logits, cache, expert_counts = decoder.forward_with_stats(
+        params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
+        parallel=parallel)
     prompt_lp = None
     if prompt is not None:  # logits at every token row [T, V]; sampling reads its rows
         prompt_lp = logprobs_if(jnp.bool_(True), logits, prompt.targets)
         logits = logits[prompt.sample_rows]
     tokens, logprobs, counts = sample_step(logits, sampling, counts)
-    return StepOutput(tokens, logprobs, prompt_lp), cache, counts
+    return StepOutput(tokens, logprobs, prompt_lp, expert_counts), cache, counts
 
 
 @jax.jit
@@ -267,10 +269,12 @@ class ModelRunner:
     def collect(self, handle: StepHandle) -> StepOutput:
         """The launched step's `StepOutput` with `tokens` on the host (waits for the device);
         log-probabilities stay on the device (read them only if asked)."""
-        tokens = handle.out.tokens
+        tokens, experts = handle.out.tokens, handle.out.expert_counts
         if self.parallel is not None:  # replicated: any local copy is the value
             tokens = tokens.addressable_data(0)
-        return dataclasses.replace(handle.out, tokens=np.asarray(tokens))
+            experts = None if experts is None else experts.addressable_data(0)
+        return dataclasses.replace(handle.out, tokens=np.asarray(tokens), expert_counts=(
+            None if experts is None else np.asarray(experts)))
 
     def cache_lost(self) -> bool:
         """Whether the KV cache buffer was consumed by a call that then failed."""
