@@ -1,7 +1,5 @@
 """Public entry point: input validation and dispatch to an implementation."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -78,9 +76,10 @@ def _options(sliding_window, logit_softcap, k_scale, v_scale) -> AttentionOption
                             k_scale=scales[0], v_scale=scales[1])
 
 
-def _plain(opts: AttentionOptions) -> bool:
-    """No option past plain causal attention (what the Pallas GPU kernel supports today)."""
-    return all(getattr(opts, f.name) is None for f in dataclasses.fields(opts))
+def _gpu_supports(opts: AttentionOptions) -> bool:
+    """Whether the Pallas GPU kernel supports these options (windows and soft-caps; not
+    scaled pages yet)."""
+    return opts.k_scale is None and opts.v_scale is None
 
 
 def _gpu_can_tile(q, k_pages) -> bool:
@@ -160,7 +159,7 @@ def ragged_paged_attention(
     max_q_len = min(max_q_len, t)
     if impl == "auto":
         on_gpu = jax.default_backend() == "gpu"
-        gpu_ok = on_gpu and _gpu_can_tile(q, k_pages) and _plain(opts)
+        gpu_ok = on_gpu and _gpu_can_tile(q, k_pages) and _gpu_supports(opts)
         impl = "pallas_gpu" if gpu_ok else "xla"
     if impl == "reference":
         return ragged_paged_attention_reference(
@@ -173,14 +172,15 @@ def ragged_paged_attention(
     cu_seqlens_q = cu_seqlens_q.astype(jnp.int32)
     if impl == "pallas_gpu":
         _validate_gpu_shapes(q, k_pages)
-        _require(_plain(opts), "impl", 'impl="pallas_gpu" does not support sliding_window, '
-                 "logit_softcap or k_scale/v_scale yet; use impl=\"xla\"")
+        _require(_gpu_supports(opts), "impl", 'impl="pallas_gpu" does not support '
+                 'k_scale/v_scale yet; use impl="xla"')
         plan = gpu_plan_lib.make_gpu_plan(
             num_tokens=t, num_seqs=block_tables.shape[0], num_heads=q.shape[1],
             num_kv_heads=k_pages.shape[2], head_dim=d, page_size=k_pages.shape[1],
             max_blocks=block_tables.shape[1], max_q_len=max_q_len, itemsize=q.dtype.itemsize)
         return pallas_gpu.ragged_paged_attention_pallas_gpu(
             q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, plan,
+            sliding_window=opts.sliding_window, logit_softcap=opts.logit_softcap,
             interpret=interpret)
     tiles = plan_lib.make_plan(
         num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
