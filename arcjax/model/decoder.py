@@ -149,13 +149,21 @@ def _embed(params: Params, cfg: ModelConfig, token_ids: jax.Array, dtype) -> jax
     return x
 
 
-def _lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+def lm_head(params: Params, cfg: ModelConfig, h: jax.Array, parallel=None) -> jax.Array:
+    """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last
+    layer's output) -> logits [..., V] float32, whole rows on every device."""
     h = _norm(h, params["final_norm"], cfg)
     w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     logits = (h @ w.astype(h.dtype)).astype(jnp.float32)
     if cfg.final_logit_softcap is not None:
         cap = cfg.final_logit_softcap
         logits = cap * jnp.tanh(logits / cap)
+    if parallel is not None:
+        # Keep the projection split by vocabulary (else GSPMD may all-gather a tied
+        # embedding's whole table), then gather the rows: sampling reads whole rows.
+        axes = (None,) * (logits.ndim - 1) + ("vocab",)
+        logits = jax.lax.with_sharding_constraint(logits, parallel.sharding(axes))
+        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated)
     return logits
 
 
@@ -174,8 +182,8 @@ def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
 
 def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
                        attn_impl: str = "auto", dtype=jnp.float32,
-                       max_q_len: int | None = None, parallel=None, moe_impl: str = "auto"
-                       ) -> tuple[jax.Array, Cache, jax.Array | None]:
+                       max_q_len: int | None = None, parallel=None, moe_impl: str = "auto",
+                       head: bool = True) -> tuple[jax.Array, Cache, jax.Array | None]:
     """One ragged step over the paged cache.
 
     `max_q_len` (static) bounds every sequence's chunk length in this batch (1 for a
@@ -185,10 +193,13 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     partitioned by GSPMD), experts under `shard_map` over the expert axis
     (`moe.moe_mlp`), and the logits are gathered to every device.
     `moe_impl` (static): the grouped GEMM of expert layers (`moe.IMPLS`).
+    `head` (static): False returns the last layer's hidden states at `batch.logits_rows`
+    [S, H] instead of logits, for a caller that applies `lm_head` to a few rows at a time
+    (prompt log-probabilities over a 256k vocabulary).
 
     Returns:
-      logits [S, V] float32 at `batch.logits_rows`, the updated cache, and tokens per
-      expert [L, E] int32 (None for a dense model).
+      logits [S, V] float32 at `batch.logits_rows` (or hidden states, see `head`), the
+      updated cache, and tokens per expert [L, E] int32 (None for a dense model).
     """
     x = _embed(params, cfg, batch.token_ids, dtype)  # [T, H]
     block_size = cache["k"].shape[1]
@@ -234,13 +245,9 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, k_new, v_new), stats = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
                                             (params["layers"], layer_ids, layer_constants(cfg)))
-    logits = _lm_head(params, cfg, x[batch.logits_rows])  # [S, V]
-    if parallel is not None:
-        # Keep the projection split by vocabulary (else GSPMD may all-gather a tied
-        # embedding's whole table), then gather the rows: sampling reads whole rows.
-        logits = jax.lax.with_sharding_constraint(logits, parallel.sharding((None, "vocab")))
-        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated)
-    return logits, {"k": k_new, "v": v_new}, stats
+    x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
+    out = lm_head(params, cfg, x, parallel) if head else x
+    return out, {"k": k_new, "v": v_new}, stats
 
 
 def dense_mask(length: int, window: jax.Array) -> jax.Array:
@@ -279,4 +286,4 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
         return x, None
 
     x, _ = jax.lax.scan(layer, x, (params["layers"], layer_constants(cfg)))
-    return _lm_head(params, cfg, x)
+    return lm_head(params, cfg, x)

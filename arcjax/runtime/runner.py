@@ -45,7 +45,7 @@ from arcjax.runtime.batching import build_batch, empty_batch
 from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.outputs import PromptTargets, StepOutput, prompt_targets
 from arcjax.runtime.penalties import TokenCounts
-from arcjax.runtime.sampling import SamplingBatch, logprobs_if, sample_step
+from arcjax.runtime.sampling import SamplingBatch, TokenLogprobs, sample_step, token_logprobs
 
 
 @functools.partial(jax.jit,
@@ -56,15 +56,34 @@ def _step(params, cache, batch, sampling, counts, prompt=None, *, cfg, attn_impl
     # cfg/attn_impl/dtype/max_q_len/parallel are static: one executable per bucket, no
     # recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt` (prompt
     # logprobs) is None or not: at most a second executable per bucket, built on demand.
-    logits, cache, expert_counts = decoder.forward_with_stats(
+    out, cache, expert_counts = decoder.forward_with_stats(
         params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
-        parallel=parallel)
+        parallel=parallel, head=prompt is None)
     prompt_lp = None
-    if prompt is not None:  # logits at every token row [T, V]; sampling reads its rows
-        prompt_lp = logprobs_if(jnp.bool_(True), logits, prompt.targets)
-        logits = logits[prompt.sample_rows]
+    if prompt is None:
+        logits = out  # [S, V] at each sequence's last row
+    else:  # hidden states at every token row [T, H]; sampling reads its rows
+        prompt_lp = _prompt_logprobs(params, cfg, out, prompt.targets, parallel)
+        logits = decoder.lm_head(params, cfg, out[prompt.sample_rows], parallel)
     tokens, logprobs, counts = sample_step(logits, sampling, counts)
     return StepOutput(tokens, logprobs, prompt_lp, expert_counts), cache, counts
+
+
+PROMPT_LOGPROB_ROWS = 128  # rows whose [rows, V] logits exist at once in a prompt-logprobs step
+
+
+def _prompt_logprobs(params, cfg: ModelConfig, hidden, targets, parallel) -> TokenLogprobs:
+    """Log-probabilities of `targets` [T] after each row of `hidden` [T, H], a block of
+    PROMPT_LOGPROB_ROWS rows at a time: never [T, V] logits at once (a 256k vocabulary at
+    T = 2048 would be 2 GiB of float32)."""
+    t = hidden.shape[0]
+    rows = min(PROMPT_LOGPROB_ROWS, t)
+    pad = -t % rows
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, rows, hidden.shape[-1])
+    ids = jnp.pad(targets, (0, pad)).reshape(-1, rows)
+    out = jax.lax.map(lambda x: token_logprobs(decoder.lm_head(params, cfg, x[0], parallel),
+                                               x[1]), (h, ids))
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[:t], out)
 
 
 @jax.jit
