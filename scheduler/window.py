@@ -51,14 +51,16 @@ def slide(dec: DecodeTable, partial: list[Partial], pool: BlockPool, window: int
     """Releases every running sequence's blocks wholly behind its window: returns the decode
     table, the pool, and whether some partial prefill's table changed (`partial`, the
     planner's scratch list, is updated in place)."""
-    tables = None
-    for i, (cursor, table) in enumerate(zip(dec.computed, dec.tables)):
-        table, freed = slid(table, cursor, window, block_size)
-        if freed:
-            tables = tables or list(dec.tables)
-            tables[i] = table
+    # NOTE: a decode row releases a block once per block_size steps: find those rows with two
+    # comprehensions (no call per row), then slide only them.
+    firsts = [(c - window + 1) // block_size for c in dec.computed]
+    rows = [i for i, (n, t) in enumerate(zip(firsts, dec.tables))
+            if n > 0 and t[n - 1] is not RELEASED]
+    if rows:
+        tables = list(dec.tables)
+        for i in rows:
+            tables[i], freed = slid(tables[i], dec.computed[i], window, block_size)
             pool = pool.give(freed)
-    if tables is not None:
         dec = dec.with_progress(tables=tuple(tables))
     changed = False
     for j, part in enumerate(partial):

@@ -87,23 +87,24 @@ def test_greedy_and_prompt_logprobs_equal_transformers_then_prefix_cache(arch):
         assert all(r.expert_tokens is None for r in steps)
 
 
-SCHEDULES = [
-    dict(policy="token_budget", async_scheduling=True),
-    dict(policy="token_budget", max_num_partial_prefills=2, async_scheduling=False,
-         enable_prefix_caching=False),
-    dict(policy="alternate", async_scheduling=True),
-    dict(policy="prefill_first", prefill_max_seqs=1, async_scheduling=False),
-]
+TOKEN_BUDGET = dict(policy="token_budget", async_scheduling=True)
+PARTIALS_SERIAL = dict(policy="token_budget", max_num_partial_prefills=2,
+                       async_scheduling=False, enable_prefix_caching=False)
+ALTERNATE = dict(policy="alternate", async_scheduling=True)
+WHOLE_PROMPTS = dict(policy="prefill_first", prefill_max_seqs=1, async_scheduling=False)
 
 
-@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Gemma2ForCausalLM"])
-def test_every_policy_and_overlap_equal_transformers(arch):
+@pytest.mark.parametrize("arch, schedules", [
+    ("MixtralForCausalLM", (TOKEN_BUDGET, PARTIALS_SERIAL, ALTERNATE, WHOLE_PROMPTS)),
+    ("Gemma2ForCausalLM", (TOKEN_BUDGET, PARTIALS_SERIAL, ALTERNATE)),
+], ids=["Mixtral", "Gemma2"])
+def test_every_policy_and_overlap_equal_transformers(arch, schedules):
     """Three prompts (one past the window) under each policy (chunks of 32 tokens, whole
     prompts, several prompts chunked at once), overlapped or serial, prefix caching on or
     off: the same greedy tokens as transformers."""
     want = [_expected(arch, i) for i in range(3)]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         llm = _llm(arch, **schedule)
         outs = llm.generate(_prompts(), params, use_tqdm=False)
         assert [list(o.token_ids) for o in outs] == want, schedule

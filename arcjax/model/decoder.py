@@ -103,9 +103,17 @@ def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_fre
     return rope(q, positions, cfg, inv_freq), rope(k, positions, cfg, inv_freq), v
 
 
-def _mlp(lp: dict, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_impl: str,
-         parallel) -> tuple[jax.Array, jax.Array | None]:
-    """The dense gated MLP, or the mixture of experts: (out, tokens per expert or None)."""
+def feed_forward(lp: dict, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_impl: str,
+                 parallel) -> tuple[jax.Array, jax.Array | None]:
+    """One layer's MLP: the dense gated MLP, or the mixture of experts.
+
+    Args:
+      lp: the layer's params; h: [..., H] normalized hidden states; valid: [...] bool, real
+        tokens (experts skip padding); moe_impl, parallel: see `forward_with_stats`.
+
+    Returns:
+      (out [..., H], tokens per expert [E] int32, or None for a dense MLP).
+    """
     if cfg.is_moe:
         lead = h.shape[:-1]
         out, counts = moe.moe_mlp(h.reshape(-1, h.shape[-1]), lp, num_experts=cfg.num_experts,
@@ -209,7 +217,7 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     windowed = cfg.layer_windows() is not None
 
     def mlp(lp, h):
-        return _mlp(lp, h, cfg, valid_slot, moe_impl, parallel)
+        return feed_forward(lp, h, cfg, valid_slot, moe_impl, parallel)
 
     def layer(carry, xs):
         x, k_cache, v_cache = carry
@@ -265,7 +273,7 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
     valid = jnp.ones((B, L), bool)
 
     def mlp(lp, h):
-        return _mlp(lp, h, cfg, valid, moe_impl, None)
+        return feed_forward(lp, h, cfg, valid, moe_impl, None)
 
     def layer(x, xs):
         lp, const = xs
