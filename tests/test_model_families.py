@@ -141,8 +141,9 @@ def test_grouped_experts_equal_the_dense_loop(tokens, top_k, renormalize):
     valid = jnp.arange(tokens) < max(1, tokens - 5)  # the last rows are bucket padding
     outs = {}
     for impl in ("dense", "tiled", "ragged_dot"):
-        out, counts = moe.moe_mlp(h, lp, num_experts=6, top_k=top_k, renormalize=renormalize,
-                                  act="silu", valid=valid, impl=impl)
+        mlp = jax.jit(functools.partial(moe.moe_mlp, num_experts=6, top_k=top_k,
+                                        renormalize=renormalize, act="silu", impl=impl))
+        out, counts = mlp(h, lp, valid=valid)
         outs[impl] = np.asarray(out)
         _, experts = moe.route(h, lp["router"], top_k, renormalize)
         want = np.bincount(np.asarray(experts)[np.asarray(valid)].ravel(), minlength=6)
