@@ -138,11 +138,12 @@ GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'mode
 
 
 def test_chat_template_on_gemma3():
+    # prompt_logprobs: the same compiled steps as the parity test above (same model config)
     path = tiny_model_with_chat_template(GEMMA_TEMPLATE, arch="Gemma3ForCausalLM")
     llm = LLM(path, **GEOMETRY)
     conv = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
-    out = llm.chat(conv, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
-                                        ignore_eos=True), use_tqdm=False)[0]
+    out = llm.chat(conv, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                                        prompt_logprobs=1), use_tqdm=False)[0]
     assert out.prompt.startswith("<s><start_of_turn>user\n")
     ids = llm.tokenizer.encode(out.prompt, add_special_tokens=False)
     assert list(out.token_ids) == hf_greedy(path, ids, MAX_TOKENS)
