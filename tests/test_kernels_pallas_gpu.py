@@ -125,20 +125,22 @@ def test_compiled_kernel_on_gpu(max_q_len, dtype):
 
 # ---- sliding windows and soft-capping ----------------------------------------------------------
 
-def _check_options(batch, *, window, softcap=None, block_size, **kwargs):
-    """The kernel (interpret mode) against the oracle, with NaN in every key before the window
-    of every row of its sequence: those pages must be skipped or masked, never leak."""
+def _check_options(batch, *, window, softcap=None, block_size, interpret=True, **kwargs):
+    """The kernel (interpret mode on CPU) against the oracle, with NaN in every key before the
+    window of every row of its sequence: those pages must be skipped or masked, never leak."""
     k, v = _nan_outside_windows(batch, window, block_size)
     args = (batch.q, k, v, *batch.args()[3:])
     ref = ragged_paged_attention(*args, impl="reference", sliding_window=window,
                                  logit_softcap=softcap, sm_scale=kwargs.get("sm_scale"))
-    out = attention_with_options(*args, impl="pallas_gpu", interpret=True,
+    out = attention_with_options(*args, impl="pallas_gpu", interpret=interpret,
                                  sliding_window=jnp.int32(window), logit_softcap=softcap,
                                  **kwargs)
     out = np.asarray(out, np.float32)
     assert not np.isnan(out).any()
     np.testing.assert_array_equal(out[int(batch.cu_seqlens_q[batch.num_seqs]):], 0.0)
-    np.testing.assert_allclose(out, np.asarray(ref, np.float32), **TOLERANCES[jnp.float32])
+    np.testing.assert_allclose(out, np.asarray(ref, np.float32),
+                               **TOLERANCES[jnp.bfloat16 if batch.q.dtype == jnp.bfloat16
+                                            else jnp.float32])
 
 
 @settings(max_examples=4, deadline=None)
@@ -187,3 +189,19 @@ def test_window_steps_are_exactly_the_visible_ones(first_pos, rows, window, bloc
     full = int(plan_lib.window_full_start(tiles, fp, n, w))
     assert [s for s in range(total + 2) if seen(s, False)] == list(range(start, total))
     assert all(seen(s, True) for s in range(full, unmasked))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("max_q_len", [None, 1], ids=["mixed", "decode"])
+def test_compiled_window_kernel_on_gpu(max_q_len, dtype):
+    # A 4,096-key window (Mistral's) over chunks and split decode rows far past it, with
+    # Gemma 2's attention soft-cap.
+    seqs = ([(1, 9000), (1, 700), (1, 5000)] if max_q_len == 1
+            else [(300, 7000), (1, 5000), (37, 37), (0, 9), (129, 4200)])
+    batch = make_batch(seqs, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                       num_tokens=384 if max_q_len is None else 4, seq_bucket=8, dtype=dtype,
+                       seed=5)
+    _check_options(batch, window=4096, softcap=50.0, block_size=16, interpret=False,
+                   max_q_len=max_q_len)
