@@ -8,8 +8,9 @@
      and one `--prefill`-token prompt.
   3. The MoE runs with each grouped-GEMM implementation of `arcjax.model.moe`: "ragged_dot"
      (`jax.lax.ragged_dot`), "tiled" (live row tiles, one expert's weights each) and "dense"
-     (the per-expert loop: every expert over every token). Median of `--iters` runs after
-     `--warmup`, each synchronized.
+     (the per-expert loop: every expert over every token). Per case, every arm is compiled
+     and warmed, then the arms run round-robin `--iters` times (each run synchronized) and
+     each reports its median: load that drifts during the run hits every arm alike.
   4. `--layer_mlp`: also one layer's MLP alone (`moe.moe_mlp` vs the dense gated MLP) at
      each case's token count, to separate the grouped GEMM from the rest of the step.
 
@@ -23,6 +24,8 @@ import dataclasses
 import functools
 import json
 import platform
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +37,6 @@ from arcjax.model.config import ModelConfig
 from arcjax.model.specs import init_params, make_cache
 from arcjax.runtime.batching import build_batch
 from arcjax.runtime.buckets import Bucket
-from pallas_kernels.testing import time_ms
 
 _SMALL = flags.DEFINE_boolean("small", False, "tiny shapes, 1 warm-up, 3 runs: a smoke test")
 _HIDDEN = flags.DEFINE_integer("hidden", 1024, "hidden size")
@@ -110,21 +112,38 @@ def _batch(starts, lengths, num_blocks, max_blocks):
     return jax.tree.map(jnp.asarray, batch), bucket.max_q_len
 
 
-def _layer_mlp(c: BenchConfig, arm: str, cfg: ModelConfig, params, impl: str,
-               cases) -> list[dict]:
-    """One layer's MLP alone (layer 0's weights) at each case's token count."""
+def _time_round_robin(calls: dict, iters: int) -> dict[str, float]:
+    """Median milliseconds of each zero-argument call, the calls interleaved run by run."""
+    times = {name: [] for name in calls}
+    for _ in range(iters):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def _step_call(cfg: ModelConfig, params, impl: str, starts, lengths, num_blocks, max_blocks):
+    batch, max_q_len = _batch(starts, lengths, num_blocks, max_blocks)
+    step = jax.jit(functools.partial(decoder.forward_with_stats, cfg=cfg, attn_impl="xla",
+                                     max_q_len=max_q_len, moe_impl=impl),
+                   donate_argnames=("cache",))
+    box = {"cache": make_cache(cfg, num_blocks, BLOCK)}
+
+    def call():
+        logits, box["cache"], _ = step(params, box["cache"], batch)
+        return logits
+
+    return call
+
+
+def _mlp_call(c: BenchConfig, cfg: ModelConfig, params, impl: str, tokens: int):
+    """One layer's MLP alone (layer 0's weights) over `tokens` rows."""
     lp = jax.tree.map(lambda w: w[0], params["layers"])
-    out = []
-    for name, _, lengths in cases:
-        tokens = sum(lengths)
-        h = jax.random.normal(jax.random.key(tokens), (tokens, c.hidden))
-        valid = jnp.ones(tokens, bool)
-        mlp = jax.jit(functools.partial(decoder.feed_forward, cfg=cfg, valid=valid,
-                                        moe_impl=impl, parallel=None))
-        ms = time_ms(lambda lp, h: mlp(lp, h)[0], (lp, h), warmup=c.warmup, iters=c.iters)
-        out.append({"arm": arm, "case": f"mlp_{name}", "ms": ms})
-        print(f"{arm:16s} mlp_{name:10s} {ms:9.2f} ms", flush=True)
-    return out
+    h = jax.random.normal(jax.random.key(tokens), (tokens, c.hidden))
+    mlp = jax.jit(functools.partial(decoder.feed_forward, cfg=cfg, valid=jnp.ones(tokens, bool),
+                                    moe_impl=impl, parallel=None))
+    return lambda: mlp(lp, h)[0]
 
 
 def run(c: BenchConfig) -> dict:
@@ -135,27 +154,22 @@ def run(c: BenchConfig) -> dict:
     num_blocks = max(-(-(sum(s + ln for s, ln in zip(st, lens))) // BLOCK) + len(st)
                      for _, st, lens in cases)
     arms = [("dense", "dense", "auto")] + [(f"moe_{impl}", "moe", impl) for impl in c.impls]
+    params = {model: init_params(cfg, jax.random.key(1)) for model, cfg in models.items()}
     results = []
-    for arm, model, impl in arms:
-        cfg = models[model]
-        params = init_params(cfg, jax.random.key(1))
-        for name, starts, lengths in cases:
-            batch, max_q_len = _batch(starts, lengths, num_blocks, max_blocks)
-            step = jax.jit(functools.partial(decoder.forward_with_stats, cfg=cfg,
-                                             attn_impl="xla", max_q_len=max_q_len,
-                                             moe_impl=impl), donate_argnames=("cache",))
-            box = {"cache": make_cache(cfg, num_blocks, BLOCK)}
-
-            def call(params, batch, step=step, box=box):
-                logits, box["cache"], _ = step(params, box["cache"], batch)
-                return logits
-
-            ms = time_ms(call, (params, batch), warmup=c.warmup, iters=c.iters)
-            results.append({"arm": arm, "case": name, "ms": ms})
-            print(f"{arm:16s} {name:14s} {ms:9.2f} ms", flush=True)
+    for name, starts, lengths in cases:
+        kinds = [("", lambda arm, model, impl: _step_call(
+            models[model], params[model], impl, starts, lengths, num_blocks, max_blocks))]
         if c.layer_mlp:
-            results += _layer_mlp(c, arm, cfg, params, impl, cases)
-        del params
+            kinds.append(("mlp_", lambda arm, model, impl: _mlp_call(
+                c, models[model], params[model], impl, sum(lengths))))
+        for prefix, make in kinds:
+            calls = {arm: make(arm, model, impl) for arm, model, impl in arms}
+            for call in calls.values():  # compile and warm every arm first
+                for _ in range(c.warmup):
+                    jax.block_until_ready(call())
+            for arm, ms in _time_round_robin(calls, c.iters).items():
+                results.append({"arm": arm, "case": prefix + name, "ms": ms})
+                print(f"{arm:16s} {prefix + name:18s} {ms:9.2f} ms", flush=True)
     table = {}
     for r in results:
         table.setdefault(r["case"], {})[r["arm"]] = r["ms"]
