@@ -151,6 +151,20 @@ def test_chat_template_on_gemma3():
 
 # ---- tensor and expert parallelism (a subprocess with 2 forced CPU devices) -------------------
 
+@pytest.mark.parametrize("arch, options, match", [
+    ("Gemma2ForCausalLM", dict(expert_parallel_size=2), "no experts"),
+    ("MixtralForCausalLM", dict(expert_parallel_size=3), "divide the model's 4 experts"),
+    ("MixtralForCausalLM", dict(expert_parallel_size=2), "exceeds the 1 available devices"),
+    ("MixtralForCausalLM", dict(expert_parallel_size=0), "must be >= 1"),
+])
+def test_bad_expert_parallel_size_is_a_typed_error(arch, options, match):
+    from arcjax.errors import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match=match) as e:
+        LLM(tiny_model_dir(arch), **{**GEOMETRY, **options})
+    assert e.value.field == "expert_parallel_size"
+
+
 # (architecture, tensor_parallel_size, expert_parallel_size)
 PARALLEL_CASES = (("MixtralForCausalLM", 2, 2), ("Qwen2MoeForCausalLM", 1, 2),
                   ("Gemma2ForCausalLM", 2, 1))

@@ -162,7 +162,8 @@ class TensorParallel:
                ep: int = 1) -> "TensorParallel":
         """Rules for `cfg` over a fresh mesh of max(tp, ep) devices. `cfg` is the original
         model config (before `sharded_config`)."""
-        return cls(make_mesh(tp, devices, ep), logical_rules(cfg, tp, ep))
+        rules = logical_rules(cfg, tp, ep)  # the model's refusals first, then the devices'
+        return cls(make_mesh(tp, devices, ep), rules)
 
     @property
     def size(self) -> int:
