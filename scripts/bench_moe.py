@@ -138,12 +138,13 @@ def _step_call(cfg: ModelConfig, params, impl: str, starts, lengths, num_blocks,
 
 
 def _mlp_call(c: BenchConfig, cfg: ModelConfig, params, impl: str, tokens: int):
-    """One layer's MLP alone (layer 0's weights) over `tokens` rows."""
-    lp = jax.tree.map(lambda w: w[0], params["layers"])
+    """One layer's MLP alone (layer 0) over `tokens` rows, as the step reads it."""
+    scanned, experts = decoder.split_experts(params["layers"])
+    lp = jax.tree.map(lambda w: w[0], scanned)
     h = jax.random.normal(jax.random.key(tokens), (tokens, c.hidden))
     mlp = jax.jit(functools.partial(decoder.feed_forward, cfg=cfg, valid=jnp.ones(tokens, bool),
-                                    moe_impl=impl, parallel=None))
-    return lambda: mlp(lp, h)[0]
+                                    moe_impl=impl, parallel=None, layer=jnp.int32(0)))
+    return lambda: mlp(lp, h, experts=experts)[0]
 
 
 def run(c: BenchConfig) -> dict:

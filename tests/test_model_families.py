@@ -137,13 +137,14 @@ def test_grouped_experts_equal_the_dense_loop(tokens, top_k, renormalize):
     """One sort, packed rows, grouped GEMMs (ragged_dot and the tiled loop), scattered back:
     equal to every expert run on every token, weighted; padding rows get nothing."""
     lp = _experts()
+    stacked = {k: jnp.stack([jnp.zeros_like(lp[k]), lp[k]]) for k in moe.EXPERT_WEIGHTS}
     h = jax.random.normal(jax.random.key(tokens), (tokens, 16))
     valid = jnp.arange(tokens) < max(1, tokens - 5)  # the last rows are bucket padding
     outs = {}
-    for impl in ("dense", "tiled", "ragged_dot"):
+    for impl in ("dense", "tiled", "ragged_dot"):  # layer 1 of 2 stacked layers
         mlp = jax.jit(functools.partial(moe.moe_mlp, num_experts=6, top_k=top_k,
                                         renormalize=renormalize, act="silu", impl=impl))
-        out, counts = mlp(h, lp, valid=valid)
+        out, counts = mlp(h, lp, stacked, jnp.int32(1), valid=valid)
         outs[impl] = np.asarray(out)
         _, experts = moe.route(h, lp["router"], top_k, renormalize)
         want = np.bincount(np.asarray(experts)[np.asarray(valid)].ravel(), minlength=6)

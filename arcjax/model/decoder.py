@@ -104,26 +104,36 @@ def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_fre
 
 
 def feed_forward(lp: dict, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_impl: str,
-                 parallel) -> tuple[jax.Array, jax.Array | None]:
+                 parallel, experts: dict, layer: jax.Array
+                 ) -> tuple[jax.Array, jax.Array | None]:
     """One layer's MLP: the dense gated MLP, or the mixture of experts.
 
     Args:
       lp: the layer's params; h: [..., H] normalized hidden states; valid: [...] bool, real
-        tokens (experts skip padding); moe_impl, parallel: see `forward_with_stats`.
+        tokens (experts skip padding); moe_impl, parallel: see `forward_with_stats`;
+      experts, layer: every layer's stacked expert weights (`split_experts`; {} for a dense
+        model) and this layer's index.
 
     Returns:
       (out [..., H], tokens per expert [E] int32, or None for a dense MLP).
     """
     if cfg.is_moe:
         lead = h.shape[:-1]
-        out, counts = moe.moe_mlp(h.reshape(-1, h.shape[-1]), lp, num_experts=cfg.num_experts,
-                                  top_k=cfg.num_experts_per_tok, renormalize=cfg.norm_topk_prob,
-                                  act=cfg.hidden_act, valid=valid.reshape(-1), impl=moe_impl,
-                                  parallel=parallel)
+        out, counts = moe.moe_mlp(h.reshape(-1, h.shape[-1]), lp, experts, layer,
+                                  num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                                  renormalize=cfg.norm_topk_prob, act=cfg.hidden_act,
+                                  valid=valid.reshape(-1), impl=moe_impl, parallel=parallel)
         return out.reshape(*lead, -1), counts
     dt = h.dtype
     h = moe.activation(h @ lp["w_gate"].astype(dt), cfg.hidden_act) * (h @ lp["w_up"].astype(dt))
     return h @ lp["w_down"].astype(dt), None
+
+
+def split_experts(layers: dict) -> tuple[dict, dict]:
+    """(the layer weights the scan hands out layer by layer, the stacked expert weights read
+    by (layer, expert) beside it: see `moe`'s NOTE)."""
+    experts = {k: layers[k] for k in moe.EXPERT_WEIGHTS if k in layers}
+    return {k: v for k, v in layers.items() if k not in experts}, experts
 
 
 def _block(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, attend,
@@ -215,13 +225,15 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     layer_slots = num_blocks * block_size
     valid_slot = batch.slot_mapping < layer_slots  # padding rows carry an out-of-range slot
     windowed = cfg.layer_windows() is not None
-
-    def mlp(lp, h):
-        return feed_forward(lp, h, cfg, valid_slot, moe_impl, parallel)
+    scanned, experts = split_experts(params["layers"])
 
     def layer(carry, xs):
         x, k_cache, v_cache = carry
         lp, l, const = xs
+
+        def mlp(lp, h):
+            return feed_forward(lp, h, cfg, valid_slot, moe_impl, parallel, experts, l)
+
         slots = jnp.where(valid_slot, batch.slot_mapping + l * layer_slots,
                           cfg.num_layers * layer_slots)  # [T]; still out of range if padding
         tables = batch.block_tables + l * num_blocks  # [S, max_blocks]
@@ -252,7 +264,7 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, k_new, v_new), stats = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
-                                            (params["layers"], layer_ids, layer_constants(cfg)))
+                                            (scanned, layer_ids, layer_constants(cfg)))
     x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
     out = lm_head(params, cfg, x, parallel) if head else x
     return out, {"k": k_new, "v": v_new}, stats
@@ -271,12 +283,14 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
     positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     x = _embed(params, cfg, token_ids, dtype)  # [B, L, H]
     valid = jnp.ones((B, L), bool)
-
-    def mlp(lp, h):
-        return feed_forward(lp, h, cfg, valid, moe_impl, None)
+    scanned, experts = split_experts(params["layers"])
 
     def layer(x, xs):
-        lp, const = xs
+        lp, index, const = xs
+
+        def mlp(lp, h):
+            return feed_forward(lp, h, cfg, valid, moe_impl, None, experts, index)
+
         allowed = dense_mask(L, const.get("window", jnp.int32(L)))
 
         def attend(q, k, v):  # q [B, L, Hq, D], k/v [B, L, Hkv, D]
@@ -293,5 +307,6 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
         x, _, _ = _block(lp, x, positions, cfg, attend, const["inv_freq"], mlp)
         return x, None
 
-    x, _ = jax.lax.scan(layer, x, (params["layers"], layer_constants(cfg)))
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    x, _ = jax.lax.scan(layer, x, (scanned, layer_ids, layer_constants(cfg)))
     return lm_head(params, cfg, x)

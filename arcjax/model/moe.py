@@ -16,6 +16,11 @@ Dataflow of one layer (`moe_mlp`), T tokens, E experts, k experts per token, A =
 
 `tokens per expert` (sizes over real tokens) come back per layer for the trace.
 
+NOTE: expert weights stay stacked over layers, [L, E, ...], and are indexed by (layer,
+expert) where they are read (`EXPERT_WEIGHTS`, passed beside the layer scan rather than
+through it): a scan over stacked weights hands each layer its slice, which XLA:CPU copies
+whole — all E experts' matrices every layer every step, though a decode row reads only k.
+
 NOTE: `jax.lax.ragged_dot` lowers on XLA:CPU (and on CUDA in jaxlib 0.10.2 unless cuDNN's
 grouped-GEMM fusion takes it) to a dense product over ALL experts with a mask: E times the
 FLOPs of the routed work. The "tiled" grouped GEMM pads each expert's group to whole row
@@ -30,6 +35,8 @@ import jax
 import jax.numpy as jnp
 
 IMPLS = ("auto", "ragged_dot", "tiled", "dense")
+# The stacked [L, E, ...] expert weights, read by (layer, expert) (see the NOTE above).
+EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
 MAX_TILE = 128  # packed rows per tile of the tiled grouped GEMM
 MIN_TILE = 8
 
@@ -85,10 +92,11 @@ def _tile_rows(num_rows: int, num_groups: int) -> int:
 
 
 def _tiled_ffn(x: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-               w_down: jax.Array, act: str) -> jax.Array:
+               w_down: jax.Array, act: str, layer: jax.Array) -> jax.Array:
     """gate/up/down over packed rows x [A, H] grouped by `sizes` [E]: each group padded to
-    whole tiles; a loop over the live tiles computes each with its one expert's weights.
-    Rows past sum(sizes) come out 0. Returns [A, H] float32."""
+    whole tiles; a loop over the live tiles computes each with its one expert's weights,
+    `w_*[layer, expert]` (w_*: [L, E, ...]). Rows past sum(sizes) come out 0. Returns [A, H]
+    float32."""
     a, hidden = x.shape
     e = sizes.shape[0]
     tm = _tile_rows(a, e)
@@ -108,35 +116,38 @@ def _tiled_ffn(x: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     def body(i, y):
         rows = jax.lax.dynamic_slice_in_dim(x_pad, i * tm, tm)  # [tm, H]
         ex = tile_expert[i]
-        h = activation(rows @ w_gate[ex].astype(x.dtype), act) * (rows @ w_up[ex].astype(x.dtype))
-        out = (h @ w_down[ex].astype(x.dtype)).astype(jnp.float32)  # [tm, H]
+        g, u, d = (w[layer, ex].astype(x.dtype) for w in (w_gate, w_up, w_down))
+        out = (activation(rows @ g, act) * (rows @ u)) @ d  # [tm, H]
+        out = out.astype(jnp.float32)
         return jax.lax.dynamic_update_slice_in_dim(y, out, i * tm, 0)
 
     y = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros((num_tiles * tm, hidden), jnp.float32))
     return jnp.take(y, padded, axis=0, mode="fill", fill_value=0)
 
 
-def _ragged_ffn(x, sizes, w_gate, w_up, w_down, act):
+def _ragged_ffn(x, sizes, w_gate, w_up, w_down, act, layer):
     dt = x.dtype
 
-    def mm(lhs, w):
-        return jax.lax.ragged_dot(lhs, w.astype(dt), sizes, preferred_element_type=jnp.float32)
+    def mm(lhs, w):  # w: [L, E, in, out]; the layer's [E, in, out]
+        return jax.lax.ragged_dot(lhs, w[layer].astype(dt), sizes,
+                                  preferred_element_type=jnp.float32)
 
     h = (activation(mm(x, w_gate), act) * mm(x, w_up)).astype(dt)
     return mm(h, w_down)  # [A, H] float32
 
 
 def experts_ffn(x: jax.Array, order: jax.Array, sizes: jax.Array, weights: jax.Array,
-                w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, first: jax.Array,
-                act: str, impl: str) -> jax.Array:
+                w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, layer: jax.Array,
+                first: jax.Array, act: str, impl: str) -> jax.Array:
     """The experts' output for every token: a sum over the experts `w_*` hold.
 
     Args:
       x: [T, H] normalized hidden states.
       order, sizes: from `group` (sizes over all E experts).
       weights: [T, k] float32 router weights.
-      w_gate, w_up: [E_local, H, I]; w_down: [E_local, I, H]: experts first .. first +
-        E_local - 1 (all of them on one device).
+      w_gate, w_up: [L, E_local, H, I]; w_down: [L, E_local, I, H]: every layer's experts
+        first .. first + E_local - 1 (all of them on one device).
+      layer: scalar int32, the layer.
       first: scalar int32, the first expert held.
       act: "silu" | "gelu_tanh".
       impl: "ragged_dot" | "tiled" (see the module docstring).
@@ -147,7 +158,7 @@ def experts_ffn(x: jax.Array, order: jax.Array, sizes: jax.Array, weights: jax.A
     t = x.shape[0]
     a = order.shape[0]
     k = a // t
-    local = w_gate.shape[0]
+    local = w_gate.shape[1]
     local_sizes = jax.lax.dynamic_slice_in_dim(sizes, first, local)  # [E_local]
     start = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
     r = jnp.arange(a)
@@ -156,25 +167,26 @@ def experts_ffn(x: jax.Array, order: jax.Array, sizes: jax.Array, weights: jax.A
     token = assignment // k
     xs = x[token]  # [A, H]
     ffn = _tiled_ffn if impl == "tiled" else _ragged_ffn
-    y = ffn(xs, local_sizes, w_gate, w_up, w_down, act)  # [A, H] float32
+    y = ffn(xs, local_sizes, w_gate, w_up, w_down, act, layer)  # [A, H] float32
     y = y * jnp.where(live, weights.reshape(-1)[assignment], 0.0)[:, None]
     return jnp.zeros((t, x.shape[1]), jnp.float32).at[jnp.where(live, token, t)].add(
         y, mode="drop")
 
 
 def dense_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
-              w_up: jax.Array, w_down: jax.Array, *, act: str) -> jax.Array:
+              w_up: jax.Array, w_down: jax.Array, *, layer: jax.Array, act: str) -> jax.Array:
     """The per-expert loop: every expert runs on every token, weighted by its router weight
     (0 where not chosen). E / k times the routed FLOPs; the baseline of the benchmark and an
-    independent check of the grouped path. Returns [T, H] float32."""
-    num_experts = w_gate.shape[0]
+    independent check of the grouped path. w_*: [L, E, ...]. Returns [T, H] float32."""
+    num_experts = w_gate.shape[1]
     gate = jnp.sum(jnp.where(experts[..., None] == jnp.arange(num_experts), weights[..., None],
                              0.0), axis=1)  # [T, E]
     dt = x.dtype
 
     def body(e, acc):
-        h = activation(x @ w_gate[e].astype(dt), act) * (x @ w_up[e].astype(dt))
-        return acc + gate[:, e, None] * (h @ w_down[e].astype(dt)).astype(jnp.float32)
+        g, u, d = (w[layer, e].astype(dt) for w in (w_gate, w_up, w_down))
+        h = activation(x @ g, act) * (x @ u)
+        return acc + gate[:, e, None] * (h @ d).astype(jnp.float32)
 
     return jax.lax.fori_loop(0, num_experts, body, jnp.zeros(x.shape, jnp.float32))
 
@@ -189,15 +201,18 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
-def moe_mlp(h: jax.Array, lp: dict, *, num_experts: int, top_k: int, renormalize: bool,
-            act: str, valid: jax.Array, impl: str = "auto", parallel=None
-            ) -> tuple[jax.Array, jax.Array]:
+def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_experts: int,
+            top_k: int, renormalize: bool, act: str, valid: jax.Array, impl: str = "auto",
+            parallel=None) -> tuple[jax.Array, jax.Array]:
     """One layer's mixture of experts (plus Qwen2-MoE's gated shared expert).
 
     Args:
       h: [T, H] normalized hidden states.
-      lp: the layer's params: router [H, E], we_gate/we_up [E, H, I], we_down [E, I, H];
-        optionally ws_gate/ws_up [H, Is], ws_down [Is, H], ws_router [H, 1].
+      lp: the layer's params: router [H, E]; optionally ws_gate/ws_up [H, Is], ws_down
+        [Is, H], ws_router [H, 1].
+      experts: every layer's expert weights (`EXPERT_WEIGHTS`): we_gate/we_up [L, E, H, I],
+        we_down [L, E, I, H].
+      layer: scalar int32, this layer.
       num_experts, top_k, renormalize, act: from the model config.
       valid: [T] bool, real tokens.
       impl: "auto" | "ragged_dot" | "tiled" | "dense".
@@ -207,22 +222,25 @@ def moe_mlp(h: jax.Array, lp: dict, *, num_experts: int, top_k: int, renormalize
       (out [T, H] in h's dtype, tokens per expert [E] int32).
     """
     impl = resolve_impl(impl)
-    weights, experts = route(h, lp["router"], top_k, renormalize)
-    order, sizes = group(experts, valid, num_experts)
-    w = (lp["we_gate"], lp["we_up"], lp["we_down"])
+    weights, chosen = route(h, lp["router"], top_k, renormalize)
+    order, sizes = group(chosen, valid, num_experts)
+    w = tuple(experts[name] for name in EXPERT_WEIGHTS)
     if impl == "dense":
-        out = dense_ffn(h, jnp.where(valid[:, None], weights, 0.0), experts, *w, act=act)
+        out = dense_ffn(h, jnp.where(valid[:, None], weights, 0.0), chosen, *w, layer=layer,
+                        act=act)
     elif parallel is None:
-        out = experts_ffn(h, order, sizes, weights, *w, first=jnp.int32(0), act=act, impl=impl)
+        out = experts_ffn(h, order, sizes, weights, *w, layer=layer, first=jnp.int32(0),
+                          act=act, impl=impl)
     else:
         def local(x, route_, *w_local):
-            order_, sizes_, weights_ = route_
-            first = parallel.expert_offset(w_local[0].shape[0])
-            return experts_ffn(x, order_, sizes_, weights_, *w_local, first=first, act=act,
-                               impl=impl), sizes_
+            order_, sizes_, weights_, layer_ = route_
+            first = parallel.expert_offset(w_local[0].shape[1])
+            return experts_ffn(x, order_, sizes_, weights_, *w_local, layer=layer_,
+                               first=first, act=act, impl=impl), sizes_
 
-        axes = (("expert", "embed", "moe_mlp"),) * 2 + (("expert", "moe_mlp", "embed"),)
-        out, sizes = parallel.experts_map(local, axes)(h, (order, sizes, weights), *w)
+        axes = ((("layers", "expert", "embed", "moe_mlp"),) * 2
+                + (("layers", "expert", "moe_mlp", "embed"),))
+        out, sizes = parallel.experts_map(local, axes)(h, (order, sizes, weights, layer), *w)
     if "ws_gate" in lp:  # Qwen2-MoE: sigmoid(h @ gate) * shared MLP(h)
         dt = h.dtype
         shared = activation(h @ lp["ws_gate"].astype(dt), act) * (h @ lp["ws_up"].astype(dt))
