@@ -142,9 +142,12 @@ def _mlp_call(c: BenchConfig, cfg: ModelConfig, params, impl: str, tokens: int):
     scanned, experts = decoder.split_experts(params["layers"])
     lp = jax.tree.map(lambda w: w[0], scanned)
     h = jax.random.normal(jax.random.key(tokens), (tokens, c.hidden))
+    # the layer index is traced, as in the step (a constant one would slice out, i.e. copy,
+    # that layer's every expert at compile time)
     mlp = jax.jit(functools.partial(decoder.feed_forward, cfg=cfg, valid=jnp.ones(tokens, bool),
-                                    moe_impl=impl, parallel=None, layer=jnp.int32(0)))
-    return lambda: mlp(lp, h, experts=experts)[0]
+                                    moe_impl=impl, parallel=None))
+    layer = jnp.int32(0)
+    return lambda: mlp(lp, h, experts=experts, layer=layer)[0]
 
 
 def run(c: BenchConfig) -> dict:
