@@ -1,8 +1,11 @@
 """Public entry point: input validation and dispatch to an implementation."""
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import backends
 from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import pallas_gpu
 from pallas_kernels import plan as plan_lib
@@ -10,7 +13,8 @@ from pallas_kernels.errors import KernelArgumentError
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.xla import ragged_paged_attention_xla
 
-IMPLS = ("auto", "reference", "xla", "pallas_gpu")
+IMPLS = ("auto", "reference", "xla", "pallas_gpu", "triton", "mosaic_gpu")
+GPU_IMPLS = ("pallas_gpu", "triton", "mosaic_gpu")  # need the GPU tiling constraints
 XLA_BLOCK_Q = 128  # query tokens per tile on the xla path
 XLA_BLOCK_K = 512  # keys per online-softmax step on the xla path
 # Decode-only batches (max_q_len == 1) step through keys in smaller blocks: every tile
@@ -50,17 +54,61 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs
                  f"expected an integer dtype, got {x.dtype}")
 
 
-def _gpu_can_tile(q, k_pages) -> bool:
-    d, page_size = q.shape[2], k_pages.shape[1]
-    return plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT and plan_lib.is_pow2(page_size)
+def _gpu_can_tile(head_dim: int, block_size: int) -> bool:
+    return (plan_lib.is_pow2(head_dim) and head_dim >= gpu_plan_lib.MIN_DOT
+            and plan_lib.is_pow2(block_size))
 
 
-def _validate_gpu_shapes(q, k_pages):
+def _validate_gpu_shapes(q, k_pages, impl: str):
     d, page_size = q.shape[2], k_pages.shape[1]
     _require(plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT, "q",
-             f'impl="pallas_gpu" needs a power-of-two head dim >= 16, got {d}')
+             f'impl="{impl}" needs a power-of-two head dim >= 16, got {d}')
     _require(plan_lib.is_pow2(page_size), "k_pages",
-             f'impl="pallas_gpu" needs a power-of-two block_size, got {page_size}')
+             f'impl="{impl}" needs a power-of-two block_size, got {page_size}')
+
+
+def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None) -> str:
+    """The implementation a call with these shapes runs: `impl` itself, or what "auto"
+    picks on this machine's default backend (see `backends.resolve`).
+
+    Args:
+        impl: one of `IMPLS`.
+        head_dim, block_size: D and the cache's page size.
+        max_q_len: the static chunk bound (1: a decode-only batch); None if unknown.
+    """
+    _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    return backends.resolve(on_gpu=jax.default_backend() == "gpu",
+                            can_tile=_gpu_can_tile(head_dim, block_size),
+                            decode_only=max_q_len == 1)
+
+
+def _triton(*args, interpret: bool):
+    if interpret:
+        missing = [m for m in ("triton", "torch") if importlib.util.find_spec(m) is None]
+        _require(not missing, "interpret",
+                 f'impl="triton" with interpret=True runs Triton\'s interpreter, which needs '
+                 f"{' and '.join(missing)} (pip install 'arcjax[test]')")
+    else:
+        reason = backends.triton_unavailable()
+        _require(reason is None, "impl", f'impl="triton" cannot launch here: {reason}')
+    from pallas_kernels import triton_gpu
+
+    return triton_gpu.ragged_paged_attention_triton(*args, interpret=interpret)
+
+
+def _mosaic_gpu(*args, interpret: bool, max_q_len: int):
+    _require(not interpret, "interpret",
+             'impl="mosaic_gpu" has no interpret mode: Mosaic GPU kernels run only on a GPU '
+             "(scripts/gpu_check.sh checks them against the oracle there)")
+    _require(max_q_len == 1, "max_q_len",
+             f'impl="mosaic_gpu" serves decode-only batches (max_q_len=1), got {max_q_len}')
+    reason = backends.mosaic_gpu_unavailable()
+    _require(reason is None, "impl", f'impl="mosaic_gpu" cannot be built here: {reason}')
+    from pallas_kernels import mosaic_gpu
+
+    return mosaic_gpu.ragged_paged_attention_mosaic_gpu(*args)
 
 
 def ragged_paged_attention(
@@ -91,10 +139,14 @@ def ragged_paged_attention(
         num_seqs: how many of the S sequence rows are real; traced, so it never
             causes a recompile.
         sm_scale: softmax scale; defaults to `D ** -0.5`.
-        impl: "reference" (host-side oracle, not for jit), "xla", "pallas_gpu", or
-            "auto" (pallas_gpu on a GPU when D and block_size are powers of two,
-            xla otherwise). Static.
-        interpret: run a Pallas kernel in interpret mode (CPU tests). Static.
+        impl: "reference" (host-side oracle, not for jit), "xla", "pallas_gpu"
+            (Pallas-Triton), "triton" (a Triton kernel through jax_triton),
+            "mosaic_gpu" (decode-only batches), or "auto" (`resolve_impl`: a GPU
+            kernel this installation offers on a GPU when D and block_size are
+            powers of two, xla otherwise). Static.
+        interpret: run a GPU kernel on the CPU: Pallas interpret mode for
+            "pallas_gpu", Triton's interpreter for "triton" (needs triton and
+            torch); "mosaic_gpu" has none. Static.
         max_q_len: static upper bound on any sequence's query length (e.g. the
             token bucket's largest chunk). Defaults to T. Smaller bounds shrink the
             xla path's work; a chunk longer than it gives undefined results.
@@ -112,9 +164,7 @@ def ragged_paged_attention(
         raise KernelArgumentError("max_q_len",
                                   f"expected a positive int, got {max_q_len!r}")
     max_q_len = min(max_q_len, t)
-    if impl == "auto":
-        on_gpu = jax.default_backend() == "gpu"
-        impl = "pallas_gpu" if on_gpu and _gpu_can_tile(q, k_pages) else "xla"
+    impl = resolve_impl(impl, head_dim=d, block_size=k_pages.shape[1], max_q_len=max_q_len)
     if impl == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale)
@@ -122,15 +172,19 @@ def ragged_paged_attention(
     block_tables = block_tables.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     cu_seqlens_q = cu_seqlens_q.astype(jnp.int32)
-    if impl == "pallas_gpu":
-        _validate_gpu_shapes(q, k_pages)
+    if impl in GPU_IMPLS:
+        _validate_gpu_shapes(q, k_pages, impl)
         plan = gpu_plan_lib.make_gpu_plan(
             num_tokens=t, num_seqs=block_tables.shape[0], num_heads=q.shape[1],
             num_kv_heads=k_pages.shape[2], head_dim=d, page_size=k_pages.shape[1],
             max_blocks=block_tables.shape[1], max_q_len=max_q_len, itemsize=q.dtype.itemsize)
-        return pallas_gpu.ragged_paged_attention_pallas_gpu(
-            q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, plan,
-            interpret=interpret)
+        args = (q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,
+                plan)
+        if impl == "pallas_gpu":
+            return pallas_gpu.ragged_paged_attention_pallas_gpu(*args, interpret=interpret)
+        if impl == "triton":
+            return _triton(*args, interpret=interpret)
+        return _mosaic_gpu(*args, interpret=interpret, max_q_len=max_q_len)
     tiles = plan_lib.make_plan(
         num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
         max_blocks=block_tables.shape[1], max_q_len=max_q_len, block_q=XLA_BLOCK_Q,

@@ -1,0 +1,101 @@
+"""What the installed JAX and Triton offer on the GPU, and which kernel "auto" runs.
+
+The GPU implementations and what each needs:
+
+| impl         | needs                                                        | checked on the CPU  |
+|--------------|--------------------------------------------------------------|---------------------|
+| "pallas_gpu" | Pallas' Triton backend (deprecated by JAX 0.11: it warns     | Pallas interpret    |
+|              | `jax-pallas-triton` whenever a kernel lowers)                 | mode, CUDA lowering |
+| "triton"     | `triton` + `jax_triton`, and a jaxlib with its CUDA plugin    | Triton's interpreter|
+|              | (the plugin registers the custom call that launches kernels) |                     |
+| "mosaic_gpu" | `jax.experimental.pallas.mosaic_gpu`; decode-only batches     | nothing: a passing  |
+|              |                                                              | GPU run is recorded |
+
+"auto" on a GPU (`resolve`), for shapes the GPU kernels tile:
+1. a decode-only batch takes "mosaic_gpu" once a GPU run of this very kernel passed the
+   oracle on this kind of device and jax (`verified.has_passed`);
+2. "pallas_gpu" while Pallas' Triton backend exists and is not deprecated;
+3. "triton" when triton and jax_triton are installed;
+4. otherwise "xla". "auto" never selects a deprecated backend, so our call sites never
+   emit the `jax-pallas-triton` warning (an explicit `impl="pallas_gpu"` still may).
+Off the GPU, "auto" is "xla".
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import jax
+
+from pallas_kernels import verified
+
+PALLAS_TRITON_DEPRECATION = "jax-pallas-triton"
+
+
+@functools.cache
+def pallas_triton_state() -> str:
+    """"current", "deprecated" (JAX warns when a kernel lowers) or "absent"."""
+    try:
+        from jax.experimental.pallas import triton as _  # noqa: F401
+    except ImportError:
+        return "absent"
+    try:
+        from jax._src import deprecations
+    except ImportError:
+        return "current"
+    try:
+        deprecations.is_accelerated(PALLAS_TRITON_DEPRECATION)
+    except ValueError:  # not registered: this jax does not deprecate the backend
+        return "current"
+    return "deprecated"
+
+
+@functools.cache
+def triton_unavailable() -> str | None:
+    """Why `impl="triton"` cannot launch on a GPU here, or None if it can."""
+    for name in ("triton", "jax_triton"):
+        if importlib.util.find_spec(name) is None:
+            return f"the {name} package is not installed (pip install 'arcjax[gpu]')"
+    from jax._src.lib import gpu_triton
+
+    if not hasattr(gpu_triton, "TritonKernel"):
+        return "this jaxlib has no CUDA plugin (its gpu_triton module cannot launch kernels)"
+    return None
+
+
+@functools.cache
+def mosaic_gpu_unavailable() -> str | None:
+    """Why `impl="mosaic_gpu"` cannot be built here, or None if it can."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as _  # noqa: F401
+    except ImportError as e:
+        return f"jax {jax.__version__} has no Pallas Mosaic GPU backend: {e}"
+    return None
+
+
+def device_kind() -> str:
+    """The default device's kind, e.g. "NVIDIA H200" (what GPU records are keyed by)."""
+    return jax.devices()[0].device_kind
+
+
+def resolve(*, on_gpu: bool, can_tile: bool, decode_only: bool,
+            kind: str | None = None) -> str:
+    """The implementation "auto" runs.
+
+    Args:
+        on_gpu: the default backend is a GPU.
+        can_tile: the head dim and block size are ones the GPU kernels tile.
+        decode_only: the batch is decode-only (`max_q_len == 1`).
+        kind: the device kind, for the Mosaic GPU record (defaults to the device's).
+    """
+    if not (on_gpu and can_tile):
+        return "xla"
+    if decode_only and mosaic_gpu_unavailable() is None and verified.has_passed(
+            "mosaic_gpu", kind or device_kind()):
+        return "mosaic_gpu"
+    if pallas_triton_state() == "current":
+        return "pallas_gpu"
+    if triton_unavailable() is None:
+        return "triton"
+    return "xla"

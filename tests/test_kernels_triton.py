@@ -1,0 +1,136 @@
+"""The raw Triton kernel (impl="triton") against the oracle, in Triton's own interpreter.
+
+`interpret=True` runs `pallas_kernels/triton_kernel.py` in Triton's interpreter (a worker
+process with TRITON_INTERPRET=1) from a host callback, so these are the same random
+ragged batches, layouts and dtypes as the other implementations' tests, through the
+kernel's real Triton source. The interpreter runs one program at a time: shapes are small
+and examples few. Compiling the kernel for sm_90a is scripts/gpu_compile_report.py;
+running it on a GPU is scripts/gpu_check.sh.
+"""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels import KernelArgumentError, backends, ragged_paged_attention, resolve_impl
+from pallas_kernels.testing import make_batch
+from test_kernels_attention import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
+
+_MISSING = [m for m in ("triton", "torch") if importlib.util.find_spec(m) is None]
+needs_interpreter = pytest.mark.skipif(
+    bool(_MISSING), reason=f"Triton's interpreter needs {_MISSING} (the test extra)")
+
+
+def _check(batch, dtype, **kwargs):
+    ref = ragged_paged_attention(*batch.args(), impl="reference", sm_scale=kwargs.get("sm_scale"))
+    out = attention(*batch.args(), impl="triton", interpret=True, **kwargs)
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert not np.isnan(out32).any()  # NaN pages past kv_len never leak
+    np.testing.assert_array_equal(out32[int(batch.cu_seqlens_q[batch.num_seqs]):], 0.0)
+    np.testing.assert_allclose(out32, np.asarray(ref32), **TOLERANCES[dtype])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+@settings(max_examples=2)
+@given(data=st.data())
+def test_interpreted_kernel_matches_reference(layout, dtype, data):
+    _check(draw_batch(data, layout, dtype, num_tokens=24, seq_bucket=4, max_seqs=3, max_kv=20),
+           dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind", ["decode", "first", "later"])
+@settings(max_examples=2)
+@given(data=st.data())
+def test_interpreted_single_kind_batches(kind, data):
+    batch = draw_batch(data, LAYOUTS[2], jnp.float32, num_tokens=24, seq_bucket=4, max_seqs=3,
+                       max_kv=20, kinds=(kind,))
+    _check(batch, jnp.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_interpreted_decode_split_k(dtype):
+    # max_q_len=1: a decode-only plan, one row per tile, keys split across programs; the
+    # idle row and the garbage table columns past each sequence's pages stay out.
+    batch = make_batch([(1, 70), (1, 3), (1, 33), (0, 9)], num_heads=8, num_kv_heads=2,
+                       head_dim=64, block_size=8, num_tokens=6, seq_bucket=6, max_blocks=10,
+                       dtype=dtype, seed=5)
+    _check(batch, dtype, max_q_len=1, sm_scale=0.2)
+
+
+@needs_interpreter
+def test_interpreted_long_chunk_and_odd_group():
+    # 40 rows over 150 keys: several tiles, unmasked and diagonal key steps; 3 query heads
+    # per KV head (the packed group is padded to 4).
+    batch = make_batch([(40, 150), (1, 100), (7, 7)], num_heads=6, num_kv_heads=2,
+                       head_dim=64, block_size=16, num_tokens=52, seq_bucket=4, seed=11)
+    _check(batch, jnp.float32)
+
+
+@needs_interpreter
+def test_interpreter_failure_is_reported():
+    # A kernel error comes back with the interpreter's traceback, not as garbage output.
+    from pallas_kernels import triton_interpret
+
+    x = jnp.zeros((4,), jnp.float32)
+    with pytest.raises(Exception, match="no_such_kernel"):
+        jax.block_until_ready(triton_interpret.launch(
+            "no_such_kernel", (1,), (x,), (jax.ShapeDtypeStruct((4,), jnp.float32),), {}))
+
+
+def test_auto_resolution_follows_what_is_installed(monkeypatch):
+    # Off the GPU (this machine), "auto" is the xla path whatever is installed.
+    assert resolve_impl("auto", head_dim=64, block_size=16, max_q_len=None) == "xla"
+    on_gpu = dict(on_gpu=True, can_tile=True, kind="NVIDIA H200")
+    monkeypatch.setattr(backends.verified, "has_passed", lambda impl, kind, path=None: False)
+    for pallas, triton_reason, expected in [("current", None, "pallas_gpu"),
+                                            ("deprecated", None, "triton"),
+                                            ("absent", None, "triton"),
+                                            ("deprecated", "not installed", "xla")]:
+        monkeypatch.setattr(backends, "pallas_triton_state", lambda p=pallas: p)
+        monkeypatch.setattr(backends, "triton_unavailable", lambda r=triton_reason: r)
+        assert backends.resolve(decode_only=False, **on_gpu) == expected
+    # Shapes the GPU kernels cannot tile stay on xla.
+    assert backends.resolve(on_gpu=True, can_tile=False, decode_only=False) == "xla"
+    # Mosaic GPU serves decode-only batches once a GPU run of it passed here.
+    monkeypatch.setattr(backends, "triton_unavailable", lambda: None)
+    monkeypatch.setattr(backends, "mosaic_gpu_unavailable", lambda: None)
+    assert backends.resolve(decode_only=True, **on_gpu) == "triton"
+    monkeypatch.setattr(backends.verified, "has_passed",
+                        lambda impl, kind, path=None: impl == "mosaic_gpu")
+    assert backends.resolve(decode_only=True, **on_gpu) == "mosaic_gpu"
+    assert backends.resolve(decode_only=False, **on_gpu) == "triton"
+
+
+def test_explicit_impls_resolve_to_themselves():
+    for impl in ("xla", "pallas_gpu", "triton", "mosaic_gpu"):
+        assert resolve_impl(impl, head_dim=80, block_size=3, max_q_len=None) == impl
+    with pytest.raises(KernelArgumentError, match="^impl:"):
+        resolve_impl("cuda", head_dim=64, block_size=16, max_q_len=None)
+
+
+def test_triton_rejects_what_it_cannot_tile_or_launch():
+    batch = make_batch([(2, 5)], num_heads=2, num_kv_heads=1, head_dim=80, block_size=4)
+    with pytest.raises(KernelArgumentError, match="^q:"):
+        ragged_paged_attention(*batch.args(), impl="triton", interpret=True)
+    batch = make_batch([(2, 5)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=4)
+    if backends.triton_unavailable() is not None:  # no GPU launch path on this machine
+        with pytest.raises(KernelArgumentError, match="^impl:.*cannot launch"):
+            ragged_paged_attention(*batch.args(), impl="triton")
+
+
+def test_mosaic_gpu_refuses_interpret_and_mixed_batches():
+    batch = make_batch([(1, 5), (1, 3)], num_heads=2, num_kv_heads=1, head_dim=64, block_size=4)
+    with pytest.raises(KernelArgumentError, match="^interpret:"):
+        ragged_paged_attention(*batch.args(), impl="mosaic_gpu", interpret=True, max_q_len=1)
+    with pytest.raises(KernelArgumentError, match="^max_q_len:"):
+        ragged_paged_attention(*batch.args(), impl="mosaic_gpu")
