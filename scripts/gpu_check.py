@@ -3,18 +3,23 @@
   1. Environment: python, jax/jaxlib and plugin versions, the devices, warnings seen.
   2. `pytest -m gpu` (kernel GPU tests; `JAX_PLATFORMS` is set so tests/conftest.py
      does not force the CPU).
-  3. Correctness: the Pallas kernel against the oracle on fresh random inputs (bf16,
-     plus f32 for the precision rule), NaN-poisoned unowned pages, padding rows that
-     must be exact zeros; for the default tiling and both alternatives.
+  3. Correctness: every GPU implementation against the oracle on fresh random inputs
+     (bf16, plus f32 for the precision rule), NaN-poisoned unowned pages, padding rows
+     that must be exact zeros: the Pallas kernel for the default tiling and both
+     alternatives, the Triton kernel (jax_triton), the Mosaic GPU kernel (decode cases).
+     An implementation whose every case passed on the GPU is recorded as verified
+     (`pallas_kernels.verified`): "auto" uses the Mosaic GPU kernel only after that.
   4. Kernel table: prefill chunks of 2,048 and 8,192 tokens (TFLOP/s), decode 256 x 2k
-     and 64 x 8k (TB/s), a mixed batch; Llama-8B heads (32:8, D=128), block 16; the
-     default tiling and two alternatives.
+     and 64 x 8k (TB/s, and as a fraction of the 4.8 TB/s datasheet), a mixed batch;
+     Llama-8B heads (32:8, D=128), block 16; every implementation, the Pallas kernel
+     also with two alternative tilings.
   5. End to end (scripts/gpu_e2e.py): a random-weight Llama-3-8B-shaped model, offline
      throughput and the seed's K=128 burst per arm.
 
 Every section is written to `--out` as soon as it finishes, so a run cut short by the
 time limit still leaves what it measured. `--cpu_smoke` runs the same code with tiny
-shapes on the CPU (kernels in interpret mode) to catch mistakes before a GPU run.
+shapes on the CPU (kernels in interpret mode: Pallas', Triton's interpreter; the Mosaic
+GPU kernel has none and is skipped) to catch mistakes before a GPU run.
 
   scripts/gpu_check.sh --out /tmp/gpu_check          # on the H200
   scripts/gpu_check.sh --out /tmp/smoke --cpu-smoke  # anywhere, < 1 minute
@@ -42,6 +47,12 @@ _BUDGET_S = flags.DEFINE_float("budget_s", 450.0,
                                "stop starting new measurements after this many seconds")
 _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 790.0, "measured bf16 matmul peak, TFLOP/s")
 _PEAK_TBPS = flags.DEFINE_float("peak_tbps", 4.3, "measured HBM bandwidth, TB/s")
+_IMPLS = flags.DEFINE_list("impls", ["pallas_gpu", "triton", "mosaic_gpu"],
+                           "GPU attention implementations to check and time")
+_RECORD = flags.DEFINE_string("record", None, "verified-kernel record file (default: "
+                              "pallas_kernels.verified.local_path())")
+
+DATASHEET_TBPS = 4.8  # H200 HBM3e
 
 LLAMA8B_HEADS = (32, 8, 128)  # Hq, Hkv, D
 TARGETS = dict(prefill_tflops=430.0, decode_tbps_fraction=0.8)  # issue 16, H200
@@ -54,6 +65,8 @@ class CheckConfig:
     budget_s: float
     peak_tflops: float
     peak_tbps: float
+    impls: tuple[str, ...] = ("pallas_gpu", "triton", "mosaic_gpu")
+    record: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,6 +182,14 @@ def environment(cfg: CheckConfig, seen: list[warnings.WarningMessage]) -> dict:
     except Exception as e:  # noqa: BLE001 - versions are a nicety
         env["packages"] = f"unavailable: {e}"
     env["warnings"] = sorted({f"{w.category.__name__}: {w.message}" for w in seen})
+    from pallas_kernels import backends, resolve_impl
+
+    env["attention"] = dict(
+        pallas_triton=backends.pallas_triton_state(),
+        triton=backends.triton_unavailable() or "available",
+        mosaic_gpu=backends.mosaic_gpu_unavailable() or "available",
+        auto_mixed=resolve_impl("auto", head_dim=128, block_size=16, max_q_len=None),
+        auto_decode=resolve_impl("auto", head_dim=128, block_size=16, max_q_len=1))
     on_gpu = jax.default_backend() == "gpu"
     env["ok"] = cfg.cpu_smoke or on_gpu
     if not env["ok"]:
@@ -226,6 +247,41 @@ def _runs(cfg: CheckConfig, tiling: str) -> bool:
     return not cfg.cpu_smoke or tiling == "default"
 
 
+def _impl_fn(impl: str, cfg: CheckConfig, max_q_len: int | None):
+    """The public entry point for `impl`, jitted (its default plan)."""
+    import functools
+
+    import jax
+
+    from pallas_kernels import ragged_paged_attention
+
+    return jax.jit(functools.partial(ragged_paged_attention, impl=impl,
+                                     interpret=cfg.cpu_smoke, max_q_len=max_q_len))
+
+
+def _impl_skip(impl: str, cfg: CheckConfig, kind: str) -> str | None:
+    """Why `impl` does not run a `kind` case here, or None."""
+    if impl == "mosaic_gpu" and kind != "decode":
+        return "mosaic_gpu serves decode-only batches"
+    if impl == "mosaic_gpu" and cfg.cpu_smoke:
+        return "mosaic_gpu has no interpret mode (GPU only)"
+    from pallas_kernels import backends
+
+    if impl == "triton" and not cfg.cpu_smoke and backends.triton_unavailable():
+        return backends.triton_unavailable()
+    if impl == "mosaic_gpu" and backends.mosaic_gpu_unavailable():
+        return backends.mosaic_gpu_unavailable()
+    return None
+
+
+def _compare(out, ref, real: int) -> dict:
+    import numpy as np
+
+    err = np.abs(out[:real] - ref[:real]) / (1 + np.abs(ref[:real]))
+    return dict(nan=bool(np.isnan(out).any()), padding_exact_zero=bool((out[real:] == 0).all()),
+                max_rel_err=float(np.nanmax(err)) if err.size else 0.0)
+
+
 def correctness(cfg: CheckConfig) -> dict:
     import jax.numpy as jnp
     import numpy as np
@@ -249,18 +305,51 @@ def correctness(cfg: CheckConfig) -> dict:
                          max_q_len=1 if name.startswith("decode") else None)
             if not _runs(cfg, tiling):
                 continue
+            if "pallas_gpu" not in cfg.impls:
+                break
             out = np.asarray(_kernel(plan, heads[2], cfg.cpu_smoke)(*batch.args()), np.float32)
-            err = np.abs(out[:real] - ref[:real]) / (1 + np.abs(ref[:real]))
-            row = dict(case=name, tiling=tiling, dtype=dtype, seed=seed,
+            row = dict(impl="pallas_gpu", case=name, tiling=tiling, dtype=dtype, seed=seed,
                        num_splits=plan.num_splits, rows=plan.rows,
-                       nan=bool(np.isnan(out).any()),
-                       padding_exact_zero=bool((out[real:] == 0).all()),
-                       max_rel_err=float(np.nanmax(err)) if err.size else 0.0,
-                       tolerance=tolerances[dtype])
+                       tolerance=tolerances[dtype], **_compare(out, ref, real))
             row["ok"] = (not row["nan"] and row["padding_exact_zero"]
                          and row["max_rel_err"] <= row["tolerance"])
             rows.append(row)
-    return dict(ok=all(r["ok"] for r in rows), rows=rows)
+        kind = "decode" if name.startswith("decode") else "mixed"
+        for impl in (i for i in cfg.impls if i != "pallas_gpu"):
+            row = dict(impl=impl, case=name, tiling="default", dtype=dtype, seed=seed,
+                       tolerance=tolerances[dtype])
+            skip = _impl_skip(impl, cfg, kind)
+            if skip:
+                rows.append(row | dict(skipped=skip))
+                continue
+            try:
+                fn = _impl_fn(impl, cfg, 1 if kind == "decode" else None)
+                out = np.asarray(fn(*batch.args()), np.float32)
+            except Exception as e:  # noqa: BLE001 - a kernel that fails is a result
+                rows.append(row | dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                continue
+            row.update(_compare(out, ref, real))
+            row["ok"] = (not row["nan"] and row["padding_exact_zero"]
+                         and row["max_rel_err"] <= row["tolerance"])
+            rows.append(row)
+    ran = [r for r in rows if "skipped" not in r]
+    section = dict(ok=all(r["ok"] for r in ran), rows=rows)
+    if not cfg.cpu_smoke:
+        section["recorded"] = record_verified(cfg, ran)
+    return section
+
+
+def record_verified(cfg: CheckConfig, rows: list[dict]) -> list[dict]:
+    """Records every implementation whose cases all passed on this GPU (`verified`)."""
+    from pallas_kernels import backends, verified
+
+    done = []
+    for impl in sorted({r["impl"] for r in rows}):
+        mine = [r for r in rows if r["impl"] == impl]
+        if mine and all(r["ok"] for r in mine):
+            done.append(verified.record_pass(impl, backends.device_kind(), cases=len(mine),
+                                             path=cfg.record))
+    return done
 
 
 def kernel_table(cfg: CheckConfig, report: Report) -> dict:
@@ -278,10 +367,15 @@ def kernel_table(cfg: CheckConfig, report: Report) -> dict:
                                           key=jax.random.key(i))
         flops, kv_bytes = testing.attention_work(list(case.seqs), num_heads=hq,
                                                  num_kv_heads=hkv, head_dim=d, itemsize=2)
-        for tiling, tuning in tilings(case.kind).items():
-            row = dict(case=case.name, kind=case.kind, tiling=tiling, tuning=tuning)
-            if report.elapsed() > cfg.budget_s:
-                rows.append(row | dict(skipped="time budget spent"))
+        runs = [("pallas_gpu", t, tuning) for t, tuning in tilings(case.kind).items()
+                if "pallas_gpu" in cfg.impls]
+        runs += [(impl, "default", {}) for impl in cfg.impls if impl != "pallas_gpu"]
+        for impl, tiling, tuning in runs:
+            row = dict(impl=impl, case=case.name, kind=case.kind, tiling=tiling, tuning=tuning)
+            skip = "time budget spent" if report.elapsed() > cfg.budget_s else None
+            skip = skip or (None if impl == "pallas_gpu" else _impl_skip(impl, cfg, case.kind))
+            if skip:
+                rows.append(row | dict(skipped=skip))
                 continue
             try:
                 plan = _plan(heads=case.heads, block_size=case.block_size, tuning=tuning,
@@ -290,12 +384,14 @@ def kernel_table(cfg: CheckConfig, report: Report) -> dict:
                     rows.append(row | dict(skipped="cpu smoke: plan built, not run"))
                     continue
                 warmup, iters = (0, 1) if cfg.cpu_smoke else (2, 10)
-                ms = testing.time_ms(_kernel(plan, d, cfg.cpu_smoke), batch.args(),
-                                     warmup=warmup, iters=iters)
+                fn = (_kernel(plan, d, cfg.cpu_smoke) if impl == "pallas_gpu"
+                      else _impl_fn(impl, cfg, case.max_q_len))
+                ms = testing.time_ms(fn, batch.args(), warmup=warmup, iters=iters)
             except Exception as e:  # noqa: BLE001 - a tiling that fails is a result
                 rows.append(row | dict(error=f"{type(e).__name__}: {str(e)[:300]}"))
                 continue
             row.update(ms=ms, tflops=flops / ms / 1e9, tbps=kv_bytes / ms / 1e9,
+                       of_datasheet_bw=kv_bytes / ms / 1e9 / DATASHEET_TBPS,
                        rows=plan.rows, block_k=plan.tiles.block_k, num_splits=plan.num_splits,
                        num_warps=plan.num_warps, num_stages=plan.num_stages)
             if case.kind == "prefill":
@@ -306,7 +402,7 @@ def kernel_table(cfg: CheckConfig, report: Report) -> dict:
                 row["target"] = f">= {goal:.2f} TB/s"
                 row["meets_target"] = row["tbps"] >= goal
             rows.append(row)
-            print(f"  {case.name:22s} {tiling:12s} {ms:9.3f} ms", flush=True)
+            print(f"  {case.name:22s} {impl:11s} {tiling:12s} {ms:9.3f} ms", flush=True)
             # Written row by row: a run cut short by the time limit keeps what it measured.
             report.add("kernel_table", dict(ok=True, partial=True, rows=rows))
         del batch
@@ -349,14 +445,17 @@ def to_markdown(sections: dict[str, dict]) -> str:
         elif name == "gpu_tests":
             out += [f"`{s.get('command', '')}`: {s.get('counts', {})}", ""]
         elif name == "correctness":
-            out += [_table(s.get("rows", []), ["case", "tiling", "dtype", "num_splits",
+            out += [_table(s.get("rows", []), ["impl", "case", "tiling", "dtype", "num_splits",
                                                "max_rel_err", "tolerance", "nan",
-                                               "padding_exact_zero", "ok"]), ""]
-        elif name == "kernel_table":
-            out += [_table(s.get("rows", []), ["case", "tiling", "ms", "tflops", "tbps",
-                                               "rows", "block_k", "num_splits", "num_stages",
-                                               "target", "meets_target", "error",
+                                               "padding_exact_zero", "ok", "error",
                                                "skipped"]), ""]
+            out += [f"- recorded as verified: {r['impl']} on {r['device_kind']}"
+                    for r in s.get("recorded", [])] + [""]
+        elif name == "kernel_table":
+            out += [_table(s.get("rows", []), ["impl", "case", "tiling", "ms", "tflops", "tbps",
+                                               "of_datasheet_bw", "rows", "block_k",
+                                               "num_splits", "num_stages", "target",
+                                               "meets_target", "error", "skipped"]), ""]
         elif name == "end_to_end":
             out += [_table(s.get("rows", []), ["part", "arm", "requests", "users", "wall_s",
                                                "prefill_tok_s", "output_tok_s", "ttft_p50_s",
@@ -371,7 +470,8 @@ def main(argv):
     if not _OUT.value:
         raise app.UsageError("--out DIR is required")
     cfg = CheckConfig(out=_OUT.value, cpu_smoke=_CPU_SMOKE.value, budget_s=_BUDGET_S.value,
-                      peak_tflops=_PEAK_TFLOPS.value, peak_tbps=_PEAK_TBPS.value)
+                      peak_tflops=_PEAK_TFLOPS.value, peak_tbps=_PEAK_TBPS.value,
+                      impls=tuple(_IMPLS.value), record=_RECORD.value)
     if cfg.cpu_smoke:
         os.environ["JAX_PLATFORMS"] = "cpu"
     report = Report(cfg)
