@@ -1,5 +1,6 @@
 """Public entry point: input validation and dispatch to an implementation."""
 
+import dataclasses
 import importlib.util
 
 import jax
@@ -10,6 +11,7 @@ from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import pallas_gpu
 from pallas_kernels import plan as plan_lib
 from pallas_kernels.errors import KernelArgumentError
+from pallas_kernels.options import AttentionOptions
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.xla import ragged_paged_attention_xla
 
@@ -54,6 +56,36 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs
                  f"expected an integer dtype, got {x.dtype}")
 
 
+def _options(sliding_window, logit_softcap, k_scale, v_scale) -> AttentionOptions:
+    """Validates the optional semantics and returns them as device scalars."""
+    if sliding_window is not None:
+        _require(jnp.ndim(sliding_window) == 0, "sliding_window",
+                 f"expected a scalar, got shape {jnp.shape(sliding_window)}")
+        _require(jnp.issubdtype(jnp.result_type(sliding_window), jnp.integer),
+                 "sliding_window", f"expected an integer, got {sliding_window!r}")
+        if isinstance(sliding_window, int):
+            _require(sliding_window >= 1, "sliding_window",
+                     f"expected a window of at least 1 key, got {sliding_window}")
+        sliding_window = jnp.asarray(sliding_window, jnp.int32)
+    if logit_softcap is not None:
+        _require(isinstance(logit_softcap, (int, float)) and logit_softcap > 0,
+                 "logit_softcap", f"expected a positive Python float, got {logit_softcap!r}")
+        logit_softcap = float(logit_softcap)
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None:
+            _require(jnp.ndim(scale) == 0, name, f"expected a scalar, got shape {jnp.shape(scale)}")
+            scale = jnp.asarray(scale, jnp.float32)
+        scales.append(scale)
+    return AttentionOptions(sliding_window=sliding_window, logit_softcap=logit_softcap,
+                            k_scale=scales[0], v_scale=scales[1])
+
+
+def _plain(opts: AttentionOptions) -> bool:
+    """No option past plain causal attention (what the Pallas GPU kernel supports today)."""
+    return all(getattr(opts, f.name) is None for f in dataclasses.fields(opts))
+
+
 def _gpu_can_tile(head_dim: int, block_size: int) -> bool:
     return (plan_lib.is_pow2(head_dim) and head_dim >= gpu_plan_lib.MIN_DOT
             and plan_lib.is_pow2(block_size))
@@ -67,7 +99,8 @@ def _validate_gpu_shapes(q, k_pages, impl: str):
              f'impl="{impl}" needs a power-of-two block_size, got {page_size}')
 
 
-def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None) -> str:
+def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
+                 plain: bool = True) -> str:
     """The implementation a call with these shapes runs: `impl` itself, or what "auto"
     picks on this machine's default backend (see `backends.resolve`).
 
@@ -75,16 +108,18 @@ def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | 
         impl: one of `IMPLS`.
         head_dim, block_size: D and the cache's page size.
         max_q_len: the static chunk bound (1: a decode-only batch); None if unknown.
+        plain: no sliding_window, logit_softcap or k/v scales (the kernels that lack
+            them are picked only for plain calls).
     """
     _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
     if impl != "auto":
         return impl
     return backends.resolve(on_gpu=jax.default_backend() == "gpu",
                             can_tile=_gpu_can_tile(head_dim, block_size),
-                            decode_only=max_q_len == 1)
+                            decode_only=max_q_len == 1, plain=plain)
 
 
-def _triton(*args, interpret: bool):
+def _triton(*args, opts: AttentionOptions, interpret: bool):
     if interpret:
         missing = [m for m in ("triton", "torch") if importlib.util.find_spec(m) is None]
         _require(not missing, "interpret",
@@ -95,15 +130,19 @@ def _triton(*args, interpret: bool):
         _require(reason is None, "impl", f'impl="triton" cannot launch here: {reason}')
     from pallas_kernels import triton_gpu
 
-    return triton_gpu.ragged_paged_attention_triton(*args, interpret=interpret)
+    return triton_gpu.ragged_paged_attention_triton(
+        *args, sliding_window=opts.sliding_window, logit_softcap=opts.logit_softcap,
+        k_scale=opts.k_scale, v_scale=opts.v_scale, interpret=interpret)
 
 
-def _mosaic_gpu(*args, interpret: bool, max_q_len: int):
+def _mosaic_gpu(*args, opts: AttentionOptions, interpret: bool, max_q_len: int):
     _require(not interpret, "interpret",
              'impl="mosaic_gpu" has no interpret mode: Mosaic GPU kernels run only on a GPU '
              "(scripts/gpu_check.sh checks them against the oracle there)")
     _require(max_q_len == 1, "max_q_len",
              f'impl="mosaic_gpu" serves decode-only batches (max_q_len=1), got {max_q_len}')
+    _require(_plain(opts), "impl", 'impl="mosaic_gpu" does not support sliding_window, '
+             'logit_softcap or k_scale/v_scale; use impl="triton"')
     reason = backends.mosaic_gpu_unavailable()
     _require(reason is None, "impl", f'impl="mosaic_gpu" cannot be built here: {reason}')
     from pallas_kernels import mosaic_gpu
@@ -121,6 +160,10 @@ def ragged_paged_attention(
     num_seqs: jax.Array | int,  # scalar int32, traced
     *,
     sm_scale: float | None = None,
+    sliding_window: jax.Array | int | None = None,
+    logit_softcap: float | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
     impl: str = "auto",
     interpret: bool = False,
     max_q_len: int | None = None,
@@ -139,6 +182,14 @@ def ragged_paged_attention(
         num_seqs: how many of the S sequence rows are real; traced, so it never
             causes a recompile.
         sm_scale: softmax scale; defaults to `D ** -0.5`.
+        sliding_window: None (full causal), or an integer scalar >= 1, traced or not
+            (one executable serves every layer): a row at absolute position p sees
+            keys `p - sliding_window < k <= p`.
+        logit_softcap: None, or a positive float (static): scores after `sm_scale`
+            become `cap * tanh(s / cap)` before masking.
+        k_scale, v_scale: None, or float32 scalars (traced or not): the pages hold
+            `value / scale` (e.g. float8_e4m3fn pages); attention reads
+            `float32(page) * scale`.
         impl: "reference" (host-side oracle, not for jit), "xla", "pallas_gpu"
             (Pallas-Triton), "triton" (a Triton kernel through jax_triton),
             "mosaic_gpu" (decode-only batches), or "auto" (`resolve_impl`: a GPU
@@ -155,6 +206,7 @@ def ragged_paged_attention(
         The attention output `[T, Hq, D]` in q's dtype.
     """
     _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, impl)
+    opts = _options(sliding_window, logit_softcap, k_scale, v_scale)
     t, _, d = q.shape
     if sm_scale is None:
         sm_scale = d**-0.5
@@ -164,10 +216,13 @@ def ragged_paged_attention(
         raise KernelArgumentError("max_q_len",
                                   f"expected a positive int, got {max_q_len!r}")
     max_q_len = min(max_q_len, t)
-    impl = resolve_impl(impl, head_dim=d, block_size=k_pages.shape[1], max_q_len=max_q_len)
+    impl = resolve_impl(impl, head_dim=d, block_size=k_pages.shape[1], max_q_len=max_q_len,
+                        plain=_plain(opts))
     if impl == "reference":
         return ragged_paged_attention_reference(
-            q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale)
+            q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,
+            sliding_window=sliding_window, logit_softcap=opts.logit_softcap,
+            k_scale=k_scale, v_scale=v_scale)
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
@@ -180,14 +235,17 @@ def ragged_paged_attention(
             max_blocks=block_tables.shape[1], max_q_len=max_q_len, itemsize=q.dtype.itemsize)
         args = (q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,
                 plan)
-        if impl == "pallas_gpu":
-            return pallas_gpu.ragged_paged_attention_pallas_gpu(*args, interpret=interpret)
         if impl == "triton":
-            return _triton(*args, interpret=interpret)
-        return _mosaic_gpu(*args, interpret=interpret, max_q_len=max_q_len)
+            return _triton(*args, opts=opts, interpret=interpret)
+        if impl == "mosaic_gpu":
+            return _mosaic_gpu(*args, opts=opts, interpret=interpret, max_q_len=max_q_len)
+        _require(_plain(opts), "impl", 'impl="pallas_gpu" does not support sliding_window, '
+                 "logit_softcap or k_scale/v_scale yet; use impl=\"xla\" or \"triton\"")
+        return pallas_gpu.ragged_paged_attention_pallas_gpu(*args, interpret=interpret)
     tiles = plan_lib.make_plan(
         num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
         max_blocks=block_tables.shape[1], max_q_len=max_q_len, block_q=XLA_BLOCK_Q,
         block_k=XLA_DECODE_BLOCK_K if max_q_len == 1 else XLA_BLOCK_K)
     return ragged_paged_attention_xla(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, tiles)
+        q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, tiles,
+        opts)

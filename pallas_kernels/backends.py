@@ -12,10 +12,12 @@ The GPU implementations and what each needs:
 |              |                                                              | GPU run is recorded |
 
 "auto" on a GPU (`resolve`), for shapes the GPU kernels tile:
-1. a decode-only batch takes "mosaic_gpu" once a GPU run of this very kernel passed the
-   oracle on this kind of device and jax (`verified.has_passed`);
-2. "pallas_gpu" while Pallas' Triton backend exists and is not deprecated;
-3. "triton" when triton and jax_triton are installed;
+1. a plain decode-only batch takes "mosaic_gpu" once a GPU run of this very kernel
+   passed the oracle on this kind of device and jax (`verified.has_passed`);
+2. a plain batch takes "pallas_gpu" while Pallas' Triton backend exists and is not
+   deprecated ("plain": no sliding window, soft-cap or k/v scales, which these two
+   kernels lack);
+3. "triton" (every option) when triton and jax_triton can launch;
 4. otherwise "xla". "auto" never selects a deprecated backend, so our call sites never
    emit the `jax-pallas-triton` warning (an explicit `impl="pallas_gpu"` still may).
 Off the GPU, "auto" is "xla".
@@ -79,7 +81,7 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def resolve(*, on_gpu: bool, can_tile: bool, decode_only: bool,
+def resolve(*, on_gpu: bool, can_tile: bool, decode_only: bool, plain: bool = True,
             kind: str | None = None) -> str:
     """The implementation "auto" runs.
 
@@ -87,14 +89,15 @@ def resolve(*, on_gpu: bool, can_tile: bool, decode_only: bool,
         on_gpu: the default backend is a GPU.
         can_tile: the head dim and block size are ones the GPU kernels tile.
         decode_only: the batch is decode-only (`max_q_len == 1`).
+        plain: no sliding window, soft-cap or k/v scales.
         kind: the device kind, for the Mosaic GPU record (defaults to the device's).
     """
     if not (on_gpu and can_tile):
         return "xla"
-    if decode_only and mosaic_gpu_unavailable() is None and verified.has_passed(
+    if plain and decode_only and mosaic_gpu_unavailable() is None and verified.has_passed(
             "mosaic_gpu", kind or device_kind()):
         return "mosaic_gpu"
-    if pallas_triton_state() == "current":
+    if plain and pallas_triton_state() == "current":
         return "pallas_gpu"
     if triton_unavailable() is None:
         return "triton"

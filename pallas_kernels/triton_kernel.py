@@ -59,8 +59,8 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
 
 
 @triton.jit
-def _kv_step(q, m, l, acc, ids, step, k_ptr, v_ptr, tables_ptr, seq, h, pos, kv_len, window,
-             qk_scale, offs_k, offs_d, BLOCK_K: tl.constexpr, PAGE: tl.constexpr,
+def _kv_step(q, m, l, acc, ids, step, k_ptr, v_ptr, tables_ptr, seq, h, pos, kv_len, key_lo,
+             window, qk_scale, offs_k, offs_d, BLOCK_K: tl.constexpr, PAGE: tl.constexpr,
              COLS: tl.constexpr, NUM_BLOCKS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
              HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
              SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
@@ -71,8 +71,8 @@ def _kv_step(q, m, l, acc, ids, step, k_ptr, v_ptr, tables_ptr, seq, h, pos, kv_
     slot = ids.to(tl.int64) * PAGE + keys % PAGE  # [BK] cache slot of each key
     ptrs = (slot * NUM_KV_HEADS + h) * HEAD_DIM  # [BK] int64
     ptrs = ptrs[:, None] + offs_d[None, :]  # [BK, D]
-    if MASKED:  # keys past kv_len are never read (their pages may hold NaN)
-        key_ok = keys < kv_len
+    if MASKED:  # keys no row sees are never read (past kv_len or before every window: NaN ok)
+        key_ok = (keys < kv_len) & (keys >= key_lo)
         k = tl.load(k_ptr + ptrs, mask=key_ok[:, None], other=0.0)
         v = tl.load(v_ptr + ptrs, mask=key_ok[:, None], other=0.0)
     else:
@@ -143,9 +143,11 @@ def ragged_paged_attention_kernel(
     total = tl.where(n_rows > 0, tl.cdiv(last_pos + 1, BLOCK_K), 0)
     diagonal = tl.minimum((first_pos + 1) // BLOCK_K, total)  # steps before it: all rows see all
     if HAS_WINDOW:
-        start = tl.maximum(first_pos - window + 1, 0) // BLOCK_K
+        key_lo = tl.maximum(first_pos - window + 1, 0)  # the oldest key any row sees
+        start = key_lo // BLOCK_K
         inside = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_K)  # from here: in every window
     else:
+        key_lo = 0
         start = 0
         inside = 0
     ways = 1 + (NUM_SPLITS - 1) * is_split.to(tl.int32)
@@ -173,19 +175,19 @@ def ragged_paged_attention_kernel(
     ids = _page_ids(tables_ptr, seq, lo, offs_k, BLOCK_K, PAGE, COLS, NUM_BLOCKS)
     for i in range(lo, edge):
         m, l, acc, ids = _kv_step(q, m, l, acc, ids, i, k_ptr, v_ptr, tables_ptr, seq, h, pos,
-                                  kv_len, window, qk_scale, offs_k, offs_d, BLOCK_K, PAGE, COLS,
-                                  NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
-                                  SOFTCAP, PRECISION, UPCAST_DOTS, True)
+                                  kv_len, key_lo, window, qk_scale, offs_k, offs_d, BLOCK_K,
+                                  PAGE, COLS, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, HAS_WINDOW,
+                                  HAS_SOFTCAP, SOFTCAP, PRECISION, UPCAST_DOTS, True)
     for i in range(edge, mid):
         m, l, acc, ids = _kv_step(q, m, l, acc, ids, i, k_ptr, v_ptr, tables_ptr, seq, h, pos,
-                                  kv_len, window, qk_scale, offs_k, offs_d, BLOCK_K, PAGE, COLS,
-                                  NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
-                                  SOFTCAP, PRECISION, UPCAST_DOTS, False)
+                                  kv_len, key_lo, window, qk_scale, offs_k, offs_d, BLOCK_K,
+                                  PAGE, COLS, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, HAS_WINDOW,
+                                  HAS_SOFTCAP, SOFTCAP, PRECISION, UPCAST_DOTS, False)
     for i in range(mid, hi):
         m, l, acc, ids = _kv_step(q, m, l, acc, ids, i, k_ptr, v_ptr, tables_ptr, seq, h, pos,
-                                  kv_len, window, qk_scale, offs_k, offs_d, BLOCK_K, PAGE, COLS,
-                                  NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, HAS_WINDOW, HAS_SOFTCAP,
-                                  SOFTCAP, PRECISION, UPCAST_DOTS, True)
+                                  kv_len, key_lo, window, qk_scale, offs_k, offs_d, BLOCK_K,
+                                  PAGE, COLS, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, HAS_WINDOW,
+                                  HAS_SOFTCAP, SOFTCAP, PRECISION, UPCAST_DOTS, True)
 
     acc = acc * v_scale
     # NOTE: scalar conditions gate row counts, not masks: Triton's interpreter (3.9) turns

@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 from pallas_kernels import KernelArgumentError, backends, ragged_paged_attention, resolve_impl
 from pallas_kernels.testing import make_batch
 from test_kernels_attention import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
+from test_kernels_options import FP8, FP8_MAX, _nan_outside_windows
+from test_kernels_options import attention as attention_with_options
 
 _MISSING = [m for m in ("triton", "torch") if importlib.util.find_spec(m) is None]
 needs_interpreter = pytest.mark.skipif(
@@ -77,6 +79,63 @@ def test_interpreted_long_chunk_and_odd_group():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@settings(max_examples=3)
+@given(data=st.data())
+def test_interpreted_window_and_softcap_match_reference(dtype, data):
+    # A traced window (one executable for every layer's window), the soft-cap, and NaN in
+    # every key before all of a sequence's windows: such keys are never read.
+    layout = LAYOUTS[2]
+    batch = draw_batch(data, layout, dtype, num_tokens=24, seq_bucket=4, max_seqs=3,
+                       max_kv=40)
+    window = data.draw(st.integers(1, 30), label="window")
+    softcap = data.draw(st.sampled_from([None, 0.5]), label="softcap")
+    k, v = _nan_outside_windows(batch, window, layout[3])
+    args = (batch.q, k, v, *batch.args()[3:])
+    out = attention_with_options(*args, sliding_window=jnp.int32(window),
+                                 logit_softcap=softcap, impl="triton", interpret=True)
+    ref = ragged_paged_attention(*args, sliding_window=window, logit_softcap=softcap,
+                                 impl="reference")
+    out32 = np.asarray(out, np.float32)
+    assert not np.isnan(out32).any()
+    np.testing.assert_array_equal(out32[int(batch.cu_seqlens_q[batch.num_seqs]):], 0.0)
+    np.testing.assert_allclose(out32, np.asarray(ref, np.float32), **TOLERANCES[dtype])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_interpreted_fp8_pages_with_scales(dtype):
+    # float8_e4m3fn pages with traced k/v scales, mixed chunks and decode rows, a window
+    # and split-K decode (max_q_len=1) too; NaN past kv_len survives the cast and stays out.
+    base = make_batch([(5, 40), (1, 70), (0, 3), (1, 9), (12, 12)], num_heads=8,
+                      num_kv_heads=2, head_dim=64, block_size=8, num_tokens=20, seq_bucket=6,
+                      dtype=dtype, seed=21)
+    ks, vs = 0.05, 0.25
+    kq = jnp.clip(base.k_pages.astype(jnp.float32) / ks, -FP8_MAX, FP8_MAX).astype(FP8)
+    vq = jnp.clip(base.v_pages.astype(jnp.float32) / vs, -FP8_MAX, FP8_MAX).astype(FP8)
+    args = (base.q, kq, vq, *base.args()[3:])
+    for options in (dict(), dict(sliding_window=jnp.int32(7), logit_softcap=2.0)):
+        out = attention_with_options(*args, k_scale=jnp.float32(ks), v_scale=jnp.float32(vs),
+                                     impl="triton", interpret=True, **options)
+        ref = ragged_paged_attention(*args, k_scale=ks, v_scale=vs, impl="reference",
+                                     **{k: int(v) if k == "sliding_window" else v
+                                        for k, v in options.items()})
+        out32 = np.asarray(out, np.float32)
+        assert not np.isnan(out32).any()
+        np.testing.assert_allclose(out32, np.asarray(ref, np.float32), **TOLERANCES[dtype])
+    decode = make_batch([(1, 70), (1, 3), (1, 33)], num_heads=8, num_kv_heads=2, head_dim=64,
+                        block_size=8, num_tokens=4, seq_bucket=4, dtype=dtype, seed=22)
+    kq = jnp.clip(decode.k_pages.astype(jnp.float32) / ks, -FP8_MAX, FP8_MAX).astype(FP8)
+    vq = jnp.clip(decode.v_pages.astype(jnp.float32) / vs, -FP8_MAX, FP8_MAX).astype(FP8)
+    args = (decode.q, kq, vq, *decode.args()[3:])
+    out = attention_with_options(*args, k_scale=jnp.float32(ks), v_scale=jnp.float32(vs),
+                                 impl="triton", interpret=True, max_q_len=1)
+    ref = ragged_paged_attention(*args, k_scale=ks, v_scale=vs, impl="reference")
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               **TOLERANCES[dtype])
+
+
+@needs_interpreter
 def test_interpreter_failure_is_reported():
     # A kernel error comes back with the interpreter's traceback, not as garbage output.
     from pallas_kernels import triton_interpret
@@ -101,13 +160,21 @@ def test_auto_resolution_follows_what_is_installed(monkeypatch):
         assert backends.resolve(decode_only=False, **on_gpu) == expected
     # Shapes the GPU kernels cannot tile stay on xla.
     assert backends.resolve(on_gpu=True, can_tile=False, decode_only=False) == "xla"
+    # Windows, soft-caps and scales go to the kernel that has them (or xla).
+    monkeypatch.setattr(backends, "pallas_triton_state", lambda: "current")
+    monkeypatch.setattr(backends, "triton_unavailable", lambda: None)
+    assert backends.resolve(decode_only=False, plain=False, **on_gpu) == "triton"
+    monkeypatch.setattr(backends, "triton_unavailable", lambda: "not installed")
+    assert backends.resolve(decode_only=False, plain=False, **on_gpu) == "xla"
     # Mosaic GPU serves decode-only batches once a GPU run of it passed here.
+    monkeypatch.setattr(backends, "pallas_triton_state", lambda: "deprecated")
     monkeypatch.setattr(backends, "triton_unavailable", lambda: None)
     monkeypatch.setattr(backends, "mosaic_gpu_unavailable", lambda: None)
     assert backends.resolve(decode_only=True, **on_gpu) == "triton"
     monkeypatch.setattr(backends.verified, "has_passed",
                         lambda impl, kind, path=None: impl == "mosaic_gpu")
     assert backends.resolve(decode_only=True, **on_gpu) == "mosaic_gpu"
+    assert backends.resolve(decode_only=True, plain=False, **on_gpu) == "triton"
     assert backends.resolve(decode_only=False, **on_gpu) == "triton"
 
 
