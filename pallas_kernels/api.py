@@ -100,7 +100,8 @@ def _validate_gpu_shapes(q, k_pages, impl: str):
 
 
 def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
-                 plain: bool = True) -> str:
+                 plain: bool = True, dtype=jnp.bfloat16, kv_dtype=None, num_heads: int = 1,
+                 num_kv_heads: int = 1) -> str:
     """The implementation a call with these shapes runs: `impl` itself, or what "auto"
     picks on this machine's default backend (see `backends.resolve`).
 
@@ -110,13 +111,18 @@ def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | 
         max_q_len: the static chunk bound (1: a decode-only batch); None if unknown.
         plain: no sliding_window, logit_softcap or k/v scales (the kernels that lack
             them are picked only for plain calls).
+        dtype, kv_dtype, num_heads, num_kv_heads: q's and the pages' dtypes (kv_dtype
+            defaults to dtype), Hq and Hkv: what the Mosaic GPU kernel takes.
     """
     _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
     if impl != "auto":
         return impl
-    return backends.resolve(on_gpu=jax.default_backend() == "gpu",
-                            can_tile=_gpu_can_tile(head_dim, block_size),
-                            decode_only=max_q_len == 1, plain=plain)
+    on_gpu = jax.default_backend() == "gpu"
+    mosaic_ok = on_gpu and max_q_len == 1 and backends.mosaic_gpu_unsupported(
+        head_dim=head_dim, block_size=block_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, dtype=dtype, kv_dtype=kv_dtype or dtype) is None
+    return backends.resolve(on_gpu=on_gpu, can_tile=_gpu_can_tile(head_dim, block_size),
+                            decode_only=mosaic_ok, plain=plain)
 
 
 def _triton(*args, opts: AttentionOptions, interpret: bool):
@@ -145,6 +151,11 @@ def _mosaic_gpu(*args, opts: AttentionOptions, interpret: bool, max_q_len: int):
              'logit_softcap or k_scale/v_scale; use impl="triton"')
     reason = backends.mosaic_gpu_unavailable()
     _require(reason is None, "impl", f'impl="mosaic_gpu" cannot be built here: {reason}')
+    q, k_pages = args[0], args[1]
+    reason = backends.mosaic_gpu_unsupported(
+        head_dim=q.shape[2], block_size=k_pages.shape[1], num_heads=q.shape[1],
+        num_kv_heads=k_pages.shape[2], dtype=q.dtype, kv_dtype=k_pages.dtype)
+    _require(reason is None, "q", f'impl="mosaic_gpu": {reason}')
     from pallas_kernels import mosaic_gpu
 
     return mosaic_gpu.ragged_paged_attention_mosaic_gpu(*args)
@@ -217,7 +228,8 @@ def ragged_paged_attention(
                                   f"expected a positive int, got {max_q_len!r}")
     max_q_len = min(max_q_len, t)
     impl = resolve_impl(impl, head_dim=d, block_size=k_pages.shape[1], max_q_len=max_q_len,
-                        plain=_plain(opts))
+                        plain=_plain(opts), dtype=q.dtype, kv_dtype=k_pages.dtype,
+                        num_heads=q.shape[1], num_kv_heads=k_pages.shape[2])
     if impl == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,

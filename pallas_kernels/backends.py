@@ -76,6 +76,17 @@ def mosaic_gpu_unavailable() -> str | None:
     return None
 
 
+def mosaic_gpu_unsupported(**shapes) -> str | None:
+    """Why the Mosaic GPU kernel cannot take these shapes (`mosaic_gpu.unsupported`), or
+    None; also when this jax has no Mosaic GPU backend."""
+    reason = mosaic_gpu_unavailable()
+    if reason is not None:
+        return reason
+    from pallas_kernels import mosaic_gpu
+
+    return mosaic_gpu.unsupported(**shapes)
+
+
 def device_kind() -> str:
     """The default device's kind, e.g. "NVIDIA H200" (what GPU records are keyed by)."""
     return jax.devices()[0].device_kind
@@ -88,7 +99,8 @@ def resolve(*, on_gpu: bool, can_tile: bool, decode_only: bool, plain: bool = Tr
     Args:
         on_gpu: the default backend is a GPU.
         can_tile: the head dim and block size are ones the GPU kernels tile.
-        decode_only: the batch is decode-only (`max_q_len == 1`).
+        decode_only: the batch is decode-only (`max_q_len == 1`) in shapes and dtypes the
+            Mosaic GPU kernel takes.
         plain: no sliding window, soft-cap or k/v scales.
         kind: the device kind, for the Mosaic GPU record (defaults to the device's).
     """

@@ -51,6 +51,25 @@ def _to_numpy(t: torch.Tensor, name: str) -> np.ndarray:
     return t.numpy()
 
 
+def _numpy_scalar_shim() -> None:
+    """Triton < 3.7's interpreter turns a scalar tensor into an index with
+    `int(<1-element array>)`, which numpy >= 2.4 refuses (triton-lang/triton#9171, fixed in
+    3.7 by squeezing first). Same fix, for the worker of such a Triton only."""
+    import triton
+    from triton.runtime import interpreter
+
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    if (major, minor) >= (3, 7):
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
 def _load_kernels():
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_kernel.py")
     spec = importlib.util.spec_from_file_location("triton_kernel_interpreted", path)
@@ -60,6 +79,7 @@ def _load_kernels():
 
 
 def serve(requests, replies) -> None:
+    _numpy_scalar_shim()
     kernels = _load_kernels()
     while True:
         try:

@@ -319,6 +319,8 @@ def correctness(cfg: CheckConfig) -> dict:
             row = dict(impl=impl, case=name, tiling="default", dtype=dtype, seed=seed,
                        tolerance=tolerances[dtype])
             skip = _impl_skip(impl, cfg, kind)
+            if cfg.cpu_smoke and dtype == "float32":  # Triton's interpreter is slow: one case
+                skip = skip or "cpu smoke: the bfloat16 case only"
             if skip:
                 rows.append(row | dict(skipped=skip))
                 continue
@@ -374,6 +376,8 @@ def kernel_table(cfg: CheckConfig, report: Report) -> dict:
             row = dict(impl=impl, case=case.name, kind=case.kind, tiling=tiling, tuning=tuning)
             skip = "time budget spent" if report.elapsed() > cfg.budget_s else None
             skip = skip or (None if impl == "pallas_gpu" else _impl_skip(impl, cfg, case.kind))
+            if cfg.cpu_smoke and impl != "pallas_gpu" and case.kind != "decode":
+                skip = skip or "cpu smoke: the decode case only"  # the interpreter is slow
             if skip:
                 rows.append(row | dict(skipped=skip))
                 continue
@@ -441,6 +445,7 @@ def to_markdown(sections: dict[str, dict]) -> str:
             out += ["```", s["error"], "```", ""]
         if name == "environment" and "jax" in s:
             out += [_table([s], ["python", "jax", "jaxlib", "backend", "devices"]), ""]
+            out += [f"- attention: {s['attention']}"] if "attention" in s else []
             out += [f"- warning: {w}" for w in s.get("warnings", [])] + [""]
         elif name == "gpu_tests":
             out += [f"`{s.get('command', '')}`: {s.get('counts', {})}", ""]
