@@ -2,14 +2,14 @@
 
 The GPU implementations and what each needs:
 
-| impl         | needs                                                        | checked on the CPU  |
-|--------------|--------------------------------------------------------------|---------------------|
-| "pallas_gpu" | Pallas' Triton backend (deprecated by JAX 0.11: it warns     | Pallas interpret    |
-|              | `jax-pallas-triton` whenever a kernel lowers)                 | mode, CUDA lowering |
-| "triton"     | `triton` + `jax_triton`, and a jaxlib with its CUDA plugin    | Triton's interpreter|
-|              | (the plugin registers the custom call that launches kernels) |                     |
-| "mosaic_gpu" | `jax.experimental.pallas.mosaic_gpu`; decode-only batches     | nothing: a passing  |
-|              |                                                              | GPU run is recorded |
+- "pallas_gpu": Pallas' Triton backend (deprecated by JAX 0.11: it warns
+  `jax-pallas-triton` whenever a kernel lowers). On the CPU: Pallas interpret mode and
+  the CUDA lowering.
+- "triton": `triton` + `jax_triton`, and a jaxlib with its CUDA plugin (which registers
+  the custom call that launches Triton kernels; jax-triton 0.3 refuses to import without
+  it). On the CPU: Triton's own interpreter.
+- "mosaic_gpu": `jax.experimental.pallas.mosaic_gpu`; decode-only bf16/f16 batches. On the
+  CPU: the CUDA lowering only; its numbers are trusted once a GPU run has passed.
 
 "auto" on a GPU (`resolve`), for shapes the GPU kernels tile:
 1. a plain decode-only batch takes "mosaic_gpu" once a GPU run of this very kernel

@@ -52,7 +52,8 @@ def unsupported(*, head_dim: int, block_size: int, num_heads: int, num_kv_heads:
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"it computes in bfloat16/float16, got {jnp.dtype(dtype).name}"
     if jnp.dtype(kv_dtype) != jnp.dtype(dtype):
-        return f"pages must have q's dtype ({jnp.dtype(dtype).name}), got {jnp.dtype(kv_dtype).name}"
+        return (f"pages must have q's dtype ({jnp.dtype(dtype).name}), "
+                f"got {jnp.dtype(kv_dtype).name}")
     if head_dim % 64:
         return f"head_dim must be a multiple of 64, got {head_dim}"
     if KEYS_PER_STEP % block_size and block_size % KEYS_PER_STEP:

@@ -8,11 +8,11 @@ GPU launch it stands in for. The interpreter runs in a worker process started wi
    (our kernel, its helpers and Triton's own standard library) into its interpreter's
    `InterpretedFunction`. The worker has it from its start; this process keeps compiling
    kernels for the GPU (`jax_triton`, `scripts/gpu_compile_report.py`) undisturbed.
-2. Each launch sends (to `triton_worker.py`) the kernel's name, grid, input arrays (numpy), output shapes and
-   constexpr parameters over a pipe. The worker makes CPU torch tensors of them (what the
-   interpreter reads; bfloat16 and float8 travel as raw bits), allocates the outputs
-   poisoned with NaN (a row the kernel should have written and did not shows up), runs
-   the grid program by program and sends the outputs back.
+2. Each launch sends the kernel's name, grid, input arrays (numpy), output shapes and
+   constexpr parameters over a pipe to the worker (`triton_worker.py`). It makes CPU
+   torch tensors of them (what the interpreter reads; bfloat16 and float8 travel as raw
+   bits), allocates the outputs poisoned with NaN (a row the kernel should have written
+   and did not shows up), runs the grid program by program and sends the outputs back.
 3. A failure inside the kernel comes back as `TritonInterpreterError` with the worker's
    traceback; a worker that died is restarted at the next launch.
 

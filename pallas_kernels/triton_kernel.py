@@ -145,7 +145,8 @@ def ragged_paged_attention_kernel(
     if HAS_WINDOW:
         key_lo = tl.maximum(first_pos - window + 1, 0)  # the oldest key any row sees
         start = key_lo // BLOCK_K
-        inside = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_K)  # from here: in every window
+        # From this step on, every key is inside every row's window.
+        inside = tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_K)
     else:
         key_lo = 0
         start = 0

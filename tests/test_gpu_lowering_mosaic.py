@@ -12,17 +12,14 @@ import pytest
 
 from pallas_kernels import KernelArgumentError, backends, lowering, ragged_paged_attention
 from pallas_kernels.testing import make_batch
+from test_kernels_pallas_gpu import has_gpu
 
 _UNAVAILABLE = backends.mosaic_gpu_unavailable()
 pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")
 
-try:
-    has_gpu = bool(jax.devices("gpu"))
-except RuntimeError:
-    has_gpu = False
 
-
-def _abstract_args(*, group, head_dim, block_size, num_seqs=16, max_blocks=64, dtype=jnp.bfloat16):
+def _abstract_args(*, group, head_dim, block_size, num_seqs=16, max_blocks=64,
+                   dtype=jnp.bfloat16):
     hkv, i32 = 2, jnp.int32
     pages = (num_seqs * max_blocks, block_size, hkv, head_dim)
     return (jax.ShapeDtypeStruct((num_seqs, hkv * group, head_dim), dtype),

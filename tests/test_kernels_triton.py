@@ -22,10 +22,18 @@ from pallas_kernels.testing import make_batch
 from test_kernels_attention import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
 from test_kernels_options import FP8, FP8_MAX, _nan_outside_windows
 from test_kernels_options import attention as attention_with_options
+from test_kernels_pallas_gpu import has_gpu
 
 _MISSING = [m for m in ("triton", "torch") if importlib.util.find_spec(m) is None]
 needs_interpreter = pytest.mark.skipif(
     bool(_MISSING), reason=f"Triton's interpreter needs {_MISSING} (the test extra)")
+
+
+def _fp8_args(batch, k_scale, v_scale):
+    """The batch's arguments with its pages quantized to float8_e4m3fn by the scales."""
+    kq = jnp.clip(batch.k_pages.astype(jnp.float32) / k_scale, -FP8_MAX, FP8_MAX).astype(FP8)
+    vq = jnp.clip(batch.v_pages.astype(jnp.float32) / v_scale, -FP8_MAX, FP8_MAX).astype(FP8)
+    return (batch.q, kq, vq, *batch.args()[3:])
 
 
 def _check(batch, dtype, *, interpret=True, **kwargs):
@@ -102,9 +110,7 @@ def test_interpreted_fp8_pages_with_scales():
                       num_kv_heads=2, head_dim=64, block_size=8, num_tokens=20, seq_bucket=6,
                       dtype=dtype, seed=21)
     ks, vs = 0.05, 0.25
-    kq = jnp.clip(base.k_pages.astype(jnp.float32) / ks, -FP8_MAX, FP8_MAX).astype(FP8)
-    vq = jnp.clip(base.v_pages.astype(jnp.float32) / vs, -FP8_MAX, FP8_MAX).astype(FP8)
-    args = (base.q, kq, vq, *base.args()[3:])
+    args = _fp8_args(base, ks, vs)
     for options in (dict(), dict(sliding_window=jnp.int32(7), logit_softcap=2.0)):
         out = attention_with_options(*args, k_scale=jnp.float32(ks), v_scale=jnp.float32(vs),
                                      impl="triton", interpret=True, **options)
@@ -116,9 +122,7 @@ def test_interpreted_fp8_pages_with_scales():
         np.testing.assert_allclose(out32, np.asarray(ref, np.float32), **TOLERANCES[dtype])
     decode = make_batch([(1, 70), (1, 3), (1, 33)], num_heads=8, num_kv_heads=2, head_dim=64,
                         block_size=8, num_tokens=4, seq_bucket=4, dtype=dtype, seed=22)
-    kq = jnp.clip(decode.k_pages.astype(jnp.float32) / ks, -FP8_MAX, FP8_MAX).astype(FP8)
-    vq = jnp.clip(decode.v_pages.astype(jnp.float32) / vs, -FP8_MAX, FP8_MAX).astype(FP8)
-    args = (decode.q, kq, vq, *decode.args()[3:])
+    args = _fp8_args(decode, ks, vs)
     out = attention_with_options(*args, k_scale=jnp.float32(ks), v_scale=jnp.float32(vs),
                                  impl="triton", interpret=True, max_q_len=1)
     ref = ragged_paged_attention(*args, k_scale=ks, v_scale=vs, impl="reference")
@@ -194,12 +198,6 @@ def test_mosaic_gpu_refuses_interpret_and_mixed_batches():
         ragged_paged_attention(*batch.args(), impl="mosaic_gpu")
 
 
-try:
-    has_gpu = bool(jax.devices("gpu"))
-except RuntimeError:
-    has_gpu = False
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu, reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
@@ -213,9 +211,7 @@ def test_compiled_kernel_on_gpu(max_q_len, dtype):
                        num_tokens=384, seq_bucket=8, dtype=dtype, seed=3)
     _check(batch, dtype, interpret=False, max_q_len=max_q_len)
     ks, vs = 0.05, 0.25
-    kq = jnp.clip(batch.k_pages.astype(jnp.float32) / ks, -FP8_MAX, FP8_MAX).astype(FP8)
-    vq = jnp.clip(batch.v_pages.astype(jnp.float32) / vs, -FP8_MAX, FP8_MAX).astype(FP8)
-    args = (batch.q, kq, vq, *batch.args()[3:])
+    args = _fp8_args(batch, ks, vs)
     out = attention_with_options(*args, sliding_window=jnp.int32(200), logit_softcap=30.0,
                                  k_scale=jnp.float32(ks), v_scale=jnp.float32(vs),
                                  impl="triton", max_q_len=max_q_len)
