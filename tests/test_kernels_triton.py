@@ -200,6 +200,8 @@ def test_mosaic_gpu_refuses_interpret_and_mixed_batches():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu, reason="needs an NVIDIA GPU")
+@pytest.mark.skipif(has_gpu and backends.triton_unavailable() is not None,
+                    reason=f"impl='triton' cannot launch: {backends.triton_unavailable()}")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("max_q_len", [None, 1], ids=["mixed", "decode"])
 def test_compiled_kernel_on_gpu(max_q_len, dtype):
