@@ -222,3 +222,24 @@ def test_compiled_kernel_on_gpu(max_q_len, dtype):
     out = np.asarray(out, np.float32)
     assert not np.isnan(out).any()
     np.testing.assert_allclose(out, np.asarray(ref, np.float32), **TOLERANCES[dtype])
+
+
+def test_gpu_pass_records_vouch_only_for_the_same_kernel(tmp_path, monkeypatch):
+    from pallas_kernels import verified
+
+    path = str(tmp_path / "records.json")
+    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", path)
+    entry = verified.record_pass("mosaic_gpu", "NVIDIA H200", cases=3, path=path)
+    assert entry["cases"] == 3 and entry["source"] == verified.source_digest("mosaic_gpu")
+    assert verified.has_passed("mosaic_gpu", "NVIDIA H200", path)
+    assert not verified.has_passed("mosaic_gpu", "NVIDIA H100", path)  # another device
+    assert not verified.has_passed("triton", "NVIDIA H200", path)  # another kernel
+    # An edited kernel (another source digest) or another jax is no longer vouched for.
+    monkeypatch.setattr(verified, "source_digest", lambda impl: "edited")
+    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", path)
+    monkeypatch.undo()
+    monkeypatch.setattr(verified.jax, "__version__", "9.9.9")
+    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", path)
+    monkeypatch.undo()
+    (tmp_path / "records.json").write_text("not json")  # unreadable: vouches for nothing
+    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", path)
