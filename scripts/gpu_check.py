@@ -3,8 +3,9 @@
   1. Environment: python, jax/jaxlib and plugin versions, the devices, warnings seen.
   2. `pytest -m gpu` (kernel GPU tests; `JAX_PLATFORMS` is set so tests/conftest.py
      does not force the CPU).
-  3. Correctness (scripts/gpu_kernels.py): every GPU implementation against the oracle on fresh random inputs
-     (bf16, plus f32 for the precision rule), NaN-poisoned unowned pages, padding rows
+  3. Correctness (scripts/gpu_kernels.py): every GPU implementation against the oracle
+     on fresh random inputs (bf16, plus f32 for the precision rule), NaN-poisoned
+     unowned pages, padding rows
      that must be exact zeros: the Pallas kernel for the default tiling and both
      alternatives, the Triton kernel (jax_triton), the Mosaic GPU kernel (decode cases).
      An implementation whose every case passed on the GPU is recorded as verified
