@@ -41,6 +41,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -48,7 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from arcjax.engine.outputs import RequestOutput
 from arcjax.entrypoints import openai_protocol as proto
-from arcjax.entrypoints.async_llm import AsyncLLM
+from arcjax.entrypoints.async_llm import AsyncLLM, RequestStream
 from arcjax.entrypoints.chat import ChatTemplate
 from arcjax.entrypoints.metrics import ServerMetrics
 from arcjax.entrypoints.openai_logprobs import ChoiceStream, completions_of
@@ -70,7 +71,10 @@ class ServeConfig:
       served_model_name: the model id clients send and /v1/models lists; None = the model
         directory as given, or "arcjax-default" for the packaged model.
       max_queued_requests: refuse (429) a request that would make more than this many
-        requests wait in the engine; None = no limit.
+        requests wait in the engine; None = no limit. Exact under concurrency: the check
+        and the queueing happen in one step.
+      max_request_bytes: a larger body is refused with 413 before it is parsed.
+      max_stop_strings: a request asking for more stop strings is refused (400, "stop").
       shutdown_timeout: seconds requests in flight may take to finish after SIGTERM/SIGINT.
       log_level: uvicorn's log level.
     """
@@ -80,12 +84,18 @@ class ServeConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     max_queued_requests: int | None = None
+    max_request_bytes: int = 8 << 20
+    max_stop_strings: int = proto.DEFAULT_MAX_STOP_STRINGS
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
 
     def __post_init__(self):
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.max_stop_strings < 0:
+            raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 
@@ -102,6 +112,34 @@ class HTTPError(Exception):
 
 def _error(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
     return JSONResponse(proto.error_body(message, type_, param, code), status_code=status)
+
+
+PREPARE_WORKERS = 4  # threads that parse, render and tokenize requests
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"  # the unknown request fields that were ignored
+
+
+def _json(raw: bytes):
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise HTTPError(400, f"the body is not valid JSON ({e})", "invalid_request_error",
+                        "body") from None
+
+
+def _too_large(size: int, limit: int) -> HTTPError:
+    return HTTPError(413, f"the request body has {size} bytes or more, more than the "
+                          f"server's --max-request-bytes {limit}", "invalid_request_error",
+                     "body", "request_too_large")
+
+
+async def _close(outputs, streams: list[RequestStream]) -> None:
+    """Ends a response's outputs: every request not finished is aborted (even when the
+    output generator never started)."""
+    try:
+        await outputs.aclose()
+    finally:
+        for s in streams:
+            s.cancel()
 
 
 class _EventStream(StreamingResponse):
@@ -195,11 +233,16 @@ class OpenAIServer:
         self.draining = False
         self.active: set[str] = set()  # engine request ids this server is waiting on
         self.in_flight = 0  # generation requests (HTTP) not finished yet
+        self.ignored_logged: set[str] = set()  # unknown request fields logged so far
+        # parsing, chat rendering and tokenization run here, never on the event loop
+        self._pool = ThreadPoolExecutor(max_workers=PREPARE_WORKERS,
+                                        thread_name_prefix="arcjax-prepare")
         self.app = self._build_app()
 
     def close(self) -> None:
         """Stops counting engine steps (the engine may outlive this server)."""
         self._fanout.remove(self.metrics.on_step)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # --- the app ----------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -283,24 +326,47 @@ class OpenAIServer:
                                  f"{self.model_name!r}", "not_found_error", "model",
                             "model_not_found")
 
-    async def _admit(self, request: Request) -> dict:
-        """Auth, draining, and the JSON body."""
+    async def _admit(self, request: Request) -> bytes:
+        """Auth, draining, and the raw body (413 beyond `max_request_bytes`, before any of
+        it is parsed; a body without a length is counted as it arrives)."""
         self._authorize(request)
         if self.draining:
             raise HTTPError(503, "the server is shutting down", "service_unavailable",
                             code="shutting_down")
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HTTPError(400, f"the body is not valid JSON ({e})", "invalid_request_error",
-                            "body") from None
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
-    def _check_queue(self, n: int) -> None:
-        limit = self.config.max_queued_requests
-        if limit is not None and self.llm.engine.stats()["waiting"] + n > limit:
-            raise HTTPError(429, f"too many requests waiting (limit {limit}); retry later",
-                            "rate_limit_error", code="queue_full")
+    async def _prepare(self, fn, raw: bytes):
+        """`fn(raw)` in the worker pool: the event loop serves everyone meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, raw)
+
+    def _submit(self, rid: str, prompts, params) -> list[RequestStream]:
+        """Checks the queue limit and queues every prompt in one step (no other request
+        is admitted in between: exact under concurrency); all or nothing."""
+        with self.llm.admission_lock:
+            limit = self.config.max_queued_requests
+            n = len(prompts) * params.n
+            if limit is not None and self.llm.engine.stats()["waiting"] + n > limit:
+                raise HTTPError(429, f"too many requests waiting (limit {limit}); retry later",
+                                "rate_limit_error", code="queue_full")
+            streams: list[RequestStream] = []
+            try:
+                for i, p in enumerate(prompts):
+                    streams.append(self.llm.submit(p, params, f"{rid}-{i}"))
+            except BaseException:
+                for s in streams:
+                    s.cancel()
+                raise
+        return streams
 
     def _engine_check(self, prompt, params, parsed: proto.ParsedRequest, prompt_field: str):
         """`Engine.check` with the request's own field names. Returns the prompt's ids."""
@@ -313,39 +379,56 @@ class OpenAIServer:
 
     # --- generation endpoints -----------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        parsed = proto.parse_completion(await self._admit(request))
-        self._check_model(parsed.model)
-        field = "prompt"
-        ids = [self._engine_check(p, parsed.params, parsed, field) for p in parsed.prompts]
+        parsed, ids = await self._prepare(self._prepare_completion, await self._admit(request))
         return await self._generate(request, parsed, ids, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        parsed = proto.parse_chat(await self._admit(request))
+        parsed, ids = await self._prepare(self._prepare_chat, await self._admit(request))
+        return await self._generate(request, parsed, ids, chat=True)
+
+    def _prepare_completion(self, raw: bytes):
+        """(worker pool) The parsed request and every prompt's token ids."""
+        parsed = proto.parse_completion(_json(raw), self.config.max_stop_strings)
+        self._check_model(parsed.model)
+        return parsed, [self._engine_check(p, parsed.params, parsed, "prompt")
+                        for p in parsed.prompts]
+
+    def _prepare_chat(self, raw: bytes):
+        """(worker pool) The parsed request, its params, and the rendered prompt's ids."""
+        parsed = proto.parse_chat(_json(raw), self.config.max_stop_strings)
         self._check_model(parsed.model)
         text = self.chat_template.render(parsed.messages,
                                          add_generation_prompt=parsed.add_generation_prompt)
-        tokenizer = self.llm.tokenizer
-        if tokenizer is None:
-            raise RequestError("messages", "this model has no tokenizer")
-        prompt = tuple(tokenizer.encode(text, add_special_tokens=False))
+        try:  # the template printed the special tokens
+            prompt = self.llm.engine.inputs.encode(text, add_special_tokens=False)
+        except RequestError as e:
+            raise RequestError("messages", e.message, limit=e.limit) from None
         params = parsed.params
         if not parsed.max_tokens_given:  # OpenAI's default: up to the context length
             room = self.llm.engine.max_model_len - len(prompt)
             params = dataclasses.replace(params, max_tokens=max(room, 1))
         ids = [self._engine_check(prompt, params, parsed, "messages")]
-        parsed = dataclasses.replace(parsed, params=params)
-        return await self._generate(request, parsed, ids, chat=True)
+        return dataclasses.replace(parsed, params=params), ids
+
+    def _ignored_header(self, parsed: proto.ParsedRequest) -> dict:
+        """Logs each unknown field name once; the response header listing this request's."""
+        for name in parsed.ignored:
+            if name not in self.ignored_logged:
+                self.ignored_logged.add(name)
+                log.warning("ignoring the unknown request field %r (logged once)", name)
+        return {IGNORED_FIELDS_HEADER: ", ".join(parsed.ignored)} if parsed.ignored else {}
 
     async def _generate(self, request: Request, parsed: proto.ParsedRequest,
                         prompts: Sequence[tuple[int, ...]], *, chat: bool) -> Response:
         n = parsed.params.n
-        self._check_queue(len(prompts) * n)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
+        headers = self._ignored_header(parsed)
         # streams carry what is new in each step; a whole response needs the final only
         kind = RequestOutputKind.DELTA if parsed.stream else RequestOutputKind.FINAL_ONLY
-        stream = self._outputs(rid, prompts, dataclasses.replace(parsed.params,
+        streams = self._submit(rid, prompts, dataclasses.replace(parsed.params,
                                                                  output_kind=kind))
+        stream = self._outputs(streams)
         self.in_flight += 1
         handed_over = False
         try:
@@ -358,7 +441,7 @@ class OpenAIServer:
                     raise HTTPError(500, f"generation failed: {failed.error}", "internal_error")
                 build = proto.chat_response if chat else proto.completion_response
                 return JSONResponse(build(rid, created, self.model_name, finals, n,
-                                          parsed.params.logprobs))
+                                          parsed.params.logprobs), headers=headers)
             ok, first = await _until_disconnect(request, stream.__anext__())
             if not ok:
                 return Response(status_code=499)
@@ -366,22 +449,22 @@ class OpenAIServer:
                                 parsed.include_usage, n, parsed.params.logprobs)
 
             async def on_close():
-                await stream.aclose()
+                await _close(stream, streams)
                 self.in_flight -= 1
 
             handed_over = True
             return _EventStream(body, on_close, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache"})
+                                headers={"Cache-Control": "no-cache", **headers})
         finally:
             if not handed_over:
-                await stream.aclose()
+                await _close(stream, streams)
                 self.in_flight -= 1
 
-    async def _outputs(self, rid: str, prompts, params) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _outputs(self, gens: list[RequestStream]
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) of every prompt, as they come. Leaving early aborts the
-        requests still running (their `AsyncLLM.generate` iterators are closed)."""
-        rids = [f"{rid}-{i}" for i in range(len(prompts))]
-        gens = [self.llm.generate(p, params, r) for p, r in zip(prompts, rids)]
+        requests still running (their streams are closed)."""
+        rids = [g.request_id for g in gens]
         self.active.update(rids)
         finished: set[int] = set()
         tasks: list[asyncio.Task] = []
