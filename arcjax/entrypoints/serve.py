@@ -1,19 +1,19 @@
 """`arcjax serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) around `AsyncLLM`.
 
-1. `OpenAIServer(llm, ServeConfig)` builds the FastAPI app. A POST body is decoded and
-   parsed by `openai_protocol` (one place for validation; typed errors name the field),
-   chat messages are rendered by `chat.ChatTemplate`, every prompt is checked by
-   `Engine.check` before anything is queued (all-or-nothing), then each prompt runs as
-   `AsyncLLM.generate(...)` under a server-chosen request id; with `n` > 1 the engine
-   returns n completions per prompt (choice index prompt_index * n + sample index) and
-   `openai_logprobs` shapes them, their log-probabilities and their per-choice deltas.
+1. `OpenAIServer(llm, ServeConfig)` builds the FastAPI app. A POST body is read under a
+   size cap (413 before parsing), then, in a worker pool (never on the event loop), decoded
+   and parsed by `openai_protocol` (one place for validation; typed errors name the field),
+   chat messages rendered by `chat.ChatTemplate`, and every prompt tokenized and checked by
+   `Engine.check` (all-or-nothing). Back on the loop, one synchronous step checks the queue
+   limit and queues every prompt (`AsyncLLM.submit`) under a server-chosen request id; with
+   `n` > 1 the engine returns n completions per prompt (choice index prompt_index * n +
+   sample index) and `openai_logprobs` shapes them, their log-probabilities and deltas.
 2. Non-streaming (FINAL_ONLY outputs): outputs are collected while a watcher waits for the
    client's `http.disconnect`; streaming (DELTA outputs): the first output is awaited under
    the same watcher (so a bad request still gets its 400 before any header), then
-   server-sent events follow; on a
-   disconnect starlette cancels the stream. Either way the `AsyncLLM.generate` iterator is
-   left early, which aborts the request: its KV blocks are freed at the start of the next
-   engine step at the latest.
+   server-sent events follow; on a disconnect starlette cancels the stream. Either way the
+   request streams are closed early, which aborts the requests: their KV blocks are freed
+   at the start of the next engine step at the latest.
 3. Metrics (`metrics.ServerMetrics`): the engine's `trace_sink` counts every step's knob
    engagement and preemptions; finished requests feed latency histograms and token counters;
    gauges are read from `Engine.stats()` at scrape time.
@@ -28,7 +28,7 @@ slow reader has not taken (TCP backpressure stalls its response, nothing else; i
 merged output). A dead engine (`EngineDeadError`) ends every stream with an error event,
 answers 503 to new requests, and /health answers 503. All server state (`active`,
 `in_flight`, `draining`) is touched only from the event loop, except `draining`, also read
-by handlers.
+by handlers. The HTTP plumbing (errors, SSE, disconnects, uvicorn) is in serve_http.py.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -44,7 +43,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from arcjax.engine.outputs import RequestOutput
@@ -53,6 +52,9 @@ from arcjax.entrypoints.async_llm import AsyncLLM, RequestStream
 from arcjax.entrypoints.chat import ChatTemplate
 from arcjax.entrypoints.metrics import ServerMetrics
 from arcjax.entrypoints.openai_logprobs import ChoiceStream, completions_of
+from arcjax.entrypoints.serve_http import (EventStream, HTTPError, TraceFanout, build_server,
+                                           close_outputs, error_response, parse_json,
+                                           too_large, until_disconnect)
 from arcjax.errors import EngineDeadError, InputError, RequestError, UnknownRequestError
 from arcjax.runtime.sampling_params import RequestOutputKind
 
@@ -100,119 +102,8 @@ class ServeConfig:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 
 
-class HTTPError(Exception):
-    """An error response in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code)
-
-
-def _error(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
-    return JSONResponse(proto.error_body(message, type_, param, code), status_code=status)
-
-
 PREPARE_WORKERS = 4  # threads that parse, render and tokenize requests
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"  # the unknown request fields that were ignored
-
-
-def _json(raw: bytes):
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HTTPError(400, f"the body is not valid JSON ({e})", "invalid_request_error",
-                        "body") from None
-
-
-def _too_large(size: int, limit: int) -> HTTPError:
-    return HTTPError(413, f"the request body has {size} bytes or more, more than the "
-                          f"server's --max-request-bytes {limit}", "invalid_request_error",
-                     "body", "request_too_large")
-
-
-async def _close(outputs, streams: list[RequestStream]) -> None:
-    """Ends a response's outputs: every request not finished is aborted (even when the
-    output generator never started)."""
-    try:
-        await outputs.aclose()
-    finally:
-        for s in streams:
-            s.cancel()
-
-
-class _EventStream(StreamingResponse):
-    """A StreamingResponse that always closes its body iterator and then runs `on_close`,
-    even if the body never started (a cancelled stream then aborts its requests at once,
-    not when the generator is garbage collected)."""
-
-    def __init__(self, content, on_close, **kwargs):
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self.body_iterator.aclose()
-            finally:
-                await self._on_close()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _until_disconnect(request: Request, coro):
-    """`await coro`, unless the client disconnects first: then coro is cancelled and this
-    returns (False, None). Otherwise (True, result)."""
-    task = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        gone.cancel()
-        raise
-    gone.cancel()
-    if task.done():
-        return True, task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    return False, None
-
-
-class _TraceFanout:
-    """`Engine.trace_sink` that calls several listeners (servers sharing one engine, and
-    whoever listened before the first server came)."""
-
-    def __init__(self, first=None):
-        self._sinks = [first] if first is not None else []
-
-    @classmethod
-    def install(cls, engine) -> "_TraceFanout":
-        if not isinstance(engine.trace_sink, cls):
-            engine.trace_sink = cls(engine.trace_sink)
-        return engine.trace_sink
-
-    def add(self, sink) -> None:
-        self._sinks = [*self._sinks, sink]  # copy-on-write: the engine thread iterates
-
-    def remove(self, sink) -> None:
-        self._sinks = [s for s in self._sinks if s != sink]
-
-    def __call__(self, record) -> None:
-        for sink in self._sinks:
-            sink(record)
 
 
 class OpenAIServer:
@@ -225,7 +116,7 @@ class OpenAIServer:
         model = llm.engine_config.model
         self.model_name = self.config.served_model_name or model or DEFAULT_MODEL_NAME
         self.metrics = ServerMetrics(engine, self.model_name)
-        self._fanout = _TraceFanout.install(engine)
+        self._fanout = TraceFanout.install(engine)
         self._fanout.add(self.metrics.on_step)
         self.chat_template = (ChatTemplate.from_dir(engine.model_dir)
                               if engine.model_dir is not None else ChatTemplate(None))
@@ -251,27 +142,27 @@ class OpenAIServer:
 
         @app.exception_handler(InputError)
         async def _bad_input(request, e: InputError):
-            return _error(400, str(e), "invalid_request_error", e.field)
+            return error_response(400, str(e), "invalid_request_error", e.field)
 
         @app.exception_handler(EngineDeadError)
         async def _dead(request, e: EngineDeadError):
-            return _error(503, str(e), "service_unavailable", code="engine_dead")
+            return error_response(503, str(e), "service_unavailable", code="engine_dead")
 
         @app.exception_handler(HTTPError)
         async def _http_error(request, e: HTTPError):
-            return _error(e.status, e.message, e.type, e.param, e.code)
+            return error_response(e.status, e.message, e.type, e.param, e.code)
 
         @app.exception_handler(StarletteHTTPException)
         async def _starlette_error(request, e: StarletteHTTPException):
             kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
                 e.status_code, "invalid_request_error")
-            return _error(e.status_code, f"{e.detail}: {request.method} {request.url.path}",
+            return error_response(e.status_code, f"{e.detail}: {request.method} {request.url.path}",
                           kind, None, "not_found" if e.status_code == 404 else None)
 
         @app.exception_handler(Exception)
         async def _internal(request, e: Exception):
             log.exception("internal error")
-            return _error(500, f"internal error: {e!r}", "internal_error")
+            return error_response(500, f"internal error: {e!r}", "internal_error")
 
         app.get("/health")(self.health)
         app.get("/metrics")(self.metrics_endpoint)
@@ -285,9 +176,9 @@ class OpenAIServer:
     async def health(self) -> Response:
         dead = self.llm.engine.dead
         if dead is not None:
-            return _error(503, str(dead), "service_unavailable", code="engine_dead")
+            return error_response(503, str(dead), "service_unavailable", code="engine_dead")
         if self.draining or not self.llm.is_running():
-            return _error(503, "shutting down", "service_unavailable", code="shutting_down")
+            return error_response(503, "shutting down", "service_unavailable", code="shutting_down")
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self) -> Response:
@@ -336,12 +227,12 @@ class OpenAIServer:
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise _too_large(int(declared), limit)
+            raise too_large(int(declared), limit)
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise _too_large(size, limit)
+                raise too_large(size, limit)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -388,14 +279,14 @@ class OpenAIServer:
 
     def _prepare_completion(self, raw: bytes):
         """(worker pool) The parsed request and every prompt's token ids."""
-        parsed = proto.parse_completion(_json(raw), self.config.max_stop_strings)
+        parsed = proto.parse_completion(parse_json(raw), self.config.max_stop_strings)
         self._check_model(parsed.model)
         return parsed, [self._engine_check(p, parsed.params, parsed, "prompt")
                         for p in parsed.prompts]
 
     def _prepare_chat(self, raw: bytes):
         """(worker pool) The parsed request, its params, and the rendered prompt's ids."""
-        parsed = proto.parse_chat(_json(raw), self.config.max_stop_strings)
+        parsed = proto.parse_chat(parse_json(raw), self.config.max_stop_strings)
         self._check_model(parsed.model)
         text = self.chat_template.render(parsed.messages,
                                          add_generation_prompt=parsed.add_generation_prompt)
@@ -433,7 +324,7 @@ class OpenAIServer:
         handed_over = False
         try:
             if not parsed.stream:
-                ok, finals = await _until_disconnect(request, self._collect(stream, len(prompts)))
+                ok, finals = await until_disconnect(request, self._collect(stream, len(prompts)))
                 if not ok:
                     return Response(status_code=499)  # nobody is listening
                 failed = next((o for o in finals if o.finish_reason == "error"), None)
@@ -442,22 +333,22 @@ class OpenAIServer:
                 build = proto.chat_response if chat else proto.completion_response
                 return JSONResponse(build(rid, created, self.model_name, finals, n,
                                           parsed.params.logprobs), headers=headers)
-            ok, first = await _until_disconnect(request, stream.__anext__())
+            ok, first = await until_disconnect(request, stream.__anext__())
             if not ok:
                 return Response(status_code=499)
             body = self._events(first, stream, len(prompts), rid, created, chat,
                                 parsed.include_usage, n, parsed.params.logprobs)
 
             async def on_close():
-                await _close(stream, streams)
+                await close_outputs(stream, streams)
                 self.in_flight -= 1
 
             handed_over = True
-            return _EventStream(body, on_close, media_type="text/event-stream",
+            return EventStream(body, on_close, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", **headers})
         finally:
             if not handed_over:
-                await _close(stream, streams)
+                await close_outputs(stream, streams)
                 self.in_flight -= 1
 
     async def _outputs(self, gens: list[RequestStream]
@@ -577,58 +468,11 @@ class OpenAIServer:
         for rid in list(self.active):
             try:
                 await self.llm.abort(rid)
-            except UnknownRequestError:
+            except (UnknownRequestError, EngineDeadError):  # finished, or all gone
                 pass
         deadline = loop.time() + 5.0
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)
-
-
-# --- running it ---------------------------------------------------------------------------
-def _uvicorn_server(server: OpenAIServer):
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn, with SIGTERM/SIGINT starting `OpenAIServer.drain` instead of closing
-        the listener at once (a second signal exits at once)."""
-
-        _loop: asyncio.AbstractEventLoop | None = None
-        _shutdown_started = False
-
-        async def serve(self, sockets=None):
-            self._loop = asyncio.get_running_loop()
-            await super().serve(sockets)
-
-        def handle_exit(self, sig, frame):  # a signal handler: never re-raised at exit
-            self.request_shutdown()
-
-        def request_shutdown(self) -> None:
-            """Starts the graceful shutdown (any thread)."""
-            if self._shutdown_started or self._loop is None:
-                self.should_exit = True
-                self.force_exit = self._shutdown_started
-                return
-            self._shutdown_started = True
-            server.draining = True
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-        async def _drain(self):
-            try:
-                await server.drain(server.config.shutdown_timeout)
-            finally:
-                self.should_exit = True
-
-    cfg = server.config
-    config = uvicorn.Config(server.app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            access_log=False, lifespan="off", timeout_graceful_shutdown=5,
-                            timeout_keep_alive=30)
-    return Server(config)
-
-
-def build_server(server: OpenAIServer):
-    """A uvicorn server for `server.app` whose `request_shutdown()` drains gracefully (also
-    on SIGTERM/SIGINT when run in the main thread). Run it with `.run(sockets=...)`."""
-    return _uvicorn_server(server)
 
 
 def serve(model: str | None = None, config: ServeConfig | None = None, *, warmup: bool = False,
