@@ -222,6 +222,8 @@ class AsyncLLM:
         with self._lock:
             self._collectors.add(collector)
         try:
+            if self._stopping:
+                raise EngineDeadError("AsyncLLM.shutdown() was called")
             rid = self.engine.add_request(prompt, params, request_id, sink=collector.put)
             if not self._thread.is_alive():  # stopped between the check and the add
                 raise self.engine.dead or EngineDeadError("the engine thread has stopped")
@@ -291,6 +293,10 @@ class AsyncLLM:
         self._stopping = True
         self._notify()
         self._thread.join(timeout)
+        with self._lock:  # a reader of a request nobody will step now must not wait
+            collectors = list(self._collectors)
+        for c in collectors:
+            c.fail(EngineDeadError("AsyncLLM.shutdown() was called"))
 
     def __enter__(self) -> "AsyncLLM":
         return self
