@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -133,6 +134,12 @@ class Tokenizer:
             bos_token_id=bos[0] if bos else None,
             add_bos_token=bool(tcfg.get("add_bos_token", False)),
         )
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (added tokens included): no token
+        stands for more characters of text than this (byte-level entries count bytes)."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:

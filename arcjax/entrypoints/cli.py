@@ -71,6 +71,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                    help="model id clients send (default: MODEL_DIR, or 'arcjax-default')")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 429 beyond this many waiting requests (default: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="answer 413, before parsing, to a larger request body "
+                        "(default: 8 MiB)")
+    p.add_argument("--max-stop-strings", type=int, default=16,
+                   help="refuse (400, field 'stop') a request with more stop strings "
+                        "(default: 16; OpenAI allows 4)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take after SIGTERM/SIGINT")
     p.add_argument("--log-level", default="warning")
@@ -104,6 +110,8 @@ def parse_serve(argv: list[str]) -> ServeCommand:
                          api_key=args.api_key or os.environ.get("ARCJAX_API_KEY") or None,
                          served_model_name=args.served_model_name,
                          max_queued_requests=args.max_queued_requests,
+                         max_request_bytes=args.max_request_bytes,
+                         max_stop_strings=args.max_stop_strings,
                          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
     return ServeCommand(args.model_dir, config, options, args.warmup, args.compilation_cache_dir)
 

@@ -298,8 +298,9 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     def warmup(self) -> float:
-        """Prepares every bucket. Returns the seconds it took."""
-        return self.warm(b for b in self.buckets.all() if b not in self._compiled)
+        """Prepares every bucket not prepared yet (a second call runs nothing). Returns the
+        seconds it took."""
+        return self.warm(b for b in self.buckets.all() if (b, False) not in self._compiled)
 
 
 def enable_persistent_compilation_cache(path) -> None:
