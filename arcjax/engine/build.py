@@ -12,7 +12,8 @@ from arcjax.engine.config import EngineConfig
 from arcjax.engine.engine import Engine
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import EngineConfigError
-from arcjax.model.weights import load_hf, read_config
+from arcjax.model.hub import ModelSource, resolve_model
+from arcjax.model.loader import load_model, model_config
 from arcjax.parallel import StepSync, TensorParallel
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.runner import SHARED_EXECUTABLES, ModelRunner
@@ -66,7 +67,9 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
       EngineConfigError: an option the model cannot honour (max_model_len beyond its limit).
       ModelFileError subclasses: the model directory cannot be loaded.
     """
-    model_dir = Path(config.model) if config.model is not None else default_model_path()
+    source = (resolve_model(config.model, config.revision) if config.model is not None
+              else ModelSource(default_model_path(), "default"))
+    model_dir = source.path  # a directory, or the .gguf file
     dtype = jnp.dtype(config.dtype or ("bfloat16" if _on_gpu() else "float32"))
     parallel = None
     if jax.process_count() > 1 and config.tensor_parallel_size != jax.device_count():
@@ -74,11 +77,16 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                                 f"processes it must span all {jax.device_count()} devices, "
                                 f"got {config.tensor_parallel_size}", limit=jax.device_count())
     if config.tensor_parallel_size > 1 or jax.process_count() > 1:
-        parallel = TensorParallel.create(read_config(model_dir), config.tensor_parallel_size)
+        parallel = TensorParallel.create(model_config(source), config.tensor_parallel_size)
     # With `parallel`, cfg is the sharded config (KV heads repeated when tp exceeds them).
-    cfg, params = load_hf(model_dir, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel)
-    tokenizer = (Tokenizer.from_dir(model_dir)
-                 if (model_dir / "tokenizer.json").is_file() else None)
+    model = load_model(source, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel,
+                       quantization=config.quantization)
+    cfg, params = model.cfg, model.params
+    if source.is_gguf:
+        tokenizer = Tokenizer.from_gguf(model.gguf_file)
+    else:
+        tokenizer = (Tokenizer.from_dir(model_dir)
+                     if (model_dir / "tokenizer.json").is_file() else None)
     max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
     if max_model_len > cfg.max_position_embeddings:
         raise EngineConfigError("max_model_len", f"{max_model_len} exceeds the model's limit "

@@ -133,6 +133,20 @@ class Tokenizer:
             add_bos_token=bool(tcfg.get("add_bos_token", False)),
         )
 
+    @classmethod
+    def from_gguf(cls, gguf_file) -> Tokenizer:
+        """The tokenizer a GGUF file carries (an `arcjax.model.gguf.GGUFFile`; see
+        `arcjax.model.gguf_tokenizer`).
+
+        Raises:
+          ModelConfigError: the file has no tokenizer, or one of an unsupported kind.
+        """
+        from arcjax.model.gguf_tokenizer import build_tokenizer
+
+        t = build_tokenizer(gguf_file)
+        return cls(t.tokenizer, eos_token_ids=t.eos_token_ids, bos_token_id=t.bos_token_id,
+                   add_bos_token=t.add_bos_token)
+
     @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce, added tokens included."""

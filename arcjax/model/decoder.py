@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from arcjax.model.config import ModelConfig, rope_inv_freq
+from arcjax.model.quant import dense
 from arcjax.model.specs import CACHE_AXES, Cache, Params
 
 
@@ -59,7 +60,8 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
 def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
     """Projections, q/k norm and rope. x: [..., T, H] -> q [..., T, Hq, D], k/v [..., T, Hkv, D]."""
     dt = x.dtype
-    q, k, v = x @ lp["wq"].astype(dt), x @ lp["wk"].astype(dt), x @ lp["wv"].astype(dt)
+    # dense(): a quantized weight (FP8/INT8) is dequantized here, inside the step.
+    q, k, v = x @ dense(lp["wq"], dt), x @ dense(lp["wk"], dt), x @ dense(lp["wv"], dt)
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"].astype(dt), k + lp["bk"].astype(dt), v + lp["bv"].astype(dt)
     lead = x.shape[:-1]
@@ -80,14 +82,14 @@ def _block(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, atten
     with jax.named_scope("attention"):
         attn, aux = attend(q, k, v)
     with jax.named_scope("o_proj"):
-        out = attn.reshape(*attn.shape[:-2], -1) @ lp["wo"].astype(dt)
+        out = attn.reshape(*attn.shape[:-2], -1) @ dense(lp["wo"], dt)
         if cfg.o_bias:
             out = out + lp["bo"].astype(dt)
         x = x + out
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        h = jax.nn.silu(h @ lp["w_gate"].astype(dt)) * (h @ lp["w_up"].astype(dt))
-        x = x + h @ lp["w_down"].astype(dt)
+        h = jax.nn.silu(h @ dense(lp["w_gate"], dt)) * (h @ dense(lp["w_up"], dt))
+        x = x + h @ dense(lp["w_down"], dt)
     return x, aux
 
 
