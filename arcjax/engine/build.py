@@ -12,6 +12,7 @@ from arcjax.engine.config import EngineConfig
 from arcjax.engine.engine import Engine
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import EngineConfigError
+from arcjax.model.gguf_tokenizer import has_tokenizer
 from arcjax.model.hub import ModelSource, resolve_model
 from arcjax.model.loader import load_model, model_config
 from arcjax.parallel import StepSync, TensorParallel
@@ -83,7 +84,8 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                        quantization=config.quantization)
     cfg, params = model.cfg, model.params
     if source.is_gguf:
-        tokenizer = Tokenizer.from_gguf(model.gguf_file)
+        tokenizer = (Tokenizer.from_gguf(model.gguf_file)
+                     if has_tokenizer(model.gguf_file) else None)
     else:
         tokenizer = (Tokenizer.from_dir(model_dir)
                      if (model_dir / "tokenizer.json").is_file() else None)

@@ -102,6 +102,11 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], unk: int | None,
     return tok
 
 
+def has_tokenizer(f) -> bool:
+    """Whether GGUF file `f` carries a tokenizer (a model may ship without one)."""
+    return f.get("tokenizer.ggml.model") is not None and bool(f.get("tokenizer.ggml.tokens"))
+
+
 def build_tokenizer(f) -> GGUFTokenizer:
     """The tokenizer of GGUF file `f` (an `arcjax.model.gguf.GGUFFile`).
 
