@@ -78,9 +78,14 @@ def _options(sliding_window, logit_softcap, k_scale, v_scale) -> AttentionOption
                             k_scale=scales[0], v_scale=scales[1])
 
 
+# Options the Pallas GPU kernel implements (k/v scales: FP8 pages).
+_GPU_OPTIONS = ("k_scale", "v_scale")
+
+
 def _plain(opts: AttentionOptions) -> bool:
-    """No option past plain causal attention (what the Pallas GPU kernel supports today)."""
-    return all(getattr(opts, f.name) is None for f in dataclasses.fields(opts))
+    """No option the Pallas GPU kernel lacks (see _GPU_OPTIONS)."""
+    return all(getattr(opts, f.name) is None for f in dataclasses.fields(opts)
+               if f.name not in _GPU_OPTIONS)
 
 
 def _gpu_can_tile(q, k_pages) -> bool:
@@ -173,15 +178,15 @@ def ragged_paged_attention(
     cu_seqlens_q = cu_seqlens_q.astype(jnp.int32)
     if impl == "pallas_gpu":
         _validate_gpu_shapes(q, k_pages)
-        _require(_plain(opts), "impl", 'impl="pallas_gpu" does not support sliding_window, '
-                 "logit_softcap or k_scale/v_scale yet; use impl=\"xla\"")
+        _require(_plain(opts), "impl", 'impl="pallas_gpu" does not support sliding_window '
+                 "or logit_softcap yet; use impl=\"xla\"")
         plan = gpu_plan_lib.make_gpu_plan(
             num_tokens=t, num_seqs=block_tables.shape[0], num_heads=q.shape[1],
             num_kv_heads=k_pages.shape[2], head_dim=d, page_size=k_pages.shape[1],
             max_blocks=block_tables.shape[1], max_q_len=max_q_len, itemsize=q.dtype.itemsize)
         return pallas_gpu.ragged_paged_attention_pallas_gpu(
             q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, plan,
-            interpret=interpret)
+            interpret=interpret, k_scale=opts.k_scale, v_scale=opts.v_scale)
     tiles = plan_lib.make_plan(
         num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
         max_blocks=block_tables.shape[1], max_q_len=max_q_len, block_q=XLA_BLOCK_Q,

@@ -95,8 +95,10 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                                 f"{cfg.max_position_embeddings}",
                                 limit=cfg.max_position_embeddings)
     max_blocks = -(-max_model_len // config.block_size)
+    # FP8 pages: one byte a value, so the same memory holds twice the blocks of bf16.
+    kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.kv_cache_dtype == "fp8" else dtype
     num_blocks = config.num_kv_blocks or _default_num_blocks(
-        cfg, dtype, config.block_size, max_blocks, config.max_num_seqs,
+        cfg, kv_dtype, config.block_size, max_blocks, config.max_num_seqs,
         config.kv_memory_fraction, config.tensor_parallel_size)
     sched = config.scheduler_config(num_blocks)
     step_tokens = max(sched.max_num_batched_tokens,
@@ -106,7 +108,8 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=config.block_size,
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
-                         parallel=parallel)
+                         parallel=parallel, kv_cache_dtype=kv_dtype,
+                         kv_scales=model.kv_scales if config.kv_cache_dtype == "fp8" else None)
     options = {} if clock is None else {"clock": clock}
     engine = Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
                     model_dir=model_dir, trace_capacity=config.trace_capacity, **options)
