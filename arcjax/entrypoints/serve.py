@@ -49,6 +49,7 @@ from arcjax.entrypoints.chat import ChatTemplate
 from arcjax.entrypoints.metrics import ServerMetrics
 from arcjax.entrypoints.openai_logprobs import ChoiceStream, completions_of
 from arcjax.errors import InputError, RequestError, UnknownRequestError
+from arcjax.model.quant import storage_dtypes
 
 log = logging.getLogger(__name__)
 
@@ -241,8 +242,10 @@ class OpenAIServer:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def _model_card(self) -> dict:
+        runner = self.llm.engine.runner
         return {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "arcjax", "max_model_len": self.llm.engine.max_model_len}
+                "owned_by": "arcjax", "max_model_len": self.llm.engine.max_model_len,
+                **storage_dtypes(runner.params, runner.cache)}
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)

@@ -122,6 +122,12 @@ def weight_dtype(params: dict) -> str:
     return str(jnp.dtype(params["layers"]["wq"].dtype))
 
 
+def storage_dtypes(params: dict, cache: dict) -> dict[str, str]:
+    """What the trace summary and /v1/models report: the layer weights' and KV pages'
+    storage dtypes."""
+    return {"weight_dtype": weight_dtype(params), "kv_cache_dtype": str(cache["k"].dtype)}
+
+
 def param_bytes(params) -> int:
     """Bytes the params occupy (values and scales; all devices' shards counted once)."""
     return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
