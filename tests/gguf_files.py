@@ -78,11 +78,13 @@ def quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
     q = (np.clip(np.round(sub / np.where(scale > 0, scale, 1)), -32, 31) + 32).astype(np.uint8)
     q = q.reshape(n, QK_K)
     ql, qh = np.zeros((n, 128), np.uint8), np.zeros((n, 64), np.uint8)
-    for h in range(2):
+    for h in range(2):  # value v = h * 128 + s * 64 + k: low nibble s of ql[h * 64 + k]
         for s in range(2):
-            ql[:, h * 64:(h + 1) * 64] |= (q[:, h * 128 + s * 64:h * 128 + (s + 1) * 64] & 0x0F) << (4 * s)
-        for s in range(4):
-            qh[:, h * 32:(h + 1) * 32] |= (q[:, h * 128 + s * 32:h * 128 + (s + 1) * 32] >> 4) << (2 * s)
+            part = q[:, h * 128 + s * 64:h * 128 + (s + 1) * 64]
+            ql[:, h * 64:(h + 1) * 64] |= (part & 0x0F) << (4 * s)
+        for s in range(4):  # v = h * 128 + s * 32 + k: bits 2s, 2s + 1 of qh[h * 32 + k]
+            part = q[:, h * 128 + s * 32:h * 128 + (s + 1) * 32]
+            qh[:, h * 32:(h + 1) * 32] |= (part >> 4) << (2 * s)
     return np.concatenate([ql, qh, sc.astype(np.int8).view(np.uint8),
                            _f16(d)[:, None].view(np.uint8)], axis=1)
 

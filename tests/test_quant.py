@@ -14,7 +14,6 @@ import os
 import shutil
 import tempfile
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -23,8 +22,9 @@ import pytest
 import arcjax
 from arcjax.errors import EngineConfigError, ModelConfigError
 from arcjax.model.hub import resolve_model
-from arcjax.model.loader import load_model
+from arcjax.model.loader import _repeat_kv, load_model
 from arcjax.model.quant import QuantizedWeight, weight_dtype
+from arcjax.model.quant_checkpoint import _scale_layout
 from gguf_files import tiny_gguf_model_dir
 from hf_models import hf_greedy
 from test_gguf import PROMPTS, dense_greedy
@@ -176,8 +176,8 @@ def test_engine_fp8_weights_then_fp8_kv_cache_with_checkpoint_scales():
     so a path that dropped a scale would be off by 50x). The prompt log-probabilities
     (every position reads the FP8 pages of all earlier ones) stay close to the float
     cache's: measured max 0.13 nats, mean 0.04 on this random model whose outputs are
-    near-uniform (asserted: 0.25 and 0.08); the format's accuracy is measured in tests/test_kernels_fp8.py and by
-    scripts/bench_quant.py (perplexity)."""
+    near-uniform (asserted: 0.25 and 0.08). The format's accuracy is measured in
+    tests/test_kernels_fp8.py and by scripts/bench_quant.py (perplexity)."""
     qdir, fdir = quantized_checkpoint("channel", "fp8", kv_scales=True)
     plain = arcjax.LLM(qdir, **ENGINE)  # FP8 weights, float cache: transformers' tokens
     assert plain.trace_summary(1.0)["weight_dtype"] == "float8_e4m3fn"
@@ -210,3 +210,19 @@ def test_fp8_kv_cache_doubles_the_blocks_memory_holds():
     f32, bf16, fp8 = (_default_num_blocks(cfg, jnp.dtype(d), 16, 8, 1 << 20, 0.5)
                       for d in (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn))
     assert fp8 == 2 * bf16 == 4 * f32
+
+
+@pytest.mark.parametrize("layout", ["block", "channel", "tensor"])
+def test_kv_heads_repeated_for_tensor_parallelism_keep_their_scales(layout):
+    """Tensor parallelism beyond the KV heads repeats each head's columns; a quantized
+    weight's scales follow them (a tp=4 run over 4 CPU devices gives the tp=1 tokens:
+    see RESULTS.md)."""
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(256, 256)).astype(np.float32)  # [out = 2 heads x 128, in]
+    values, scale, _ = _quantize_np(w, layout, "fp8")
+    s, block = _scale_layout(scale, 256, 256, (128, 128), "w", "w")
+    qw = QuantizedWeight(np.ascontiguousarray(values.T), s, block)
+    repeated = _repeat_kv(qw, 2, 128)
+    dense = np.asarray(qw.dequantize(jnp.float32))  # [in, out]
+    want = np.repeat(dense.reshape(256, 2, 1, 128), 2, axis=2).reshape(256, 512)
+    np.testing.assert_array_equal(np.asarray(repeated.dequantize(jnp.float32)), want)

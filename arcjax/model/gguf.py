@@ -190,6 +190,12 @@ def _field(f: GGUFFile, key: str, default=None, required: bool = True):
     return default
 
 
+def _f32(x) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not
+    9.99999997e-07), so the config equals the source model's and shares its compiles."""
+    return float(str(np.float32(x)))
+
+
 def gguf_config(f: GGUFFile) -> ModelConfig:
     """The model configuration from a GGUF file's metadata and tensor table.
 
@@ -210,7 +216,7 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
     scaling = None
     kind = str(_field(f, "rope.scaling.type", "none", required=False))
     if kind == "linear":
-        scaling = ("linear", float(_field(f, "rope.scaling.factor")))
+        scaling = ("linear", _f32(_field(f, "rope.scaling.factor")))
     elif kind not in ("none", ""):
         raise ModelConfigError(f.path, f"rope scaling {kind!r} is not supported (linear, "
                                        "llama3 rope_freqs)")
@@ -233,10 +239,10 @@ def gguf_config(f: GGUFFile) -> ModelConfig:
             num_heads=heads,
             num_kv_heads=int(_field(f, "attention.head_count_kv", heads, required=False)),
             head_dim=head_dim,
-            rope_theta=float(_field(f, "rope.freq_base", 10000.0, required=False)),
+            rope_theta=_f32(_field(f, "rope.freq_base", 10000.0, required=False)),
             rope_scaling=scaling,
-            rms_norm_eps=float(_field(f, "attention.layer_norm_rms_epsilon", 1e-6,
-                                      required=False)),
+            rms_norm_eps=_f32(_field(f, "attention.layer_norm_rms_epsilon", 1e-6,
+                                     required=False)),
             tie_word_embeddings="output.weight" not in f.tensors,
             qkv_bias="blk.0.attn_q.bias" in f.tensors,
             o_bias="blk.0.attn_output.bias" in f.tensors,

