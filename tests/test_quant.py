@@ -226,3 +226,25 @@ def test_kv_heads_repeated_for_tensor_parallelism_keep_their_scales(layout):
     dense = np.asarray(qw.dequantize(jnp.float32))  # [in, out]
     want = np.repeat(dense.reshape(256, 2, 1, 128), 2, axis=2).reshape(256, 512)
     np.testing.assert_array_equal(np.asarray(repeated.dequantize(jnp.float32)), want)
+
+
+def test_sharding_specs_cover_the_scales():
+    """Values keep the weight's logical axes; a per-channel scale follows the output axis,
+    block and per-tensor scales are replicated."""
+    from arcjax.model.quant import quantized_specs
+    from arcjax.model.specs import param_specs
+    from arcjax.parallel.layout import TensorParallel
+
+    def specs_of(layout):
+        qdir, _ = quantized_checkpoint(layout)
+        model = load_model(resolve_model(qdir), dtype=jnp.float32)
+        return model.cfg, quantized_specs(param_specs(model.cfg), model.params)["layers"]
+
+    cfg, channel = specs_of("channel")
+    tp = TensorParallel.create(cfg, 1)
+    assert channel["wq"].values.axes == ("layers", "embed", "heads")
+    assert tuple(tp.pspec(channel["wq"].scale.axes)) == (None, None, "tp")
+    assert tuple(tp.pspec(channel["w_down"].scale.axes)) == (None, None, None)  # out: embed
+    _, block = specs_of("block")
+    assert block["wk"].scale.shape == (2, 2, 1) and block["wk"].scale.axes == (
+        "layers", None, None)
