@@ -17,9 +17,11 @@ import os
 import sys
 import typing
 
-from arcjax.engine.config import ATTENTION_IMPLS, DTYPES, EngineConfig
+from arcjax.engine.config import (ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
+                                  EngineConfig)
 
-_CHOICES = {"dtype": DTYPES, "attention_impl": ATTENTION_IMPLS,
+_CHOICES = {"dtype": DTYPES, "attention_impl": ATTENTION_IMPLS, "quantization": QUANTIZATIONS,
+            "kv_cache_dtype": KV_CACHE_DTYPES,
             "policy": ("prefill_first", "alternate", "token_budget")}
 
 
@@ -62,7 +64,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                        description="OpenAI-compatible HTTP server (/v1/completions, "
                                    "/v1/chat/completions, /v1/models, /health, /metrics)")
     p.add_argument("model_dir", nargs="?", default=None,
-                   help="Hugging Face-format model directory (default: the packaged model)")
+                   help="Hugging Face-format model directory, GGUF file or Hub id "
+                        "'org/name' (default: the packaged model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,

@@ -56,6 +56,7 @@ from arcjax.entrypoints.serve_http import (EventStream, HTTPError, TraceFanout, 
                                            close_outputs, error_response, parse_json,
                                            too_large, until_disconnect)
 from arcjax.errors import EngineDeadError, InputError, RequestError, UnknownRequestError
+from arcjax.model.quant import storage_dtypes
 from arcjax.runtime.sampling_params import RequestOutputKind
 
 log = logging.getLogger(__name__)
@@ -187,8 +188,10 @@ class OpenAIServer:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def _model_card(self) -> dict:
+        runner = self.llm.engine.runner
         return {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "arcjax", "max_model_len": self.llm.engine.max_model_len}
+                "owned_by": "arcjax", "max_model_len": self.llm.engine.max_model_len,
+                **storage_dtypes(runner.params, runner.cache)}
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
