@@ -12,8 +12,10 @@ from arcjax.engine.config import EngineConfig
 from arcjax.engine.engine import Engine
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import EngineConfigError
-from arcjax.model.weights import load_hf, read_config
-from arcjax.parallel import StepSync, TensorParallel
+from arcjax.model.gguf_tokenizer import has_tokenizer
+from arcjax.model.hub import ModelSource, resolve_model
+from arcjax.model.loader import load_model, model_config
+from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.runner import SHARED_EXECUTABLES, ModelRunner
 
@@ -66,28 +68,41 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
       EngineConfigError: an option the model cannot honour (max_model_len beyond its limit).
       ModelFileError subclasses: the model directory cannot be loaded.
     """
-    model_dir = Path(config.model) if config.model is not None else default_model_path()
+    source = (resolve_model(config.model, config.revision) if config.model is not None
+              else ModelSource(default_model_path(), "default"))
+    model_dir = source.path  # a directory, or the .gguf file
     dtype = jnp.dtype(config.dtype or ("bfloat16" if _on_gpu() else "float32"))
     parallel = None
+    if jax.process_count() > 1 and config.async_scheduling:
+        raise EngineConfigError("async_scheduling", "not supported across several processes "
+                                "(multi-host runs the serial step)")
     tp, ep = config.tensor_parallel_size, config.expert_parallel_size
     if jax.process_count() > 1 and max(tp, ep) != jax.device_count():
         raise EngineConfigError("tensor_parallel_size", f"over {jax.process_count()} "
                                 f"processes it must span all {jax.device_count()} devices, "
                                 f"got {max(tp, ep)}", limit=jax.device_count())
     if max(tp, ep) > 1 or jax.process_count() > 1:
-        parallel = TensorParallel.create(read_config(model_dir), tp, ep=ep)
+        parallel = TensorParallel.create(model_config(source), tp, ep=ep)
     # With `parallel`, cfg is the sharded config (KV heads repeated when tp exceeds them).
-    cfg, params = load_hf(model_dir, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel)
-    tokenizer = (Tokenizer.from_dir(model_dir)
-                 if (model_dir / "tokenizer.json").is_file() else None)
+    model = load_model(source, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel,
+                       quantization=config.quantization)
+    cfg, params = model.cfg, model.params
+    if source.is_gguf:
+        tokenizer = (Tokenizer.from_gguf(model.gguf_file)
+                     if has_tokenizer(model.gguf_file) else None)
+    else:
+        tokenizer = (Tokenizer.from_dir(model_dir)
+                     if (model_dir / "tokenizer.json").is_file() else None)
     max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
     if max_model_len > cfg.max_position_embeddings:
         raise EngineConfigError("max_model_len", f"{max_model_len} exceeds the model's limit "
                                 f"{cfg.max_position_embeddings}",
                                 limit=cfg.max_position_embeddings)
     max_blocks = -(-max_model_len // config.block_size)
+    # FP8 pages: one byte a value, so the same memory holds twice the blocks of bf16.
+    kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.kv_cache_dtype == "fp8" else dtype
     num_blocks = config.num_kv_blocks or _default_num_blocks(
-        cfg, dtype, config.block_size, max_blocks, config.max_num_seqs,
+        cfg, kv_dtype, config.block_size, max_blocks, config.max_num_seqs,
         config.kv_memory_fraction, config.tensor_parallel_size)
     sched = config.scheduler_config(num_blocks, cfg.sliding_window if cfg.all_sliding else None)
     step_tokens = max(sched.max_num_batched_tokens,
@@ -97,15 +112,22 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=config.block_size,
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
-                         parallel=parallel)
+                         parallel=parallel, kv_cache_dtype=kv_dtype,
+                         kv_scales=model.kv_scales if config.kv_cache_dtype == "fp8" else None)
     options = {} if clock is None else {"clock": clock}
+    multi_host = jax.process_count() > 1
+    overlapped = (config.async_scheduling if config.async_scheduling is not None
+                  else not multi_host and _overlap_pays())
     engine = Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
-                    model_dir=model_dir, trace_capacity=config.trace_capacity, **options)
-    if jax.process_count() > 1:  # process 0 admits; every process runs the same plans
+                    model_dir=model_dir, trace_capacity=config.trace_capacity,
+                    async_scheduling=overlapped, **options)
+    if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
-        if config.async_scheduling:
-            raise EngineConfigError("async_scheduling", "not supported across several "
-                                    "processes yet (multi-host runs the serial loop)")
-    engine.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                               else engine.sync is None and _overlap_pays())
     return engine
+
+
+def run_follower(model=None, **options) -> int:
+    """A multi-host follower process's whole run: the engine the leader builds (same model,
+    same options), stepped in lockstep until the leader stops it (`arcjax.parallel.follow`).
+    Returns the steps taken; raises `EngineDeadError` when the run failed on any process."""
+    return follow(build_engine(EngineConfig.from_options(model, **options)))

@@ -18,6 +18,8 @@ from arcjax.errors import ConfigError, EngineConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu")
+QUANTIZATIONS = ("fp8", "int8")  # weight formats a float checkpoint is quantized to at load
+KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the compute dtype; "fp8": float8_e4m3fn pages
 
 # Scheduler knobs an engine option sets directly (SchedulerConfig field names).
 SCHEDULER_OPTIONS = ("policy", "max_num_batched_tokens", "max_num_seqs", "prefill_max_seqs",
@@ -30,8 +32,18 @@ class EngineConfig:
     """How an engine is built and scheduled.
 
     Attributes:
-      model: a Hugging Face-format directory (config.json, *.safetensors, tokenizer.json);
-        None = the packaged default model.
+      model: a Hugging Face-format directory (config.json, *.safetensors, tokenizer.json),
+        a GGUF file (or a directory holding one), or a Hugging Face Hub id ("org/name",
+        fetched into the Hub cache; a local path of that name wins); None = the packaged
+        default model.
+      revision: a Hub id's branch, tag or commit (None = "main"); ignored for local paths.
+      quantization: None = the checkpoint's own weights (FP8/INT8 checkpoints stay
+        quantized); "fp8" (e4m3, per-channel scales) or "int8" (per-channel) quantizes a
+        float checkpoint at load. Weights stay quantized on the device; the step
+        dequantizes them inside the jitted matmuls.
+      kv_cache_dtype: "auto" = the compute dtype; "fp8" = float8_e4m3fn pages with one
+        scale per layer for K and one for V (the checkpoint's k_scale/v_scale when it has
+        them, else 1.0), about twice the tokens in the same memory.
       dtype: "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU.
       max_model_len: longest prompt + output; None = min(model's limit, 4096).
       num_kv_blocks: KV cache size in blocks; None = from kv_memory_fraction of the device's
@@ -53,13 +65,16 @@ class EngineConfig:
         tokens fed forward on the device (`scheduler.advance`); greedy outputs are identical
         either way. None = on where it is faster: with an accelerator, or on the CPU backend
         with more than one core available (not across several processes: multi-host runs
-        the serial loop); True / False force it.
+        the serial step, and True is refused there); True / False force it.
       policy ... enable_prefix_caching: the scheduler knobs (see scheduler.SchedulerConfig);
         max_num_seqs defaults to 64 here; prefix caching is on by default.
     """
 
     model: str | None = None
+    revision: str | None = None
     dtype: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
     kv_memory_fraction: float = 0.5
@@ -84,9 +99,20 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
-            raise EngineConfigError("model", f"must be a path or None, got {self.model!r}")
+            raise EngineConfigError("model", f"must be a path, a Hub id or None, got "
+                                             f"{self.model!r}")
         if self.model is not None:
             object.__setattr__(self, "model", os.fspath(self.model))
+        if self.revision is not None and (not isinstance(self.revision, str)
+                                          or not self.revision.strip()):
+            raise EngineConfigError("revision", f"must be a non-empty string or None, got "
+                                                f"{self.revision!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise EngineConfigError("quantization", f"must be one of {QUANTIZATIONS} or None, "
+                                                    f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got "
+                                                      f"{self.kv_cache_dtype!r}")
         if self.dtype is not None and str(self.dtype) not in DTYPES:
             raise EngineConfigError("dtype", f"must be one of {DTYPES} or None, got {self.dtype!r}")
         if self.dtype is not None:
@@ -113,6 +139,9 @@ class EngineConfig:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise EngineConfigError("async_scheduling", f"must be a bool or None, got "
                                                         f"{self.async_scheduling!r}")
+        if self.async_scheduling and _joined_processes() > 1:
+            raise EngineConfigError("async_scheduling", "not supported across several "
+                                    "processes (multi-host runs the serial step)")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
         # The scheduler validates its own knobs (ConfigError naming the field); the cache
@@ -153,6 +182,15 @@ class EngineConfig:
         return scheduler.SchedulerConfig(block_size=self.block_size, num_blocks=num_blocks,
                                          sliding_window=sliding_window,
                                          **{k: getattr(self, k) for k in SCHEDULER_OPTIONS})
+
+
+def _joined_processes() -> int:
+    """Processes of the `jax.distributed` run this process joined (1 when it joined none);
+    read without starting a JAX backend."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    return state.num_processes if state.client is not None and state.num_processes else 1
 
 
 def _int(name: str, value, minimum: int, optional: bool = False) -> None:

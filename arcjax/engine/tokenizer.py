@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -26,6 +27,7 @@ REPLACEMENT_CHAR = "\ufffd"
 # Tokens of left context decoded with each new token, so decoders whose output depends on the
 # previous token (Metaspace's leading space, WordPiece's "##") render the new text correctly.
 _CONTEXT_TOKENS = 5
+_LONG_TEXT = 4096  # characters: longer texts are encoded with the GIL released
 
 
 class TokenizerFileError(ModelFileError):
@@ -133,14 +135,39 @@ class Tokenizer:
             add_bos_token=bool(tcfg.get("add_bos_token", False)),
         )
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (added tokens included): no token
+        stands for more characters of text than this (byte-level entries count bytes)."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    @classmethod
+    def from_gguf(cls, gguf_file) -> Tokenizer:
+        """The tokenizer a GGUF file carries (an `arcjax.model.gguf.GGUFFile`; see
+        `arcjax.model.gguf_tokenizer`).
+
+        Raises:
+          ModelConfigError: the file has no tokenizer, or one of an unsupported kind.
+        """
+        from arcjax.model.gguf_tokenizer import build_tokenizer
+
+        t = build_tokenizer(gguf_file)
+        return cls(t.tokenizer, eos_token_ids=t.eos_token_ids, bos_token_id=t.bos_token_id,
+                   add_bos_token=t.add_bos_token)
+
     @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce, added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens`, BOS is added where the model expects it."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; with `add_special_tokens`, BOS is added where the model
+        expects it. A long text is encoded with the GIL released (the library's batch
+        call), so other threads (an event loop, the engine) run meanwhile."""
+        if len(text) > _LONG_TEXT:
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos:
             ids = [self.bos_token_id, *ids]
         return ids

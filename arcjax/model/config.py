@@ -35,7 +35,9 @@ class ModelConfig:
     head_dim: int
     rope_theta: float = 10000.0
     # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_pos) or
-    # ("linear", factor) or None. A tuple, not a dict, so the config stays hashable.
+    # ("linear", factor) or ("freq_factors", f_0, ..., f_{D/2-1}) (a divisor per frequency,
+    # as GGUF files store llama3 scaling) or None. A tuple, not a dict, so the config
+    # stays hashable.
     rope_scaling: tuple | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
@@ -123,6 +125,13 @@ class ModelConfig:
         if not self.sliding_layers:
             return None
         return tuple(self.sliding_window if s else GLOBAL_WINDOW for s in self.sliding_layers)
+
+    def with_kv_repeat(self, repeat: int) -> "ModelConfig":
+        """The model with each KV head stored `repeat` times (what a device holds when
+        tensor parallelism splits more ways than there are KV heads)."""
+        if repeat == 1:
+            return self
+        return dataclasses.replace(self, num_kv_heads=self.num_kv_heads * repeat)
 
     @classmethod
     def from_hf_dict(cls, d: Mapping) -> "ModelConfig":
@@ -230,6 +239,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> list[float]:
         return inv
     if scaling[0] == "linear":
         return [f / scaling[1] for f in inv]
+    if scaling[0] == "freq_factors":
+        return [f / float(s) for f, s in zip(inv, scaling[1:], strict=True)]
     _, factor, low, high, orig = scaling
     low_wavelen, high_wavelen = orig / low, orig / high
     out = []

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from arcjax.model import moe
 from arcjax.model.config import ModelConfig, rope_inv_freq
+from arcjax.model.quant import dense
 from arcjax.model.specs import CACHE_AXES, Cache, Params
 
 
@@ -91,7 +92,8 @@ def layer_constants(cfg: ModelConfig) -> dict:
 def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_freq: jax.Array):
     """Projections, q/k norm and rope. x: [..., T, H] -> q [..., T, Hq, D], k/v [..., T, Hkv, D]."""
     dt = x.dtype
-    q, k, v = x @ lp["wq"].astype(dt), x @ lp["wk"].astype(dt), x @ lp["wv"].astype(dt)
+    # dense(): a quantized weight (FP8/INT8) is dequantized here, inside the step.
+    q, k, v = x @ dense(lp["wq"], dt), x @ dense(lp["wk"], dt), x @ dense(lp["wv"], dt)
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"].astype(dt), k + lp["bk"].astype(dt), v + lp["bv"].astype(dt)
     lead = x.shape[:-1]
@@ -125,8 +127,8 @@ def feed_forward(lp: dict, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe
                                   valid=valid.reshape(-1), impl=moe_impl, parallel=parallel)
         return out.reshape(*lead, -1), counts
     dt = h.dtype
-    h = moe.activation(h @ lp["w_gate"].astype(dt), cfg.hidden_act) * (h @ lp["w_up"].astype(dt))
-    return h @ lp["w_down"].astype(dt), None
+    h = moe.activation(h @ dense(lp["w_gate"], dt), cfg.hidden_act) * (h @ dense(lp["w_up"], dt))
+    return h @ dense(lp["w_down"], dt), None
 
 
 def split_experts(layers: dict) -> tuple[dict, dict]:
@@ -146,7 +148,7 @@ def _block(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, atten
     with jax.named_scope("attention"):
         attn, aux = attend(q, k, v)
     with jax.named_scope("o_proj"):
-        out = attn.reshape(*attn.shape[:-2], -1) @ lp["wo"].astype(dt)
+        out = attn.reshape(*attn.shape[:-2], -1) @ dense(lp["wo"], dt)
         if cfg.o_bias:
             out = out + lp["bo"].astype(dt)
         if cfg.sandwich_norms:
@@ -227,6 +229,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     windowed = cfg.layer_windows() is not None
     scanned, experts = split_experts(params["layers"])
 
+    scaled = "k_scale" in cache  # FP8 pages: one K and one V scale per layer
+
     def layer(carry, xs):
         x, k_cache, v_cache = carry
         lp, l, const = xs
@@ -237,25 +241,29 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
         slots = jnp.where(valid_slot, batch.slot_mapping + l * layer_slots,
                           cfg.num_layers * layer_slots)  # [T]; still out of range if padding
         tables = batch.block_tables + l * num_blocks  # [S, max_blocks]
+        # [] float32 each, or None: quantized on write, upcast inside attention.
+        k_scale = cache["k_scale"][l] if scaled else None
+        v_scale = cache["v_scale"][l] if scaled else None
 
-        def paged(q, k, v, kc, vc, slots, tables, kv_lens, cu_seqlens_q, num_seqs, window):
-            kc, vc = pallas_kernels.write_kv(kc, vc, k.astype(kc.dtype), v.astype(vc.dtype),
-                                             slots)
+        def paged(q, k, v, kc, vc, slots, tables, kv_lens, cu_seqlens_q, num_seqs, window,
+                  k_scale, v_scale):
+            kc, vc = pallas_kernels.write_kv(kc, vc, k, v, slots, k_scale=k_scale,
+                                             v_scale=v_scale)
             out = pallas_kernels.ragged_paged_attention(
                 q, kc, vc, tables, kv_lens, cu_seqlens_q, num_seqs, impl=attn_impl,
                 max_q_len=max_q_len, sm_scale=cfg.sm_scale,
                 sliding_window=window if windowed else None,
-                logit_softcap=cfg.attn_logit_softcap)
+                logit_softcap=cfg.attn_logit_softcap, k_scale=k_scale, v_scale=v_scale)
             return out.astype(q.dtype), kc, vc
 
         if parallel is not None:  # per device: its heads, its KV heads, its cache shard
             paged = parallel.attention_map(paged, (None, "heads", None),
-                                           (None, "kv_heads", None), CACHE_AXES, num_rest=6)
+                                           (None, "kv_heads", None), CACHE_AXES, num_rest=8)
 
         def attend(q, k, v):
             out, kc, vc = paged(q, k, v, k_cache, v_cache, slots, tables, batch.kv_lens,
                                 batch.cu_seqlens_q, batch.num_seqs,
-                                const.get("window", jnp.int32(0)))
+                                const.get("window", jnp.int32(0)), k_scale, v_scale)
             return out, (kc, vc)
 
         x, (k_cache, v_cache), stats = _block(lp, x, batch.positions, cfg, attend,
@@ -267,7 +275,7 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                                             (scanned, layer_ids, layer_constants(cfg)))
     x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
     out = lm_head(params, cfg, x, parallel) if head else x
-    return out, {"k": k_new, "v": v_new}, stats
+    return out, {**cache, "k": k_new, "v": v_new}, stats
 
 
 def dense_mask(length: int, window: jax.Array) -> jax.Array:

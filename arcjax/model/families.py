@@ -220,6 +220,9 @@ def _scaling_dict(scaling: tuple | None) -> dict:
         return {"rope_type": "default"}
     if scaling[0] == "linear":
         return {"rope_type": "linear", "factor": scaling[1]}
+    if scaling[0] == "freq_factors":
+        raise ModelConfigError("rope_scaling", "per-frequency rope factors (from a GGUF file) "
+                               "have no config.json spelling")
     _, factor, low, high, orig = scaling
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
             "high_freq_factor": high, "original_max_position_embeddings": orig}

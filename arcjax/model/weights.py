@@ -5,10 +5,11 @@
    `safetensors.safe_open` (memory-mapped, validated by the library: truncated files and
    absurd headers are refused), converts it once into its slot of the stacked params
    tree (no second full copy in host memory), and moves it to the device.
-   With `parallel` (an `arcjax.parallel.TensorParallel`), every array is built in its
-   shards instead (`jax.make_array_from_callback`): each device's block is read straight
-   from the file through `get_slice` (only that block's bytes), so no device and no host
-   buffer ever holds the whole model; KV heads are repeated as `sharded_config` says.
+   With `shardings` (a tree of shardings for the params, derived by the caller: the model
+   package never imports the parallel one), every array is built in its shards instead
+   (`jax.make_array_from_callback`): each device's block is read straight from the file
+   through `get_slice` (only that block's bytes), so no device and no host buffer ever
+   holds the whole model; each KV head is stored `kv_repeat` times.
 2. With `cache_dir`, the converted params are saved with orbax-checkpoint under a
    key of (files, sizes, mtimes, dtype) and restored from there next time.
 3. `save_hf(params, cfg, out_dir)` writes config.json + model.safetensors with
@@ -84,10 +85,6 @@ _TOP_NAMES = {
 }
 
 
-def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
-    return {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(cfg.architecture, {})}
-
-
 def read_config(model_dir: str | os.PathLike) -> ModelConfig:
     """The model's config.json as a ModelConfig.
 
@@ -150,6 +147,10 @@ def _open_checkpoint(model_dir: Path) -> dict[str, tuple[Path, object]]:
     raise WeightsError(model_dir, "no model.safetensors or model.safetensors.index.json")
 
 
+def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    return {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(cfg.architecture, {})}
+
+
 def _hf_entries(cfg: ModelConfig):
     """Yields (path in params tree, index into that array, HF name, transpose): index is
     () for a top-level array, (layer,) or (layer, expert) for stacked ones."""
@@ -185,17 +186,19 @@ def _read_tensor(path: Path, handle, name: str) -> np.ndarray:
 
 
 def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
-            cache_dir: str | os.PathLike | None = None,
-            parallel=None) -> tuple[ModelConfig, Params]:
+            cache_dir: str | os.PathLike | None = None, *, shardings=None,
+            kv_repeat: int = 1) -> tuple[ModelConfig, Params]:
     """Loads a Hugging Face model directory into (config, params on device).
 
     Args:
       model_dir: directory with config.json and safetensors weights.
       dtype: the params' dtype (converted once, tensor by tensor).
       cache_dir: if set, converted params are cached there with orbax-checkpoint (single
-        device only; ignored with `parallel`).
-      parallel: an `arcjax.parallel.TensorParallel`: load straight into its shards. The
-        returned config is then `arcjax.parallel.sharded_config` of the file's.
+        device only; ignored with `shardings`).
+      shardings: a tree of shardings, one per array of `param_specs(cfg.with_kv_repeat(
+        kv_repeat))` (e.g. `arcjax.parallel.TensorParallel.param_shardings`): load straight
+        into those shards. The returned config is then the file's `with_kv_repeat`.
+      kv_repeat: how many times each KV head is stored (with `shardings` only).
 
     Raises:
       ModelConfigError: config.json is missing or malformed.
@@ -203,8 +206,8 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
     """
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
-    if parallel is not None:
-        return _load_sharded(model_dir, cfg, dtype, parallel)
+    if shardings is not None:
+        return _load_sharded(model_dir, cfg, dtype, shardings, kv_repeat)
     key = None
     if cache_dir is not None:
         key = _cache_key(model_dir, dtype)
@@ -212,39 +215,70 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
         if restored is not None:
             return cfg, restored
     tensors = _open_checkpoint(model_dir)
-    np_dtype = np.dtype(jnp.dtype(dtype))
-    host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), param_specs(cfg), is_leaf=is_spec)
-    for path, index, name, transpose in _hf_entries(cfg):
+
+    def read(name: str) -> np.ndarray | None:
         if name not in tensors:
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            raise WeightsError(model_dir, f"tensor {name} is missing from the checkpoint "
-                                          f"(architecture {cfg.architecture})")
+            return None
         file, handle = tensors[name]
-        arr = _read_tensor(file, handle, name)
-        arr = arr.T if transpose else arr
-        dst = _get(host, path)
-        want = dst.shape[len(index):]
-        if tuple(arr.shape) != tuple(want):
-            hf_shape = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
-            raise WeightsError(file, f"tensor {name} has shape {hf_shape}, config.json implies "
-                                     f"{tuple(want[::-1]) if transpose else tuple(want)}")
-        dst[index] = arr
+        return _read_tensor(file, handle, name)
+
+    host = assemble_host(cfg, read, dtype,
+                         lambda name: tensors[name][0] if name in tensors else model_dir)
     params = jax.tree.map(jnp.asarray, host)
     if key is not None:
         _save_cached(Path(cache_dir) / key, params)
     return cfg, params
 
 
-def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, parallel):
-    from arcjax.parallel.layout import kv_repeat, sharded_config
+def hf_layer_name(key: str, layer: int) -> str:
+    """The Hugging Face tensor name of layer weight `key` ("wq", ...) of one layer."""
+    return _LAYER_NAMES[key][0].format(i=layer)
 
+
+def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = ()) -> Params:
+    """The params tree in host memory, one tensor at a time.
+
+    Args:
+      cfg: the model config.
+      read: `read(hf_name) -> np.ndarray | None`, a tensor in Hugging Face layout
+        (linear weights [out, in]); None when the checkpoint lacks it.
+      dtype: the params' dtype.
+      where: `where(hf_name)`: the file errors about that tensor name.
+      skip: layer weights ("wq", ...) left out of the tree (the caller fills them).
+
+    Raises:
+      WeightsError: a tensor is missing or its shape disagrees with the config.
+    """
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    specs = param_specs(cfg)
+    specs["layers"] = {k: v for k, v in specs["layers"].items() if k not in skip}
+    host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), specs, is_leaf=is_spec)
+    for path, index, name, transpose in _hf_entries(cfg):
+        if path[0] == "layers" and path[1] in skip:
+            continue
+        arr = read(name)
+        if arr is None:
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            raise WeightsError(where(name), f"tensor {name} is missing from the checkpoint "
+                                       f"(architecture {cfg.architecture})")
+        arr = arr.T if transpose else arr
+        dst = _get(host, path)
+        want = dst.shape[len(index):]
+        if tuple(arr.shape) != tuple(want):
+            hf_shape = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
+            implied = tuple(want[::-1]) if transpose else tuple(want)
+            raise WeightsError(where(name), f"tensor {name} has shape {hf_shape}, the "
+                                            f"config implies {implied}")
+        dst[index] = arr
+    return host
+
+
+def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, shardings, repeat: int):
     tensors = _open_checkpoint(model_dir)
     np_dtype = np.dtype(jnp.dtype(dtype))
-    repeat = kv_repeat(cfg, parallel.tp)
-    scfg = sharded_config(cfg, parallel.tp)
+    scfg = cfg.with_kv_repeat(repeat)
     specs, orig_specs = param_specs(scfg), param_specs(cfg)
-    shardings = parallel.shardings(specs)
     layer_names = _layer_names(cfg)
     out = {}
     for key in specs:
