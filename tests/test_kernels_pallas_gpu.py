@@ -205,3 +205,20 @@ def test_compiled_window_kernel_on_gpu(max_q_len, dtype):
                        seed=5)
     _check_options(batch, window=4096, softcap=50.0, block_size=16, interpret=False,
                    max_q_len=max_q_len)
+
+
+def test_auto_takes_the_pallas_kernel_for_windowed_calls(monkeypatch):
+    # The kernel has every option now: a windowed / soft-capped call needs no other kernel.
+    from pallas_kernels import api, backends
+
+    assert {"sliding_window", "logit_softcap"} <= set(api.PALLAS_GPU_OPTIONS)
+    on_gpu = dict(on_gpu=True, can_tile=True, kind="NVIDIA H200")
+    monkeypatch.setattr(backends.verified, "has_passed", lambda impl, kind, path=None: False)
+    monkeypatch.setattr(backends, "pallas_triton_state", lambda: "current")
+    monkeypatch.setattr(backends, "triton_unavailable", lambda: "not installed")
+    assert backends.resolve(decode_only=False, plain=False, pallas_gpu_ok=True,
+                            **on_gpu) == "pallas_gpu"
+    assert backends.resolve(decode_only=False, plain=False, **on_gpu) == "xla"
+    monkeypatch.setattr(backends, "pallas_triton_state", lambda: "deprecated")
+    assert backends.resolve(decode_only=False, plain=False, pallas_gpu_ok=True,
+                            **on_gpu) == "xla"
