@@ -81,8 +81,8 @@ def _options(sliding_window, logit_softcap, k_scale, v_scale) -> AttentionOption
                             k_scale=scales[0], v_scale=scales[1])
 
 
-# Options the Pallas GPU kernel implements (k/v scales: FP8 pages).
-PALLAS_GPU_OPTIONS = ("k_scale", "v_scale")
+# Options the Pallas GPU kernel implements (k/v scales: FP8 pages; windows; soft-caps).
+PALLAS_GPU_OPTIONS = ("k_scale", "v_scale", "sliding_window", "logit_softcap")
 
 
 def _plain(opts: AttentionOptions, supported: tuple[str, ...] = ()) -> bool:
@@ -106,7 +106,7 @@ def _validate_gpu_shapes(q, k_pages, impl: str):
 
 def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
                  plain: bool = True, dtype=jnp.bfloat16, kv_dtype=None, num_heads: int = 1,
-                 num_kv_heads: int = 1) -> str:
+                 num_kv_heads: int = 1, pallas_gpu_ok: bool | None = None) -> str:
     """The implementation a call with these shapes runs: `impl` itself, or what "auto"
     picks on this machine's default backend (see `backends.resolve`).
 
@@ -118,6 +118,8 @@ def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | 
             them are picked only for plain calls).
         dtype, kv_dtype, num_heads, num_kv_heads: q's and the pages' dtypes (kv_dtype
             defaults to dtype), Hq and Hkv: what the Mosaic GPU kernel takes.
+        pallas_gpu_ok: the Pallas GPU kernel implements every option of the call (None:
+            only when `plain`).
     """
     _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
     if impl != "auto":
@@ -127,7 +129,7 @@ def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | 
         head_dim=head_dim, block_size=block_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, dtype=dtype, kv_dtype=kv_dtype or dtype) is None
     return backends.resolve(on_gpu=on_gpu, can_tile=_gpu_can_tile(head_dim, block_size),
-                            decode_only=mosaic_ok, plain=plain)
+                            decode_only=mosaic_ok, plain=plain, pallas_gpu_ok=pallas_gpu_ok)
 
 
 def _triton(*args, opts: AttentionOptions, interpret: bool):
@@ -233,7 +235,8 @@ def ragged_paged_attention(
                                   f"expected a positive int, got {max_q_len!r}")
     max_q_len = min(max_q_len, t)
     impl = resolve_impl(impl, head_dim=d, block_size=k_pages.shape[1], max_q_len=max_q_len,
-                        plain=_plain(opts), dtype=q.dtype, kv_dtype=k_pages.dtype,
+                        plain=_plain(opts), pallas_gpu_ok=_plain(opts, PALLAS_GPU_OPTIONS),
+                        dtype=q.dtype, kv_dtype=k_pages.dtype,
                         num_heads=q.shape[1], num_kv_heads=k_pages.shape[2])
     if impl == "reference":
         return ragged_paged_attention_reference(
@@ -256,11 +259,9 @@ def ragged_paged_attention(
             return _triton(*args, opts=opts, interpret=interpret)
         if impl == "mosaic_gpu":
             return _mosaic_gpu(*args, opts=opts, interpret=interpret, max_q_len=max_q_len)
-        _require(_plain(opts, PALLAS_GPU_OPTIONS), "impl",
-                 'impl="pallas_gpu" does not support sliding_window or logit_softcap yet; '
-                 'use impl="xla" or "triton"')
         return pallas_gpu.ragged_paged_attention_pallas_gpu(
-            *args, interpret=interpret, k_scale=opts.k_scale, v_scale=opts.v_scale)
+            *args, interpret=interpret, k_scale=opts.k_scale, v_scale=opts.v_scale,
+            sliding_window=opts.sliding_window, logit_softcap=opts.logit_softcap)
     tiles = plan_lib.make_plan(
         num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
         max_blocks=block_tables.shape[1], max_q_len=max_q_len, block_q=XLA_BLOCK_Q,

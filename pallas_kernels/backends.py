@@ -14,9 +14,9 @@ The GPU implementations and what each needs:
 "auto" on a GPU (`resolve`), for shapes the GPU kernels tile:
 1. a plain decode-only batch takes "mosaic_gpu" once a GPU run of this very kernel
    passed the oracle on this kind of device and jax (`verified.has_passed`);
-2. a plain batch takes "pallas_gpu" while Pallas' Triton backend exists and is not
-   deprecated ("plain": no sliding window, soft-cap or k/v scales, which these two
-   kernels lack);
+2. a batch takes "pallas_gpu" while Pallas' Triton backend exists and is not
+   deprecated, for every option the caller says it takes (`pallas_gpu_ok`; by default
+   plain batches only: no sliding window, soft-cap or k/v scales);
 3. "triton" (every option) when triton and jax_triton can launch;
 4. otherwise "xla". "auto" never selects a deprecated backend, so our call sites never
    emit the `jax-pallas-triton` warning (an explicit `impl="pallas_gpu"` still may).
@@ -93,7 +93,7 @@ def device_kind() -> str:
 
 
 def resolve(*, on_gpu: bool, can_tile: bool, decode_only: bool, plain: bool = True,
-            kind: str | None = None) -> str:
+            kind: str | None = None, pallas_gpu_ok: bool | None = None) -> str:
     """The implementation "auto" runs.
 
     Args:
@@ -103,13 +103,16 @@ def resolve(*, on_gpu: bool, can_tile: bool, decode_only: bool, plain: bool = Tr
             Mosaic GPU kernel takes.
         plain: no sliding window, soft-cap or k/v scales.
         kind: the device kind, for the Mosaic GPU record (defaults to the device's).
+        pallas_gpu_ok: the Pallas GPU kernel implements every option of this call (None:
+            only when `plain`).
     """
     if not (on_gpu and can_tile):
         return "xla"
     if plain and decode_only and mosaic_gpu_unavailable() is None and verified.has_passed(
             "mosaic_gpu", kind or device_kind()):
         return "mosaic_gpu"
-    if plain and pallas_triton_state() == "current":
+    if (plain if pallas_gpu_ok is None else pallas_gpu_ok) and (
+            pallas_triton_state() == "current"):
         return "pallas_gpu"
     if triton_unavailable() is None:
         return "triton"

@@ -9,7 +9,8 @@ numpy operations (no per-sequence Python loop beyond flattening the tables):
 2. Token `t` of sequence `s` sits at position `start[s] + (t - cu_seqlens_q[s])` and is written to
    cache slot `table[pos // block_size] * block_size + pos % block_size`.
 3. Padding tokens get slot `num_blocks * block_size` (out of range: `write_kv` drops it);
-   padding sequences have q_len 0, kv_len 0 and an all-zero table row.
+   padding sequences have q_len 0, kv_len 0 and an all-zero table row. A table entry that is
+   None (a block a sliding window released: attention never reads it) becomes page 0.
 4. `last_rows[s]` is the last token row of sequence s (0 for padding sequences): the only row whose
    logits an engine samples from.
 
@@ -42,8 +43,9 @@ class PagedLayout:
 
 
 def paged_layout(starts: Sequence[int], lengths: Sequence[int],
-                 block_tables: Sequence[Sequence[int]], *, token_bucket: int, seq_bucket: int,
-                 max_blocks: int, block_size: int, num_blocks: int) -> PagedLayout:
+                 block_tables: Sequence[Sequence[int | None]], *, token_bucket: int,
+                 seq_bucket: int, max_blocks: int, block_size: int,
+                 num_blocks: int) -> PagedLayout:
     """Index arrays of sequences running `lengths[s]` tokens from position `starts[s]`.
 
     Args:
@@ -84,8 +86,8 @@ def paged_layout(starts: Sequence[int], lengths: Sequence[int],
     if n:
         rows = np.repeat(np.arange(n), table_lens)
         cols = np.arange(rows.size) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)
-        tables[rows, cols] = np.fromiter(
-            (b for table in block_tables for b in table), np.int64, rows.size)
+        tables[rows, cols] = np.fromiter(  # `b or 0`: None (released) -> page 0
+            (b or 0 for table in block_tables for b in table), np.int64, rows.size)
     seq_of = np.repeat(np.arange(n), length)  # [total]
     pos = start[seq_of] + np.arange(total) - cu[seq_of]
     positions = np.zeros(token_bucket, np.int32)

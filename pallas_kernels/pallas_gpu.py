@@ -9,9 +9,13 @@ Dataflow:
        program loads its query rows once, then walks its key steps with an
        online softmax (base 2). Key steps below the tile's first position need
        no mask; steps on the causal diagonal are masked with `where` on scores
-       and values; steps past the tile's last position are never visited. The
-       page ids of step i+1 are read during step i, so Triton's pipeliner can
-       keep the next K/V loads in flight while a step computes.
+       and values; steps past the tile's last position are never visited. Under
+       a sliding window, steps wholly before the first row's window are never
+       visited either (prefill and decode tiles alike), steps on the window's
+       left edge are masked like the diagonal, and scores may be soft-capped
+       (`cap * tanh(s / cap)`, Gemma 2). The page ids of step i+1 are read
+       during step i, so Triton's pipeliner can keep the next K/V loads in
+       flight while a step computes.
     4. Decode rows (`gpu_plan.split_sequences`, with `num_splits > 1`) split
        their keys across programs, which write unnormalized partials that XLA
        combines and scatters into place; every other tile writes final rows.
@@ -63,6 +67,7 @@ def dot_precision(dtype, *, interpret: bool):
 def _attention_kernel(
     # Tile metadata, each [W] int32 (split: 1 for a split sequence's tile), live count [1].
     seq_ref, q_start_ref, q_end_ref, first_pos_ref, kv_len_ref, split_ref, num_live_ref,
+    window_ref,  # [1] int32 sliding window (read only when `windowed`)
     tables_ref,  # [S, cols] int32 page ids
     scales_ref,  # [2] float32: k_scale, v_scale (1.0 for plain pages)
     q_ref,  # [rows_total, D] packed queries of this KV head
@@ -70,14 +75,17 @@ def _attention_kernel(
     v_ref,  # [num_blocks, page_size, D]
     *out_refs,  # o [rows_total, D]; with splits also o, m, l partials [split_total(, D)]
     plan: gpu_plan_lib.GpuPlan,
-    scale: float,  # sm_scale * log2(e)
+    sm_scale: float,
     precision,  # dot_precision of the inputs
+    windowed: bool,
+    softcap: float | None,
 ):
     tiles = plan.tiles
     rows, group, bk, pps = plan.rows, plan.group, tiles.block_k, tiles.pages_per_step
     head_dim = q_ref.shape[-1]
     split, w = pl.program_id(1), pl.program_id(2)
-    score_scale, v_scale = scale * scales_ref[0], scales_ref[1]
+    # natural-log score scale (the pages hold k / k_scale), and v's
+    score_scale, v_scale = sm_scale * scales_ref[0], scales_ref[1]
 
     live = w < num_live_ref[0]
     seq, q_start = seq_ref[w], q_start_ref[w]
@@ -86,8 +94,11 @@ def _attention_kernel(
     is_split = split_ref[w] == 1
     ways = 1 + (plan.num_splits - 1) * split_ref[w]  # splits of this tile's keys
     unmasked, total = plan_lib.kv_steps(tiles, first_pos, n_rows)
-    per_split = plan_lib.cdiv(total, ways)
-    lo = split * per_split
+    window = window_ref[0] if windowed else None
+    start = jnp.minimum(plan_lib.window_start(tiles, first_pos, window), total)
+    full = plan_lib.window_full_start(tiles, first_pos, n_rows, window)
+    per_split = plan_lib.cdiv(total - start, ways)
+    lo = start + split * per_split
     hi = jnp.minimum(lo + per_split, total)
     # A split tile's every program writes its partial (empty ones too: the combine
     # reads them); other tiles run whole in program 0; idle tiles do nothing.
@@ -112,12 +123,19 @@ def _attention_kernel(
             k = k_ref[pages].reshape(bk, head_dim).astype(q.dtype)  # [bk, D] (FP8 upcast)
             v = v_ref[pages].reshape(bk, head_dim).astype(q.dtype)  # [bk, D]
             s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32)
-            s = s * score_scale
+            if softcap is None:
+                s = s * (score_scale * LOG2E)
+            else:  # cap * tanh(s / cap) on natural-log scores, then to base 2
+                s = jnp.tanh(s * (score_scale / softcap)) * (softcap * LOG2E)
             if masked:
                 keys = i * bk + jnp.arange(bk)  # [bk]
                 ok = (keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_len)  # [M, bk]
+                readable = keys < kv_len  # [bk] keys some row may see
+                if windowed:  # and not older than each row's window (row 0's for values)
+                    ok = ok & (keys[None, :] > pos[:, None] - window)
+                    readable = readable & (keys > first_pos - window)
                 s = jnp.where(ok, s, MASK_VALUE)
-                v = jnp.where((keys < kv_len)[:, None], v, jnp.zeros_like(v))  # NaN pages out
+                v = jnp.where(readable[:, None], v, jnp.zeros_like(v))  # NaN pages out
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - m_new[:, None])
@@ -128,13 +146,16 @@ def _attention_kernel(
             acc = acc * alpha[:, None] + pv.astype(jnp.float32)
             return m_new, l, acc, next_pages
 
-        # The masked loop starts where the unmasked one stopped: the carried ids fit both.
+        # [lo, m1) masked (the window's left edge), [m1, m2) unmasked, [m2, hi) masked
+        # (the causal diagonal): consecutive ranges, so the carried page ids fit each.
+        m1 = jnp.clip(full, lo, hi)
+        m2 = jnp.clip(unmasked, m1, hi)
         carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
                  jnp.zeros((rows, head_dim), jnp.float32), page_ids(lo))
-        carry = jax.lax.fori_loop(lo, jnp.minimum(hi, unmasked),
-                                  functools.partial(step, masked=False), carry)
-        carry = jax.lax.fori_loop(jnp.maximum(lo, unmasked), hi,
-                                  functools.partial(step, masked=True), carry)
+        if windowed:
+            carry = jax.lax.fori_loop(lo, m1, functools.partial(step, masked=True), carry)
+        carry = jax.lax.fori_loop(m1, m2, functools.partial(step, masked=False), carry)
+        carry = jax.lax.fori_loop(m2, hi, functools.partial(step, masked=True), carry)
         m, l, acc, _ = carry
         acc = acc * v_scale  # the pages hold v / v_scale
 
@@ -153,8 +174,9 @@ def _attention_kernel(
             plgpu.store(lp_ref.at[slot], l, mask=part_ok)
 
 
-def _launch(meta, is_split, tables, scales, q_packed, k_pages, v_pages, *,
-            plan: gpu_plan_lib.GpuPlan, sm_scale: float, interpret: bool):
+def _launch(meta, is_split, window, tables, scales, q_packed, k_pages, v_pages, *,
+            plan: gpu_plan_lib.GpuPlan, sm_scale: float, softcap: float | None,
+            interpret: bool):
     num_blocks, page_size, hkv, head_dim = k_pages.shape
     rows_total = q_packed.shape[1]
     grid = (hkv, plan.num_splits, plan.tiles.num_tiles)
@@ -162,8 +184,10 @@ def _launch(meta, is_split, tables, scales, q_packed, k_pages, v_pages, *,
     def whole(x):  # the whole (small) array in every program
         return pl.BlockSpec(x.shape, lambda h, p, w: (0,) * x.ndim)
 
+    windowed = window is not None
     metadata = (meta.seq, meta.q_start, meta.q_end, meta.first_pos, meta.kv_len,
-                is_split.astype(jnp.int32), meta.num_live.reshape(1))
+                is_split.astype(jnp.int32), meta.num_live.reshape(1),
+                (window if windowed else jnp.int32(0)).reshape(1))
     in_specs = [whole(x) for x in metadata] + [
         whole(tables), whole(scales),
         pl.BlockSpec((None, rows_total, head_dim), lambda h, p, w: (h, 0, 0)),
@@ -183,8 +207,9 @@ def _launch(meta, is_split, tables, scales, q_packed, k_pages, v_pages, *,
             pl.BlockSpec((None, None, split_total, head_dim), lambda h, p, w: (p, h, 0, 0)),
             pl.BlockSpec((None, None, split_total), lambda h, p, w: (p, h, 0)),
             pl.BlockSpec((None, None, split_total), lambda h, p, w: (p, h, 0))]
-    kernel = functools.partial(_attention_kernel, plan=plan, scale=sm_scale * LOG2E,
-                               precision=dot_precision(q_packed.dtype, interpret=interpret))
+    kernel = functools.partial(_attention_kernel, plan=plan, sm_scale=sm_scale,
+                               precision=dot_precision(q_packed.dtype, interpret=interpret),
+                               windowed=windowed, softcap=softcap)
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
@@ -204,6 +229,8 @@ def ragged_paged_attention_pallas_gpu(
     sm_scale: float,
     plan: gpu_plan_lib.GpuPlan,
     *,
+    sliding_window: jax.Array | None = None,  # [] int32, may be traced
+    logit_softcap: float | None = None,  # static
     interpret: bool = False,
     k_scale: jax.Array | None = None,  # [] float32; pages hold k / k_scale
     v_scale: jax.Array | None = None,  # [] float32
@@ -211,8 +238,9 @@ def ragged_paged_attention_pallas_gpu(
     t, hq, _ = q.shape
     num_blocks, _, hkv, _ = k_pages.shape
     max_blocks = block_tables.shape[1]
+    window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
     meta = plan_lib.tile_metadata(plan.tiles, kv_lens, cu_seqlens_q, num_seqs)
-    meta = plan_lib.longest_first(plan.tiles, meta)
+    meta = plan_lib.longest_first(plan.tiles, meta, window)
     split = gpu_plan_lib.split_sequences(plan, cu_seqlens_q, num_seqs)  # [S]
     is_split = split[meta.seq] & (jnp.arange(plan.tiles.num_tiles) < meta.num_live)  # [W]
     pad = (-max_blocks) % plan.tiles.pages_per_step
@@ -222,8 +250,8 @@ def ragged_paged_attention_pallas_gpu(
     one = jnp.float32(1.0)
     scales = jnp.stack([jnp.asarray(one if k_scale is None else k_scale, jnp.float32),
                         jnp.asarray(one if v_scale is None else v_scale, jnp.float32)])  # [2]
-    outs = _launch(meta, is_split, tables, scales, q_packed, k_pages, v_pages, plan=plan,
-                   sm_scale=sm_scale, interpret=interpret)
+    outs = _launch(meta, is_split, window, tables, scales, q_packed, k_pages, v_pages,
+                   plan=plan, sm_scale=sm_scale, softcap=logit_softcap, interpret=interpret)
     out = gpu_plan_lib.unpack_output(outs[0], t, hq)  # [T, Hq, D]
     if plan.num_splits > 1:
         combined = gpu_plan_lib.combine_splits(*outs[1:])  # [Hkv, split_total, D]

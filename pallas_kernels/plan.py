@@ -150,16 +150,33 @@ def window_start(plan: TilePlan, first_pos: jax.Array, window: jax.Array | None)
     return jnp.maximum(first_pos - window + 1, 0) // plan.block_k
 
 
-def longest_first(plan: TilePlan, meta: TileMetadata) -> TileMetadata:
+def window_full_start(plan: TilePlan, first_pos: jax.Array, rows: jax.Array,
+                      window: jax.Array | None) -> jax.Array:
+    """First key step every row of a tile sees whole under a sliding window: its keys are
+    not older than the last row's window, `first_pos + rows - window`. No window: step 0.
+
+    Together with `kv_steps`, a windowed tile's steps are: [window_start, full) straddle
+    the window's left edge (masked), [full, unmasked) need no mask, [unmasked, total)
+    straddle the causal diagonal (masked); when full >= unmasked, all are masked.
+    """
+    if window is None:
+        return jnp.zeros_like(first_pos)
+    return cdiv(jnp.maximum(first_pos + rows - window, 0), plan.block_k)
+
+
+def longest_first(plan: TilePlan, meta: TileMetadata,
+                  window: jax.Array | None = None) -> TileMetadata:
     """Reorders the tiles by key steps, most first (idle tiles, with none, stay last).
 
     A GPU starts programs roughly in launch order; starting the longest causal tiles
     first keeps the last wave from being one long tile on an otherwise idle GPU.
-    `num_live` is unchanged: every live tile has at least one step.
+    Under a sliding window a tile's steps start at `window_start`. `num_live` is
+    unchanged: every live tile has at least one step.
     """
     rows = jnp.where(jnp.arange(plan.num_tiles) < meta.num_live,
                      jnp.clip(meta.q_end - meta.q_start, 0, plan.block_q), 0)
     _, total = kv_steps(plan, meta.first_pos, rows)  # [W]
+    total = total - jnp.minimum(window_start(plan, meta.first_pos, window), total)
     order = jnp.argsort(-total, stable=True)
     return meta._replace(**{name: getattr(meta, name)[order]
                             for name in meta._fields if name != "num_live"})

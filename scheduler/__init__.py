@@ -16,6 +16,8 @@ Automatic prefix caching (config.enable_prefix_caching, on by default) lives in 
 plan.num_cached / Finished.num_cached_tokens / state.num_cached(request_id) say how many prompt
 tokens the cache served; state.pool.num_free counts blocks usable for new allocations (free plus
 cached-unreferenced) and state.pool.num_in_use the blocks live sequences hold.
+With config.sliding_window (a model whose every layer slides), blocks behind every running
+sequence's window return to the pool when a step is planned (scheduler/window.py).
 """
 
 from scheduler.arms import ARM_KEYS, KNOB_SHORT, Arm, parse_arm

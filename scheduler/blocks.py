@@ -31,7 +31,8 @@ from typing import TypeAlias
 
 from scheduler.prefix import PrefixCache
 
-BlockTable: TypeAlias = tuple[int, ...]
+# Block ids by block index; with a sliding window, leading entries may be RELEASED (None).
+BlockTable: TypeAlias = tuple[int | None, ...]
 
 # Freed tables, newest last: (table, first) where table[first:] is free.
 FreedStack: TypeAlias = tuple[tuple[BlockTable, int], ...]
@@ -114,10 +115,11 @@ class BlockPool:
         return blocks, BlockPool(num_blocks=self.num_blocks, num_free=self.num_free - count,
                                  fresh=fresh, freed=freed, cache=cache)
 
-    def give(self, blocks: Iterable[int]) -> "BlockPool":
+    def give(self, blocks: Iterable[int | None]) -> "BlockPool":
         """Releases one block table: uncached blocks go back to the stack; cached ones lose a
-        reference and, at zero, stay cached and become evictable."""
-        table = tuple(blocks)
+        reference and, at zero, stay cached and become evictable. RELEASED (None) entries, which
+        a sliding window gave back already, are skipped."""
+        table = _held(tuple(blocks))
         if not table:
             return self
         cache = self.cache
@@ -138,7 +140,8 @@ class BlockPool:
                          fresh=self.fresh, freed=freed, cache=cache)
 
     def acquire(self, blocks: BlockTable) -> "BlockPool":
-        """Cache hits: one more reference to each (cached) block."""
+        """Cache hits: one more reference to each (cached) block (RELEASED entries skipped)."""
+        blocks = _held(blocks)
         if not blocks:
             return self
         cache, revived = self.cache.acquired(blocks)
@@ -155,7 +158,7 @@ class BlockPool:
         """Blocks that releasing all of `tables` would make usable (num_free would grow by it)."""
         counts: dict[int, int] = {}
         total = 0
-        for table in tables:
+        for table in map(_held, tables):
             if self.cache is None:
                 total += len(table)
                 continue
@@ -181,6 +184,11 @@ class BlockPool:
         """References to a cached block, or None if the block is not cached."""
         rec = self.cache.records[block] if self.cache is not None else None
         return None if rec is None else rec.refs
+
+
+def _held(table: tuple) -> BlockTable:
+    """The table without RELEASED (None) entries (scheduler/window.py)."""
+    return tuple(b for b in table if b is not None) if None in table else table
 
 
 def _pop_order(freed: FreedStack) -> BlockTable:

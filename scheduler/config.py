@@ -54,6 +54,10 @@ class SchedulerConfig:
       enable_prefix_caching: full KV blocks are cached by content hash and shared between
         sequences with the same prefix (scheduler/prefix.py). Part of the cache geometry: it
         cannot change between steps. False gives exactly the plans of a scheduler without it.
+      sliding_window: None, or the window W of a model whose every layer slides (a query at
+        position p reads keys (p - W, p]): blocks wholly behind a running sequence's window go
+        back to the pool (scheduler/window.py). Part of the cache geometry. None for models
+        with a global layer (they read every key).
     """
 
     policy: str = "token_budget"
@@ -68,6 +72,7 @@ class SchedulerConfig:
     num_blocks: int = 4096
     watermark_blocks: int = 0
     enable_prefix_caching: bool = True
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -81,6 +86,10 @@ class SchedulerConfig:
                 raise ConfigError(field, f"must be an int, got {value!r}")
             if value < minimum:
                 raise ConfigError(field, f"must be >= {minimum}, got {value}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                                   or window < 1):
+            raise ConfigError("sliding_window", f"must be None or an int >= 1, got {window!r}")
         # NOTE: a non-final chunk must hold at least one tile, else a prompt longer than what is
         # left of the budget could never make progress (liveness).
         if self.max_num_batched_tokens < self.chunk_tile:
@@ -130,5 +139,7 @@ class SchedulerConfig:
 
     def same_cache(self, other: "SchedulerConfig") -> bool:
         """Whether `other` describes the same KV cache (knobs may differ between steps)."""
-        return ((self.block_size, self.num_blocks, self.enable_prefix_caching)
-                == (other.block_size, other.num_blocks, other.enable_prefix_caching))
+        return ((self.block_size, self.num_blocks, self.enable_prefix_caching,
+                 self.sliding_window)
+                == (other.block_size, other.num_blocks, other.enable_prefix_caching,
+                    other.sliding_window))

@@ -217,6 +217,8 @@ class StepRecord:
       dispatched: when the step was handed to the device (engine; None in simulation).
       ready: when the device finished it, if the engine watched (`ModelRunner.
         watch_completion`), else None. `device_idle_gaps` reads both.
+      expert_tokens: mixture-of-experts models (engine): per layer, the tokens each expert
+        received this step (a token counts once for each of its top-k experts); else None.
     """
 
     start: float
@@ -233,6 +235,7 @@ class StepRecord:
     error: str | None = None
     dispatched: float | None = None
     ready: float | None = None
+    expert_tokens: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def duration(self) -> float:

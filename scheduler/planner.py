@@ -25,6 +25,9 @@ NOTE: a cached (shared) block is never written: hits are full blocks before the 
 cursor, and its chunks write only blocks taken fresh from the pool.
 NOTE: victims always come from the tail of a key-ordered collection, so the decode rows a step
 schedules are always a prefix of the (post-preemption) decode table; `commit` relies on it.
+NOTE: with `sliding_window` (every layer slides), each running sequence's blocks wholly behind
+its window are released before anything is allocated (scheduler/window.py), and admissions
+reuse a cached prefix as far as the window needs it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from scheduler.plan import Engaged, NOTHING_ENGAGED, StepPlan
 from scheduler.prefix import ROOT_DIGEST, chain_hashes
 from scheduler.request import Sequence, SeqKey
 from scheduler.state import PLACEHOLDER, Partial, SchedulerState, gen_chunk
+from scheduler.window import slide, window_prefix
 
 _key_of_seq = lambda seq: seq.key  # noqa: E731
 _key_of_partial = lambda part: part.seq.key  # noqa: E731
@@ -65,6 +69,10 @@ class StepBuilder:
         self.preempted_unfilled: list = []  # of them, ids whose newest token is a placeholder
         self.partials_after = len(state.partial)  # mid-prefill once this step commits
         self.engaged: dict[str, object] = {}
+        self.slid = False  # a sliding window released blocks of some partial prefill
+        if config.sliding_window is not None:
+            self.dec, self.pool, self.slid = slide(self.dec, self.partial, self.pool,
+                                                   config.sliding_window, config.block_size)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
@@ -329,10 +337,14 @@ class StepBuilder:
 
     def _cache_hits(self, seq: Sequence) -> BlockTable:
         """Blocks of the longest cached prefix of `seq.tokens`: whole blocks, at most
-        len(tokens) - 1 tokens (the last token is always computed, for its logits)."""
+        len(tokens) - 1 tokens (the last token is always computed, for its logits); under a
+        sliding window, only the blocks its window still reads (`window_prefix`)."""
         if self.pool.cache is None:
             return ()
         limit = (len(seq.tokens) - 1) // self.config.block_size
+        if self.config.sliding_window is not None:
+            return window_prefix(self.pool.cache, seq.block_hashes[:limit],
+                                 self.config.sliding_window, self.config.block_size)
         return self.pool.cache.longest_prefix(seq.block_hashes[:limit])
 
     def _admission_chunk(self, seq: Sequence, whole: bool, hits: BlockTable) -> int:
@@ -340,7 +352,7 @@ class StepBuilder:
         cannot be admitted this step. Hits that no one holds leave the usable pool; shared ones
         cost nothing, and no hit counts against the token budget."""
         total = len(seq.tokens) - len(hits) * self.config.block_size
-        revived = sum(self.pool.ref_count(b) == 0 for b in hits) if hits else 0
+        revived = sum(b is not None and self.pool.ref_count(b) == 0 for b in hits)
         usable = self.pool.num_free - revived - self.config.watermark_blocks
         by_blocks = max(0, self._tokens_by_blocks(0, 0, usable))
         if whole:
@@ -373,7 +385,7 @@ class StepBuilder:
             since = state.decode_steps_since_prefill + 1
         else:
             since = state.decode_steps_since_prefill
-        if rows or len(self.partial) != len(state.partial):
+        if rows or self.slid or len(self.partial) != len(state.partial):
             partial = tuple(heapq.merge(self.partial, self.admitted, key=_key_of_partial))
         else:  # no chunk ran, nobody was preempted: the partial prefills are unchanged
             partial = state.partial

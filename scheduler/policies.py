@@ -54,16 +54,17 @@ def schedule(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
 
     Raises:
       StepOrderError: `state` already has a plan in flight.
-      ConfigError: `config` describes another KV cache than the state's (block_size, num_blocks
-        or enable_prefix_caching differ; the error names the field).
+      ConfigError: `config` describes another KV cache than the state's (block_size, num_blocks,
+        enable_prefix_caching or sliding_window differ; the error names the field).
     """
     if state.in_flight:
         raise StepOrderError(f"step {state.step}: commit the plan in flight before scheduling")
     if config is not state.config and not config.same_cache(state.config):
-        field = next(f for f in ("num_blocks", "block_size", "enable_prefix_caching")
+        field = next(f for f in ("num_blocks", "block_size", "enable_prefix_caching",
+                                 "sliding_window")
                      if getattr(config, f) != getattr(state.config, f))
-        raise ConfigError(field, "block_size, num_blocks and enable_prefix_caching must match "
-                                 "the state's config")
+        raise ConfigError(field, "block_size, num_blocks, enable_prefix_caching and "
+                                 "sliding_window must match the state's config")
     builder = StepBuilder(state, config)
     decoding = len(state.decoding) > 0
     prefill_work = bool(state.partial or state.waiting)

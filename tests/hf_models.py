@@ -10,6 +10,12 @@ import functools
 import tempfile
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Mixtures of experts, Gemma, and sliding windows. Windows are short (the tests' prompts run
+# past them): Mixtral slides in every layer, Gemma alternates local and global layers.
+MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+NEW_ARCHS = MOE_ARCHS + GEMMA_ARCHS
+WINDOW = 24  # the tiny sliding-window models' window
 
 _COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -23,7 +29,26 @@ _EXTRA = {
                                rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "Qwen2ForCausalLM": dict(tie_word_embeddings=True, rope_theta=1e6),
     "Qwen3ForCausalLM": dict(head_dim=32),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96,
+                               sliding_window=WINDOW),
+    # norm_topk_prob False (Qwen2-MoE's default): the top-k weights are not renormalized.
+    "Qwen2MoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                shared_expert_intermediate_size=80, norm_topk_prob=False),
+    "Qwen3MoeForCausalLM": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                norm_topk_prob=True, head_dim=32),
+    "Gemma2ForCausalLM": dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                              attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                              layer_types=["sliding_attention", "full_attention"]),
+    "Gemma3ForCausalLM": dict(head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=32,
+                              num_hidden_layers=3, layer_types=[
+                                  "sliding_attention", "full_attention", "sliding_attention"],
+                              rope_parameters={
+                                  "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                     "rope_theta": 1e6},
+                                  "sliding_attention": {"rope_type": "default",
+                                                        "rope_theta": 1e4}}),
 }
+_CONFIG_CLASS = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +57,7 @@ def tiny_model_dir(arch: str = "LlamaForCausalLM", seed: int = 0) -> str:
     import torch
     import transformers
 
-    cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
+    cfg_cls = getattr(transformers, _CONFIG_CLASS.get(arch, arch.replace("ForCausalLM", "Config")))
     model_cls = getattr(transformers, arch)
     cfg = cfg_cls(**{**_COMMON, **_EXTRA[arch]})
     cfg.architectures = [arch]

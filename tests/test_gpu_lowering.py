@@ -121,3 +121,26 @@ def test_triton_ir_is_captured_where_known_to_work():
     if ir is None and version > (0, 10, 2):
         pytest.skip(IR_HIDDEN)
     assert ir is not None and "tt.func" in ir and "tt.dot" in ir
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("kind", ["mixed_split", "decode_split"])
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["window", "window-softcap"])
+def test_sliding_window_and_softcap_variants_lower(kind, dtype, softcap):
+    # The window is traced (one executable for every layer of a local/global model).
+    plan = _plan(4, 128, 16, itemsize=jnp.dtype(dtype).itemsize, **KINDS[kind])
+
+    def windowed(*args):
+        *rest, window = args
+        return pallas_gpu.ragged_paged_attention_pallas_gpu(
+            *rest, sm_scale=128**-0.5, plan=plan, sliding_window=window, logit_softcap=softcap)
+
+    args = _abstract_args(4, 128, 16, dtype) + (jax.ShapeDtypeStruct((), jnp.int32),)
+    with lowering.capture_triton_ir() as modules:
+        text = lowering.lower_for_cuda(windowed, *args)
+    assert lowering.triton_kernel_calls(text) == 1
+    if not modules:
+        pytest.skip(IR_HIDDEN)
+    ir = modules[0].ir
+    assert ir.count("scf.for") == 3  # the window's left edge, the middle, the diagonal
+    assert ("tanh" in ir) == (softcap is not None)

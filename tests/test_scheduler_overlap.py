@@ -83,7 +83,7 @@ def drive_overlapped(workload, overlap: list[bool], abort_points: list[tuple[int
     requests = {r.request_id: r for r in workload.requests}
     stop_after = {r.request_id: s for r, s in zip(workload.requests, workload.stop_after)}
     truth = {rid: _Truth(_truth(r)) for rid, r in requests.items()}
-    ghost = GhostCache(block_size=config.block_size)
+    ghost = GhostCache(block_size=config.block_size, window=config.sliding_window)
     pending = list(workload.requests)
     status = {rid: "pending" for rid in requests}
     outputs = {}
@@ -215,6 +215,17 @@ def test_overlap_under_kv_pressure_with_prefix_caching(workload, overlap):
     at the fill) and shared prefixes."""
     config = dataclasses.replace(workload.config, enable_prefix_caching=True)
     drive_overlapped(dataclasses.replace(workload, config=config), overlap, [])
+
+
+@settings(max_examples=60, **_SETTINGS)
+@given(workloads(windows=True, shared=True), _OVERLAP)
+def test_overlap_with_a_sliding_window(workload, overlap):
+    """Blocks a window releases while the step before is still in flight (the device runs that
+    step before any later one reuses them): every row reads its own tokens inside its window,
+    and outputs are the serial ones."""
+    outputs = drive_overlapped(workload, overlap, [])
+    serial = drive(workload, sampler=_sampler)
+    assert outputs == {rid: f.output_token_ids for rid, f in serial.outputs.items()}
 
 
 # ---- units ------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from hypothesis.control import currently_in_test_context
 from scheduler import POLICIES, Request, SchedulerConfig, SchedulerState
 from scheduler import abort, add_request, blocks_for, commit, schedule
 from scheduler.prefix import chain_hashes
+from scheduler.window import first_needed
 
 _SETTINGS = dict(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -52,10 +53,10 @@ class Workload:
 
 @st.composite
 def workloads(draw, *, policy=None, pressure=True, aborts=False, stops=True, priorities=True,
-              max_requests=10, shared=None, **fixed):
+              max_requests=10, shared=None, windows=False, **fixed):
     """Random workloads. With `shared` (drawn when None) prompts start with one of a few common
     prefixes of random lengths (block-aligned or not; a prompt may be all prefix, so a later
-    identical prompt is entirely cached)."""
+    identical prompt is entirely cached). With `windows`, a sliding window of 1 to 20 keys."""
     tile = draw(st.sampled_from([1, 2, 4, 8, 16]))
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     watermark = draw(st.integers(0, 2))
@@ -96,6 +97,8 @@ def workloads(draw, *, policy=None, pressure=True, aborts=False, stops=True, pri
         max_num_partial_prefills=draw(st.integers(1, 3)),
         block_size=block_size, num_blocks=num_blocks, watermark_blocks=watermark,
         enable_prefix_caching=draw(st.booleans()))
+    if windows:
+        values["sliding_window"] = draw(st.sampled_from([1, 2, 3, 5, 8, 13, 20]))
     values.update(fixed)
     stop_after = tuple(draw(st.sampled_from([None, None, 1, 2, 5])) if stops else None
                        for _ in requests)
@@ -142,9 +145,12 @@ def check_blocks(state: SchedulerState, config: SchedulerConfig, *, exact: bool)
     free, idle = pool.free_blocks(), pool.cached_free_blocks()
     assert len(free) + len(idle) == pool.num_free and len(idle) == pool.num_cached_free
     holders: dict[int, int] = {}
+    window = config.sliding_window
     for table in state.owned_blocks().values():
-        assert len(set(table)) == len(table), "a block twice in one table"
-        for b in table:
+        held = [b for b in table if b is not None]
+        assert len(set(held)) == len(held), "a block twice in one table"
+        assert window is not None or len(held) == len(table), "a released entry without window"
+        for b in held:
             holders[b] = holders.get(b, 0) + 1
     everything = sorted([*free, *idle, *holders])
     assert everything == list(range(config.num_blocks)), "a block leaked or is in two places"
@@ -164,12 +170,37 @@ def check_blocks(state: SchedulerState, config: SchedulerConfig, *, exact: bool)
             assert len(table) == blocks_for(computed, config.block_size)
 
 
+def _cursors(state: SchedulerState) -> list[tuple[int, tuple]]:
+    """(cursor, table) of every running sequence."""
+    return ([(p.computed, p.table) for p in state.partial]
+            + list(zip(state.decoding.computed, state.decoding.tables)))
+
+
+def check_window(state: SchedulerState, config: SchedulerConfig, *, planned: bool) -> None:
+    """Sliding window: released entries are exactly a prefix of each table. Just planned, that
+    prefix is every block wholly behind the sequence's window (its cursor's next query): all
+    of them went back to the pool, and nothing the window still reads did."""
+    if config.sliding_window is None:
+        return
+    for cursor, table in _cursors(state):
+        released = sum(b is None for b in table)
+        assert all(b is None for b in table[:released]), "released entries not a prefix"
+        needed = first_needed(cursor, config.sliding_window, config.block_size)
+        if planned:
+            assert released == needed, f"released {released} blocks, window allows {needed}"
+            if released and currently_in_test_context():
+                event("a window released blocks")
+        else:
+            assert released <= needed, "released a block the window still reads"
+
+
 @dataclasses.dataclass(kw_only=True)
 class GhostCache:
     """The test's own model of the KV cache: which token each slot holds, and the digest each
     full block must have, recomputed from the token list of the sequence that filled it."""
 
     block_size: int
+    window: int | None = None  # the sliding window: rows read only the keys inside it
     slots: dict = dataclasses.field(default_factory=dict)  # (block, offset) -> token
     digests: dict = dataclasses.field(default_factory=dict)  # block -> expected digest
 
@@ -182,6 +213,7 @@ class GhostCache:
             tokens = mirror[rid].tokens()
             for p in range(start, start + length):
                 block = table[p // bs]
+                assert block is not None, "wrote into a released entry"
                 # never write a cached (shared, immutable) block or one another sequence holds
                 assert state.pool.ref_count(block) is None, "wrote into a cached block"
                 assert not any(block in t for other, t in tables.items() if other != rid), \
@@ -192,8 +224,10 @@ class GhostCache:
                 else:
                     self.digests.pop(block, None)
             kv_len = start + length
-            read = [self.slots.get((table[p // bs], p % bs)) for p in range(kv_len)]
-            assert read == list(tokens[:kv_len]), "a row attends over the wrong KV"
+            # the keys this chunk's first query sees (all of them without a window)
+            first = 0 if self.window is None else max(0, start - self.window + 1)
+            read = [self.slots.get((table[p // bs], p % bs)) for p in range(first, kv_len)]
+            assert read == list(tokens[first:kv_len]), "a row attends over the wrong KV"
 
     def check(self, state: SchedulerState) -> None:
         """Every cached block's digest is the one its content and its prefix give."""
@@ -295,10 +329,12 @@ def check_plan(pre: SchedulerState, plan, config: SchedulerConfig, mirror: dict)
             # under KV pressure too: a decode-ready sequence decodes or is preempted, never idles
             assert set(plan.request_ids[:k]) | set(plan.preempted) >= set(dec.ids)
     check_blocks(plan.state, config, exact=False)
+    check_window(plan.state, config, planned=True)
 
 
 def check_state(state: SchedulerState, config: SchedulerConfig, mirror: dict) -> None:
     check_blocks(state, config, exact=True)
+    check_window(state, config, planned=False)
     ids = state.request_ids()
     assert len(ids) == len(set(ids))
     assert state.held == frozenset(ids)
@@ -322,7 +358,7 @@ def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = F
     `sampler(request_id, position)` gives the token sampled at `position` (default: a function
     of the step and the row)."""
     config = workload.config
-    ghost = GhostCache(block_size=config.block_size)
+    ghost = GhostCache(block_size=config.block_size, window=config.sliding_window)
     mirror = {r.request_id: Mirror(request=r) for r in workload.requests}
     pending = list(workload.requests)
     stop_after = {r.request_id: s for r, s in zip(workload.requests, workload.stop_after)}
@@ -470,6 +506,63 @@ def test_prefix_caching_changes_no_output(workload):
         saved = sum(plan.num_cached_tokens for _, plan in trace.steps)
         assert saved == 0 or caching
     assert outputs[False] == outputs[True]
+
+
+# ---- sliding windows --------------------------------------------------------------------------
+
+@settings(max_examples=80, **_SETTINGS)
+@given(workloads(windows=True, aborts=True))
+def test_sliding_window_releases_exactly_the_blocks_behind_each_window(workload):
+    """Every layer slides: after each plan every running sequence holds exactly the blocks its
+    window still reads, from its cursor on (check_window), the rest being back in the pool;
+    every row reads the right token in every slot of its window (GhostCache); `drive`'s other
+    checks (partition of the blocks, liveness guard, outputs) hold as without a window."""
+    drive(workload)
+
+
+@settings(max_examples=40, **_SETTINGS)
+@given(workloads(windows=True, shared=True, aborts=True))
+def test_sliding_window_prefix_caching_changes_no_output(workload):
+    """With a window, a waiting sequence reuses a cached prefix as far as its window needs it
+    (the blocks before may be gone): outputs are those without caching, and every row still
+    reads exactly its own tokens inside its window."""
+    outputs = {}
+    for caching in (False, True):
+        config = dataclasses.replace(workload.config, enable_prefix_caching=caching)
+        trace = drive(dataclasses.replace(workload, config=config), sampler=_sampler)
+        outputs[caching] = {rid: f.output_token_ids for rid, f in trace.outputs.items()}
+    assert outputs[False] == outputs[True]
+
+
+def test_sliding_window_bounds_the_blocks_of_a_long_generation():
+    """One request generating 200 tokens with a 16-token window in blocks of 4 holds at most
+    16 / 4 + 1 blocks at any time; without the window it ends up holding 51."""
+    held = {}
+    for window in (None, 16):
+        config = SchedulerConfig(block_size=4, num_blocks=64, sliding_window=window,
+                                 chunk_tile=4, max_num_batched_tokens=8)
+        request = Request(request_id=0, prompt_token_ids=tuple(range(1, 6)), max_tokens=200)
+        trace = drive(Workload(config=config, requests=(request,), stop_after=(None,)))
+        held[window] = max(plan.state.pool.num_in_use for _, plan in trace.steps)
+    assert held[16] == 16 // 4 + 1 and held[None] == blocks_for(5 + 200 - 1, 4)
+
+
+def test_window_prefix_survives_evicted_early_blocks():
+    """A cached prefix whose first blocks were evicted is still reused as far as the window
+    reaches back; without a window (all blocks needed) it is not."""
+    from scheduler.prefix import PrefixCache
+    from scheduler.window import window_prefix
+
+    digests = chain_hashes(tuple(range(40)), 4)  # 10 blocks
+    cache = PrefixCache.empty(16).registered([(b, d) for b, d in enumerate(digests)])
+    cache, _ = cache.released((0, 1, 2))  # a window slid past them: released first, evicted first
+    cache, _ = cache.released(tuple(range(3, 10)))
+    evicted, cache = cache.evicted(3)
+    assert sorted(evicted) == [0, 1, 2] and cache.longest_prefix(digests) == ()
+    got = window_prefix(cache, digests, window=9, block_size=4)
+    # a query at 40 reads keys 32..40: blocks 8, 9 cached -> the whole 10-block prefix
+    assert got == (None,) * 8 + (cache.lookup(digests[8]), cache.lookup(digests[9]))
+    assert window_prefix(cache, digests, window=1000, block_size=4) == ()
 
 
 # ---- the cap ---------------------------------------------------------------------------------

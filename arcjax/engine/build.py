@@ -76,12 +76,13 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     if jax.process_count() > 1 and config.async_scheduling:
         raise EngineConfigError("async_scheduling", "not supported across several processes "
                                 "(multi-host runs the serial step)")
-    if jax.process_count() > 1 and config.tensor_parallel_size != jax.device_count():
+    tp, ep = config.tensor_parallel_size, config.expert_parallel_size
+    if jax.process_count() > 1 and max(tp, ep) != jax.device_count():
         raise EngineConfigError("tensor_parallel_size", f"over {jax.process_count()} "
                                 f"processes it must span all {jax.device_count()} devices, "
-                                f"got {config.tensor_parallel_size}", limit=jax.device_count())
-    if config.tensor_parallel_size > 1 or jax.process_count() > 1:
-        parallel = TensorParallel.create(model_config(source), config.tensor_parallel_size)
+                                f"got {max(tp, ep)}", limit=jax.device_count())
+    if max(tp, ep) > 1 or jax.process_count() > 1:
+        parallel = TensorParallel.create(model_config(source), tp, ep=ep)
     # With `parallel`, cfg is the sharded config (KV heads repeated when tp exceeds them).
     model = load_model(source, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel,
                        quantization=config.quantization)
@@ -103,7 +104,7 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     num_blocks = config.num_kv_blocks or _default_num_blocks(
         cfg, kv_dtype, config.block_size, max_blocks, config.max_num_seqs,
         config.kv_memory_fraction, config.tensor_parallel_size)
-    sched = config.scheduler_config(num_blocks)
+    sched = config.scheduler_config(num_blocks, cfg.sliding_window if cfg.all_sliding else None)
     step_tokens = max(sched.max_num_batched_tokens,
                       max_model_len if sched.policy == "prefill_first" else 0)
     buckets = BucketSet.create(tile=sched.chunk_tile, max_tokens=step_tokens,

@@ -57,6 +57,10 @@ class EngineConfig:
       tensor_parallel_size: devices the model is split over (heads, KV heads, MLP and
         vocabulary; see `arcjax.parallel`); they may span processes (`jax.distributed`,
         `arcjax.parallel.initialize`). 1 = one device, no mesh.
+      expert_parallel_size: devices a mixture of experts' experts are split over (attention
+        stays split over tensor_parallel_size; the mesh spans the larger of the two, and
+        one must be a multiple of the other; see `arcjax.parallel.layout`). 1 = experts
+        split like the rest of the MLP (by width).
       async_scheduling: plan and pack step N+1 while the device runs step N, the sampled
         tokens fed forward on the device (`scheduler.advance`); greedy outputs are identical
         either way. None = on where it is faster: with an accelerator, or on the CPU backend
@@ -80,6 +84,7 @@ class EngineConfig:
     cache_dir: str | None = None
     trace_capacity: int = 10_000
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
     async_scheduling: bool | None = None
     policy: str = "token_budget"
     max_num_batched_tokens: int = 2048
@@ -130,6 +135,7 @@ class EngineConfig:
         _int("seed", self.seed, 0)
         _int("trace_capacity", self.trace_capacity, 1)
         _int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _int("expert_parallel_size", self.expert_parallel_size, 1)
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise EngineConfigError("async_scheduling", f"must be a bool or None, got "
                                                         f"{self.async_scheduling!r}")
@@ -169,9 +175,12 @@ class EngineConfig:
         except ConfigError as e:  # the scheduler's: same field, same limit
             raise EngineConfigError(e.field, e.message, limit=e.limit) from e
 
-    def scheduler_config(self, num_blocks: int) -> scheduler.SchedulerConfig:
-        """The scheduler's config for a cache of `num_blocks` blocks."""
+    def scheduler_config(self, num_blocks: int,
+                         sliding_window: int | None = None) -> scheduler.SchedulerConfig:
+        """The scheduler's config for a cache of `num_blocks` blocks; `sliding_window`: the
+        model's window when every layer slides (blocks behind it return to the pool)."""
         return scheduler.SchedulerConfig(block_size=self.block_size, num_blocks=num_blocks,
+                                         sliding_window=sliding_window,
                                          **{k: getattr(self, k) for k in SCHEDULER_OPTIONS})
 
 

@@ -255,7 +255,7 @@ class EngineCore:
             num_seqs=plan.num_seqs, bucket=step.bucket, compiled=step.compiled,
             engaged=plan.engaged.as_dict(), sampled=sampled_ids,
             cached_tokens=plan.num_cached_tokens, dispatched=step.handle.dispatched,
-            ready=step.handle.wait_ready())
+            ready=step.handle.wait_ready(), expert_tokens=out.expert_tokens())
         with self._stage("trace sink", rollback=snapshots):
             self.trace.record(record, strict=True)
         self.state = state

@@ -3,7 +3,9 @@
 `ModelConfig` is frozen and hashable so it can be a `jax.jit` static argument.
 It covers the decoder family arcjax runs: Llama, Mistral, Qwen2 (bias on q/k/v)
 and Qwen3 (RMSNorm on q and k), with GQA, explicit `head_dim`, rope scaling of
-type `llama3` and `linear`, and tied embeddings.
+type `llama3` and `linear`, and tied embeddings; the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE; Gemma 2 and Gemma 3 (text); per-layer sliding windows.
+What each family's fields mean is read in `arcjax.model.families`.
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ import math
 from typing import Mapping
 
 from arcjax.errors import ModelConfigError
+from arcjax.model import families
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+SUPPORTED_ARCHITECTURES = tuple(families.MODEL_TYPES)
+# The window a global layer of a mixed local/global model passes to attention: longer than
+# any position, so one executable serves both kinds of layer.
+GLOBAL_WINDOW = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,6 +47,26 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU, Gemma)
+    # Sliding windows: a sliding layer's query at position p sees keys in (p - window, p].
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()  # one per layer; () = no layer slides
+    # Gemma 3: the sliding layers' own rope (None: every layer uses rope_theta/rope_scaling).
+    local_rope_theta: float | None = None
+    local_rope_scaling: tuple | None = None
+    # Mixture of experts (num_experts == 0: a dense MLP).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalize the top-k router weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert
+    # Gemma
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size)
+    query_pre_attn_scalar: float | None = None  # attention scale is its ** -0.5
+    attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -62,10 +83,48 @@ class ModelConfig:
                 "config.json",
                 f"architecture {self.architecture!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ModelConfigError("config.json", f"hidden_act {self.hidden_act!r} is not "
+                                                  "supported; supported: silu, gelu_tanh")
+        if (self.sliding_window is None) != (not self.sliding_layers):
+            raise ModelConfigError("config.json", "sliding_window and sliding_layers must be "
+                                                  "set together")
+        if self.sliding_layers and (len(self.sliding_layers) != self.num_layers
+                                    or not any(self.sliding_layers) or self.sliding_window < 1):
+            raise ModelConfigError("config.json", f"sliding_layers must give each of the "
+                                   f"{self.num_layers} layers a kind, one sliding at least, "
+                                   f"and sliding_window must be >= 1 (got "
+                                   f"{self.sliding_window})")
+        if self.num_experts and not (1 <= self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size >= 1):
+            raise ModelConfigError("config.json", f"num_experts_per_tok must be in [1, "
+                                   f"num_experts={self.num_experts}] and moe_intermediate_size "
+                                   ">= 1")
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def all_sliding(self) -> bool:
+        """Every layer slides with the same window: KV older than it is never read again."""
+        return bool(self.sliding_layers) and all(self.sliding_layers)
+
+    @property
+    def sm_scale(self) -> float:
+        """The attention softmax scale."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def layer_windows(self) -> tuple[int, ...] | None:
+        """Each layer's attention window (`GLOBAL_WINDOW` for a full-attention layer of a
+        mixed model), or None when no layer slides."""
+        if not self.sliding_layers:
+            return None
+        return tuple(self.sliding_window if s else GLOBAL_WINDOW for s in self.sliding_layers)
 
     def with_kv_repeat(self, repeat: int) -> "ModelConfig":
         """The model with each KV head stored `repeat` times (what a device holds when
@@ -84,54 +143,47 @@ class ModelConfig:
                 "config.json",
                 f"architecture {arch or d.get('model_type')!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ModelConfigError("config.json", f"hidden_act {act!r} is not supported; only 'silu'")
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
-        rope = dict(d.get("rope_parameters") or {})
-        legacy = d.get("rope_scaling") or {}
-        rope_theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
-        scaling = {**legacy, **{k: v for k, v in rope.items() if k != "rope_theta"}}
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         attention_bias = bool(d.get("attention_bias", False))
         if d.get("mlp_bias"):
             raise ModelConfigError("config.json", "mlp_bias=True is not supported")
-        if arch == "MistralForCausalLM" and d.get("sliding_window") and d.get(
-                "use_sliding_window", True) and d["sliding_window"] < d.get(
-                    "max_position_embeddings", 0):
-            # NOTE: sliding-window attention is not implemented; contexts are
-            # capped at the window so results stay exact.
-            max_pos = int(d["sliding_window"])
-        else:
-            max_pos = int(d.get("max_position_embeddings", 2048))
-        return cls(
+        num_layers = d["num_hidden_layers"]
+        qkv_bias = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+        gemma = families.gemma(d, arch)
+        fields = dict(
             architecture=arch,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            rope_theta=rope_theta,
-            rope_scaling=_parse_rope_scaling(scaling),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
-            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", bool(gemma))),
+            qkv_bias=qkv_bias or attention_bias,
+            o_bias=not qkv_bias and attention_bias,
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=families.activation(d, arch),
         )
+        fields |= families.rope(d, arch)
+        fields |= families.windows(d, arch, num_layers)
+        fields |= families.experts(d, arch, num_layers)
+        fields |= gemma
+        return cls(**fields)
 
     def to_hf_dict(self) -> dict:
         """The Hugging Face config.json for this model."""
+        gemma = self.architecture in families.GEMMA_ARCHITECTURES
         d = {
             "architectures": [self.architecture],
-            "model_type": _MODEL_TYPE[self.architecture],
+            "model_type": families.MODEL_TYPES[self.architecture],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -139,8 +191,8 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rope_theta": self.rope_theta,
+            "hidden_activation" if gemma else "hidden_act":
+                "gelu_pytorch_tanh" if self.hidden_act == "gelu_tanh" else "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
@@ -152,54 +204,44 @@ class ModelConfig:
         if self.eos_token_ids:
             d["eos_token_id"] = (self.eos_token_ids[0] if len(self.eos_token_ids) == 1
                                  else list(self.eos_token_ids))
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling[0]
-            if kind == "linear":
-                d["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_scaling[1]}
-            elif kind == "freq_factors":
-                raise ModelConfigError("rope_scaling", "per-frequency rope factors (from a "
-                                       "GGUF file) have no config.json spelling")
-            else:
-                _, factor, low, high, orig = self.rope_scaling
-                d["rope_scaling"] = {"rope_type": "llama3", "factor": factor,
-                                     "low_freq_factor": low, "high_freq_factor": high,
-                                     "original_max_position_embeddings": orig}
+        d |= families.hf_rope(self.architecture, self.rope_theta, self.rope_scaling,
+                              self.local_rope_theta, self.local_rope_scaling)
+        if self.sliding_layers:
+            d |= {"sliding_window": self.sliding_window, "use_sliding_window": True,
+                  "layer_types": ["sliding_attention" if s else "full_attention"
+                                  for s in self.sliding_layers]}
+        if self.is_moe:
+            d |= {"num_experts": self.num_experts, "num_local_experts": self.num_experts,
+                  "num_experts_per_tok": self.num_experts_per_tok,
+                  "moe_intermediate_size": self.moe_intermediate_size,
+                  "norm_topk_prob": self.norm_topk_prob, "decoder_sparse_step": 1,
+                  "mlp_only_layers": [],
+                  "shared_expert_intermediate_size": self.shared_expert_intermediate_size}
+        if gemma:
+            d |= {"query_pre_attn_scalar": self.query_pre_attn_scalar,
+                  "attn_logit_softcapping": self.attn_logit_softcap,
+                  "final_logit_softcapping": self.final_logit_softcap}
         return d
 
 
-_MODEL_TYPE = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-_ARCH_BY_MODEL_TYPE = {v: k for k, v in _MODEL_TYPE.items()}
+_ARCH_BY_MODEL_TYPE = {v: k for k, v in families.MODEL_TYPES.items()}
 
 
-def _parse_rope_scaling(s: Mapping) -> tuple | None:
-    kind = s.get("rope_type", s.get("type", "default"))
-    if kind in (None, "default"):
-        return None
-    if kind == "linear":
-        return ("linear", float(s["factor"]))
-    if kind == "llama3":
-        return ("llama3", float(s["factor"]), float(s["low_freq_factor"]),
-                float(s["high_freq_factor"]), int(s["original_max_position_embeddings"]))
-    raise ModelConfigError("config.json", f"rope_scaling type {kind!r} is not supported; "
-                           "supported: default, linear, llama3")
-
-
-def rope_inv_freq(cfg: ModelConfig) -> list[float]:
-    """Inverse frequencies [head_dim // 2] after rope scaling (host floats)."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> list[float]:
+    """Inverse frequencies [head_dim // 2] after rope scaling (host floats); `local`: of the
+    sliding layers' own rope (Gemma 3), where the model has one."""
+    theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    if local and cfg.local_rope_theta is not None:
+        theta, scaling = cfg.local_rope_theta, cfg.local_rope_scaling
     d = cfg.head_dim
-    inv = [1.0 / (cfg.rope_theta ** (i / d)) for i in range(0, d, 2)]
-    if cfg.rope_scaling is None:
+    inv = [1.0 / (theta ** (i / d)) for i in range(0, d, 2)]
+    if scaling is None:
         return inv
-    if cfg.rope_scaling[0] == "linear":
-        return [f / cfg.rope_scaling[1] for f in inv]
-    if cfg.rope_scaling[0] == "freq_factors":
-        return [f / float(s) for f, s in zip(inv, cfg.rope_scaling[1:], strict=True)]
-    _, factor, low, high, orig = cfg.rope_scaling
+    if scaling[0] == "linear":
+        return [f / scaling[1] for f in inv]
+    if scaling[0] == "freq_factors":
+        return [f / float(s) for f, s in zip(inv, scaling[1:], strict=True)]
+    _, factor, low, high, orig = scaling
     low_wavelen, high_wavelen = orig / low, orig / high
     out = []
     for f in inv:

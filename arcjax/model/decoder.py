@@ -10,6 +10,11 @@ Two entry points share every layer's code and differ only in attention:
 2. `forward_dense(params, cfg, token_ids)`: plain causal attention over whole
    sequences `[B, L]`, for training and as an independent check.
 
+Per-layer differences ride along the layer scan as arrays: each layer's attention window
+(sliding or global, `ModelConfig.layer_windows`) and which rope it uses (Gemma 3's local
+and global bases). Mixture-of-experts layers (`arcjax.model.moe`) also return how many
+tokens each expert received, per layer (`forward_with_stats`).
+
 Params and cache layouts are declared once in `arcjax.model.specs`.
 """
 
@@ -21,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from arcjax.model import moe
 from arcjax.model.config import ModelConfig, rope_inv_freq
 from arcjax.model.quant import dense
 from arcjax.model.specs import CACHE_AXES, Cache, Params
@@ -41,15 +47,24 @@ class StepBatch:
     logits_rows: jax.Array  # [S] int32, token row whose logits sequence s needs
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
+    """RMSNorm in float32, scaled by `w` (by `1 + w` with `unit_offset`, Gemma's)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
+    scale = w.astype(jnp.float32)
+    return (xf * (1.0 + scale if unit_offset else scale)).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Rotary embedding, Hugging Face's rotate-half layout. x: [..., T, Hx, D]."""
-    inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)  # [D/2]
+def _norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
+    return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_unit_offset)
+
+
+def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig,
+         inv_freq: jax.Array | None = None) -> jax.Array:
+    """Rotary embedding, Hugging Face's rotate-half layout. x: [..., T, Hx, D];
+    inv_freq: [D/2] (default: the model's global rope)."""
+    if inv_freq is None:
+        inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)  # [D/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
     cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
     xf = x.astype(jnp.float32)
@@ -57,7 +72,24 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
+def layer_constants(cfg: ModelConfig) -> dict:
+    """What differs between layers besides their weights, stacked on the layer axis:
+    `window` [L] int32 (only when some layer slides) and `inv_freq` [L, D/2] float32."""
+    out = {}
+    windows = cfg.layer_windows()
+    if windows is not None:
+        out["window"] = jnp.asarray(windows, jnp.int32)
+    inv = jnp.asarray(rope_inv_freq(cfg), jnp.float32)
+    if cfg.local_rope_theta is not None and cfg.sliding_layers:
+        local = jnp.asarray(rope_inv_freq(cfg, local=True), jnp.float32)
+        sliding = jnp.asarray(cfg.sliding_layers)[:, None]
+        out["inv_freq"] = jnp.where(sliding, local, inv)  # [L, D/2]
+    else:
+        out["inv_freq"] = jnp.broadcast_to(inv, (cfg.num_layers, inv.shape[0]))
+    return out
+
+
+def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_freq: jax.Array):
     """Projections, q/k norm and rope. x: [..., T, H] -> q [..., T, Hq, D], k/v [..., T, Hkv, D]."""
     dt = x.dtype
     # dense(): a quantized weight (FP8/INT8) is dequantized here, inside the step.
@@ -69,61 +101,143 @@ def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
     k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        q, k = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return rope(q, positions, cfg), rope(k, positions, cfg), v
+        q, k = _norm(q, lp["q_norm"], cfg), _norm(k, lp["k_norm"], cfg)
+    return rope(q, positions, cfg, inv_freq), rope(k, positions, cfg, inv_freq), v
 
 
-def _block(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, attend):
+def feed_forward(lp: dict, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_impl: str,
+                 parallel, experts: dict, layer: jax.Array
+                 ) -> tuple[jax.Array, jax.Array | None]:
+    """One layer's MLP: the dense gated MLP, or the mixture of experts.
+
+    Args:
+      lp: the layer's params; h: [..., H] normalized hidden states; valid: [...] bool, real
+        tokens (experts skip padding); moe_impl, parallel: see `forward_with_stats`;
+      experts, layer: every layer's stacked expert weights (`split_experts`; {} for a dense
+        model) and this layer's index.
+
+    Returns:
+      (out [..., H], tokens per expert [E] int32, or None for a dense MLP).
+    """
+    if cfg.is_moe:
+        lead = h.shape[:-1]
+        out, counts = moe.moe_mlp(h.reshape(-1, h.shape[-1]), lp, experts, layer,
+                                  num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                                  renormalize=cfg.norm_topk_prob, act=cfg.hidden_act,
+                                  valid=valid.reshape(-1), impl=moe_impl, parallel=parallel)
+        return out.reshape(*lead, -1), counts
+    dt = h.dtype
+    h = moe.activation(h @ dense(lp["w_gate"], dt), cfg.hidden_act) * (h @ dense(lp["w_up"], dt))
+    return h @ dense(lp["w_down"], dt), None
+
+
+def split_experts(layers: dict) -> tuple[dict, dict]:
+    """(the layer weights the scan hands out layer by layer, the stacked expert weights read
+    by (layer, expert) beside it: see `moe`'s NOTE)."""
+    experts = {k: layers[k] for k in moe.EXPERT_WEIGHTS if k in layers}
+    return {k: v for k, v in layers.items() if k not in experts}, experts
+
+
+def _block(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, attend,
+           inv_freq: jax.Array, mlp):
     """One decoder layer. `attend(q, k, v) -> ([..., T, Hq, D], aux)` is the only difference
-    between the paged and dense modes."""
+    between the paged and dense modes; `mlp(lp, h) -> (out, stats)`."""
     dt = x.dtype
     with jax.named_scope("qkv"):
-        q, k, v = _qkv(lp, rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), positions, cfg)
+        q, k, v = _qkv(lp, _norm(x, lp["attn_norm"], cfg), positions, cfg, inv_freq)
     with jax.named_scope("attention"):
         attn, aux = attend(q, k, v)
     with jax.named_scope("o_proj"):
         out = attn.reshape(*attn.shape[:-2], -1) @ dense(lp["wo"], dt)
         if cfg.o_bias:
             out = out + lp["bo"].astype(dt)
+        if cfg.sandwich_norms:
+            out = _norm(out, lp["post_attn_norm"], cfg)
         x = x + out
     with jax.named_scope("mlp"):
-        h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        h = jax.nn.silu(h @ dense(lp["w_gate"], dt)) * (h @ dense(lp["w_up"], dt))
-        x = x + h @ dense(lp["w_down"], dt)
-    return x, aux
+        h, stats = mlp(lp, _norm(x, lp["mlp_norm"], cfg))
+        if cfg.sandwich_norms:
+            h = _norm(h, lp["post_mlp_norm"], cfg)
+        x = x + h
+    return x, aux, stats
 
 
-def _lm_head(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+def _embed(params: Params, cfg: ModelConfig, token_ids: jax.Array, dtype) -> jax.Array:
+    x = params["embed"][token_ids].astype(dtype)
+    if cfg.scale_embeddings:  # Gemma: sqrt(hidden) rounded to the params' dtype, as HF does
+        x = x * jnp.asarray(cfg.hidden_size ** 0.5, params["embed"].dtype).astype(dtype)
+    return x
+
+
+def lm_head(params: Params, cfg: ModelConfig, h: jax.Array, parallel=None) -> jax.Array:
+    """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last
+    layer's output) -> logits [..., V] float32, whole rows on every device."""
+    h = _norm(h, params["final_norm"], cfg)
     w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return (h @ w.astype(h.dtype)).astype(jnp.float32)
+    logits = (h @ w.astype(h.dtype)).astype(jnp.float32)
+    if cfg.final_logit_softcap is not None:
+        cap = cfg.final_logit_softcap
+        logits = cap * jnp.tanh(logits / cap)
+    if parallel is not None:
+        # Keep the projection split by vocabulary (else GSPMD may all-gather a tied
+        # embedding's whole table), then gather the rows: sampling reads whole rows.
+        axes = (None,) * (logits.ndim - 1) + ("vocab",)
+        logits = jax.lax.with_sharding_constraint(logits, parallel.sharding(axes))
+        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated)
+    return logits
 
 
 def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
             attn_impl: str = "auto", dtype=jnp.float32,
             max_q_len: int | None = None, parallel=None) -> tuple[jax.Array, Cache]:
+    """One ragged step over the paged cache (`forward_with_stats` without the statistics).
+
+    Returns:
+      logits [S, V] float32 at `batch.logits_rows`, and the updated cache.
+    """
+    logits, cache, _ = forward_with_stats(params, cache, batch, cfg=cfg, attn_impl=attn_impl,
+                                          dtype=dtype, max_q_len=max_q_len, parallel=parallel)
+    return logits, cache
+
+
+def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
+                       attn_impl: str = "auto", dtype=jnp.float32,
+                       max_q_len: int | None = None, parallel=None, moe_impl: str = "auto",
+                       head: bool = True) -> tuple[jax.Array, Cache, jax.Array | None]:
     """One ragged step over the paged cache.
 
     `max_q_len` (static) bounds every sequence's chunk length in this batch (1 for a
     decode-only bucket); it lets the attention kernel size its query tiles.
     `parallel` (static; an `arcjax.parallel.TensorParallel` or None): with it, `write_kv`
     and attention run under `shard_map` over the KV-head axis (a Pallas kernel cannot be
-    partitioned by GSPMD), and the logits are gathered to every device.
+    partitioned by GSPMD), experts under `shard_map` over the expert axis
+    (`moe.moe_mlp`), and the logits are gathered to every device.
+    `moe_impl` (static): the grouped GEMM of expert layers (`moe.IMPLS`).
+    `head` (static): False returns the last layer's hidden states at `batch.logits_rows`
+    [S, H] instead of logits, for a caller that applies `lm_head` to a few rows at a time
+    (prompt log-probabilities over a 256k vocabulary).
 
     Returns:
-      logits [S, V] float32 at `batch.logits_rows`, and the updated cache.
+      logits [S, V] float32 at `batch.logits_rows` (or hidden states, see `head`), the
+      updated cache, and tokens per expert [L, E] int32 (None for a dense model).
     """
-    x = params["embed"][batch.token_ids].astype(dtype)  # [T, H]
+    x = _embed(params, cfg, batch.token_ids, dtype)  # [T, H]
     block_size = cache["k"].shape[1]
     num_blocks = cache["k"].shape[0] // cfg.num_layers  # blocks per layer
     layer_slots = num_blocks * block_size
     valid_slot = batch.slot_mapping < layer_slots  # padding rows carry an out-of-range slot
+    windowed = cfg.layer_windows() is not None
+    scanned, experts = split_experts(params["layers"])
 
     scaled = "k_scale" in cache  # FP8 pages: one K and one V scale per layer
 
     def layer(carry, xs):
         x, k_cache, v_cache = carry
-        lp, l = xs
+        lp, l, const = xs
+
+        def mlp(lp, h):
+            return feed_forward(lp, h, cfg, valid_slot, moe_impl, parallel, experts, l)
+
         slots = jnp.where(valid_slot, batch.slot_mapping + l * layer_slots,
                           cfg.num_layers * layer_slots)  # [T]; still out of range if padding
         tables = batch.block_tables + l * num_blocks  # [S, max_blocks]
@@ -131,58 +245,76 @@ def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
         k_scale = cache["k_scale"][l] if scaled else None
         v_scale = cache["v_scale"][l] if scaled else None
 
-        def paged(q, k, v, kc, vc, slots, tables, kv_lens, cu_seqlens_q, num_seqs, k_scale,
-                  v_scale):
+        def paged(q, k, v, kc, vc, slots, tables, kv_lens, cu_seqlens_q, num_seqs, window,
+                  k_scale, v_scale):
             kc, vc = pallas_kernels.write_kv(kc, vc, k, v, slots, k_scale=k_scale,
                                              v_scale=v_scale)
             out = pallas_kernels.ragged_paged_attention(
                 q, kc, vc, tables, kv_lens, cu_seqlens_q, num_seqs, impl=attn_impl,
-                max_q_len=max_q_len, k_scale=k_scale, v_scale=v_scale)
+                max_q_len=max_q_len, sm_scale=cfg.sm_scale,
+                sliding_window=window if windowed else None,
+                logit_softcap=cfg.attn_logit_softcap, k_scale=k_scale, v_scale=v_scale)
             return out.astype(q.dtype), kc, vc
 
         if parallel is not None:  # per device: its heads, its KV heads, its cache shard
             paged = parallel.attention_map(paged, (None, "heads", None),
-                                           (None, "kv_heads", None), CACHE_AXES, num_rest=7)
+                                           (None, "kv_heads", None), CACHE_AXES, num_rest=8)
 
         def attend(q, k, v):
             out, kc, vc = paged(q, k, v, k_cache, v_cache, slots, tables, batch.kv_lens,
-                                batch.cu_seqlens_q, batch.num_seqs, k_scale, v_scale)
+                                batch.cu_seqlens_q, batch.num_seqs,
+                                const.get("window", jnp.int32(0)), k_scale, v_scale)
             return out, (kc, vc)
 
-        x, (k_cache, v_cache) = _block(lp, x, batch.positions, cfg, attend)
-        return (x, k_cache, v_cache), None
+        x, (k_cache, v_cache), stats = _block(lp, x, batch.positions, cfg, attend,
+                                              const["inv_freq"], mlp)
+        return (x, k_cache, v_cache), stats
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_new, v_new), _ = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
-                                        (params["layers"], layer_ids))
-    logits = _lm_head(params, cfg, x[batch.logits_rows])  # [S, V]
-    if parallel is not None:
-        # Keep the projection split by vocabulary (else GSPMD may all-gather a tied
-        # embedding's whole table), then gather the rows: sampling reads whole rows.
-        logits = jax.lax.with_sharding_constraint(logits, parallel.sharding((None, "vocab")))
-        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated)
-    return logits, {**cache, "k": k_new, "v": v_new}
+    (x, k_new, v_new), stats = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
+                                            (scanned, layer_ids, layer_constants(cfg)))
+    x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
+    out = lm_head(params, cfg, x, parallel) if head else x
+    return out, {**cache, "k": k_new, "v": v_new}, stats
+
+
+def dense_mask(length: int, window: jax.Array) -> jax.Array:
+    """[L, L] bool: query i sees key j iff i - window < j <= i."""
+    i, j = jnp.arange(length)[:, None], jnp.arange(length)[None, :]
+    return (j <= i) & (j > i - window)
 
 
 def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
-                  dtype=jnp.float32) -> jax.Array:
+                  dtype=jnp.float32, moe_impl: str = "auto") -> jax.Array:
     """Causal full-sequence forward. token_ids [B, L] -> logits [B, L, V] float32."""
     B, L = token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    x = params["embed"][token_ids].astype(dtype)  # [B, L, H]
-    causal = jnp.tril(jnp.ones((L, L), bool))
+    x = _embed(params, cfg, token_ids, dtype)  # [B, L, H]
+    valid = jnp.ones((B, L), bool)
+    scanned, experts = split_experts(params["layers"])
 
-    def attend(q, k, v):  # q [B, L, Hq, D], k/v [B, L, Hkv, D]
-        k = jnp.repeat(k, cfg.q_per_kv, axis=2)
-        v = jnp.repeat(v, cfg.q_per_kv, axis=2)
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        s = jnp.where(causal, s * cfg.head_dim ** -0.5, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-        return jnp.einsum("bhqk,bkhd->bqhd", p, v), None
+    def layer(x, xs):
+        lp, index, const = xs
 
-    def layer(x, lp):
-        x, _ = _block(lp, x, positions, cfg, attend)
+        def mlp(lp, h):
+            return feed_forward(lp, h, cfg, valid, moe_impl, None, experts, index)
+
+        allowed = dense_mask(L, const.get("window", jnp.int32(L)))
+
+        def attend(q, k, v):  # q [B, L, Hq, D], k/v [B, L, Hkv, D]
+            k = jnp.repeat(k, cfg.q_per_kv, axis=2)
+            v = jnp.repeat(v, cfg.q_per_kv, axis=2)
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+            s = s * cfg.sm_scale
+            if cfg.attn_logit_softcap is not None:
+                s = cfg.attn_logit_softcap * jnp.tanh(s / cfg.attn_logit_softcap)
+            s = jnp.where(allowed, s, -jnp.inf)
+            p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+            return jnp.einsum("bhqk,bkhd->bqhd", p, v), None
+
+        x, _, _ = _block(lp, x, positions, cfg, attend, const["inv_freq"], mlp)
         return x, None
 
-    x, _ = jax.lax.scan(layer, x, params["layers"])
-    return _lm_head(params, cfg, x)
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    x, _ = jax.lax.scan(layer, x, (scanned, layer_ids, layer_constants(cfg)))
+    return lm_head(params, cfg, x)

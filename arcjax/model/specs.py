@@ -1,9 +1,11 @@
 """One spec per array: the parameter tree and the paged KV cache, described once.
 
 Every weight and the cache are declared here with shape, initializer and logical axes
-(`layers`, `embed`, `heads`, `kv_heads`, `mlp`, `vocab`, ...). Initialization, loading,
-export and cache allocation all derive from these trees; a mesh that maps logical axes
-to devices derives shardings from them too, so no shape is written twice.
+(`layers`, `embed`, `heads`, `kv_heads`, `mlp`, `vocab`, `expert`, `moe_mlp`, ...).
+Initialization, loading, export and cache allocation all derive from these trees; a mesh
+that maps logical axes to devices derives shardings from them too, so no shape is
+written twice. Expert weights are stacked `[L, E, ...]`: their `expert` axis is what
+expert parallelism splits, `moe_mlp` (each expert's width) what tensor parallelism does.
 
 Params layout: layer weights are stacked on a leading `layers` axis so the layer loop is
 a `lax.scan` (compile time flat in depth). Linear weights are stored `[in, out]`.
@@ -48,17 +50,34 @@ def param_specs(cfg: ModelConfig) -> dict:
     def s(shape, init, *axes):
         return ParamSpec(tuple(shape), init, tuple(axes))
 
+    # (1 + w) RMSNorms (Gemma) start at zero: every norm starts as the identity scale.
+    norm = "zeros" if cfg.norm_unit_offset else "ones"
     layers = {
-        "attn_norm": s((L, H), "ones", "layers", "embed"),
+        "attn_norm": s((L, H), norm, "layers", "embed"),
         "wq": s((L, H, q_dim), "normal", "layers", "embed", "heads"),
         "wk": s((L, H, kv_dim), "normal", "layers", "embed", "kv_heads"),
         "wv": s((L, H, kv_dim), "normal", "layers", "embed", "kv_heads"),
         "wo": s((L, q_dim, H), "normal", "layers", "heads", "embed"),
-        "mlp_norm": s((L, H), "ones", "layers", "embed"),
-        "w_gate": s((L, H, I), "normal", "layers", "embed", "mlp"),
-        "w_up": s((L, H, I), "normal", "layers", "embed", "mlp"),
-        "w_down": s((L, I, H), "normal", "layers", "mlp", "embed"),
+        "mlp_norm": s((L, H), norm, "layers", "embed"),
     }
+    if cfg.is_moe:
+        E, Im, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        layers |= {"router": s((L, H, E), "normal", "layers", "embed", None),
+                   "we_gate": s((L, E, H, Im), "normal", "layers", "expert", "embed", "moe_mlp"),
+                   "we_up": s((L, E, H, Im), "normal", "layers", "expert", "embed", "moe_mlp"),
+                   "we_down": s((L, E, Im, H), "normal", "layers", "expert", "moe_mlp", "embed")}
+        if Is:
+            layers |= {"ws_gate": s((L, H, Is), "normal", "layers", "embed", "mlp"),
+                       "ws_up": s((L, H, Is), "normal", "layers", "embed", "mlp"),
+                       "ws_down": s((L, Is, H), "normal", "layers", "mlp", "embed"),
+                       "ws_router": s((L, H, 1), "normal", "layers", "embed", None)}
+    else:
+        layers |= {"w_gate": s((L, H, I), "normal", "layers", "embed", "mlp"),
+                   "w_up": s((L, H, I), "normal", "layers", "embed", "mlp"),
+                   "w_down": s((L, I, H), "normal", "layers", "mlp", "embed")}
+    if cfg.sandwich_norms:
+        layers |= {"post_attn_norm": s((L, H), norm, "layers", "embed"),
+                   "post_mlp_norm": s((L, H), norm, "layers", "embed")}
     if cfg.qkv_bias:
         layers |= {"bq": s((L, q_dim), "zeros", "layers", "heads"),
                    "bk": s((L, kv_dim), "zeros", "layers", "kv_heads"),
@@ -66,10 +85,10 @@ def param_specs(cfg: ModelConfig) -> dict:
     if cfg.o_bias:
         layers["bo"] = s((L, H), "zeros", "layers", "embed")
     if cfg.qk_norm:
-        layers |= {"q_norm": s((L, cfg.head_dim), "ones", "layers", None),
-                   "k_norm": s((L, cfg.head_dim), "ones", "layers", None)}
+        layers |= {"q_norm": s((L, cfg.head_dim), norm, "layers", None),
+                   "k_norm": s((L, cfg.head_dim), norm, "layers", None)}
     specs = {"embed": s((V, H), "normal", "vocab", "embed"), "layers": layers,
-             "final_norm": s((H,), "ones", "embed")}
+             "final_norm": s((H,), norm, "embed")}
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = s((H, V), "normal", "embed", "vocab")
     return specs

@@ -34,7 +34,8 @@ from arcjax.errors import ModelConfigError, WeightsError
 from arcjax.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from arcjax.model.specs import Params, is_spec, param_specs
 
-# arcjax name -> (Hugging Face name pattern, transpose). "{i}" is the layer index.
+# arcjax name -> (Hugging Face name pattern, transpose). "{i}" is the layer index, "{e}" the
+# expert's (expert weights are stacked [L, E, ...] from one tensor per layer and expert).
 _LAYER_NAMES = {
     "attn_norm": ("model.layers.{i}.input_layernorm.weight", False),
     "wq": ("model.layers.{i}.self_attn.q_proj.weight", True),
@@ -51,6 +52,31 @@ _LAYER_NAMES = {
     "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
     "w_up": ("model.layers.{i}.mlp.up_proj.weight", True),
     "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
+    # Qwen2-MoE / Qwen3-MoE
+    "router": ("model.layers.{i}.mlp.gate.weight", True),
+    "we_gate": ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", True),
+    "we_up": ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", True),
+    "we_down": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", True),
+    "ws_gate": ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", True),
+    "ws_up": ("model.layers.{i}.mlp.shared_expert.up_proj.weight", True),
+    "ws_down": ("model.layers.{i}.mlp.shared_expert.down_proj.weight", True),
+    "ws_router": ("model.layers.{i}.mlp.shared_expert_gate.weight", True),
+}
+# Where an architecture names a weight differently.
+_ARCH_LAYER_NAMES = {
+    "MixtralForCausalLM": {
+        "router": ("model.layers.{i}.block_sparse_moe.gate.weight", True),
+        "we_gate": ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", True),
+        "we_up": ("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", True),
+        "we_down": ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", True),
+    },
+    # Gemma: post_attention_layernorm normalizes the attention output; the MLP's input norm
+    # is pre_feedforward_layernorm.
+    **{arch: {
+        "mlp_norm": ("model.layers.{i}.pre_feedforward_layernorm.weight", False),
+        "post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
+        "post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", False),
+    } for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")},
 }
 _TOP_NAMES = {
     "embed": ("model.embed_tokens.weight", False),
@@ -121,18 +147,29 @@ def _open_checkpoint(model_dir: Path) -> dict[str, tuple[Path, object]]:
     raise WeightsError(model_dir, "no model.safetensors or model.safetensors.index.json")
 
 
+def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    return {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(cfg.architecture, {})}
+
+
 def _hf_entries(cfg: ModelConfig):
-    """Yields (path in params tree, layer index or None, HF name, transpose)."""
+    """Yields (path in params tree, index into that array, HF name, transpose): index is
+    () for a top-level array, (layer,) or (layer, expert) for stacked ones."""
     specs = param_specs(cfg)
+    names = _layer_names(cfg)
     for key in specs:
         if key == "layers":
-            for lkey in specs["layers"]:
-                pattern, t = _LAYER_NAMES[lkey]
+            for lkey, spec in specs["layers"].items():
+                pattern, t = names[lkey]
+                experts = spec.axes[1] == "expert"
                 for i in range(cfg.num_layers):
-                    yield ("layers", lkey), i, pattern.format(i=i), t
+                    if experts:
+                        for e in range(cfg.num_experts):
+                            yield ("layers", lkey), (i, e), pattern.format(i=i, e=e), t
+                    else:
+                        yield ("layers", lkey), (i,), pattern.format(i=i), t
         else:
             name, t = _TOP_NAMES[key]
-            yield (key,), None, name, t
+            yield (key,), (), name, t
 
 
 def _get(tree, path):
@@ -216,7 +253,7 @@ def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = 
     specs = param_specs(cfg)
     specs["layers"] = {k: v for k, v in specs["layers"].items() if k not in skip}
     host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), specs, is_leaf=is_spec)
-    for path, layer, name, transpose in _hf_entries(cfg):
+    for path, index, name, transpose in _hf_entries(cfg):
         if path[0] == "layers" and path[1] in skip:
             continue
         arr = read(name)
@@ -227,16 +264,13 @@ def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = 
                                        f"(architecture {cfg.architecture})")
         arr = arr.T if transpose else arr
         dst = _get(host, path)
-        want = dst.shape[1:] if layer is not None else dst.shape
+        want = dst.shape[len(index):]
         if tuple(arr.shape) != tuple(want):
             hf_shape = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
             implied = tuple(want[::-1]) if transpose else tuple(want)
             raise WeightsError(where(name), f"tensor {name} has shape {hf_shape}, the "
                                             f"config implies {implied}")
-        if layer is None:
-            dst[...] = arr
-        else:
-            dst[layer] = arr
+        dst[index] = arr
     return host
 
 
@@ -245,29 +279,40 @@ def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, shardings, repeat: i
     np_dtype = np.dtype(jnp.dtype(dtype))
     scfg = cfg.with_kv_repeat(repeat)
     specs, orig_specs = param_specs(scfg), param_specs(cfg)
+    layer_names = _layer_names(cfg)
     out = {}
     for key in specs:
         if key == "layers":
             out["layers"] = {}
             for lkey, spec in specs["layers"].items():
-                pattern, t = _LAYER_NAMES[lkey]
-                names = [pattern.format(i=i) for i in range(cfg.num_layers)]
+                pattern, t = layer_names[lkey]
+                if spec.axes[1] == "expert":
+                    names = np.array([[pattern.format(i=i, e=e) for e in range(cfg.num_experts)]
+                                      for i in range(cfg.num_layers)], dtype=object)
+                else:
+                    names = np.array([pattern.format(i=i) for i in range(cfg.num_layers)],
+                                     dtype=object)
                 out["layers"][lkey] = _sharded_array(
                     model_dir, tensors, names, t, spec, orig_specs["layers"][lkey],
                     shardings["layers"][lkey], np_dtype, repeat, cfg)
         else:
             name, t = _TOP_NAMES[key]
-            out[key] = _sharded_array(model_dir, tensors, [name], t, specs[key],
-                                      orig_specs[key], shardings[key], np_dtype, repeat, cfg,
-                                      stacked=False)
+            out[key] = _sharded_array(model_dir, tensors, np.array(name, dtype=object), t,
+                                      specs[key], orig_specs[key], shardings[key], np_dtype,
+                                      repeat, cfg)
     return scfg, out
 
 
-def _sharded_array(model_dir, tensors, names, transpose, spec, orig_spec, sharding, np_dtype,
-                   repeat, cfg, stacked=True):
-    """One params array built shard by shard from its HF tensors (one per layer)."""
-    want = orig_spec.shape[1:] if stacked else orig_spec.shape  # [in, out] per layer
-    for name in names:
+def _sharded_array(model_dir, tensors, names: np.ndarray, transpose, spec, orig_spec,
+                   sharding, np_dtype, repeat, cfg):
+    """One params array built shard by shard from its HF tensors.
+
+    `names` holds one tensor name per entry of the array's leading (stacked) axes: shape ()
+    for a top-level array, [L] per layer, [L, E] per layer and expert.
+    """
+    lead = names.ndim
+    want = orig_spec.shape[lead:]  # [in, out] of one tensor
+    for name in names.flat:
         if name not in tensors:
             raise WeightsError(model_dir, f"tensor {name} is missing from the checkpoint "
                                           f"(architecture {cfg.architecture})")
@@ -280,12 +325,12 @@ def _sharded_array(model_dir, tensors, names, transpose, spec, orig_spec, shardi
         if shape != hf_want:
             raise WeightsError(file, f"tensor {name} has shape {shape}, config.json implies "
                                      f"{hf_want}")
-    axes = spec.axes[1:] if stacked else spec.axes
+    axes = spec.axes[lead:]
     head_dim = cfg.head_dim
 
     def source_index(dim: int, sl: slice) -> np.ndarray:
         """Indices into the file's tensor for a slice of our (possibly repeated) axis."""
-        idx = np.arange(spec.shape[dim + stacked])[sl]
+        idx = np.arange(spec.shape[dim + lead])[sl]
         if axes[dim] == "kv_heads" and repeat > 1:  # column c of repeated head c // D
             idx = (idx // head_dim // repeat) * head_dim + idx % head_dim
         return idx
@@ -304,10 +349,10 @@ def _sharded_array(model_dir, tensors, names, transpose, spec, orig_spec, shardi
 
     def callback(index):
         index = tuple(index) + (slice(None),) * (len(spec.shape) - len(index))
-        if not stacked:
-            return read(names[0], index)
-        layers = range(cfg.num_layers)[index[0]]
-        return np.stack([read(names[i], index[1:]) for i in layers])
+        # the tensors this shard's stacked entries come from (0-d for a top-level array)
+        chosen = np.asarray(names[index[:lead]], dtype=object)
+        return np.stack([read(n, index[lead:]) for n in chosen.flat]).reshape(
+            chosen.shape + tuple(len(source_index(d, sl)) for d, sl in enumerate(index[lead:])))
 
     return jax.make_array_from_callback(spec.shape, sharding, callback)
 
@@ -349,8 +394,7 @@ def save_hf(params: Params, cfg: ModelConfig, out_dir: str | os.PathLike,
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     np_dtype = np.dtype(jnp.dtype(dtype))
     tensors = {}
-    for path, layer, name, transpose in _hf_entries(cfg):
-        arr = np.asarray(_get(params, path))
-        arr = arr[layer] if layer is not None else arr
+    for path, index, name, transpose in _hf_entries(cfg):
+        arr = np.asarray(_get(params, path))[index]
         tensors[name] = np.ascontiguousarray((arr.T if transpose else arr).astype(np_dtype))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -1,11 +1,19 @@
-"""Tensor parallelism: a mesh, logical-axis rules, and shardings derived from the specs.
+"""Tensor and expert parallelism: a mesh, logical-axis rules, shardings derived from the specs.
 
-1. `check_tensor_parallel(cfg, tp)` refuses head counts that do not split (EngineConfigError
-   naming `tensor_parallel_size`).
-2. `TensorParallel.create(cfg, tp)` builds a one-axis mesh ("tp") over the first `tp`
-   devices (of every process) and the rules mapping logical axes to it:
-     heads, kv_heads, mlp -> "tp"; vocab -> "tp" when divisible, else replicated;
-     embed, layers, pages and unnamed axes -> replicated.
+1. `check_tensor_parallel(cfg, tp, ep)` refuses head counts, widths or expert counts that do
+   not split (EngineConfigError naming `tensor_parallel_size` / `expert_parallel_size`).
+2. `TensorParallel.create(cfg, tp, ep=1)` builds the mesh over the first max(tp, ep) devices
+   (of every process) and the rules mapping logical axes to it. With ep == 1, one axis
+   ("tp"):
+     heads, kv_heads, mlp, moe_mlp -> "tp"; vocab -> "tp" when divisible, else replicated;
+     expert, embed, layers, pages and unnamed axes -> replicated.
+   With ep > 1 (a mixture of experts), two axes ("ep", "tp"); attention stays tensor
+   parallel over `tp` devices and the experts are split over `ep` devices:
+     ep <= tp (the experts split inside the tensor-parallel group, vLLM's layout): mesh
+       (ep, tp / ep); heads, kv_heads, mlp, vocab -> ("ep", "tp"); expert -> "ep";
+       moe_mlp -> "tp" (each expert's width splits over what is left).
+     ep > tp: mesh (ep / tp, tp); heads, kv_heads, mlp, vocab -> "tp" (attention replicated
+       over "ep"); expert -> ("ep", "tp"); moe_mlp -> replicated.
 3. `sharded_config(cfg, tp)` is the model as the devices see it: when the model has fewer
    KV heads than `tp` (tp a multiple of them), each KV head is repeated `tp // Hkv` times so
    every device holds exactly the KV head its query heads read (query head h reads repeated
@@ -36,36 +44,77 @@ from arcjax.model.config import ModelConfig
 from arcjax.model.specs import cache_specs, is_scaled, is_spec, make_cache, param_specs
 
 TP_AXIS = "tp"
+EP_AXIS = "ep"
 # Logical axes split over the tensor axis; every other logical axis is replicated.
 TENSOR_AXES = ("heads", "kv_heads", "mlp", "vocab")
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
-    """Raises EngineConfigError unless the model splits over `tp` devices.
+def _size(field: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise EngineConfigError(field, f"must be an int >= 1, got {value!r}", limit=1)
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
+    """Raises EngineConfigError unless the model splits over `tp` devices (attention and
+    dense MLP) and its experts over `ep`.
 
     Requires num_heads % tp == 0, num_kv_heads % tp == 0 or tp % num_kv_heads == 0 (then KV
-    heads are replicated), intermediate_size % tp == 0. The vocabulary is split when
-    vocab_size % tp == 0 and replicated otherwise (never padded).
+    heads are replicated), the dense (or shared-expert) width % tp == 0. The vocabulary is
+    split when vocab_size % tp == 0 and replicated otherwise (never padded). With ep > 1:
+    a mixture-of-experts model, one of tp and ep a multiple of the other, num_experts %
+    ep == 0, and each expert's width divisible by tp / ep when ep < tp.
     """
     field = "tensor_parallel_size"
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise EngineConfigError(field, f"must be an int >= 1, got {tp!r}", limit=1)
+    _size(field, tp)
+    _size("expert_parallel_size", ep)
     if cfg.num_heads % tp:
         raise EngineConfigError(field, f"{tp} does not divide the model's {cfg.num_heads} "
                                        "attention heads")
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         raise EngineConfigError(field, f"{tp} must divide the model's {cfg.num_kv_heads} KV "
                                        "heads or be a multiple of them")
-    if cfg.intermediate_size % tp:
-        raise EngineConfigError(field, f"{tp} does not divide the model's intermediate_size "
-                                       f"{cfg.intermediate_size}")
+    dense = cfg.shared_expert_intermediate_size if cfg.is_moe else cfg.intermediate_size
+    if dense % tp:
+        raise EngineConfigError(field, f"{tp} does not divide the model's "
+                                       f"{'shared_expert_' if cfg.is_moe else ''}"
+                                       f"intermediate_size {dense}")
+    if ep == 1:
+        if cfg.is_moe and cfg.moe_intermediate_size % tp:
+            raise EngineConfigError(field, f"{tp} does not divide the experts' "
+                                           f"moe_intermediate_size {cfg.moe_intermediate_size}")
+        return
+    field = "expert_parallel_size"
+    if not cfg.is_moe:
+        raise EngineConfigError(field, f"{ep} needs a mixture-of-experts model; "
+                                       f"{cfg.architecture} has no experts", limit=1)
+    if max(tp, ep) % min(tp, ep):
+        raise EngineConfigError(field, f"{ep} and tensor_parallel_size {tp}: one must be a "
+                                       "multiple of the other")
+    if cfg.num_experts % ep:
+        raise EngineConfigError(field, f"{ep} does not divide the model's {cfg.num_experts} "
+                                       "experts")
+    if ep < tp and cfg.moe_intermediate_size % (tp // ep):
+        raise EngineConfigError(field, f"tensor_parallel_size / {ep} = {tp // ep} does not "
+                                       "divide the experts' moe_intermediate_size "
+                                       f"{cfg.moe_intermediate_size}")
 
 
-def logical_rules(cfg: ModelConfig, tp: int) -> tuple[tuple[str, str], ...]:
-    """(logical axis, mesh axis) pairs for `cfg` over `tp` devices (checked first)."""
-    check_tensor_parallel(cfg, tp)
+def logical_rules(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[tuple[str, object], ...]:
+    """(logical axis, mesh axis or axes) pairs for `cfg` over max(tp, ep) devices (checked
+    first); see the module docstring."""
+    check_tensor_parallel(cfg, tp, ep)
+    if ep == 1:
+        attn, expert, moe = TP_AXIS, None, TP_AXIS
+    elif ep <= tp:
+        attn, expert, moe = (EP_AXIS, TP_AXIS), EP_AXIS, TP_AXIS
+    else:
+        attn, expert, moe = TP_AXIS, (EP_AXIS, TP_AXIS), None
     axes = [a for a in TENSOR_AXES if a != "vocab" or cfg.vocab_size % tp == 0]
-    return tuple((a, TP_AXIS) for a in axes)
+    rules = [(a, attn) for a in axes]
+    if cfg.is_moe:
+        rules += [(name, mesh) for name, mesh in (("expert", expert), ("moe_mlp", moe))
+                  if mesh is not None]
+    return tuple(rules)
 
 
 def kv_repeat(cfg: ModelConfig, tp: int) -> int:
@@ -78,14 +127,20 @@ def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     return cfg.with_kv_repeat(kv_repeat(cfg, tp))
 
 
-def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A one-axis ("tp") mesh over the first `tp` of `devices` (default: all devices of all
-    processes, in jax.devices() order)."""
+def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None, ep: int = 1) -> Mesh:
+    """The mesh over the first max(tp, ep) of `devices` (default: all devices of all
+    processes, in jax.devices() order): one axis ("tp") when ep == 1, else ("ep", "tp")
+    shaped as the module docstring says."""
     devices = list(jax.devices() if devices is None else devices)
-    if tp > len(devices):
-        raise EngineConfigError("tensor_parallel_size", f"{tp} exceeds the {len(devices)} "
-                                f"available devices", limit=len(devices))
-    return Mesh(np.array(devices[:tp]), (TP_AXIS,))
+    n = max(tp, ep)
+    if n > len(devices):
+        field = "tensor_parallel_size" if tp >= ep else "expert_parallel_size"
+        raise EngineConfigError(field, f"{n} exceeds the {len(devices)} available devices",
+                                limit=len(devices))
+    if ep == 1:
+        return Mesh(np.array(devices[:tp]), (TP_AXIS,))
+    shape = (ep, tp // ep) if ep <= tp else (ep // tp, tp)
+    return Mesh(np.array(devices[:n]).reshape(shape), (EP_AXIS, TP_AXIS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,18 +153,32 @@ class TensorParallel:
     """
 
     mesh: Mesh
-    rules: tuple[tuple[str, str], ...]
+    rules: tuple[tuple[str, object], ...]
 
     @classmethod
-    def create(cls, cfg: ModelConfig, tp: int,
-               devices: Sequence[jax.Device] | None = None) -> "TensorParallel":
-        """Rules for `cfg` over a fresh `tp`-device mesh. `cfg` is the original model
-        config (before `sharded_config`)."""
-        return cls(make_mesh(tp, devices), logical_rules(cfg, tp))
+    def create(cls, cfg: ModelConfig, tp: int, devices: Sequence[jax.Device] | None = None,
+               ep: int = 1) -> "TensorParallel":
+        """Rules for `cfg` over a fresh mesh of max(tp, ep) devices. `cfg` is the original
+        model config (before `sharded_config`)."""
+        rules = logical_rules(cfg, tp, ep)  # the model's refusals first, then the devices'
+        return cls(make_mesh(tp, devices, ep), rules)
 
     @property
     def size(self) -> int:
+        """Devices in the mesh."""
         return self.mesh.size
+
+    def degree(self, logical: str) -> int:
+        """How many ways the logical axis `logical` is split (1: replicated)."""
+        mesh = dict(self.rules).get(logical)
+        names = (mesh,) if isinstance(mesh, str) else (mesh or ())
+        return int(np.prod([self.mesh.shape[n] for n in names], dtype=np.int64))
+
+    @property
+    def tp(self) -> int:
+        """The attention's tensor-parallel degree (what `sharded_config` repeats KV heads
+        for)."""
+        return self.degree("heads")
 
     def pspec(self, axes: Sequence[str | None]) -> PartitionSpec:
         """The PartitionSpec of an array whose dimensions carry these logical axes."""
@@ -128,8 +197,9 @@ class TensorParallel:
         return jax.tree.map(lambda s: self.sharding(s.axes), spec_tree, is_leaf=is_spec)
 
     def kv_repeat(self, cfg: ModelConfig) -> int:
-        """How many times each KV head of `cfg` (the file's config) is stored here."""
-        return kv_repeat(cfg, self.size)
+        """How many times each KV head of `cfg` (the file's config) is stored here (the
+        attention's degree, `tp`, which with expert parallelism may be below the mesh's)."""
+        return kv_repeat(cfg, self.tp)
 
     def param_shardings(self, cfg: ModelConfig):
         """Shardings of the params of `cfg` (the sharded config)."""
@@ -164,6 +234,30 @@ class TensorParallel:
         return jax.shard_map(fn, mesh=self.mesh,
                              in_specs=(q, kv, kv, cache, cache) + (PartitionSpec(),) * num_rest,
                              out_specs=(q, cache, cache), check_vma=False)
+
+    def experts_map(self, fn, weight_axes: Sequence[Sequence[str | None]]):
+        """`fn(x, route, *weights) -> (partial_out, stats)` under shard_map: x (tokens) and
+        route (the routing) replicated, each weight split by its spec's axes (expert weights
+        by "expert" and "moe_mlp"); `fn` sees its device's experts and width and returns a
+        partial sum over them, which is all-reduced (psum over every mesh axis); `stats`
+        are the same on every device. `fn` finds its first expert with `local_experts`."""
+        names = tuple(self.mesh.axis_names)
+
+        def body(x, route, *weights):
+            out, stats = fn(x, route, *weights)
+            return jax.lax.psum(out, names), stats
+
+        rep = PartitionSpec()
+        return jax.shard_map(body, mesh=self.mesh,
+                             in_specs=(rep, rep) + tuple(self.pspec(a) for a in weight_axes),
+                             out_specs=(rep, rep), check_vma=False)
+
+    def expert_offset(self, experts_per_device: int) -> jax.Array:
+        """Inside `experts_map`: the first expert this device holds."""
+        mesh = dict(self.rules).get("expert")
+        if mesh is None:
+            return jnp.int32(0)
+        return jax.lax.axis_index(mesh) * experts_per_device
 
 
 def per_device_bytes(tree) -> dict[str, int]:

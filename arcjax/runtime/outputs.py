@@ -18,6 +18,14 @@ class StepOutput:
     tokens: jax.Array  # [S] int32 sampled ids (numpy once `ModelRunner.run` returns)
     logprobs: TokenLogprobs  # [S] raw logprobs of the sampled tokens (zeros unless asked)
     prompt_logprobs: TokenLogprobs | None  # [T] of each row's next prompt token, or None
+    # [L, E] int32 tokens each expert received in each layer (mixtures of experts), or None
+    expert_counts: jax.Array | None = None
+
+    def expert_tokens(self) -> tuple[tuple[int, ...], ...] | None:
+        """`expert_counts` as host tuples (for the trace), or None for a dense model."""
+        if self.expert_counts is None:
+            return None
+        return tuple(map(tuple, np.asarray(self.expert_counts).tolist()))
 
 
 @jax.tree_util.register_dataclass

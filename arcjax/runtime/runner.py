@@ -6,7 +6,8 @@
    ragged batch, KV written through `slot_mapping` into the donated cache, logits
    only at each sequence's last row, sampling on device (penalties from the device-
    resident count table, `penalties.py`). Returns a `StepOutput`: token ids [S] and
-   raw log-probabilities (plus, for steps with prompt_logprobs rows, at every row).
+   raw log-probabilities (plus, for steps with prompt_logprobs rows, at every row), and
+   for a mixture of experts the tokens each expert received per layer.
    `run` is `collect(launch(...))`. Overlapped scheduling calls them apart: `launch` dispatches
    the step and returns a `StepHandle` at once (JAX dispatch is asynchronous) and starts the
    tokens' copy to the host; the next step's `launch(..., feed=(handle, rows))` takes the
@@ -44,7 +45,7 @@ from arcjax.runtime.batching import build_batch, empty_batch
 from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.outputs import PromptTargets, StepOutput, prompt_targets
 from arcjax.runtime.penalties import TokenCounts
-from arcjax.runtime.sampling import SamplingBatch, logprobs_if, sample_step
+from arcjax.runtime.sampling import SamplingBatch, TokenLogprobs, sample_step, token_logprobs
 
 
 @functools.partial(jax.jit,
@@ -55,14 +56,34 @@ def _step(params, cache, batch, sampling, counts, prompt=None, *, cfg, attn_impl
     # cfg/attn_impl/dtype/max_q_len/parallel are static: one executable per bucket, no
     # recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt` (prompt
     # logprobs) is None or not: at most a second executable per bucket, built on demand.
-    logits, cache = decoder.forward(params, cache, batch, cfg=cfg, attn_impl=attn_impl,
-                                    dtype=dtype, max_q_len=max_q_len, parallel=parallel)
+    out, cache, expert_counts = decoder.forward_with_stats(
+        params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
+        parallel=parallel, head=prompt is None)
     prompt_lp = None
-    if prompt is not None:  # logits at every token row [T, V]; sampling reads its rows
-        prompt_lp = logprobs_if(jnp.bool_(True), logits, prompt.targets)
-        logits = logits[prompt.sample_rows]
+    if prompt is None:
+        logits = out  # [S, V] at each sequence's last row
+    else:  # hidden states at every token row [T, H]; sampling reads its rows
+        prompt_lp = _prompt_logprobs(params, cfg, out, prompt.targets, parallel)
+        logits = decoder.lm_head(params, cfg, out[prompt.sample_rows], parallel)
     tokens, logprobs, counts = sample_step(logits, sampling, counts)
-    return StepOutput(tokens, logprobs, prompt_lp), cache, counts
+    return StepOutput(tokens, logprobs, prompt_lp, expert_counts), cache, counts
+
+
+PROMPT_LOGPROB_ROWS = 128  # rows whose [rows, V] logits exist at once in a prompt-logprobs step
+
+
+def _prompt_logprobs(params, cfg: ModelConfig, hidden, targets, parallel) -> TokenLogprobs:
+    """Log-probabilities of `targets` [T] after each row of `hidden` [T, H], a block of
+    PROMPT_LOGPROB_ROWS rows at a time: never [T, V] logits at once (a 256k vocabulary at
+    T = 2048 would be 2 GiB of float32)."""
+    t = hidden.shape[0]
+    rows = min(PROMPT_LOGPROB_ROWS, t)
+    pad = -t % rows
+    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, rows, hidden.shape[-1])
+    ids = jnp.pad(targets, (0, pad)).reshape(-1, rows)
+    out = jax.lax.map(lambda x: token_logprobs(decoder.lm_head(params, cfg, x[0], parallel),
+                                               x[1]), (h, ids))
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[:t], out)
 
 
 @jax.jit
@@ -272,10 +293,12 @@ class ModelRunner:
     def collect(self, handle: StepHandle) -> StepOutput:
         """The launched step's `StepOutput` with `tokens` on the host (waits for the device);
         log-probabilities stay on the device (read them only if asked)."""
-        tokens = handle.out.tokens
+        tokens, experts = handle.out.tokens, handle.out.expert_counts
         if self.parallel is not None:  # replicated: any local copy is the value
             tokens = tokens.addressable_data(0)
-        return dataclasses.replace(handle.out, tokens=np.asarray(tokens))
+            experts = None if experts is None else experts.addressable_data(0)
+        return dataclasses.replace(handle.out, tokens=np.asarray(tokens), expert_counts=(
+            None if experts is None else np.asarray(experts)))
 
     def cache_lost(self) -> bool:
         """Whether the KV cache buffer was consumed by a call that then failed."""

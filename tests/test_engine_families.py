@@ -1,0 +1,213 @@
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE), Gemma 2 and Gemma 3 through the
+engine, against transformers: greedy tokens and prompt log-probabilities, with prompts longer
+than the sliding window, under every policy, chunk sizes, overlapped scheduling on and off,
+prefix caching, KV blocks released behind the window, router statistics in the trace, chat
+templates, and tensor / expert parallelism over forced CPU devices (a subprocess).
+
+Engines of one architecture share one cache geometry, so they share compiled steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from arcjax import LLM, SamplingParams
+from hf_models import NEW_ARCHS, WINDOW, hf_greedy, hf_logits, tiny_model_dir
+from hf_models import tiny_model_with_chat_template
+
+HERE = Path(__file__).resolve().parent
+# One token bucket (32) for every chunk: each engine compiles few steps.
+GEOMETRY = dict(block_size=8, num_kv_blocks=64, max_model_len=128, max_num_seqs=4,
+                attention_impl="xla", chunk_tile=32, max_num_batched_tokens=32)
+LONG = 50  # > WINDOW: the window cuts every layer's (Mixtral) or local layers' (Gemma) view
+MAX_TOKENS = 8
+K = 3
+
+
+def _prompts():
+    rs = np.random.RandomState(21)
+    return [rs.randint(3, 384, n).tolist() for n in (LONG, 9, 30)]
+
+
+@functools.lru_cache(maxsize=None)
+def _expected(arch: str, index: int) -> list[int]:
+    return hf_greedy(tiny_model_dir(arch), _prompts()[index], MAX_TOKENS)
+
+
+@functools.lru_cache(maxsize=None)
+def _llm(arch: str, **options) -> LLM:
+    return LLM(tiny_model_dir(arch), **{**GEOMETRY, **options})
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_greedy_and_prompt_logprobs_equal_transformers_then_prefix_cache(arch):
+    """One prompt past the window, chunked (32-token budget): greedy tokens equal
+    transformers', prompt log-probabilities are within 1e-4 of its log_softmax. Run again,
+    the prefix cache serves the prompt's blocks (as far as the window needs them, for
+    Mixtral) and the tokens do not change."""
+    llm = _llm(arch)
+    prompt = _prompts()[0]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                            prompt_logprobs=K)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert list(first.token_ids) == _expected(arch, 0)
+    ref = _log_softmax(hf_logits(tiny_model_dir(arch), prompt))
+    for p in range(1, len(prompt)):
+        entry = first.prompt_logprobs[p]
+        assert abs(entry[prompt[p]].logprob - ref[p - 1, prompt[p]]) < 1e-4
+        best = max(entry, key=lambda t: entry[t].logprob)
+        assert entry[best].rank == 1 and abs(entry[best].logprob - ref[p - 1].max()) < 1e-4
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.token_ids == first.token_ids
+    assert again.num_cached_tokens == (LONG - 1) // 8 * 8
+    assert llm.engine.blocks_in_use() == 0
+    llm.engine.check_trace()
+    steps = list(llm.engine.trace)
+    if llm.engine.runner.cfg.is_moe:  # tokens per expert per layer, every step
+        cfg = llm.engine.runner.cfg
+        for r in steps:
+            assert len(r.expert_tokens) == cfg.num_layers
+            computed = r.prefill_tokens + r.decode_tokens
+            assert all(sum(layer) == cfg.num_experts_per_tok * computed
+                       for layer in r.expert_tokens)
+    else:
+        assert all(r.expert_tokens is None for r in steps)
+
+
+TOKEN_BUDGET = dict(policy="token_budget", async_scheduling=True)
+PARTIALS_SERIAL = dict(policy="token_budget", max_num_partial_prefills=2,
+                       async_scheduling=False, enable_prefix_caching=False)
+ALTERNATE = dict(policy="alternate", async_scheduling=True)
+WHOLE_PROMPTS = dict(policy="prefill_first", prefill_max_seqs=1, async_scheduling=False)
+
+
+@pytest.mark.parametrize("arch, schedules", [
+    ("MixtralForCausalLM", (TOKEN_BUDGET, PARTIALS_SERIAL, ALTERNATE, WHOLE_PROMPTS)),
+    ("Gemma2ForCausalLM", (TOKEN_BUDGET, PARTIALS_SERIAL, ALTERNATE)),
+], ids=["Mixtral", "Gemma2"])
+def test_every_policy_and_overlap_equal_transformers(arch, schedules):
+    """Three prompts (one past the window) under each policy (chunks of 32 tokens, whole
+    prompts, several prompts chunked at once), overlapped or serial, prefix caching on or
+    off: the same greedy tokens as transformers."""
+    want = [_expected(arch, i) for i in range(3)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for schedule in schedules:
+        llm = _llm(arch, **schedule)
+        outs = llm.generate(_prompts(), params, use_tqdm=False)
+        assert [list(o.token_ids) for o in outs] == want, schedule
+        assert llm.engine.blocks_in_use() == 0
+
+
+def test_sliding_window_model_returns_blocks_behind_the_window():
+    """Mixtral slides in every layer: a 50-token prompt generating 40 tokens holds, once it
+    decodes, at most the window's blocks plus one (8-token blocks, window 24: 4), where a
+    model without the window would end holding 12; the tokens equal transformers'."""
+    llm = _llm("MixtralForCausalLM", async_scheduling=False)
+    engine = llm.engine
+    assert engine.sched_config.sliding_window == WINDOW
+    prompt = _prompts()[0]
+    engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    held, outs = [], []
+    while engine.has_unfinished():
+        outs += engine.step()
+        held.append(engine.blocks_in_use())
+    assert list([o for o in outs if o.finished][0].token_ids) == hf_greedy(
+        tiny_model_dir("MixtralForCausalLM"), prompt, 40)
+    decoding = held[2:-1]  # after the two prompt chunks, before the finish frees everything
+    assert max(decoding) == WINDOW // 8 + 1 and held[-1] == 0
+    assert _llm("Gemma2ForCausalLM").engine.sched_config.sliding_window is None  # global layer
+
+
+GEMMA_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if "
+                  "m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}"
+                  "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>"
+                  "model\n{% endif %}")
+
+
+def test_chat_template_on_gemma3():
+    # prompt_logprobs: the same compiled steps as the parity test above (same model config)
+    path = tiny_model_with_chat_template(GEMMA_TEMPLATE, arch="Gemma3ForCausalLM")
+    llm = LLM(path, **GEOMETRY)
+    conv = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog."}]
+    out = llm.chat(conv, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                                        prompt_logprobs=1), use_tqdm=False)[0]
+    assert out.prompt.startswith("<s><start_of_turn>user\n")
+    ids = llm.tokenizer.encode(out.prompt, add_special_tokens=False)
+    assert list(out.token_ids) == hf_greedy(path, ids, MAX_TOKENS)
+
+
+# ---- tensor and expert parallelism (a subprocess with 2 forced CPU devices) -------------------
+
+@pytest.mark.parametrize("arch, options, match", [
+    ("Gemma2ForCausalLM", dict(expert_parallel_size=2), "no experts"),
+    ("MixtralForCausalLM", dict(expert_parallel_size=3), "divide the model's 4 experts"),
+    ("MixtralForCausalLM", dict(expert_parallel_size=2), "exceeds the 1 available devices"),
+    ("MixtralForCausalLM", dict(expert_parallel_size=0), "must be >= 1"),
+])
+def test_bad_expert_parallel_size_is_a_typed_error(arch, options, match):
+    from arcjax.errors import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match=match) as e:
+        LLM(tiny_model_dir(arch), **{**GEOMETRY, **options})
+    assert e.value.field == "expert_parallel_size"
+
+
+# (architecture, tensor_parallel_size, expert_parallel_size)
+PARALLEL_CASES = (("MixtralForCausalLM", 2, 2), ("Qwen2MoeForCausalLM", 1, 2),
+                  ("Gemma2ForCausalLM", 2, 1))
+SUBPROCESS_TIMEOUT_S = 600
+
+
+def _run_parallel(model_dirs: dict) -> dict:
+    import jax
+
+    assert jax.device_count() == 2
+    out = {}
+    for arch, tp, ep in PARALLEL_CASES:
+        llm = LLM(model_dirs[arch], tensor_parallel_size=tp, expert_parallel_size=ep,
+                  **GEOMETRY)
+        res = llm.generate([_prompts()[0]], SamplingParams(max_tokens=MAX_TOKENS,
+                                                           temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+        layers = llm.engine.runner.params["layers"]
+        spec = (list(layers["we_gate"].sharding.spec) if "we_gate" in layers else None)
+        out[f"{arch}/{tp}/{ep}"] = {"tokens": list(res[0].token_ids), "we_gate": spec,
+                                    "experts": [r.expert_tokens for r in llm.engine.trace]}
+    return out
+
+
+def test_tensor_and_expert_parallel_equal_transformers():
+    dirs = {arch: tiny_model_dir(arch) for arch, _, _ in PARALLEL_CASES}
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE),
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__, json.dumps(dirs)], env=env,
+                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for arch, tp, ep in PARALLEL_CASES:
+        case = got[f"{arch}/{tp}/{ep}"]
+        assert case["tokens"] == _expected(arch, 0), (arch, tp, ep)
+    # experts split over "ep" (each one's width over what tp leaves); with ep > tp over both
+    # mesh axes (attention replicated over "ep")
+    assert got["MixtralForCausalLM/2/2"]["we_gate"] == [None, "ep", None, "tp"]
+    assert got["Qwen2MoeForCausalLM/1/2"]["we_gate"] == [None, ["ep", "tp"], None, None]
+    assert all(len(r) == 2 for r in got["MixtralForCausalLM/2/2"]["experts"])
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_parallel(json.loads(sys.argv[1]))))
