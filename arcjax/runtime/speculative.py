@@ -1,0 +1,204 @@
+"""`SpeculativeConfig`: speculative decoding's options (vLLM's `speculative_config` names),
+validated before anything is loaded, and the proposer interface.
+
+  {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+   "prompt_lookup_max": 4}                                prompt lookup on the host (ngram.py)
+  {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}
+                                                          a smaller model (draft_model.py)
+
+Both accept "disable_by_batch_size": speculation is off in any step that starts with more
+running requests than that (verification then costs more than it saves). A missing "method"
+with a "model" means "draft_model" (vLLM's inference). Every bad value raises
+`EngineConfigError` whose `.field` is "speculative_config.<key>".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple, Protocol
+
+from arcjax.errors import EngineConfigError, ModelFileError
+from arcjax.model.weights import read_config
+
+METHODS = ("ngram", "draft_model")
+MAX_SPECULATIVE_TOKENS = 32  # a verification row is 1 + k tokens; its bucket S * (1 + k)
+# Above this many running requests speculation is off by default: on this project's CPU
+# measurements (RESULTS.md, scripts/bench_spec.py) verifying 1 + k rows per request stops
+# paying once a step holds more than a few rows; vLLM's default is "never off".
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+           "model", "disable_by_batch_size")
+
+
+def _field(name: str) -> str:
+    return f"speculative_config.{name}"
+
+
+def _int(name: str, value, low: int, high: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise EngineConfigError(_field(name), f"must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        span = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise EngineConfigError(_field(name), f"must be {span}, got {value}",
+                                limit=low if value < low else high)
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpeculativeConfig:
+    """Speculative decoding (see the module docstring).
+
+    Attributes:
+      method: "ngram" | "draft_model".
+      num_speculative_tokens: k, draft tokens per decode row and step (1 .. 32).
+      prompt_lookup_min / prompt_lookup_max: n-gram lengths matched (ngram; vLLM's defaults:
+        one given sets the other, none sets both to 5).
+      model: the draft model's directory (draft_model): same vocabulary as the target.
+      disable_by_batch_size: no drafts in a step that starts with more running requests
+        than this; None = never off.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise EngineConfigError(_field("method"),
+                                    f"must be one of {METHODS}, got {self.method!r}")
+        _int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        if self.disable_by_batch_size is not None:
+            _int("disable_by_batch_size", self.disable_by_batch_size, 1)
+        if self.method == "ngram":
+            if self.model is not None:
+                raise EngineConfigError(_field("model"), "the ngram method takes no model")
+            low, high = self.prompt_lookup_min, self.prompt_lookup_max
+            if low is None and high is None:
+                low = high = 5
+            low = high if low is None else low
+            high = low if high is None else high
+            _int("prompt_lookup_min", low, 1)
+            _int("prompt_lookup_max", high, 1)
+            if low > high:
+                raise EngineConfigError(_field("prompt_lookup_min"), f"must be <= "
+                                        f"prompt_lookup_max ({high}), got {low}", limit=high)
+            object.__setattr__(self, "prompt_lookup_min", low)
+            object.__setattr__(self, "prompt_lookup_max", high)
+            return
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                raise EngineConfigError(_field(name), "only the ngram method takes it")
+        if not isinstance(self.model, str) or not self.model:
+            raise EngineConfigError(_field("model"), "draft_model needs the draft model's "
+                                    f"directory, got {self.model!r}")
+
+    @classmethod
+    def create(cls, value) -> "SpeculativeConfig | None":
+        """A config from None, a SpeculativeConfig, a mapping of vLLM's keys, or its JSON text
+        (what `arcjax serve --speculative-config` passes).
+
+        Raises:
+          EngineConfigError: not a mapping, an unknown key, a missing or bad value.
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise EngineConfigError("speculative_config", f"is not valid JSON ({e})") from None
+        if not isinstance(value, Mapping):
+            raise EngineConfigError("speculative_config", "must be a dict such as {'method': "
+                                    f"'ngram', 'num_speculative_tokens': 4}}, got {value!r}")
+        unknown = sorted(set(map(str, value)) - set(_FIELDS))
+        if unknown:
+            raise EngineConfigError(_field(unknown[0]), f"unknown key(s) {unknown}; keys are "
+                                    f"{list(_FIELDS)}")
+        options = dict(value)
+        if "method" not in options:
+            if options.get("model") is None:
+                raise EngineConfigError(_field("method"), f"is required (one of {METHODS})")
+            options["method"] = "draft_model"
+        if "num_speculative_tokens" not in options:
+            raise EngineConfigError(_field("num_speculative_tokens"), "is required")
+        if isinstance(options.get("model"), Path):
+            options["model"] = str(options["model"])
+        return cls(**options)
+
+    def check_draft_model(self, target_dir, max_model_len: int) -> None:
+        """Checks the draft model against the target from their config files (no weights
+        read): same vocabulary size, same tokenizer vocabulary when both ship one, and
+        positions for max_model_len.
+
+        Raises:
+          EngineConfigError: the draft cannot serve this target.
+        """
+        draft_dir = Path(self.model)
+        try:
+            draft = read_config(draft_dir)
+        except ModelFileError as e:
+            raise EngineConfigError(_field("model"), f"the draft model cannot be read: "
+                                    f"{e}") from e
+        target = read_config(target_dir)
+        if draft.vocab_size != target.vocab_size:
+            raise EngineConfigError(_field("model"), f"the draft's vocabulary ({draft.vocab_size}"
+                                    f" tokens) differs from the target's ({target.vocab_size})",
+                                    limit=target.vocab_size)
+        if draft.max_position_embeddings < max_model_len:
+            raise EngineConfigError(_field("model"), f"the draft model handles "
+                                    f"{draft.max_position_embeddings} positions, less than "
+                                    f"max_model_len {max_model_len}",
+                                    limit=draft.max_position_embeddings)
+        vocabs = [_tokenizer_vocab(Path(d)) for d in (target_dir, draft_dir)]
+        if None not in vocabs and vocabs[0] != vocabs[1]:
+            raise EngineConfigError(_field("model"), "the draft's tokenizer differs from the "
+                                    "target's (same ids must mean the same tokens)")
+
+
+def _tokenizer_vocab(model_dir: Path) -> dict | None:
+    """The token -> id map of a model's tokenizer.json, or None without one."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        model = data.get("model", {})
+        vocab = model.get("vocab")
+        added = {t.get("content"): t.get("id") for t in data.get("added_tokens", [])}
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise EngineConfigError(_field("model"), f"{path}: unreadable ({e})") from None
+    if isinstance(vocab, list):  # unigram models: [[piece, score], ...]
+        vocab = {piece[0]: i for i, piece in enumerate(vocab)}
+    return {**(vocab or {}), **added}
+
+
+class ProposalRow(NamedTuple):
+    """One decode-ready row a proposer drafts for.
+
+    Attributes:
+      request_id: its request.
+      tokens: its tokens known on the host (prompt, then outputs), oldest first.
+      pending: tokens after those that the host does not know yet (0, or 1 with overlapped
+        scheduling: the newest was sampled by the step still on the device). The drafts
+        continue after them, so a proposer guesses them first.
+    """
+
+    request_id: str
+    tokens: Sequence[int]
+    pending: int
+
+
+class Proposer(Protocol):
+    """Proposes draft tokens for decode-ready rows (engine thread, before each plan)."""
+
+    def propose(self, rows: Sequence[ProposalRow], k: int) -> list[tuple[int, ...]]:
+        """Up to k draft tokens per row (possibly none), in row order."""
+
+    def release(self, request_id: str) -> None:
+        """Forgets a request (it finished or was aborted)."""
