@@ -155,7 +155,6 @@ def test_ngram_proposer_guesses_pending_tokens_first():
 
     prop = NgramProposer(1, 3)
     text = [10, 11, 12, 13, 14, 15, 10, 11]
-    known, pending = prop.propose([ProposalRow("a", text, 0), ProposalRow("b", text, 1),
-                                   ProposalRow("c", [1, 2], 0)], 3)
-    assert known == (12, 13, 14) and pending == (13, 14, 15)
-    assert prop.propose([ProposalRow("c", [1, 2], 0)], 3) == [()]
+    known, pending, none = prop.propose([ProposalRow("a", text, 0), ProposalRow("b", text, 1),
+                                         ProposalRow("c", [1, 2], 0)], 3)
+    assert known == (12, 13, 14) and pending == (13, 14, 15) and none == ()
