@@ -7,6 +7,7 @@ bad value raises `SamplingParamsError` whose `.field` names it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import numpy as np
@@ -15,6 +16,20 @@ from arcjax.errors import SamplingParamsError
 
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # top-k log-probabilities per position: the device always computes 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a request carries (vLLM's kinds).
+
+    CUMULATIVE: everything generated so far (text, token ids, logprobs), in every output.
+    DELTA: only what is new since the previous output of that request (the text, token ids
+      and logprobs of this step); whoever wants the whole text accumulates it.
+    FINAL_ONLY: one output, when the request finishes, carrying everything.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(x) -> bool:
@@ -49,6 +64,8 @@ class SamplingParams:
         first. Both are RAW: log_softmax of the model's logits, before penalties,
         temperature and filters (vLLM's default `logprobs_mode="raw_logprobs"`).
       skip_special_tokens / spaces_between_special_tokens: detokenization of the output.
+      output_kind: a `RequestOutputKind` (CUMULATIVE, DELTA or FINAL_ONLY; its int value is
+        accepted too).
     """
 
     max_tokens: int = 16
@@ -69,6 +86,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -107,6 +125,11 @@ class SamplingParams:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise SamplingParamsError(name, f"must be a bool, got {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))
+        kind = self.output_kind
+        if not _is_int(kind) or int(kind) not in RequestOutputKind._value2member_map_:
+            raise SamplingParamsError("output_kind", "must be a RequestOutputKind (CUMULATIVE, "
+                                      f"DELTA, FINAL_ONLY), got {kind!r}")
+        object.__setattr__(self, "output_kind", RequestOutputKind(int(kind)))
 
     @property
     def uses_penalty_state(self) -> bool:
