@@ -10,11 +10,14 @@ import jax.numpy as jnp
 
 from arcjax.engine.config import EngineConfig
 from arcjax.engine.engine import Engine
+from arcjax.engine.spec import Speculator
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import EngineConfigError
 from arcjax.model.weights import load_hf, read_config
 from arcjax.parallel import StepSync, TensorParallel, follow, kv_repeat, sharded_config
 from arcjax.runtime.buckets import BucketSet
+from arcjax.runtime.draft_model import DraftModelProposer
+from arcjax.runtime.ngram import NgramProposer
 from arcjax.runtime.runner import SHARED_EXECUTABLES, ModelRunner
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
@@ -63,11 +66,17 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     `engine.runner.warmup()`).
 
     Raises:
-      EngineConfigError: an option the model cannot honour (max_model_len beyond its limit).
+      EngineConfigError: an option the model cannot honour (max_model_len beyond its limit,
+        a draft model that does not fit it), found before any weights load.
       ModelFileError subclasses: the model directory cannot be loaded.
     """
     model_dir = Path(config.model) if config.model is not None else default_model_path()
     dtype = jnp.dtype(config.dtype or ("bfloat16" if _on_gpu() else "float32"))
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        file_cfg = read_config(model_dir)
+        spec.check_draft_model(model_dir, config.max_model_len or min(
+            file_cfg.max_position_embeddings, 4096))
     parallel = None
     if jax.process_count() > 1 and config.async_scheduling:
         raise EngineConfigError("async_scheduling", "not supported across several processes "
@@ -99,21 +108,38 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     step_tokens = max(sched.max_num_batched_tokens,
                       max_model_len if sched.policy == "prefill_first" else 0)
     buckets = BucketSet.create(tile=sched.chunk_tile, max_tokens=step_tokens,
-                               max_seqs=sched.max_num_seqs)
+                               max_seqs=sched.max_num_seqs,
+                               spec_width=1 + (spec.num_speculative_tokens if spec else 0))
     runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=config.block_size,
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
                          parallel=parallel)
+    speculator = _speculator(config, sched, max_model_len, dtype) if spec else None
     options = {} if clock is None else {"clock": clock}
     multi_host = jax.process_count() > 1
     overlapped = (config.async_scheduling if config.async_scheduling is not None
                   else not multi_host and _overlap_pays())
     engine = Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
                     model_dir=model_dir, trace_capacity=config.trace_capacity,
-                    async_scheduling=overlapped, **options)
+                    async_scheduling=overlapped, speculator=speculator, **options)
     if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
     return engine
+
+
+def _speculator(config: EngineConfig, sched, max_model_len: int, dtype) -> Speculator:
+    """The proposer of `config.speculative_config`: n-gram lookup, or the draft model
+    (loaded here, unsharded, its own KV cache: one slot per request it may draft for)."""
+    spec = config.speculative_config
+    if spec.method == "ngram":
+        return Speculator(spec, NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max))
+    draft_cfg, draft_params = load_hf(Path(spec.model), dtype=dtype, cache_dir=config.cache_dir)
+    slots = min(sched.max_num_seqs, spec.disable_by_batch_size or sched.max_num_seqs)
+    return Speculator(spec, DraftModelProposer(
+        draft_cfg, draft_params, num_slots=slots, max_model_len=max_model_len,
+        max_drafts=spec.num_speculative_tokens, block_size=config.block_size,
+        token_budget=sched.max_num_batched_tokens, tile=sched.chunk_tile, dtype=dtype,
+        attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES))
 
 
 def run_follower(model=None, **options) -> int:

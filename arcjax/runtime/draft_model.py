@@ -60,6 +60,13 @@ class DraftModelProposer:
         """Frees the request's slot."""
         self._slots.pop(request_id, None)
 
+    def reset(self) -> None:
+        """Forgets every slot's KV (rebuilding the cache if a failed call consumed it)."""
+        self._slots.clear()
+        self.fed = [[] for _ in range(self.num_slots)]
+        if self.runner.cache_lost():
+            self.runner.reset_cache()
+
     def _slot(self, rid: str, busy: set) -> int:
         slot = self._slots.get(rid)
         if slot is not None:

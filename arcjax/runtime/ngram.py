@@ -52,3 +52,6 @@ class NgramProposer:
 
     def release(self, request_id: str) -> None:
         """Nothing is kept per request."""
+
+    def reset(self) -> None:
+        """Nothing is kept."""

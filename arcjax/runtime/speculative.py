@@ -202,3 +202,6 @@ class Proposer(Protocol):
 
     def release(self, request_id: str) -> None:
         """Forgets a request (it finished or was aborted)."""
+
+    def reset(self) -> None:
+        """Forgets every request (after a failed step; a lost device cache is rebuilt)."""
