@@ -90,7 +90,25 @@ def _run_tensor_parallel(model_dirs: dict) -> dict:
         except EngineConfigError as e:
             errors[tp] = e.field
     out["errors"] = errors
+    out["spec"] = _run_speculative(model_dirs["LlamaForCausalLM"])
     return out
+
+
+def _run_speculative(model_dir: str) -> dict:
+    """Speculative decoding under tp=2, both proposers (the draft model runs unsharded)."""
+    import arcjax
+
+    runs = {}
+    for name, spec in (("ngram", {"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 2}),
+                       ("draft_model", {"method": "draft_model", "model": model_dir,
+                                        "num_speculative_tokens": 3})):
+        llm = arcjax.LLM(model_dir, tensor_parallel_size=2, speculative_config=spec, **GEOMETRY)
+        runs[name] = {"tokens": _greedy(llm),
+                      "drafts": sum(r.spec_draft_tokens for r in llm.engine.trace),
+                      "accepted": sum(r.spec_accepted_tokens for r in llm.engine.trace)}
+        del llm
+    return runs
 
 
 def _run_host(model_dir: str, process_id: int, port: int) -> dict:
@@ -165,6 +183,14 @@ def test_weights_and_cache_really_sharded(tp_results):
     eight = checks["Llama8Heads/8"]
     assert eight["wq_devices"] == 8 and eight["wq_shard_shape"] == [2, 64, 8]
     assert eight["num_kv_heads"] == 8 and eight["cache_shard_shape"][2] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_speculative_decoding_under_tensor_parallelism(tp_results, proposer):
+    run = tp_results["spec"][proposer]
+    assert run["tokens"] == tp_results["tokens"]["LlamaForCausalLM/1"]
+    assert run["drafts"] > 0 and run["accepted"] > 0
 
 
 @pytest.mark.slow
