@@ -23,7 +23,7 @@ from hf_models import ARCHS, tiny_model_dir
 from test_engine import GREEDY, _expected, _llm, _prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-         "prompt_lookup_max": 3}
+         "prompt_lookup_max": 3, "disable_by_batch_size": None}  # on for whole batches
 SCHEDULE = dict(chunk_tile=16, max_num_batched_tokens=64)  # as test_engine_overlap's first
 
 
@@ -88,7 +88,7 @@ def test_other_architectures(arch):
 
 def test_draft_model_same_weights_accepts_everything_and_garbage_draft_stays_exact():
     same = {"method": "draft_model", "model": tiny_model_dir("LlamaForCausalLM"),
-            "num_speculative_tokens": 3}
+            "num_speculative_tokens": 3, "disable_by_batch_size": None}
     garbage = dict(same, model=tiny_model_dir("LlamaForCausalLM", seed=1))
     chosen = [0, 3, 5]  # 3, 9 and 1 tokens: the draft model's catch-up is one small step
     prompts, want = [_prompts()[i] for i in chosen], [_expected()[i] for i in chosen]
@@ -110,12 +110,12 @@ def test_seeded_sampling_with_every_feature_equals_speculation_off():
                              top_p=(1.0, 0.9)[i % 2], min_p=0.05 * (i % 2), seed=40 + i,
                              presence_penalty=0.3 * (i % 2), frequency_penalty=0.2,
                              repetition_penalty=(1.0, 1.2)[i % 2], min_tokens=2,
-                             stop_token_ids=(7,), logprobs=2, ignore_eos=True)
+                             stop_token_ids=(7,), logprobs=2, ignore_eos=True, n=1 + (i == 1))
               for i in range(len(_prompts()))]
 
     def run(llm):
         outs = _generate(llm, params)
-        return ([(list(o.token_ids), o.finish_reason) for o in outs],
+        return ([[(list(c.token_ids), c.finish_reason) for c in o.outputs] for o in outs],
                 [[{t: lp.logprob for t, lp in e.items()} for e in o.outputs[0].logprobs]
                  for o in outs])
 
@@ -142,7 +142,7 @@ def test_sampled_distribution_matches_speculation_off():
     n, alpha = 300, 1e-3
     prompt = _prompts()[5]  # one token: the draft model's catch-up is one token per row
     draft = {"method": "draft_model", "model": tiny_model_dir("LlamaForCausalLM"),
-             "num_speculative_tokens": 3}
+             "num_speculative_tokens": 3, "disable_by_batch_size": None}
 
     def draws(seed0, spec):
         llm = _spec_llm(spec=draft) if spec else _llm(**SCHEDULE)
@@ -279,4 +279,4 @@ def test_serve_flag_parses_json():
     config = EngineConfig.from_options(None, **cmd.engine_options)
     assert dataclasses.asdict(config.speculative_config) == {
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5,
-        "prompt_lookup_max": 5, "model": None, "disable_by_batch_size": 8}
+        "prompt_lookup_max": 5, "model": None, "disable_by_batch_size": 4}

@@ -26,9 +26,11 @@ from arcjax.model.weights import read_config
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32  # a verification row is 1 + k tokens; its bucket S * (1 + k)
 # Above this many running requests speculation is off by default: on this project's CPU
-# measurements (RESULTS.md, scripts/bench_spec.py) verifying 1 + k rows per request stops
-# paying once a step holds more than a few rows; vLLM's default is "never off".
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+# (RESULTS.md, scripts/bench_spec.py: n-gram, k = 4, on a repeat-the-prompt workload) it
+# gains 1.2x with 4 concurrent requests and loses 0.78x with 8, as verifying 1 + k rows per
+# request costs about in proportion to the rows there. Not measured on a GPU, where a
+# memory-bound decode step leaves more room (vLLM's default is "never off": pass None).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
            "model", "disable_by_batch_size")
 
