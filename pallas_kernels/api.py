@@ -81,9 +81,14 @@ def _options(sliding_window, logit_softcap, k_scale, v_scale) -> AttentionOption
                             k_scale=scales[0], v_scale=scales[1])
 
 
-def _plain(opts: AttentionOptions) -> bool:
-    """No option past plain causal attention (what the Pallas GPU kernel supports today)."""
-    return all(getattr(opts, f.name) is None for f in dataclasses.fields(opts))
+# Options the Pallas GPU kernel implements (k/v scales: FP8 pages).
+PALLAS_GPU_OPTIONS = ("k_scale", "v_scale")
+
+
+def _plain(opts: AttentionOptions, supported: tuple[str, ...] = ()) -> bool:
+    """No option past plain causal attention, except those in `supported`."""
+    return all(getattr(opts, f.name) is None for f in dataclasses.fields(opts)
+               if f.name not in supported)
 
 
 def _gpu_can_tile(head_dim: int, block_size: int) -> bool:
@@ -251,9 +256,11 @@ def ragged_paged_attention(
             return _triton(*args, opts=opts, interpret=interpret)
         if impl == "mosaic_gpu":
             return _mosaic_gpu(*args, opts=opts, interpret=interpret, max_q_len=max_q_len)
-        _require(_plain(opts), "impl", 'impl="pallas_gpu" does not support sliding_window, '
-                 "logit_softcap or k_scale/v_scale yet; use impl=\"xla\" or \"triton\"")
-        return pallas_gpu.ragged_paged_attention_pallas_gpu(*args, interpret=interpret)
+        _require(_plain(opts, PALLAS_GPU_OPTIONS), "impl",
+                 'impl="pallas_gpu" does not support sliding_window or logit_softcap yet; '
+                 'use impl="xla" or "triton"')
+        return pallas_gpu.ragged_paged_attention_pallas_gpu(
+            *args, interpret=interpret, k_scale=opts.k_scale, v_scale=opts.v_scale)
     tiles = plan_lib.make_plan(
         num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
         max_blocks=block_tables.shape[1], max_q_len=max_q_len, block_q=XLA_BLOCK_Q,

@@ -12,16 +12,24 @@ def write_kv(
     k: jax.Array,  # [T, Hkv, D]
     v: jax.Array,  # [T, Hkv, D]
     slot_mapping: jax.Array,  # [T] int32
+    *,
+    k_scale: jax.Array | float | None = None,  # [] float32
+    v_scale: jax.Array | float | None = None,  # [] float32
 ) -> tuple[jax.Array, jax.Array]:
     """Scatters token `t`'s key/value into slot `slot_mapping[t]` of the pages.
 
     A slot is `block * block_size + offset`. A slot outside
     `[0, num_blocks * block_size)` writes nothing: bucket padding rows carry one.
 
+    Quantized pages (float8_e4m3fn): the pages hold `k / k_scale` (`v / v_scale`),
+    saturated to the format's finite range (e4m3fn has no infinity: an overflow would
+    otherwise become NaN); attention reads them back with the same scales.
+
     Args:
         k_pages, v_pages: the cache pages of one layer (donate them under jit).
         k, v: this step's keys and values, cast to the pages' dtype.
         slot_mapping: destination slot of every token.
+        k_scale, v_scale: None, or the scalars the pages are quantized with (traced or not).
 
     Returns:
         The updated `(k_pages, v_pages)`.
@@ -54,6 +62,17 @@ def write_kv(
     # every layer of the scanned decoder: the reshape of a loop-carried buffer defeats
     # in-place update (a lone decode step on the CPU: 2.4 ms -> see RESULTS.md).
     block, offset = slots // block_size, slots % block_size
-    k_pages = k_pages.at[block, offset].set(k.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[block, offset].set(v.astype(v_pages.dtype), mode="drop")
+    k_pages = k_pages.at[block, offset].set(quantize_kv(k, k_pages.dtype, k_scale), mode="drop")
+    v_pages = v_pages.at[block, offset].set(quantize_kv(v, v_pages.dtype, v_scale), mode="drop")
     return k_pages, v_pages
+
+
+def quantize_kv(x: jax.Array, dtype, scale: jax.Array | float | None) -> jax.Array:
+    """`x / scale` in the page dtype; saturated to its finite range for 8-bit floats."""
+    dtype = jnp.dtype(dtype)
+    if scale is not None:
+        x = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1:
+        top = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -top, top)
+    return x.astype(dtype)

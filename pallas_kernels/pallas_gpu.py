@@ -17,6 +17,11 @@ Dataflow:
        combines and scatters into place; every other tile writes final rows.
     5. Padding rows (never written) are set to zero.
 
+Quantized pages (float8_e4m3fn, `k_scale`/`v_scale`): each step upcasts the loaded K/V
+tile to q's dtype (exact: e4m3 values are bf16 values); `k_scale` folds into the score
+scale and `v_scale` multiplies the accumulator before it is written, so no scaled copy
+of a page is ever made.
+
 Only step 3 depends on the Triton lowering; steps 1, 2, 4, 5 and the grid
 live in `plan.py` / `gpu_plan.py` for a future Mosaic GPU kernel to share.
 Runs on CPU with `interpret=True` for tests.
@@ -59,6 +64,7 @@ def _attention_kernel(
     # Tile metadata, each [W] int32 (split: 1 for a split sequence's tile), live count [1].
     seq_ref, q_start_ref, q_end_ref, first_pos_ref, kv_len_ref, split_ref, num_live_ref,
     tables_ref,  # [S, cols] int32 page ids
+    scales_ref,  # [2] float32: k_scale, v_scale (1.0 for plain pages)
     q_ref,  # [rows_total, D] packed queries of this KV head
     k_ref,  # [num_blocks, page_size, D] this KV head's key pages
     v_ref,  # [num_blocks, page_size, D]
@@ -71,6 +77,7 @@ def _attention_kernel(
     rows, group, bk, pps = plan.rows, plan.group, tiles.block_k, tiles.pages_per_step
     head_dim = q_ref.shape[-1]
     split, w = pl.program_id(1), pl.program_id(2)
+    score_scale, v_scale = scale * scales_ref[0], scales_ref[1]
 
     live = w < num_live_ref[0]
     seq, q_start = seq_ref[w], q_start_ref[w]
@@ -102,9 +109,10 @@ def _attention_kernel(
             # not wait behind a table load, and the next ids load while this step runs.
             m, l, acc, pages = carry  # [M], [M], [M, D] float32, [pps] int32
             next_pages = page_ids(i + 1)
-            k = k_ref[pages].reshape(bk, head_dim)  # [bk, D]
-            v = v_ref[pages].reshape(bk, head_dim)  # [bk, D]
-            s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32) * scale
+            k = k_ref[pages].reshape(bk, head_dim).astype(q.dtype)  # [bk, D] (FP8 upcast)
+            v = v_ref[pages].reshape(bk, head_dim).astype(q.dtype)  # [bk, D]
+            s = plgpu.dot(q, k, trans_b=True, precision=precision).astype(jnp.float32)
+            s = s * score_scale
             if masked:
                 keys = i * bk + jnp.arange(bk)  # [bk]
                 ok = (keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_len)  # [M, bk]
@@ -128,6 +136,7 @@ def _attention_kernel(
         carry = jax.lax.fori_loop(jnp.maximum(lo, unmasked), hi,
                                   functools.partial(step, masked=True), carry)
         m, l, acc, _ = carry
+        acc = acc * v_scale  # the pages hold v / v_scale
 
         col_ok = (jnp.arange(head_dim) < head_dim)[None, :]  # [1, D] broadcasts masks
         final_ok = row_ok & ~is_split
@@ -144,7 +153,7 @@ def _attention_kernel(
             plgpu.store(lp_ref.at[slot], l, mask=part_ok)
 
 
-def _launch(meta, is_split, tables, q_packed, k_pages, v_pages, *,
+def _launch(meta, is_split, tables, scales, q_packed, k_pages, v_pages, *,
             plan: gpu_plan_lib.GpuPlan, sm_scale: float, interpret: bool):
     num_blocks, page_size, hkv, head_dim = k_pages.shape
     rows_total = q_packed.shape[1]
@@ -156,7 +165,7 @@ def _launch(meta, is_split, tables, q_packed, k_pages, v_pages, *,
     metadata = (meta.seq, meta.q_start, meta.q_end, meta.first_pos, meta.kv_len,
                 is_split.astype(jnp.int32), meta.num_live.reshape(1))
     in_specs = [whole(x) for x in metadata] + [
-        whole(tables),
+        whole(tables), whole(scales),
         pl.BlockSpec((None, rows_total, head_dim), lambda h, p, w: (h, 0, 0)),
         pl.BlockSpec((num_blocks, page_size, None, head_dim), lambda h, p, w: (0, 0, h, 0)),
         pl.BlockSpec((num_blocks, page_size, None, head_dim), lambda h, p, w: (0, 0, h, 0)),
@@ -181,7 +190,7 @@ def _launch(meta, is_split, tables, q_packed, k_pages, v_pages, *,
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
                                              num_stages=plan.num_stages),
         interpret=interpret, name="ragged_paged_attention",
-    )(*metadata, tables, q_packed, k_pages, v_pages)
+    )(*metadata, tables, scales, q_packed, k_pages, v_pages)
 
 
 def ragged_paged_attention_pallas_gpu(
@@ -196,6 +205,8 @@ def ragged_paged_attention_pallas_gpu(
     plan: gpu_plan_lib.GpuPlan,
     *,
     interpret: bool = False,
+    k_scale: jax.Array | None = None,  # [] float32; pages hold k / k_scale
+    v_scale: jax.Array | None = None,  # [] float32
 ) -> jax.Array:  # [T, Hq, D]
     t, hq, _ = q.shape
     num_blocks, _, hkv, _ = k_pages.shape
@@ -208,7 +219,10 @@ def ragged_paged_attention_pallas_gpu(
     # Entries past a sequence's pages may hold anything: clip them in bounds.
     tables = jnp.pad(jnp.clip(block_tables, 0, num_blocks - 1), ((0, 0), (0, pad)))
     q_packed = gpu_plan_lib.pack_queries(q, plan, hkv)  # [Hkv, rows_total, D]
-    outs = _launch(meta, is_split, tables, q_packed, k_pages, v_pages, plan=plan,
+    one = jnp.float32(1.0)
+    scales = jnp.stack([jnp.asarray(one if k_scale is None else k_scale, jnp.float32),
+                        jnp.asarray(one if v_scale is None else v_scale, jnp.float32)])  # [2]
+    outs = _launch(meta, is_split, tables, scales, q_packed, k_pages, v_pages, plan=plan,
                    sm_scale=sm_scale, interpret=interpret)
     out = gpu_plan_lib.unpack_output(outs[0], t, hq)  # [T, Hq, D]
     if plan.num_splits > 1:

@@ -14,6 +14,8 @@
      --window_s, throughput; for servers, the knob-engagement counters of /metrics before and
      after (for in-process runs, the engine trace's engagement over the run).
   5. --out JSON, --plot PNG (TTFT CDF and per-user timelines), a table on stdout.
+  6. --hostile_mb=6: for servers, a small request's latency alone and while another client
+     sends a 6 MB prompt, in alternating pairs (the event loop must not block on one request).
 
   python scripts/bench_serve.py --launch --inprocess --num_users=32 --prompt_words=256 \
       --arms=token_budget:budget=512,prefill_first,prefill_first:cap=4 \
@@ -70,6 +72,10 @@ _WARMUP_ALL = flags.DEFINE_bool("warmup_all", True, "--launch/--inprocess: compi
                                  "bucket first (`arcjax serve --warmup`, runner.warmup()), so "
                                  "no measured run compiles")
 _CACHE = flags.DEFINE_string("compilation_cache_dir", None, "JAX persistent compilation cache")
+_HOSTILE_MB = flags.DEFINE_float("hostile_mb", 0.0, "servers: also time a small request "
+                                  "alone and while another client sends a prompt of this "
+                                  "many MB (0 = skip)")
+_HOSTILE_REPEATS = flags.DEFINE_integer("hostile_repeats", 10, "pairs for --hostile_mb")
 _OUT = flags.DEFINE_string("out", None, "write every run as JSON here")
 _PLOT = flags.DEFINE_string("plot", None, "write the TTFT CDF and user timelines (PNG) here")
 
@@ -154,6 +160,55 @@ async def _inproc_user(llm, prompt: str, user: User) -> None:
         if out.finished:
             user.tokens = len(out.token_ids)
             user.done = True
+
+
+async def _post(url: str, body: bytes) -> tuple[int, float]:
+    """One non-streaming POST /v1/completions over a raw connection: (status, seconds)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    t0 = time.perf_counter()
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
+    try:
+        writer.write(f"POST {parts.path.rstrip('/')}/v1/completions HTTP/1.1\r\n"
+                     f"Host: {parts.netloc}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+        writer.write(body)
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n")
+        await reader.read()  # the whole response (the server closes the connection)
+        return int(head.split(b" ", 2)[1]), time.perf_counter() - t0
+    finally:
+        writer.close()
+
+
+async def _hostile(url: str, model: str) -> dict:
+    """A small request's latency alone and while another client sends a --hostile_mb
+    prompt (sent 5 ms before it), in alternating pairs."""
+    small = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 2,
+                        "temperature": 0}).encode()
+    words = "lorem ipsum dolor sit amet "
+    big = json.dumps({"model": model, "prompt": words * int(_HOSTILE_MB.value * 1e6 / len(words)),
+                      "max_tokens": 2}).encode()
+    alone, beside, big_runs = [], [], []
+    await _post(url, small)  # warm
+    for _ in range(_HOSTILE_REPEATS.value):
+        alone.append((await _post(url, small))[1])
+        hostile = asyncio.ensure_future(_post(url, big))
+        await asyncio.sleep(0.005)
+        beside.append((await _post(url, small))[1])
+        big_runs.append(await hostile)
+    med_alone, med_beside = statistics.median(alone), statistics.median(beside)
+    return {"big_prompt_bytes": len(big), "small_alone_s": alone, "small_beside_s": beside,
+            "small_alone_median_s": med_alone, "small_beside_median_s": med_beside,
+            "ratio": med_beside / med_alone,
+            "big_status_and_s": big_runs}
+
+
+def _report_hostile(label: str, h: dict) -> None:
+    print(f"{label}: small request alone {1000 * h['small_alone_median_s']:.1f} ms, beside a "
+          f"{h['big_prompt_bytes'] / 1e6:.1f} MB prompt {1000 * h['small_beside_median_s']:.1f}"
+          f" ms (x{h['ratio']:.2f}); the big one: {h['big_status_and_s'][0]}")
 
 
 def _arrivals(n: int) -> list[float]:
@@ -391,6 +446,10 @@ def _run_arm(spec: str, options: dict, warm: list[str], reps: list[list[str]]) -
                 runs.append({**_measure_http(server.url, "bench", prompts, spec), "repeat": rep})
             if llm:
                 runs.append({**_measure_inprocess(llm, prompts, spec), "repeat": rep})
+        if server and _HOSTILE_MB.value:
+            hostile = asyncio.run(_hostile(server.url, "bench"))
+            _report_hostile(spec, hostile)
+            runs.append({"label": spec, "target": "hostile", **hostile})
     finally:
         if llm:
             llm.shutdown()
@@ -474,10 +533,15 @@ def main(argv):
         model = _MODEL_NAME.value or httpx.get(url + "/v1/models").json()["data"][0]["id"]
         for rep, prompts in enumerate(reps):
             runs.append({**_measure_http(url, model, prompts, "server"), "repeat": rep})
+        if _HOSTILE_MB.value:
+            hostile = asyncio.run(_hostile(url, model))
+            _report_hostile("server", hostile)
+            runs.append({"label": "server", "target": "hostile", **hostile})
     for spec in (_ARMS.value if (_LAUNCH.value or _INPROCESS.value) else []):
         runs += _run_arm(spec, _arm_options(spec, len(warm), num_blocks), warm, reps)
-    print(table(runs))
-    summary = summarize(runs)
+    loads = [r for r in runs if r["target"] != "hostile"]
+    print(table(loads))
+    summary = summarize(loads)
     for row in summary:
         print(f"{row['label']} ({row['target']}): median over {row['repeats']} repeats: TTFT "
               f"p50 {_fmt(row['ttft_p50_s'])}, throughput {_fmt(row['throughput_tok_s'], '')} "
@@ -492,7 +556,7 @@ def main(argv):
         with open(_OUT.value, "w") as f:
             json.dump({"meta": meta, "runs": runs}, f, indent=1)
     if _PLOT.value:
-        plot(runs, _PLOT.value)
+        plot(loads, _PLOT.value)
 
 
 if __name__ == "__main__":

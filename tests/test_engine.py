@@ -123,6 +123,12 @@ def test_no_compile_after_warmup_on_a_varied_workload():
     llm.warmup()
     runner = llm.engine.runner
     assert runner.num_executables == len(runner.buckets.all()) == 7  # 4 decode, 3 mixed
+    ran = []
+    real_run = runner.run
+    runner.run = lambda *a, **k: ran.append(a[0]) or real_run(*a, **k)
+    llm.warmup()  # every bucket is prepared already: nothing runs again
+    del runner.run
+    assert ran == []
     before = runner.num_executables
     rs = np.random.RandomState(5)
     prompts = [rs.randint(3, 384, rs.randint(1, 120)).tolist() for _ in range(14)]

@@ -28,14 +28,17 @@ SUBMITTERS, TASKS = 4, 48
 
 
 class Faults:
-    """Raises an injected error at a random share of the calls of each wrapped stage."""
+    """Raises an injected error at a random share of the calls of each wrapped stage (and
+    at its 50th call if it has not failed yet, so every stage called that often fails)."""
 
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
         self.fired: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
 
     def maybe(self, stage: str, rate: float) -> None:
-        if self.rng.random() < rate:
+        self.calls[stage] += 1
+        if self.rng.random() < rate or (self.calls[stage] == 50 and not self.fired[stage]):
             self.fired[stage] += 1
             raise RuntimeError(f"injected {stage} fault")
 

@@ -139,12 +139,14 @@ def test_a_failed_stage_ends_exactly_its_requests_and_the_engine_serves_on(
 def test_a_failed_kv_reset_kills_the_engine_and_every_call_says_so(monkeypatch):
     llm = _llm(async_scheduling=False)
     runner = llm.engine.runner
+    stream = llm.stream(_prompts()[:3], GREEDY)
+    assert not next(stream).finished  # a waiter in the middle of its requests
     monkeypatch.setattr(runner, "collect", lambda h: (_ for _ in ()).throw(
         RuntimeError("device lost")))
     monkeypatch.setattr(runner, "reset_cache", lambda: (_ for _ in ()).throw(
         RuntimeError("cannot allocate the cache")))
     with pytest.raises(EngineDeadError, match="cannot allocate the cache") as err:
-        llm.generate(_prompts()[:3], GREEDY, use_tqdm=False)
+        list(stream)
     assert not llm.has_unfinished() and not llm.engine.requests
     for call in (lambda: llm.add_request([5, 6], GREEDY), llm.step,
                  lambda: llm.generate([[5, 6]], GREEDY, use_tqdm=False),

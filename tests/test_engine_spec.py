@@ -255,7 +255,7 @@ def test_draft_model_that_cannot_work_is_refused_before_any_weights_load(tmp_pat
     def no_loading(*args, **kwargs):
         raise AssertionError("weights were loaded")
 
-    monkeypatch.setattr(build, "load_hf", no_loading)
+    monkeypatch.setattr(build, "load_model", no_loading)
     target = tiny_model_dir("LlamaForCausalLM")
     other = tmp_path / "draft"
     other.mkdir()

@@ -178,3 +178,17 @@ def test_engines_with_different_configs_fail_loudly():
     assert not leader.has_unfinished() and not follower.has_unfinished()
     with pytest.raises(EngineDeadError):
         leader.add_request([5, 6], SamplingParams(max_tokens=2))
+
+
+def test_async_scheduling_is_refused_in_a_multi_process_run(monkeypatch):
+    """Checked when the config is built, before anything loads (multi-host runs the serial
+    step; a process that joined a run reports how many processes it has)."""
+    import arcjax.engine.config as config
+
+    monkeypatch.setattr(config, "_joined_processes", lambda: 2)
+    with pytest.raises(EngineConfigError) as err:
+        config.EngineConfig.from_options(None, async_scheduling=True)
+    assert err.value.field == "async_scheduling"
+    assert config.EngineConfig.from_options(None).async_scheduling is None  # auto: serial
+    monkeypatch.setattr(config, "_joined_processes", lambda: 1)
+    assert config.EngineConfig.from_options(None, async_scheduling=True).async_scheduling

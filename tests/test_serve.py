@@ -440,7 +440,7 @@ BAD_REQUESTS = [
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop"),  # more than --max-stop-strings
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [1, 2, 100_000]}, "prompt"),
@@ -656,3 +656,149 @@ def test_async_llm_merges_the_outputs_a_slow_reader_missed(llm):
     assert slow[-1].token_ids == fast[-1].token_ids
     assert len(slow) < len(fast)
 
+
+# --- real clients, hostile clients ----------------------------------------------------------
+def test_unknown_fields_are_ignored_logged_once_and_listed(server, reference, caplog):
+    want = reference.generate([PROMPTS[0]], _greedy(4), use_tqdm=False)[0].text
+    names = ("frobnicate", "x_client_tag")
+    assert not set(names) & server.api.ignored_logged
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
+            **dict.fromkeys(names, 1)}
+    with caplog.at_level("WARNING", logger="arcjax.entrypoints.serve"):
+        for _ in range(2):
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+            assert r.headers["x-ignored-fields"] == "frobnicate, x_client_tag"
+        with _sse_stream(server, {**body, "stream": True}) as r:
+            assert r.headers["x-ignored-fields"] == "frobnicate, x_client_tag"
+            assert "data: [DONE]" in list(r.iter_lines())
+    logged = [m for m in caplog.messages if "ignoring the unknown request field" in m]
+    assert sorted(logged) == [f"ignoring the unknown request field {n!r} (logged once)"
+                              for n in names]  # three requests, each name once
+    plain = httpx.post(server.url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1})
+    assert "x-ignored-fields" not in plain.headers
+
+
+def test_text_parts_and_the_developer_role(server, reference):
+    from arcjax.entrypoints.chat import ChatTemplate
+
+    system = [{"role": "system", "content": "Be\nbrief."},
+              {"role": "user", "content": "def fibonacci(n):"}]
+    text = ChatTemplate.from_dir(chat_model_dir()).render(system)
+    ids = reference.tokenizer.encode(text, add_special_tokens=False)
+    want = reference.generate([ids], _greedy(), use_tqdm=False)[0].text
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Be"},
+                                               {"type": "text", "text": "brief."}]},
+             {"role": "user", "content": [{"type": "text", "text": "def fibonacci(n):"}]}]
+    r = _client(server).chat.completions.create(model=MODEL, messages=parts, max_tokens=8,
+                                                temperature=0)
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+
+
+def test_max_queued_requests_is_exact_under_concurrency(llm):
+    """With the engine held between steps (nothing leaves the queue) and a limit of 3, of
+    12 requests sent at once exactly 3 are queued (the check and the queueing are one
+    step) and 9 get 429; once the engine steps again the 3 complete."""
+    running = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
+                                                          max_queued_requests=3)))
+    results: list = []
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=120) as client:
+            for done in asyncio.as_completed([client.post(
+                    running.url + "/v1/completions", json=dict(
+                        model=MODEL, prompt=PROMPTS[1], max_tokens=2, temperature=0))
+                    for _ in range(12)]):
+                results.append(await done)
+
+    sender = threading.Thread(target=lambda: asyncio.run(burst()))
+    llm.engine._step_lock.acquire()  # no step runs: every accepted request stays queued
+    try:
+        sender.start()
+        assert _wait_for(lambda: len(results) == 9, 60)
+        assert [r.status_code for r in results] == [429] * 9
+        assert all(r.json()["error"]["code"] == "queue_full" for r in results)
+        assert llm.engine.stats()["waiting"] == 3
+    finally:
+        llm.engine._step_lock.release()
+    sender.join(120)
+    assert sorted(r.status_code for r in results) == [200] * 3 + [429] * 9
+    running.stop()
+    assert _wait_for(lambda: llm.engine.blocks_in_use() == 0 and llm.num_unfinished == 0)
+
+
+def test_hostile_bodies_are_refused_cheaply(llm):
+    """413 before parsing (declared or counted), a text prompt too long to ever fit is
+    refused without tokenizing it, and parsing and tokenizing run off the event loop."""
+    import arcjax.entrypoints.openai_protocol as proto
+
+    running = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
+                                                          max_request_bytes=4096)))
+    try:
+        big = {"model": MODEL, "prompt": "x" * 5000, "max_tokens": 2}
+        r = httpx.post(running.url + "/v1/completions", json=big, timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        def chunked():  # no content-length: counted as it arrives
+            yield b'{"model": "tiny", "prompt": "'
+            for _ in range(10):
+                yield b"y" * 1000
+            yield b'"}'
+
+        r = httpx.post(running.url + "/v1/completions", content=chunked(), timeout=30,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413
+    finally:
+        running.stop()
+    server = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL)))
+    try:
+        threads = []
+        real = proto.parse_completion
+
+        def spy(*args, **kwargs):
+            threads.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+
+        proto.parse_completion = spy
+        try:
+            huge = {"model": MODEL, "prompt": "lorem ipsum " * 250_000, "max_tokens": 2}
+            r = httpx.post(server.url + "/v1/completions", json=huge, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+            assert "characters" in r.json()["error"]["message"]  # refused before tokenizing
+        finally:
+            proto.parse_completion = real
+        assert threads and all(t.startswith("arcjax-prepare") for t in threads)
+        ok = httpx.post(server.url + "/v1/completions", timeout=30, json={
+            "model": MODEL, "prompt": "x", "max_tokens": 2, "stop": ["a"] * 16})
+        assert ok.status_code == 200
+    finally:
+        server.stop()
+
+
+def test_a_dead_engine_ends_streams_and_health_says_503(monkeypatch):
+    """A failure the engine cannot recover from: the stream in flight ends with an
+    `engine_dead` error event, /health and new requests answer 503."""
+    dead_llm = AsyncLLM(chat_model_dir(), **GEOMETRY)
+    running = RunningServer(OpenAIServer(dead_llm, ServeConfig(served_model_name=MODEL)))
+    try:
+        body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0,
+                    ignore_eos=True, stream=True)
+        with _sse_stream(running, body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            runner = dead_llm.engine.runner
+            monkeypatch.setattr(runner, "collect", lambda h: (_ for _ in ()).throw(
+                RuntimeError("device lost")))
+            monkeypatch.setattr(runner, "reset_cache", lambda: (_ for _ in ()).throw(
+                RuntimeError("no memory for a new KV cache")))
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert "engine_dead" in rest[-1] and "no memory" in rest[-1]
+        health = httpx.get(running.url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        again = httpx.post(running.url + "/v1/completions", timeout=10,
+                           json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_dead"
+    finally:
+        running.stop()
+        dead_llm.shutdown()

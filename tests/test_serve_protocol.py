@@ -65,15 +65,16 @@ def test_chat_parsing():
     p = proto.parse_chat({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None}], "max_completion_tokens": 4})
-    assert p.messages == ({"role": "user", "content": "ab"},
+    assert p.messages == ({"role": "user", "content": "a\nb"},  # parts joined as vLLM
                           {"role": "assistant", "content": ""})
     assert p.params.max_tokens == 4 and p.max_tokens_given
     assert p.max_tokens_field == "max_completion_tokens"
-    p = proto.parse_chat({"messages": [{"role": "user", "content": "x"}]})
+    p = proto.parse_chat({"messages": [{"role": "developer", "content": "x"}],
+                          "prompt": "x", "zeta": 1})
     assert not p.max_tokens_given and p.add_generation_prompt
-    for body, field in [({"messages": [{"role": "user", "content": "x"}], "prompt": "x"},
-                         "prompt"),
-                        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    assert p.messages == ({"role": "system", "content": "x"},)  # developer renders as system
+    assert p.ignored == ("prompt", "zeta")  # not chat fields: accepted and ignored
+    for body, field in [({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
                         ({"messages": [{"role": "assistant", "content": "x",
                                         "tool_calls": [{}]}]}, "messages[0].tool_calls"),
                         ({"messages": [{"role": "user", "content": "x"}],
@@ -194,3 +195,21 @@ def test_choice_stream_deltas():
     plain = ChoiceStream(None, chat=True)  # logprobs off: text deltas only
     assert plain.delta(0, CompletionOutput(0, "x", (1,), None, None, "stop")) == ("x", None,
                                                                                   "stop")
+
+
+def test_unknown_fields_are_listed_and_stop_strings_are_capped():
+    p = proto.parse_completion({"prompt": "x", "b_field": 1, "a_field": {"x": [1]},
+                                "user": "u"})
+    assert p.ignored == ("a_field", "b_field")  # `user` is known (and ignored silently)
+    assert proto.parse_completion({"prompt": "x"}).ignored == ()
+    assert len(proto.parse_completion({"prompt": "x", "stop": ["s"] * 16}).params.stop) == 16
+    with pytest.raises(InputError) as e:
+        proto.parse_completion({"prompt": "x", "stop": ["s"] * 17})
+    assert e.value.field == "stop" and e.value.limit == 16
+    with pytest.raises(InputError) as e:
+        proto.parse_chat({"messages": [{"role": "user", "content": "x"}],
+                          "stop": ["s", "t", "u"]}, max_stop_strings=2)
+    assert e.value.field == "stop" and e.value.limit == 2
+    with pytest.raises(InputError) as e:  # known but not supported: still refused by name
+        proto.parse_completion({"prompt": "x", "echo": True, "unknown": 1})
+    assert e.value.field == "echo"

@@ -13,8 +13,10 @@ from arcjax.engine.engine import Engine
 from arcjax.engine.spec import Speculator
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import EngineConfigError
-from arcjax.model.weights import load_hf, read_config
-from arcjax.parallel import StepSync, TensorParallel, follow, kv_repeat, sharded_config
+from arcjax.model.gguf_tokenizer import has_tokenizer
+from arcjax.model.hub import ModelSource, resolve_model
+from arcjax.model.loader import load_model, model_config
+from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.draft_model import DraftModelProposer
 from arcjax.runtime.ngram import NgramProposer
@@ -70,13 +72,14 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
         a draft model that does not fit it), found before any weights load.
       ModelFileError subclasses: the model directory cannot be loaded.
     """
-    model_dir = Path(config.model) if config.model is not None else default_model_path()
+    source = (resolve_model(config.model, config.revision) if config.model is not None
+              else ModelSource(default_model_path(), "default"))
+    model_dir = source.path  # a directory, or the .gguf file
     dtype = jnp.dtype(config.dtype or ("bfloat16" if _on_gpu() else "float32"))
-    spec = config.speculative_config
-    if spec is not None and spec.method == "draft_model":
-        file_cfg = read_config(model_dir)
-        spec.check_draft_model(model_dir, config.max_model_len or min(
-            file_cfg.max_position_embeddings, 4096))
+    spec, draft = config.speculative_config, None
+    if spec is not None and spec.method == "draft_model":  # checked before any weights load
+        limit = model_config(source).max_position_embeddings
+        draft = spec.check_draft_model(source, config.max_model_len or min(limit, 4096))
     parallel = None
     if jax.process_count() > 1 and config.async_scheduling:
         raise EngineConfigError("async_scheduling", "not supported across several processes "
@@ -85,24 +88,28 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
         raise EngineConfigError("tensor_parallel_size", f"over {jax.process_count()} "
                                 f"processes it must span all {jax.device_count()} devices, "
                                 f"got {config.tensor_parallel_size}", limit=jax.device_count())
-    shards = {}
     if config.tensor_parallel_size > 1 or jax.process_count() > 1:
-        file_cfg, tp = read_config(model_dir), config.tensor_parallel_size
-        parallel = TensorParallel.create(file_cfg, tp)
-        shards = dict(shardings=parallel.param_shardings(sharded_config(file_cfg, tp)),
-                      kv_repeat=kv_repeat(file_cfg, tp))
-    # With shardings, cfg is the sharded config (KV heads repeated when tp exceeds them).
-    cfg, params = load_hf(model_dir, dtype=dtype, cache_dir=config.cache_dir, **shards)
-    tokenizer = (Tokenizer.from_dir(model_dir)
-                 if (model_dir / "tokenizer.json").is_file() else None)
+        parallel = TensorParallel.create(model_config(source), config.tensor_parallel_size)
+    # With `parallel`, cfg is the sharded config (KV heads repeated when tp exceeds them).
+    model = load_model(source, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel,
+                       quantization=config.quantization)
+    cfg, params = model.cfg, model.params
+    if source.is_gguf:
+        tokenizer = (Tokenizer.from_gguf(model.gguf_file)
+                     if has_tokenizer(model.gguf_file) else None)
+    else:
+        tokenizer = (Tokenizer.from_dir(model_dir)
+                     if (model_dir / "tokenizer.json").is_file() else None)
     max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
     if max_model_len > cfg.max_position_embeddings:
         raise EngineConfigError("max_model_len", f"{max_model_len} exceeds the model's limit "
                                 f"{cfg.max_position_embeddings}",
                                 limit=cfg.max_position_embeddings)
     max_blocks = -(-max_model_len // config.block_size)
+    # FP8 pages: one byte a value, so the same memory holds twice the blocks of bf16.
+    kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.kv_cache_dtype == "fp8" else dtype
     num_blocks = config.num_kv_blocks or _default_num_blocks(
-        cfg, dtype, config.block_size, max_blocks, config.max_num_seqs,
+        cfg, kv_dtype, config.block_size, max_blocks, config.max_num_seqs,
         config.kv_memory_fraction, config.tensor_parallel_size)
     sched = config.scheduler_config(num_blocks)
     step_tokens = max(sched.max_num_batched_tokens,
@@ -113,8 +120,10 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=config.block_size,
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
-                         parallel=parallel)
-    speculator = _speculator(config, sched, max_model_len, dtype) if spec else None
+                         parallel=parallel, kv_cache_dtype=kv_dtype,
+                         kv_scales=model.kv_scales if config.kv_cache_dtype == "fp8" else None)
+    speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
+                  else None)
     options = {} if clock is None else {"clock": clock}
     multi_host = jax.process_count() > 1
     overlapped = (config.async_scheduling if config.async_scheduling is not None
@@ -127,16 +136,18 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     return engine
 
 
-def _speculator(config: EngineConfig, sched, max_model_len: int, dtype) -> Speculator:
+def _speculator(config: EngineConfig, draft: ModelSource | None, sched, max_model_len: int,
+                dtype) -> Speculator:
     """The proposer of `config.speculative_config`: n-gram lookup, or the draft model
-    (loaded here, unsharded, its own KV cache: one slot per request it may draft for)."""
+    (`draft`, loaded here, unsharded, its own KV cache: one slot per request it may draft
+    for)."""
     spec = config.speculative_config
     if spec.method == "ngram":
         return Speculator(spec, NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max))
-    draft_cfg, draft_params = load_hf(Path(spec.model), dtype=dtype, cache_dir=config.cache_dir)
+    model = load_model(draft, dtype=dtype, cache_dir=config.cache_dir)
     slots = min(sched.max_num_seqs, spec.disable_by_batch_size or sched.max_num_seqs)
     return Speculator(spec, DraftModelProposer(
-        draft_cfg, draft_params, num_slots=slots, max_model_len=max_model_len,
+        model.cfg, model.params, num_slots=slots, max_model_len=max_model_len,
         max_drafts=spec.num_speculative_tokens, block_size=config.block_size,
         token_budget=sched.max_num_batched_tokens, tile=sched.chunk_tile, dtype=dtype,
         attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES))

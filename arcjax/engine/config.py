@@ -21,6 +21,8 @@ from arcjax.runtime.speculative import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu")
+QUANTIZATIONS = ("fp8", "int8")  # weight formats a float checkpoint is quantized to at load
+KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the compute dtype; "fp8": float8_e4m3fn pages
 
 # Scheduler knobs an engine option sets directly (SchedulerConfig field names).
 SCHEDULER_OPTIONS = ("policy", "max_num_batched_tokens", "max_num_seqs", "prefill_max_seqs",
@@ -33,8 +35,18 @@ class EngineConfig:
     """How an engine is built and scheduled.
 
     Attributes:
-      model: a Hugging Face-format directory (config.json, *.safetensors, tokenizer.json);
-        None = the packaged default model.
+      model: a Hugging Face-format directory (config.json, *.safetensors, tokenizer.json),
+        a GGUF file (or a directory holding one), or a Hugging Face Hub id ("org/name",
+        fetched into the Hub cache; a local path of that name wins); None = the packaged
+        default model.
+      revision: a Hub id's branch, tag or commit (None = "main"); ignored for local paths.
+      quantization: None = the checkpoint's own weights (FP8/INT8 checkpoints stay
+        quantized); "fp8" (e4m3, per-channel scales) or "int8" (per-channel) quantizes a
+        float checkpoint at load. Weights stay quantized on the device; the step
+        dequantizes them inside the jitted matmuls.
+      kv_cache_dtype: "auto" = the compute dtype; "fp8" = float8_e4m3fn pages with one
+        scale per layer for K and one for V (the checkpoint's k_scale/v_scale when it has
+        them, else 1.0), about twice the tokens in the same memory.
       dtype: "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU.
       max_model_len: longest prompt + output; None = min(model's limit, 4096).
       num_kv_blocks: KV cache size in blocks; None = from kv_memory_fraction of the device's
@@ -63,7 +75,10 @@ class EngineConfig:
     """
 
     model: str | None = None
+    revision: str | None = None
     dtype: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
     kv_memory_fraction: float = 0.5
@@ -88,9 +103,20 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
-            raise EngineConfigError("model", f"must be a path or None, got {self.model!r}")
+            raise EngineConfigError("model", f"must be a path, a Hub id or None, got "
+                                             f"{self.model!r}")
         if self.model is not None:
             object.__setattr__(self, "model", os.fspath(self.model))
+        if self.revision is not None and (not isinstance(self.revision, str)
+                                          or not self.revision.strip()):
+            raise EngineConfigError("revision", f"must be a non-empty string or None, got "
+                                                f"{self.revision!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise EngineConfigError("quantization", f"must be one of {QUANTIZATIONS} or None, "
+                                                    f"got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got "
+                                                      f"{self.kv_cache_dtype!r}")
         if self.dtype is not None and str(self.dtype) not in DTYPES:
             raise EngineConfigError("dtype", f"must be one of {DTYPES} or None, got {self.dtype!r}")
         if self.dtype is not None:

@@ -84,18 +84,34 @@ class InputProcessor:
                                limit=vocab)
         return text, ids
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+        """The token ids of a text prompt. A text too long to fit max_model_len whatever
+        its tokens is refused before it is tokenized: no token covers more characters than
+        the vocabulary's longest entry (twice that, for normalizers that merge characters).
+
+        Raises:
+          RequestError (field "prompt"): no tokenizer, text that cannot be encoded, empty,
+            or longer than max_model_len can hold.
+        """
+        if self.tokenizer is None:
+            raise RequestError("prompt", "a string prompt needs a tokenizer; pass token ids")
+        chars = 2 * self.tokenizer.max_token_chars
+        if len(text) > chars * self.max_model_len:
+            raise RequestError("prompt", f"{len(text)} characters: more than {len(text) // chars}"
+                               f" tokens, more than max_model_len {self.max_model_len}",
+                               limit=self.max_model_len)
+        try:
+            text.encode("utf-8")
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except (UnicodeError, TypeError) as e:
+            raise RequestError("prompt", f"text cannot be encoded ({e})") from None
+        if not ids:
+            raise RequestError("prompt", "must not be empty", limit=1)
+        return ids
+
     def _tokenize(self, prompt) -> tuple[str | None, tuple[int, ...]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("prompt", "a string prompt needs a tokenizer; pass token ids")
-            try:
-                prompt.encode("utf-8")
-                ids = tuple(self.tokenizer.encode(prompt))
-            except (UnicodeError, TypeError) as e:
-                raise RequestError("prompt", f"text cannot be encoded ({e})") from None
-            if not ids:
-                raise RequestError("prompt", "must not be empty", limit=1)
-            return prompt, ids
+            return prompt, self.encode(prompt)
         if isinstance(prompt, np.ndarray):
             if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
                 raise RequestError("prompt", f"a token-id array must be 1-D integers, got "

@@ -9,7 +9,8 @@
    group's one output.
 
 NOTE: building an output costs O(what changed in this step), never O(tokens so far): DELTA
-slices only the new tokens; CUMULATIVE and FINAL_ONLY share the request's lists through
+slices only the new tokens (and forgets the logprob entries it hands out: a DELTA request
+holds none it has sent); CUMULATIVE and FINAL_ONLY share the request's lists through
 `Prefix` views (the text is one string, shared; `delta_text` is a slice of the new chars).
 While a request may still meet a stop string, the last `len(longest stop) - 1` characters
 are held back from outputs, so the concatenated deltas always equal the final text.
@@ -70,7 +71,9 @@ def _take(req: RequestState, kind: RequestOutputKind) -> tuple[CompletionOutput,
     lps = req.logprobs
     if kind is DELTA:
         text, ids = delta, tuple(req.token_ids[start:n])
-        entries = lps[start:n] if lps is not None else None
+        entries = None
+        if lps is not None:  # handed out for good: the request keeps no copy
+            entries, lps[start:n] = lps[start:n], [None] * (n - start)
     else:
         text = req.text if upto == len(req.text) else req.text[:upto]
         ids = Prefix(req.token_ids, n)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -133,6 +134,26 @@ class Tokenizer:
             bos_token_id=bos[0] if bos else None,
             add_bos_token=bool(tcfg.get("add_bos_token", False)),
         )
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest vocabulary entry (added tokens included): no token
+        stands for more characters of text than this (byte-level entries count bytes)."""
+        return max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
+    @classmethod
+    def from_gguf(cls, gguf_file) -> Tokenizer:
+        """The tokenizer a GGUF file carries (an `arcjax.model.gguf.GGUFFile`; see
+        `arcjax.model.gguf_tokenizer`).
+
+        Raises:
+          ModelConfigError: the file has no tokenizer, or one of an unsupported kind.
+        """
+        from arcjax.model.gguf_tokenizer import build_tokenizer
+
+        t = build_tokenizer(gguf_file)
+        return cls(t.tokenizer, eos_token_ids=t.eos_token_ids, bos_token_id=t.bos_token_id,
+                   add_bos_token=t.add_bos_token)
 
     @property
     def vocab_size(self) -> int:

@@ -4,7 +4,8 @@
    that owns it: it steps while any request is unfinished and sleeps otherwise.
 2. `async for out in llm.generate(prompt, params, request_id=None)` queues the request
    (validated at once: a bad request raises here, typed) with a one-slot collector as its
-   sink, then yields its outputs until the final one.
+   sink, then yields its outputs until the final one. `llm.submit(...)` queues at once,
+   synchronously, and returns the outputs' async iterator (`RequestStream`).
 3. Leaving the `async for` early (a break, a cancelled task: a client disconnect) aborts
    the request; the engine frees its KV blocks at the start of its next step at the latest.
 4. `await llm.abort(request_id)`; `llm.shutdown()` stops the thread (aborting what is left).
@@ -126,6 +127,39 @@ class _Collector:
             await self._ready.wait()
 
 
+class RequestStream:
+    """The outputs of one submitted request (`AsyncLLM.submit`), an async iterator that
+    ends after the final output; `aclose()` before that aborts the request."""
+
+    def __init__(self, llm: "AsyncLLM", request_id: str, collector: _Collector):
+        self.llm, self.request_id, self._collector = llm, request_id, collector
+        self.finished = self._closed = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        out = await self._collector.get()
+        if out.finished:
+            self.finished = True
+            self.cancel()
+        return out
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Stops the stream (synchronously); aborts the request unless it finished."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.finished:
+            self.llm._abort_quietly(self.request_id)
+        self.llm._forget(self._collector)
+
+
 class AsyncLLM:
     """A model plus an engine stepped by a background thread (see the module docstring).
 
@@ -142,6 +176,8 @@ class AsyncLLM:
         self._stopping = False
         self._lock = threading.Lock()
         self._collectors: set[_Collector] = set()
+        # held by whoever decides admission (a server's queue limit) and submits in one go
+        self.admission_lock = threading.Lock()
         self.step_errors = 0  # exceptions that escaped a step (each one killed the engine)
         self._thread = threading.Thread(target=self._loop, name="arcjax-engine", daemon=True)
         self._thread.start()
@@ -169,14 +205,15 @@ class AsyncLLM:
         self._wake.set()
 
     # --- requests (event-loop side) -------------------------------------------------------
-    async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields this request's outputs (as `params.output_kind` says; `delta_text` is the
-        new text in each) until the final one.
+    def submit(self, prompt, params: SamplingParams | None = None,
+               request_id: str | None = None) -> "RequestStream":
+        """Queues a request now, synchronously (call it from the event loop), and returns
+        the async iterator of its outputs (`async for out in stream`); `await
+        stream.aclose()` before its final output aborts the request. A server decides
+        admission and queues in one step with it (no other coroutine runs in between).
 
         Raises:
-          RequestError subclasses: a bad request (at once).
-          EngineDeadError: the engine is dead, or died while this request ran.
+          RequestError subclasses: a bad request. EngineDeadError: the engine is dead.
         """
         params = SamplingParams() if params is None else params
         delta = isinstance(params, SamplingParams) and (
@@ -185,22 +222,36 @@ class AsyncLLM:
         with self._lock:
             self._collectors.add(collector)
         try:
+            if self._stopping:
+                raise EngineDeadError("AsyncLLM.shutdown() was called")
             rid = self.engine.add_request(prompt, params, request_id, sink=collector.put)
-            if not self._thread.is_alive():  # died between the check and the add
+            if not self._thread.is_alive():  # stopped between the check and the add
                 raise self.engine.dead or EngineDeadError("the engine thread has stopped")
-            self._notify()
-            finished = False
-            try:
-                while not finished:
-                    out = await collector.get()
-                    finished = out.finished
-                    yield out
-            finally:
-                if not finished:
-                    self._abort_quietly(rid)
+        except BaseException:
+            self._forget(collector)
+            raise
+        self._notify()
+        return RequestStream(self, rid, collector)
+
+    async def generate(self, prompt, params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields this request's outputs (as `params.output_kind` says; `delta_text` is the
+        new text in each) until the final one. Leaving early aborts the request.
+
+        Raises:
+          RequestError subclasses: a bad request (at the first iteration).
+          EngineDeadError: the engine is dead, or died while this request ran.
+        """
+        stream = self.submit(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
         finally:
-            with self._lock:
-                self._collectors.discard(collector)
+            await stream.aclose()
+
+    def _forget(self, collector: "_Collector") -> None:
+        with self._lock:
+            self._collectors.discard(collector)
 
     def _abort_quietly(self, request_id: str) -> None:
         try:
@@ -242,6 +293,10 @@ class AsyncLLM:
         self._stopping = True
         self._notify()
         self._thread.join(timeout)
+        with self._lock:  # a reader of a request nobody will step now must not wait
+            collectors = list(self._collectors)
+        for c in collectors:
+            c.fail(EngineDeadError("AsyncLLM.shutdown() was called"))
 
     def __enter__(self) -> "AsyncLLM":
         return self

@@ -87,8 +87,14 @@ class ChatTemplate:
 
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> "ChatTemplate":
-        """Reads the template of a Hugging Face-format directory (None if it has none)."""
+        """Reads the template of a Hugging Face-format directory, or of a GGUF file (its
+        `tokenizer.chat_template` metadata); None if it has none."""
         model_dir = os.fspath(model_dir)
+        if model_dir.lower().endswith(".gguf") and os.path.isfile(model_dir):
+            from arcjax.model.gguf import GGUFFile
+            from arcjax.model.gguf_tokenizer import chat_template
+
+            return cls(*chat_template(GGUFFile(model_dir)))
         cfg = {}
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.isfile(cfg_path):

@@ -17,9 +17,11 @@ import os
 import sys
 import typing
 
-from arcjax.engine.config import ATTENTION_IMPLS, DTYPES, EngineConfig
+from arcjax.engine.config import (ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
+                                  EngineConfig)
 
-_CHOICES = {"dtype": DTYPES, "attention_impl": ATTENTION_IMPLS,
+_CHOICES = {"dtype": DTYPES, "attention_impl": ATTENTION_IMPLS, "quantization": QUANTIZATIONS,
+            "kv_cache_dtype": KV_CACHE_DTYPES,
             "policy": ("prefill_first", "alternate", "token_budget")}
 
 
@@ -62,7 +64,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                        description="OpenAI-compatible HTTP server (/v1/completions, "
                                    "/v1/chat/completions, /v1/models, /health, /metrics)")
     p.add_argument("model_dir", nargs="?", default=None,
-                   help="Hugging Face-format model directory (default: the packaged model)")
+                   help="Hugging Face-format model directory, GGUF file or Hub id "
+                        "'org/name' (default: the packaged model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
@@ -71,6 +74,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                    help="model id clients send (default: MODEL_DIR, or 'arcjax-default')")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="answer 429 beyond this many waiting requests (default: no limit)")
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="answer 413, before parsing, to a larger request body "
+                        "(default: 8 MiB)")
+    p.add_argument("--max-stop-strings", type=int, default=16,
+                   help="refuse (400, field 'stop') a request with more stop strings "
+                        "(default: 16; OpenAI allows 4)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take after SIGTERM/SIGINT")
     p.add_argument("--log-level", default="warning")
@@ -104,6 +113,8 @@ def parse_serve(argv: list[str]) -> ServeCommand:
                          api_key=args.api_key or os.environ.get("ARCJAX_API_KEY") or None,
                          served_model_name=args.served_model_name,
                          max_queued_requests=args.max_queued_requests,
+                         max_request_bytes=args.max_request_bytes,
+                         max_stop_strings=args.max_stop_strings,
                          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
     return ServeCommand(args.model_dir, config, options, args.warmup, args.compilation_cache_dir)
 

@@ -23,6 +23,7 @@ from arcjax.engine.outputs import RequestOutput
 from arcjax.engine.trace import summarize, write_jsonl
 from arcjax.entrypoints.chat import ChatTemplate, ChatTemplateError
 from arcjax.errors import EngineDeadError, RequestError
+from arcjax.model.quant import storage_dtypes
 from arcjax.runtime.sampling import SamplingParams
 from arcjax.runtime.sampling_params import RequestOutputKind
 
@@ -31,8 +32,10 @@ class LLM:
     """A model plus engine. `LLM(model=None, **options)` loads the packaged default model.
 
     Args:
-      model: a Hugging Face-format directory (config.json, *.safetensors, tokenizer.json).
-      **options: engine options (see `arcjax.engine.config.EngineConfig`): dtype,
+      model: a Hugging Face-format directory (config.json, *.safetensors, tokenizer.json),
+        a GGUF file (or a directory holding one), or a Hub id "org/name" (`revision=`).
+      **options: engine options (see `arcjax.engine.config.EngineConfig`): revision,
+        quantization ("fp8" | "int8"), kv_cache_dtype ("auto" | "fp8"), dtype,
         max_model_len, num_kv_blocks, kv_memory_fraction, block_size, attention_impl, seed,
         cache_dir, trace_capacity, and the scheduler knobs policy, max_num_batched_tokens,
         max_num_seqs, prefill_max_seqs, prefill_floor_steps, chunk_tile,
@@ -190,7 +193,9 @@ class LLM:
         configured = {k: v for k, v in self.scheduler_options.items()
                       if k in ("prefill_max_seqs", "prefill_floor_steps",
                                "long_prefill_token_threshold") and v}
-        return summarize(list(self.engine.trace), wall_time, configured)
+        summary = summarize(list(self.engine.trace), wall_time, configured)
+        runner = self.engine.runner
+        return {**summary, **storage_dtypes(runner.params, runner.cache)}
 
     def export_trace(self, path) -> None:
         write_jsonl(self.engine.trace, path)

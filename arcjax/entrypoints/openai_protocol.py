@@ -6,11 +6,17 @@ builders below.
 
 NOTE: validation lives here and in `SamplingParams` (types and ranges) and `Engine.check`
 (lengths, vocabulary); every refusal is an `InputError` whose `.field` is the request's own
-field name, so the server answers 400 with `param` naming it. Fields the engine does not
-support (best_of, echo, logit_bias, tools, ...) are refused by name unless they carry their
-neutral value; fields that are not part of the API at all are refused too. The one field
-accepted and ignored is `user` (an end-user id OpenAI keeps for abuse monitoring: it never
-changes the output, and clients send it by default in some SDKs).
+field name, so the server answers 400 with `param` naming it. Known fields the engine does
+not support (best_of, echo, logit_bias, tools, ...) are refused by name unless they carry
+their neutral value. Fields that are not part of the API are accepted and ignored, as vLLM
+does (clients and SDKs add their own): the parsed request lists them in `ignored` (the
+server logs each name once and returns them in a response header). `user` (an end-user id
+OpenAI keeps for abuse monitoring) is known and ignored silently. A request may ask for at
+most `max_stop_strings` stop strings: each is searched for after every token.
+
+Chat messages: `content` is a string or a list of `{"type": "text", "text": ...}` parts
+(joined with newlines, as vLLM does); the `developer` role (OpenAI's successor of `system`
+for instructions) is rendered as `system`, which every chat template knows.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from arcjax.runtime.sampling import SamplingParams
 
 class ProtocolError(RequestError):
     """A request body the API refuses (field: the offending request field, or "body")."""
+
+
+DEFAULT_MAX_STOP_STRINGS = 16
 
 
 # Sampling fields shared by both endpoints -> SamplingParams field.
@@ -66,22 +75,22 @@ class ParsedRequest:
     max_tokens_given: bool
     messages: tuple = ()
     add_generation_prompt: bool = True
+    ignored: tuple[str, ...] = ()  # unknown fields, accepted and ignored (sorted)
 
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_fields(body, allowed: set[str], unsupported: dict = _UNSUPPORTED) -> None:
+def _check_fields(body, allowed: set[str], unsupported: dict = _UNSUPPORTED) -> tuple[str, ...]:
+    """Refuses known fields the server cannot honour; returns the unknown ones."""
     if not isinstance(body, dict):
         raise ProtocolError("body", f"must be a JSON object, got {type(body).__name__}")
-    for name in body:
-        if name not in allowed and name not in unsupported:
-            raise ProtocolError(name, "unknown field")
     for name, neutral in unsupported.items():
         if name in body and not any(type(body[name]) is type(v) and body[name] == v
                                     for v in neutral):
             raise ProtocolError(name, f"not supported by this server (got {body[name]!r})")
+    return tuple(sorted(n for n in body if n not in allowed and n not in unsupported))
 
 
 def _completion_logprobs(body: dict) -> int | None:
@@ -107,7 +116,8 @@ def _chat_logprobs(body: dict) -> int | None:
     return (k or 0) if on else None
 
 
-def _common(body: dict, max_field: str, default_max: int | None, logprobs: int | None = None):
+def _common(body: dict, max_field: str, default_max: int | None, logprobs: int | None,
+            max_stop_strings: int):
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ProtocolError("model", f"must be a string, got {model!r}")
@@ -130,6 +140,9 @@ def _common(body: dict, max_field: str, default_max: int | None, logprobs: int |
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise ProtocolError("stop", f"must be a string or a list of strings, got {stop!r}")
+    if isinstance(stop, list) and len(stop) > max_stop_strings:
+        raise ProtocolError("stop", f"at most {max_stop_strings} stop strings, got {len(stop)}",
+                            limit=max_stop_strings)
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and not isinstance(stop_ids, list):
         raise ProtocolError("stop_token_ids", f"must be a list of token ids, got {stop_ids!r}")
@@ -146,9 +159,9 @@ def _common(body: dict, max_field: str, default_max: int | None, logprobs: int |
     return model, params, stream, include_usage, given
 
 
-def parse_completion(body) -> ParsedRequest:
+def parse_completion(body, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS) -> ParsedRequest:
     """A /v1/completions body (decoded JSON). Raises InputError naming the field."""
-    _check_fields(body, _COMPLETION_FIELDS, {**_UNSUPPORTED, **_COMPLETION_NEUTRAL})
+    ignored = _check_fields(body, _COMPLETION_FIELDS, {**_UNSUPPORTED, **_COMPLETION_NEUTRAL})
     if "prompt" not in body:
         raise ProtocolError("prompt", "is required")
     prompt = body["prompt"]
@@ -163,15 +176,17 @@ def parse_completion(body) -> ParsedRequest:
     else:
         raise ProtocolError("prompt", "must be a string, a list of strings, a list of token "
                                       "ids or a list of lists of token ids (non-empty)")
-    model, params, stream, include_usage, given = _common(body, "max_tokens", 16,
-                                                          _completion_logprobs(body))
-    return ParsedRequest(model, prompts, params, stream, include_usage, "max_tokens", given)
+    model, params, stream, include_usage, given = _common(
+        body, "max_tokens", 16, _completion_logprobs(body), max_stop_strings)
+    return ParsedRequest(model, prompts, params, stream, include_usage, "max_tokens", given,
+                         ignored=ignored)
 
 
-def parse_chat(body) -> ParsedRequest:
+def parse_chat(body, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS) -> ParsedRequest:
     """A /v1/chat/completions body (decoded JSON). Raises InputError naming the field.
-    Message contents that are lists of text parts are joined into one string."""
-    _check_fields(body, _CHAT_FIELDS)
+    Message contents that are lists of text parts are joined into one string; the
+    `developer` role becomes `system`."""
+    ignored = _check_fields(body, _CHAT_FIELDS)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise ProtocolError("max_completion_tokens", "give max_tokens or "
                                                      "max_completion_tokens, not both")
@@ -192,7 +207,7 @@ def parse_chat(body) -> ParsedRequest:
                     raise ProtocolError(f"messages[{i}].content",
                                         "only text content parts are supported")
                 parts.append(part["text"])
-            content = "".join(parts)
+            content = "\n".join(parts)
         elif content is None:
             content = ""
         elif not isinstance(content, str):
@@ -200,14 +215,15 @@ def parse_chat(body) -> ParsedRequest:
         for key in ("tool_calls", "function_call"):
             if m.get(key):
                 raise ProtocolError(f"messages[{i}].{key}", "not supported by this server")
-        clean.append({**m, "content": content})
+        role = "system" if m["role"] == "developer" else m["role"]
+        clean.append({**m, "role": role, "content": content})
     add_gen = body.get("add_generation_prompt", True)
     if not isinstance(add_gen, bool):
         raise ProtocolError("add_generation_prompt", "must be a boolean")
     model, params, stream, include_usage, given = _common(body, max_field, None,
-                                                          _chat_logprobs(body))
+                                                          _chat_logprobs(body), max_stop_strings)
     return ParsedRequest(model, (), params, stream, include_usage, max_field, given,
-                         tuple(clean), add_gen)
+                         tuple(clean), add_gen, ignored)
 
 
 # --- responses ------------------------------------------------------------------------

@@ -1,19 +1,19 @@
 """`arcjax serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) around `AsyncLLM`.
 
-1. `OpenAIServer(llm, ServeConfig)` builds the FastAPI app. A POST body is decoded and
-   parsed by `openai_protocol` (one place for validation; typed errors name the field),
-   chat messages are rendered by `chat.ChatTemplate`, every prompt is checked by
-   `Engine.check` before anything is queued (all-or-nothing), then each prompt runs as
-   `AsyncLLM.generate(...)` under a server-chosen request id; with `n` > 1 the engine
-   returns n completions per prompt (choice index prompt_index * n + sample index) and
-   `openai_logprobs` shapes them, their log-probabilities and their per-choice deltas.
+1. `OpenAIServer(llm, ServeConfig)` builds the FastAPI app. A POST body is read under a
+   size cap (413 before parsing), then, in a worker pool (never on the event loop), decoded
+   and parsed by `openai_protocol` (one place for validation; typed errors name the field),
+   chat messages rendered by `chat.ChatTemplate`, and every prompt tokenized and checked by
+   `Engine.check` (all-or-nothing). Back on the loop, one synchronous step checks the queue
+   limit and queues every prompt (`AsyncLLM.submit`) under a server-chosen request id; with
+   `n` > 1 the engine returns n completions per prompt (choice index prompt_index * n +
+   sample index) and `openai_logprobs` shapes them, their log-probabilities and deltas.
 2. Non-streaming (FINAL_ONLY outputs): outputs are collected while a watcher waits for the
    client's `http.disconnect`; streaming (DELTA outputs): the first output is awaited under
    the same watcher (so a bad request still gets its 400 before any header), then
-   server-sent events follow; on a
-   disconnect starlette cancels the stream. Either way the `AsyncLLM.generate` iterator is
-   left early, which aborts the request: its KV blocks are freed at the start of the next
-   engine step at the latest.
+   server-sent events follow; on a disconnect starlette cancels the stream. Either way the
+   request streams are closed early, which aborts the requests: their KV blocks are freed
+   at the start of the next engine step at the latest.
 3. Metrics (`metrics.ServerMetrics`): the engine's `trace_sink` counts every step's knob
    engagement and preemptions; finished requests feed latency histograms and token counters;
    gauges are read from `Engine.stats()` at scrape time.
@@ -28,7 +28,7 @@ slow reader has not taken (TCP backpressure stalls its response, nothing else; i
 merged output). A dead engine (`EngineDeadError`) ends every stream with an error event,
 answers 503 to new requests, and /health answers 503. All server state (`active`,
 `in_flight`, `draining`) is touched only from the event loop, except `draining`, also read
-by handlers.
+by handlers. The HTTP plumbing (errors, SSE, disconnects, uvicorn) is in serve_http.py.
 """
 
 from __future__ import annotations
@@ -36,23 +36,27 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from arcjax.engine.outputs import RequestOutput
 from arcjax.entrypoints import openai_protocol as proto
-from arcjax.entrypoints.async_llm import AsyncLLM
+from arcjax.entrypoints.async_llm import AsyncLLM, RequestStream
 from arcjax.entrypoints.chat import ChatTemplate
 from arcjax.entrypoints.metrics import ServerMetrics
 from arcjax.entrypoints.openai_logprobs import ChoiceStream, completions_of
+from arcjax.entrypoints.serve_http import (EventStream, HTTPError, TraceFanout, build_server,
+                                           close_outputs, error_response, parse_json,
+                                           too_large, until_disconnect)
 from arcjax.errors import EngineDeadError, InputError, RequestError, UnknownRequestError
+from arcjax.model.quant import storage_dtypes
 from arcjax.runtime.sampling_params import RequestOutputKind
 
 log = logging.getLogger(__name__)
@@ -70,7 +74,10 @@ class ServeConfig:
       served_model_name: the model id clients send and /v1/models lists; None = the model
         directory as given, or "arcjax-default" for the packaged model.
       max_queued_requests: refuse (429) a request that would make more than this many
-        requests wait in the engine; None = no limit.
+        requests wait in the engine; None = no limit. Exact under concurrency: the check
+        and the queueing happen in one step.
+      max_request_bytes: a larger body is refused with 413 before it is parsed.
+      max_stop_strings: a request asking for more stop strings is refused (400, "stop").
       shutdown_timeout: seconds requests in flight may take to finish after SIGTERM/SIGINT.
       log_level: uvicorn's log level.
     """
@@ -80,101 +87,24 @@ class ServeConfig:
     api_key: str | None = None
     served_model_name: str | None = None
     max_queued_requests: int | None = None
+    max_request_bytes: int = 8 << 20
+    max_stop_strings: int = proto.DEFAULT_MAX_STOP_STRINGS
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
 
     def __post_init__(self):
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        if self.max_stop_strings < 0:
+            raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
 
 
-class HTTPError(Exception):
-    """An error response in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code)
-
-
-def _error(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
-    return JSONResponse(proto.error_body(message, type_, param, code), status_code=status)
-
-
-class _EventStream(StreamingResponse):
-    """A StreamingResponse that always closes its body iterator and then runs `on_close`,
-    even if the body never started (a cancelled stream then aborts its requests at once,
-    not when the generator is garbage collected)."""
-
-    def __init__(self, content, on_close, **kwargs):
-        super().__init__(content, **kwargs)
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self.body_iterator.aclose()
-            finally:
-                await self._on_close()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client disconnects (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _until_disconnect(request: Request, coro):
-    """`await coro`, unless the client disconnects first: then coro is cancelled and this
-    returns (False, None). Otherwise (True, result)."""
-    task = asyncio.ensure_future(coro)
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        gone.cancel()
-        raise
-    gone.cancel()
-    if task.done():
-        return True, task.result()
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
-    return False, None
-
-
-class _TraceFanout:
-    """`Engine.trace_sink` that calls several listeners (servers sharing one engine, and
-    whoever listened before the first server came)."""
-
-    def __init__(self, first=None):
-        self._sinks = [first] if first is not None else []
-
-    @classmethod
-    def install(cls, engine) -> "_TraceFanout":
-        if not isinstance(engine.trace_sink, cls):
-            engine.trace_sink = cls(engine.trace_sink)
-        return engine.trace_sink
-
-    def add(self, sink) -> None:
-        self._sinks = [*self._sinks, sink]  # copy-on-write: the engine thread iterates
-
-    def remove(self, sink) -> None:
-        self._sinks = [s for s in self._sinks if s != sink]
-
-    def __call__(self, record) -> None:
-        for sink in self._sinks:
-            sink(record)
+PREPARE_WORKERS = 4  # threads that parse, render and tokenize requests
+IGNORED_FIELDS_HEADER = "X-Ignored-Fields"  # the unknown request fields that were ignored
 
 
 class OpenAIServer:
@@ -187,7 +117,7 @@ class OpenAIServer:
         model = llm.engine_config.model
         self.model_name = self.config.served_model_name or model or DEFAULT_MODEL_NAME
         self.metrics = ServerMetrics(engine, self.model_name)
-        self._fanout = _TraceFanout.install(engine)
+        self._fanout = TraceFanout.install(engine)
         self._fanout.add(self.metrics.on_step)
         self.chat_template = (ChatTemplate.from_dir(engine.model_dir)
                               if engine.model_dir is not None else ChatTemplate(None))
@@ -195,11 +125,16 @@ class OpenAIServer:
         self.draining = False
         self.active: set[str] = set()  # engine request ids this server is waiting on
         self.in_flight = 0  # generation requests (HTTP) not finished yet
+        self.ignored_logged: set[str] = set()  # unknown request fields logged so far
+        # parsing, chat rendering and tokenization run here, never on the event loop
+        self._pool = ThreadPoolExecutor(max_workers=PREPARE_WORKERS,
+                                        thread_name_prefix="arcjax-prepare")
         self.app = self._build_app()
 
     def close(self) -> None:
         """Stops counting engine steps (the engine may outlive this server)."""
         self._fanout.remove(self.metrics.on_step)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # --- the app ----------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
@@ -208,27 +143,27 @@ class OpenAIServer:
 
         @app.exception_handler(InputError)
         async def _bad_input(request, e: InputError):
-            return _error(400, str(e), "invalid_request_error", e.field)
+            return error_response(400, str(e), "invalid_request_error", e.field)
 
         @app.exception_handler(EngineDeadError)
         async def _dead(request, e: EngineDeadError):
-            return _error(503, str(e), "service_unavailable", code="engine_dead")
+            return error_response(503, str(e), "service_unavailable", code="engine_dead")
 
         @app.exception_handler(HTTPError)
         async def _http_error(request, e: HTTPError):
-            return _error(e.status, e.message, e.type, e.param, e.code)
+            return error_response(e.status, e.message, e.type, e.param, e.code)
 
         @app.exception_handler(StarletteHTTPException)
         async def _starlette_error(request, e: StarletteHTTPException):
             kind = {404: "not_found_error", 405: "invalid_request_error"}.get(
                 e.status_code, "invalid_request_error")
-            return _error(e.status_code, f"{e.detail}: {request.method} {request.url.path}",
+            return error_response(e.status_code, f"{e.detail}: {request.method} {request.url.path}",
                           kind, None, "not_found" if e.status_code == 404 else None)
 
         @app.exception_handler(Exception)
         async def _internal(request, e: Exception):
             log.exception("internal error")
-            return _error(500, f"internal error: {e!r}", "internal_error")
+            return error_response(500, f"internal error: {e!r}", "internal_error")
 
         app.get("/health")(self.health)
         app.get("/metrics")(self.metrics_endpoint)
@@ -242,9 +177,9 @@ class OpenAIServer:
     async def health(self) -> Response:
         dead = self.llm.engine.dead
         if dead is not None:
-            return _error(503, str(dead), "service_unavailable", code="engine_dead")
+            return error_response(503, str(dead), "service_unavailable", code="engine_dead")
         if self.draining or not self.llm.is_running():
-            return _error(503, "shutting down", "service_unavailable", code="shutting_down")
+            return error_response(503, "shutting down", "service_unavailable", code="shutting_down")
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self) -> Response:
@@ -253,8 +188,10 @@ class OpenAIServer:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     def _model_card(self) -> dict:
+        runner = self.llm.engine.runner
         return {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "arcjax", "max_model_len": self.llm.engine.max_model_len}
+                "owned_by": "arcjax", "max_model_len": self.llm.engine.max_model_len,
+                **storage_dtypes(runner.params, runner.cache)}
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -283,24 +220,47 @@ class OpenAIServer:
                                  f"{self.model_name!r}", "not_found_error", "model",
                             "model_not_found")
 
-    async def _admit(self, request: Request) -> dict:
-        """Auth, draining, and the JSON body."""
+    async def _admit(self, request: Request) -> bytes:
+        """Auth, draining, and the raw body (413 beyond `max_request_bytes`, before any of
+        it is parsed; a body without a length is counted as it arrives)."""
         self._authorize(request)
         if self.draining:
             raise HTTPError(503, "the server is shutting down", "service_unavailable",
                             code="shutting_down")
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise HTTPError(400, f"the body is not valid JSON ({e})", "invalid_request_error",
-                            "body") from None
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large(int(declared), limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(size, limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
-    def _check_queue(self, n: int) -> None:
-        limit = self.config.max_queued_requests
-        if limit is not None and self.llm.engine.stats()["waiting"] + n > limit:
-            raise HTTPError(429, f"too many requests waiting (limit {limit}); retry later",
-                            "rate_limit_error", code="queue_full")
+    async def _prepare(self, fn, raw: bytes):
+        """`fn(raw)` in the worker pool: the event loop serves everyone meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, raw)
+
+    def _submit(self, rid: str, prompts, params) -> list[RequestStream]:
+        """Checks the queue limit and queues every prompt in one step (no other request
+        is admitted in between: exact under concurrency); all or nothing."""
+        with self.llm.admission_lock:
+            limit = self.config.max_queued_requests
+            n = len(prompts) * params.n
+            if limit is not None and self.llm.engine.stats()["waiting"] + n > limit:
+                raise HTTPError(429, f"too many requests waiting (limit {limit}); retry later",
+                                "rate_limit_error", code="queue_full")
+            streams: list[RequestStream] = []
+            try:
+                for i, p in enumerate(prompts):
+                    streams.append(self.llm.submit(p, params, f"{rid}-{i}"))
+            except BaseException:
+                for s in streams:
+                    s.cancel()
+                raise
+        return streams
 
     def _engine_check(self, prompt, params, parsed: proto.ParsedRequest, prompt_field: str):
         """`Engine.check` with the request's own field names. Returns the prompt's ids."""
@@ -313,44 +273,61 @@ class OpenAIServer:
 
     # --- generation endpoints -----------------------------------------------------------
     async def completions(self, request: Request) -> Response:
-        parsed = proto.parse_completion(await self._admit(request))
-        self._check_model(parsed.model)
-        field = "prompt"
-        ids = [self._engine_check(p, parsed.params, parsed, field) for p in parsed.prompts]
+        parsed, ids = await self._prepare(self._prepare_completion, await self._admit(request))
         return await self._generate(request, parsed, ids, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        parsed = proto.parse_chat(await self._admit(request))
+        parsed, ids = await self._prepare(self._prepare_chat, await self._admit(request))
+        return await self._generate(request, parsed, ids, chat=True)
+
+    def _prepare_completion(self, raw: bytes):
+        """(worker pool) The parsed request and every prompt's token ids."""
+        parsed = proto.parse_completion(parse_json(raw), self.config.max_stop_strings)
+        self._check_model(parsed.model)
+        return parsed, [self._engine_check(p, parsed.params, parsed, "prompt")
+                        for p in parsed.prompts]
+
+    def _prepare_chat(self, raw: bytes):
+        """(worker pool) The parsed request, its params, and the rendered prompt's ids."""
+        parsed = proto.parse_chat(parse_json(raw), self.config.max_stop_strings)
         self._check_model(parsed.model)
         text = self.chat_template.render(parsed.messages,
                                          add_generation_prompt=parsed.add_generation_prompt)
-        tokenizer = self.llm.tokenizer
-        if tokenizer is None:
-            raise RequestError("messages", "this model has no tokenizer")
-        prompt = tuple(tokenizer.encode(text, add_special_tokens=False))
+        try:  # the template printed the special tokens
+            prompt = self.llm.engine.inputs.encode(text, add_special_tokens=False)
+        except RequestError as e:
+            raise RequestError("messages", e.message, limit=e.limit) from None
         params = parsed.params
         if not parsed.max_tokens_given:  # OpenAI's default: up to the context length
             room = self.llm.engine.max_model_len - len(prompt)
             params = dataclasses.replace(params, max_tokens=max(room, 1))
         ids = [self._engine_check(prompt, params, parsed, "messages")]
-        parsed = dataclasses.replace(parsed, params=params)
-        return await self._generate(request, parsed, ids, chat=True)
+        return dataclasses.replace(parsed, params=params), ids
+
+    def _ignored_header(self, parsed: proto.ParsedRequest) -> dict:
+        """Logs each unknown field name once; the response header listing this request's."""
+        for name in parsed.ignored:
+            if name not in self.ignored_logged:
+                self.ignored_logged.add(name)
+                log.warning("ignoring the unknown request field %r (logged once)", name)
+        return {IGNORED_FIELDS_HEADER: ", ".join(parsed.ignored)} if parsed.ignored else {}
 
     async def _generate(self, request: Request, parsed: proto.ParsedRequest,
                         prompts: Sequence[tuple[int, ...]], *, chat: bool) -> Response:
         n = parsed.params.n
-        self._check_queue(len(prompts) * n)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
+        headers = self._ignored_header(parsed)
         # streams carry what is new in each step; a whole response needs the final only
         kind = RequestOutputKind.DELTA if parsed.stream else RequestOutputKind.FINAL_ONLY
-        stream = self._outputs(rid, prompts, dataclasses.replace(parsed.params,
+        streams = self._submit(rid, prompts, dataclasses.replace(parsed.params,
                                                                  output_kind=kind))
+        stream = self._outputs(streams)
         self.in_flight += 1
         handed_over = False
         try:
             if not parsed.stream:
-                ok, finals = await _until_disconnect(request, self._collect(stream, len(prompts)))
+                ok, finals = await until_disconnect(request, self._collect(stream, len(prompts)))
                 if not ok:
                     return Response(status_code=499)  # nobody is listening
                 failed = next((o for o in finals if o.finish_reason == "error"), None)
@@ -358,30 +335,30 @@ class OpenAIServer:
                     raise HTTPError(500, f"generation failed: {failed.error}", "internal_error")
                 build = proto.chat_response if chat else proto.completion_response
                 return JSONResponse(build(rid, created, self.model_name, finals, n,
-                                          parsed.params.logprobs))
-            ok, first = await _until_disconnect(request, stream.__anext__())
+                                          parsed.params.logprobs), headers=headers)
+            ok, first = await until_disconnect(request, stream.__anext__())
             if not ok:
                 return Response(status_code=499)
             body = self._events(first, stream, len(prompts), rid, created, chat,
                                 parsed.include_usage, n, parsed.params.logprobs)
 
             async def on_close():
-                await stream.aclose()
+                await close_outputs(stream, streams)
                 self.in_flight -= 1
 
             handed_over = True
-            return _EventStream(body, on_close, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache"})
+            return EventStream(body, on_close, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", **headers})
         finally:
             if not handed_over:
-                await stream.aclose()
+                await close_outputs(stream, streams)
                 self.in_flight -= 1
 
-    async def _outputs(self, rid: str, prompts, params) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _outputs(self, gens: list[RequestStream]
+                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) of every prompt, as they come. Leaving early aborts the
-        requests still running (their `AsyncLLM.generate` iterators are closed)."""
-        rids = [f"{rid}-{i}" for i in range(len(prompts))]
-        gens = [self.llm.generate(p, params, r) for p, r in zip(prompts, rids)]
+        requests still running (their streams are closed)."""
+        rids = [g.request_id for g in gens]
         self.active.update(rids)
         finished: set[int] = set()
         tasks: list[asyncio.Task] = []
@@ -494,58 +471,11 @@ class OpenAIServer:
         for rid in list(self.active):
             try:
                 await self.llm.abort(rid)
-            except UnknownRequestError:
+            except (UnknownRequestError, EngineDeadError):  # finished, or all gone
                 pass
         deadline = loop.time() + 5.0
         while self.in_flight and loop.time() < deadline:
             await asyncio.sleep(0.02)
-
-
-# --- running it ---------------------------------------------------------------------------
-def _uvicorn_server(server: OpenAIServer):
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        """uvicorn, with SIGTERM/SIGINT starting `OpenAIServer.drain` instead of closing
-        the listener at once (a second signal exits at once)."""
-
-        _loop: asyncio.AbstractEventLoop | None = None
-        _shutdown_started = False
-
-        async def serve(self, sockets=None):
-            self._loop = asyncio.get_running_loop()
-            await super().serve(sockets)
-
-        def handle_exit(self, sig, frame):  # a signal handler: never re-raised at exit
-            self.request_shutdown()
-
-        def request_shutdown(self) -> None:
-            """Starts the graceful shutdown (any thread)."""
-            if self._shutdown_started or self._loop is None:
-                self.should_exit = True
-                self.force_exit = self._shutdown_started
-                return
-            self._shutdown_started = True
-            server.draining = True
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-        async def _drain(self):
-            try:
-                await server.drain(server.config.shutdown_timeout)
-            finally:
-                self.should_exit = True
-
-    cfg = server.config
-    config = uvicorn.Config(server.app, host=cfg.host, port=cfg.port, log_level=cfg.log_level,
-                            access_log=False, lifespan="off", timeout_graceful_shutdown=5,
-                            timeout_keep_alive=30)
-    return Server(config)
-
-
-def build_server(server: OpenAIServer):
-    """A uvicorn server for `server.app` whose `request_shutdown()` drains gracefully (also
-    on SIGTERM/SIGINT when run in the main thread). Run it with `.run(sockets=...)`."""
-    return _uvicorn_server(server)
 
 
 def serve(model: str | None = None, config: ServeConfig | None = None, *, warmup: bool = False,

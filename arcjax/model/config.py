@@ -34,7 +34,9 @@ class ModelConfig:
     head_dim: int
     rope_theta: float = 10000.0
     # ("llama3", factor, low_freq_factor, high_freq_factor, original_max_pos) or
-    # ("linear", factor) or None. A tuple, not a dict, so the config stays hashable.
+    # ("linear", factor) or ("freq_factors", f_0, ..., f_{D/2-1}) (a divisor per frequency,
+    # as GGUF files store llama3 scaling) or None. A tuple, not a dict, so the config
+    # stays hashable.
     rope_scaling: tuple | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
@@ -154,6 +156,9 @@ class ModelConfig:
             kind = self.rope_scaling[0]
             if kind == "linear":
                 d["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_scaling[1]}
+            elif kind == "freq_factors":
+                raise ModelConfigError("rope_scaling", "per-frequency rope factors (from a "
+                                       "GGUF file) have no config.json spelling")
             else:
                 _, factor, low, high, orig = self.rope_scaling
                 d["rope_scaling"] = {"rope_type": "llama3", "factor": factor,
@@ -192,6 +197,8 @@ def rope_inv_freq(cfg: ModelConfig) -> list[float]:
         return inv
     if cfg.rope_scaling[0] == "linear":
         return [f / cfg.rope_scaling[1] for f in inv]
+    if cfg.rope_scaling[0] == "freq_factors":
+        return [f / float(s) for f, s in zip(inv, cfg.rope_scaling[1:], strict=True)]
     _, factor, low, high, orig = cfg.rope_scaling
     low_wavelen, high_wavelen = orig / low, orig / high
     out = []

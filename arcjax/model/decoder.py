@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from arcjax.model.config import ModelConfig, rope_inv_freq
+from arcjax.model.quant import dense
 from arcjax.model.specs import CACHE_AXES, Cache, Params
 
 
@@ -59,7 +60,8 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
 def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig):
     """Projections, q/k norm and rope. x: [..., T, H] -> q [..., T, Hq, D], k/v [..., T, Hkv, D]."""
     dt = x.dtype
-    q, k, v = x @ lp["wq"].astype(dt), x @ lp["wk"].astype(dt), x @ lp["wv"].astype(dt)
+    # dense(): a quantized weight (FP8/INT8) is dequantized here, inside the step.
+    q, k, v = x @ dense(lp["wq"], dt), x @ dense(lp["wk"], dt), x @ dense(lp["wv"], dt)
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"].astype(dt), k + lp["bk"].astype(dt), v + lp["bv"].astype(dt)
     lead = x.shape[:-1]
@@ -80,14 +82,14 @@ def _block(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, atten
     with jax.named_scope("attention"):
         attn, aux = attend(q, k, v)
     with jax.named_scope("o_proj"):
-        out = attn.reshape(*attn.shape[:-2], -1) @ lp["wo"].astype(dt)
+        out = attn.reshape(*attn.shape[:-2], -1) @ dense(lp["wo"], dt)
         if cfg.o_bias:
             out = out + lp["bo"].astype(dt)
         x = x + out
     with jax.named_scope("mlp"):
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        h = jax.nn.silu(h @ lp["w_gate"].astype(dt)) * (h @ lp["w_up"].astype(dt))
-        x = x + h @ lp["w_down"].astype(dt)
+        h = jax.nn.silu(h @ dense(lp["w_gate"], dt)) * (h @ dense(lp["w_up"], dt))
+        x = x + h @ dense(lp["w_down"], dt)
     return x, aux
 
 
@@ -117,28 +119,34 @@ def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
     layer_slots = num_blocks * block_size
     valid_slot = batch.slot_mapping < layer_slots  # padding rows carry an out-of-range slot
 
+    scaled = "k_scale" in cache  # FP8 pages: one K and one V scale per layer
+
     def layer(carry, xs):
         x, k_cache, v_cache = carry
         lp, l = xs
         slots = jnp.where(valid_slot, batch.slot_mapping + l * layer_slots,
                           cfg.num_layers * layer_slots)  # [T]; still out of range if padding
         tables = batch.block_tables + l * num_blocks  # [S, max_blocks]
+        # [] float32 each, or None: quantized on write, upcast inside attention.
+        k_scale = cache["k_scale"][l] if scaled else None
+        v_scale = cache["v_scale"][l] if scaled else None
 
-        def paged(q, k, v, kc, vc, slots, tables, kv_lens, cu_seqlens_q, num_seqs):
-            kc, vc = pallas_kernels.write_kv(kc, vc, k.astype(kc.dtype), v.astype(vc.dtype),
-                                             slots)
+        def paged(q, k, v, kc, vc, slots, tables, kv_lens, cu_seqlens_q, num_seqs, k_scale,
+                  v_scale):
+            kc, vc = pallas_kernels.write_kv(kc, vc, k, v, slots, k_scale=k_scale,
+                                             v_scale=v_scale)
             out = pallas_kernels.ragged_paged_attention(
                 q, kc, vc, tables, kv_lens, cu_seqlens_q, num_seqs, impl=attn_impl,
-                max_q_len=max_q_len)
+                max_q_len=max_q_len, k_scale=k_scale, v_scale=v_scale)
             return out.astype(q.dtype), kc, vc
 
         if parallel is not None:  # per device: its heads, its KV heads, its cache shard
             paged = parallel.attention_map(paged, (None, "heads", None),
-                                           (None, "kv_heads", None), CACHE_AXES, num_rest=5)
+                                           (None, "kv_heads", None), CACHE_AXES, num_rest=7)
 
         def attend(q, k, v):
             out, kc, vc = paged(q, k, v, k_cache, v_cache, slots, tables, batch.kv_lens,
-                                batch.cu_seqlens_q, batch.num_seqs)
+                                batch.cu_seqlens_q, batch.num_seqs, k_scale, v_scale)
             return out, (kc, vc)
 
         x, (k_cache, v_cache) = _block(lp, x, batch.positions, cfg, attend)
@@ -153,7 +161,7 @@ def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
         # embedding's whole table), then gather the rows: sampling reads whole rows.
         logits = jax.lax.with_sharding_constraint(logits, parallel.sharding((None, "vocab")))
         logits = jax.lax.with_sharding_constraint(logits, parallel.replicated)
-    return logits, {"k": k_new, "v": v_new}
+    return logits, {**cache, "k": k_new, "v": v_new}
 
 
 def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,

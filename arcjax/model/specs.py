@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from arcjax.model.config import ModelConfig
 
 Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"?}
-Cache = dict  # {"k": [L * num_blocks, block_size, Hkv, D], "v": same}
+Cache = dict  # {"k": [L * num_blocks, block_size, Hkv, D], "v": same, FP8: "k_scale": [L], ...}
 CACHE_AXES = ("pages", None, "kv_heads", None)  # logical axes of a cache array
 
 
@@ -75,8 +75,10 @@ def param_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
-def cache_specs(cfg: ModelConfig, num_blocks: int, block_size: int) -> Cache:
-    """The paged KV cache as specs.
+def cache_specs(cfg: ModelConfig, num_blocks: int, block_size: int, *,
+                scaled: bool = False) -> Cache:
+    """The paged KV cache as specs; `scaled` (FP8 pages) adds one K and one V scale per
+    layer (`k_scale`, `v_scale` [L], replicated).
 
     NOTE: layers are flattened into the block axis: layer l's block b is page
     `l * num_blocks + b`. The layer loop then carries the whole cache and addresses a
@@ -85,7 +87,16 @@ def cache_specs(cfg: ModelConfig, num_blocks: int, block_size: int) -> Cache:
     """
     shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     spec = ParamSpec(shape, "zeros", CACHE_AXES)
-    return {"k": spec, "v": spec}
+    if not scaled:
+        return {"k": spec, "v": spec}
+    scale = ParamSpec((cfg.num_layers,), "ones", (None,))
+    return {"k": spec, "v": spec, "k_scale": scale, "v_scale": scale}
+
+
+def is_scaled(dtype) -> bool:
+    """Whether pages of `dtype` are stored scaled (8-bit floats: float8_e4m3fn)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
@@ -101,7 +112,14 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float 
     return jax.tree.unflatten(treedef, out)
 
 
-def make_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32) -> Cache:
-    """A zeroed paged KV cache for every layer (see `cache_specs`)."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, dtype),
-                        cache_specs(cfg, num_blocks, block_size), is_leaf=is_spec)
+def make_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
+               kv_scales=None) -> Cache:
+    """A zeroed paged KV cache for every layer (see `cache_specs`). FP8 pages get their
+    per-layer scales: `kv_scales` [2, L] (K, V; from the checkpoint), else 1.0."""
+    specs = cache_specs(cfg, num_blocks, block_size, scaled=is_scaled(dtype))
+    cache = {k: jnp.zeros(specs[k].shape, dtype) for k in ("k", "v")}
+    if "k_scale" in specs:
+        scales = (jnp.ones((2, cfg.num_layers), jnp.float32) if kv_scales is None
+                  else jnp.asarray(kv_scales, jnp.float32).reshape(2, cfg.num_layers))
+        cache |= {"k_scale": scales[0], "v_scale": scales[1]}
+    return cache

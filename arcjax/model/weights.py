@@ -178,31 +178,66 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
         if restored is not None:
             return cfg, restored
     tensors = _open_checkpoint(model_dir)
-    np_dtype = np.dtype(jnp.dtype(dtype))
-    host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), param_specs(cfg), is_leaf=is_spec)
-    for path, layer, name, transpose in _hf_entries(cfg):
+
+    def read(name: str) -> np.ndarray | None:
         if name not in tensors:
+            return None
+        file, handle = tensors[name]
+        return _read_tensor(file, handle, name)
+
+    host = assemble_host(cfg, read, dtype,
+                         lambda name: tensors[name][0] if name in tensors else model_dir)
+    params = jax.tree.map(jnp.asarray, host)
+    if key is not None:
+        _save_cached(Path(cache_dir) / key, params)
+    return cfg, params
+
+
+def hf_layer_name(key: str, layer: int) -> str:
+    """The Hugging Face tensor name of layer weight `key` ("wq", ...) of one layer."""
+    return _LAYER_NAMES[key][0].format(i=layer)
+
+
+def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = ()) -> Params:
+    """The params tree in host memory, one tensor at a time.
+
+    Args:
+      cfg: the model config.
+      read: `read(hf_name) -> np.ndarray | None`, a tensor in Hugging Face layout
+        (linear weights [out, in]); None when the checkpoint lacks it.
+      dtype: the params' dtype.
+      where: `where(hf_name)`: the file errors about that tensor name.
+      skip: layer weights ("wq", ...) left out of the tree (the caller fills them).
+
+    Raises:
+      WeightsError: a tensor is missing or its shape disagrees with the config.
+    """
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    specs = param_specs(cfg)
+    specs["layers"] = {k: v for k, v in specs["layers"].items() if k not in skip}
+    host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), specs, is_leaf=is_spec)
+    for path, layer, name, transpose in _hf_entries(cfg):
+        if path[0] == "layers" and path[1] in skip:
+            continue
+        arr = read(name)
+        if arr is None:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
-            raise WeightsError(model_dir, f"tensor {name} is missing from the checkpoint "
-                                          f"(architecture {cfg.architecture})")
-        file, handle = tensors[name]
-        arr = _read_tensor(file, handle, name)
+            raise WeightsError(where(name), f"tensor {name} is missing from the checkpoint "
+                                       f"(architecture {cfg.architecture})")
         arr = arr.T if transpose else arr
         dst = _get(host, path)
         want = dst.shape[1:] if layer is not None else dst.shape
         if tuple(arr.shape) != tuple(want):
             hf_shape = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
-            raise WeightsError(file, f"tensor {name} has shape {hf_shape}, config.json implies "
-                                     f"{tuple(want[::-1]) if transpose else tuple(want)}")
+            implied = tuple(want[::-1]) if transpose else tuple(want)
+            raise WeightsError(where(name), f"tensor {name} has shape {hf_shape}, the "
+                                            f"config implies {implied}")
         if layer is None:
             dst[...] = arr
         else:
             dst[layer] = arr
-    params = jax.tree.map(jnp.asarray, host)
-    if key is not None:
-        _save_cached(Path(cache_dir) / key, params)
-    return cfg, params
+    return host
 
 
 def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, shardings, repeat: int):

@@ -28,13 +28,12 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arcjax.errors import EngineConfigError
 from arcjax.model.config import ModelConfig
-from arcjax.model.specs import cache_specs, is_spec, param_specs
+from arcjax.model.specs import cache_specs, is_scaled, is_spec, make_cache, param_specs
 
 TP_AXIS = "tp"
 # Logical axes split over the tensor axis; every other logical axis is replicated.
@@ -128,19 +127,22 @@ class TensorParallel:
         """NamedShardings for a tree of ParamSpecs (same structure)."""
         return jax.tree.map(lambda s: self.sharding(s.axes), spec_tree, is_leaf=is_spec)
 
+    def kv_repeat(self, cfg: ModelConfig) -> int:
+        """How many times each KV head of `cfg` (the file's config) is stored here."""
+        return kv_repeat(cfg, self.size)
+
     def param_shardings(self, cfg: ModelConfig):
         """Shardings of the params of `cfg` (the sharded config)."""
         return self.shardings(param_specs(cfg))
 
-    def make_cache(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype):
-        """A zeroed paged KV cache created directly in its shards (sharded by KV head)."""
-        specs = cache_specs(cfg, num_blocks, block_size)
+    def make_cache(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
+                   kv_scales=None):
+        """A zeroed paged KV cache created directly in its shards (sharded by KV head);
+        FP8 pages' per-layer scales replicated (see `arcjax.model.specs.make_cache`)."""
+        specs = cache_specs(cfg, num_blocks, block_size, scaled=is_scaled(dtype))
         shardings = self.shardings(specs)
-
-        def zeros():
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, dtype), specs, is_leaf=is_spec)
-
-        return jax.jit(zeros, out_shardings=shardings)()
+        return jax.jit(lambda: make_cache(cfg, num_blocks, block_size, dtype, kv_scales),
+                       out_shardings=shardings)()
 
     def put_replicated(self, tree):
         """Host arrays -> global arrays replicated on the mesh (every process passes the

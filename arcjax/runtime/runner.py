@@ -171,13 +171,18 @@ class ModelRunner:
 
     def __init__(self, cfg: ModelConfig, params, *, num_blocks: int, block_size: int,
                  max_blocks_per_seq: int, buckets: BucketSet, dtype, attn_impl: str,
-                 executables: ExecutableCache | None = None, parallel=None):
+                 executables: ExecutableCache | None = None, parallel=None,
+                 kv_cache_dtype=None, kv_scales=None):
         # parallel: an arcjax.parallel.TensorParallel (params already in its shardings,
         # cfg its sharded_config); the cache is created in its shards, inputs replicated.
+        # kv_cache_dtype: the pages' dtype (None: dtype); float8_e4m3fn pages carry a K and
+        # a V scale per layer: kv_scales [2, L] (from the checkpoint), else 1.0.
         self.cfg, self.params, self.parallel = cfg, params, parallel
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_blocks = max_blocks_per_seq
         self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
+        self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or dtype)
+        self.kv_scales = kv_scales
         self.cache = self._new_cache()
         self.executables = executables if executables is not None else ExecutableCache()
         self._compiled: dict[tuple[Bucket, bool], object] = {}
@@ -326,8 +331,9 @@ class ModelRunner:
     def _new_cache(self):
         if self.parallel is not None:
             return self.parallel.make_cache(self.cfg, self.num_blocks, self.block_size,
-                                            self.dtype)
-        return make_cache(self.cfg, self.num_blocks, self.block_size, self.dtype)
+                                            self.kv_cache_dtype, self.kv_scales)
+        return make_cache(self.cfg, self.num_blocks, self.block_size, self.kv_cache_dtype,
+                          self.kv_scales)
 
     def warm(self, buckets) -> float:
         """Acquires (compiles, or finds) the executables of `buckets` and runs each once on
@@ -346,8 +352,9 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     def warmup(self) -> float:
-        """Prepares every bucket. Returns the seconds it took."""
-        return self.warm(b for b in self.buckets.all() if b not in self._compiled)
+        """Prepares every bucket not prepared yet (a second call runs nothing). Returns the
+        seconds it took."""
+        return self.warm(b for b in self.buckets.all() if (b, False) not in self._compiled)
 
 
 def enable_persistent_compilation_cache(path) -> None:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import NamedTuple, Protocol
 
 from arcjax.errors import EngineConfigError, ModelFileError
-from arcjax.model.weights import read_config
+from arcjax.model.hub import ModelSource, resolve_model
+from arcjax.model.loader import model_config
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32  # a verification row is 1 + k tokens; its bucket S * (1 + k)
@@ -129,44 +130,47 @@ class SpeculativeConfig:
             options["method"] = "draft_model"
         if "num_speculative_tokens" not in options:
             raise EngineConfigError(_field("num_speculative_tokens"), "is required")
-        if isinstance(options.get("model"), Path):
-            options["model"] = str(options["model"])
+        if isinstance(options.get("model"), os.PathLike):
+            options["model"] = os.fspath(options["model"])
         return cls(**options)
 
-    def check_draft_model(self, target_dir, max_model_len: int) -> None:
-        """Checks the draft model against the target from their config files (no weights
-        read): same vocabulary size, same tokenizer vocabulary when both ship one, and
-        positions for max_model_len.
+    def check_draft_model(self, target: ModelSource, max_model_len: int) -> ModelSource:
+        """Checks the draft model against the target from their configs (no weights read):
+        same vocabulary size, same tokenizer vocabulary when both ship a tokenizer.json,
+        and positions for max_model_len. Returns the draft's resolved source.
 
         Raises:
-          EngineConfigError: the draft cannot serve this target.
+          EngineConfigError: the draft cannot serve this target (or cannot be found).
         """
-        draft_dir = Path(self.model)
         try:
-            draft = read_config(draft_dir)
+            draft = resolve_model(self.model)
+            draft_cfg = model_config(draft)
         except ModelFileError as e:
             raise EngineConfigError(_field("model"), f"the draft model cannot be read: "
                                     f"{e}") from e
-        target = read_config(target_dir)
-        if draft.vocab_size != target.vocab_size:
-            raise EngineConfigError(_field("model"), f"the draft's vocabulary ({draft.vocab_size}"
-                                    f" tokens) differs from the target's ({target.vocab_size})",
-                                    limit=target.vocab_size)
-        if draft.max_position_embeddings < max_model_len:
+        target_cfg = model_config(target)
+        if draft_cfg.vocab_size != target_cfg.vocab_size:
+            raise EngineConfigError(_field("model"), f"the draft's vocabulary "
+                                    f"({draft_cfg.vocab_size} tokens) differs from the "
+                                    f"target's ({target_cfg.vocab_size})",
+                                    limit=target_cfg.vocab_size)
+        if draft_cfg.max_position_embeddings < max_model_len:
             raise EngineConfigError(_field("model"), f"the draft model handles "
-                                    f"{draft.max_position_embeddings} positions, less than "
+                                    f"{draft_cfg.max_position_embeddings} positions, less than "
                                     f"max_model_len {max_model_len}",
-                                    limit=draft.max_position_embeddings)
-        vocabs = [_tokenizer_vocab(Path(d)) for d in (target_dir, draft_dir)]
+                                    limit=draft_cfg.max_position_embeddings)
+        vocabs = [_tokenizer_vocab(s) for s in (target, draft)]
         if None not in vocabs and vocabs[0] != vocabs[1]:
             raise EngineConfigError(_field("model"), "the draft's tokenizer differs from the "
                                     "target's (same ids must mean the same tokens)")
+        return draft
 
 
-def _tokenizer_vocab(model_dir: Path) -> dict | None:
-    """The token -> id map of a model's tokenizer.json, or None without one."""
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
+def _tokenizer_vocab(source: ModelSource) -> dict | None:
+    """The token -> id map of a model directory's tokenizer.json, or None without one (a
+    GGUF file keeps its tokenizer inside: not compared)."""
+    path = source.path / "tokenizer.json"
+    if source.is_gguf or not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())

@@ -1,0 +1,298 @@
+"""GGUF files (llama.cpp's format): metadata, configuration and dequantized weights.
+
+1. `GGUFFile(path)` reads the header, the metadata and the tensor table (struct reads over
+   a memory map: milliseconds, where `gguf.GGUFReader` spends seconds building a view per
+   array element); tensor data stays on disk until read.
+2. `gguf_config(f)` builds the `ModelConfig` from the metadata (`{arch}.block_count`,
+   `.embedding_length`, ...) and from which tensors exist (tied embeddings, biases, q/k
+   norms, llama3's per-frequency `rope_freqs`).
+3. `load_gguf(path, dtype)` dequantizes every tensor at load with the `gguf` package
+   (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K and the i-quants it knows),
+   undoes llama.cpp's rotary permutation of q/k for the `llama` architecture (its
+   converter interleaves each head's halves for GGML's rope mode 0; qwen2/qwen3 use
+   NEOX mode and are stored unpermuted), and fills the params tree through the same
+   assembly as safetensors checkpoints (`weights.assemble_host`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import re
+import struct
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from arcjax.errors import ModelConfigError, WeightsError
+from arcjax.model.config import ModelConfig
+from arcjax.model.specs import Params
+from arcjax.model.weights import assemble_host
+
+# general.architecture -> (our architecture, permuted q/k)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", True),
+    "qwen2": ("Qwen2ForCausalLM", False),
+    "qwen3": ("Qwen3ForCausalLM", False),
+}
+_LAYER_TENSORS = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_TOP_TENSORS = {"model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+# GGUF metadata value types: id -> struct format (scalars); 8 = string, 9 = array.
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+_ARRAY_DTYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4",
+                 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # GGUF order (ne0 first: the contiguous dimension)
+    ggml_type: int
+    offset: int  # absolute, in the file
+
+
+class GGUFFile:
+    """A GGUF file's metadata and tensor table; tensors read on demand (memory-mapped).
+
+    Raises:
+      WeightsError: not a GGUF file, an unsupported version, or truncated.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as fh:
+                self._buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise WeightsError(self.path, f"cannot open ({e})") from e
+        try:
+            self._parse()
+        except (struct.error, UnicodeDecodeError, ValueError, IndexError) as e:
+            raise WeightsError(self.path, f"not a valid GGUF file ({e})") from e
+
+    def _parse(self) -> None:
+        buf, pos = self._buf, 0
+        if buf[:4] != b"GGUF":
+            raise ValueError("bad magic (expected 'GGUF')")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"version {version} is not supported (2 or 3)")
+        pos = 24
+
+        def string(pos):
+            (n,) = struct.unpack_from("<Q", buf, pos)
+            return buf[pos + 8:pos + 8 + n].decode("utf-8", errors="replace"), pos + 8 + n
+
+        def value(kind, pos):
+            if kind in _SCALARS:
+                fmt = _SCALARS[kind]
+                return struct.unpack_from(fmt, buf, pos)[0], pos + struct.calcsize(fmt)
+            if kind == 8:
+                return string(pos)
+            if kind != 9:
+                raise ValueError(f"unknown metadata value type {kind}")
+            item, count = struct.unpack_from("<IQ", buf, pos)
+            pos += 12
+            if item in _ARRAY_DTYPES:
+                arr = np.frombuffer(buf, _ARRAY_DTYPES[item], count, pos)
+                return arr.tolist(), pos + arr.nbytes
+            out = []
+            for _ in range(count):
+                v, pos = value(item, pos)
+                out.append(v)
+            return out, pos
+
+        self.metadata: dict = {}
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", buf, pos)
+            self.metadata[key], pos = value(kind, pos + 4)
+        infos = []
+        for _ in range(n_tensors):
+            name, pos = string(pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            shape = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, tuple(shape), ggml_type, offset))
+        align = int(self.metadata.get("general.alignment", 32))
+        data_start = -(-pos // align) * align
+        self.tensors = {n: TensorInfo(n, s, t, data_start + o) for n, s, t, o in infos}
+
+    def get(self, key: str, default=None):
+        return self.metadata.get(key, default)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` dequantized to float32, numpy order (GGUF shape reversed).
+
+        Raises:
+          WeightsError: a type the gguf package cannot dequantize, or data past the end.
+        """
+        import gguf
+
+        info = self.tensors[name]
+        try:
+            qtype = gguf.GGMLQuantizationType(info.ggml_type)
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):
+            raise WeightsError(self.path, f"tensor {name} has unknown GGML type "
+                                          f"{info.ggml_type}") from None
+        ne0, rows = info.shape[0], int(np.prod(info.shape[1:], dtype=np.int64))
+        if ne0 % block:
+            raise WeightsError(self.path, f"tensor {name}: row of {ne0} is not a multiple of "
+                                          f"{qtype.name}'s block of {block}")
+        row_bytes = ne0 // block * type_size
+        if info.offset + rows * row_bytes > len(self._buf):
+            raise WeightsError(self.path, f"tensor {name} runs past the end of the file "
+                                          "(truncated?)")
+        raw = np.frombuffer(self._buf, np.uint8, rows * row_bytes, info.offset)
+        try:
+            out = gguf.quants.dequantize(raw.reshape(rows, row_bytes), qtype)
+        except NotImplementedError as e:
+            raise WeightsError(self.path, f"tensor {name}: {qtype.name} cannot be "
+                                          f"dequantized ({e})") from e
+        return np.asarray(out, np.float32).reshape(info.shape[::-1])
+
+
+def _field(f: GGUFFile, key: str, default=None, required: bool = True):
+    full = f"{f.architecture}.{key}"
+    if full in f.metadata:
+        return f.metadata[full]
+    if required and default is None:
+        raise ModelConfigError(f.path, f"GGUF metadata {full} is missing")
+    return default
+
+
+def _f32(x) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not
+    9.99999997e-07), so the config equals the source model's and shares its compiles."""
+    return float(str(np.float32(x)))
+
+
+def gguf_config(f: GGUFFile) -> ModelConfig:
+    """The model configuration from a GGUF file's metadata and tensor table.
+
+    Raises:
+      ModelConfigError: an unsupported architecture, missing or inconsistent metadata.
+    """
+    arch = f.architecture
+    if arch not in ARCHITECTURES:
+        raise ModelConfigError(f.path, f"GGUF architecture {arch!r} is not supported; "
+                                       f"supported: {', '.join(ARCHITECTURES)}")
+    if int(_field(f, "expert_count", 0, required=False)) > 0:
+        raise ModelConfigError(f.path, "mixture-of-experts GGUF models are not supported")
+    if "token_embd.weight" not in f.tensors:
+        raise ModelConfigError(f.path, "tensor token_embd.weight is missing")
+    hidden = int(_field(f, "embedding_length"))
+    heads = int(_field(f, "attention.head_count"))
+    head_dim = int(_field(f, "attention.key_length", hidden // heads, required=False))
+    scaling = None
+    kind = str(_field(f, "rope.scaling.type", "none", required=False))
+    if kind == "linear":
+        scaling = ("linear", _f32(_field(f, "rope.scaling.factor")))
+    elif kind not in ("none", ""):
+        raise ModelConfigError(f.path, f"rope scaling {kind!r} is not supported (linear, "
+                                       "llama3 rope_freqs)")
+    if "rope_freqs.weight" in f.tensors:  # llama3 scaling, stored as a divisor per frequency
+        factors = f.read("rope_freqs.weight").reshape(-1)
+        if factors.shape[0] != head_dim // 2:
+            raise ModelConfigError(f.path, f"rope_freqs has {factors.shape[0]} entries, "
+                                           f"head_dim {head_dim} needs {head_dim // 2}")
+        scaling = ("freq_factors", *(float(x) for x in factors))
+    eos = [f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos_ids = tuple(dict.fromkeys(int(i) for i in eos if i is not None))
+    bos = f.get("tokenizer.ggml.bos_token_id")
+    try:
+        return ModelConfig(
+            architecture=ARCHITECTURES[arch][0],
+            vocab_size=int(f.tensors["token_embd.weight"].shape[1]),
+            hidden_size=hidden,
+            intermediate_size=int(_field(f, "feed_forward_length")),
+            num_layers=int(_field(f, "block_count")),
+            num_heads=heads,
+            num_kv_heads=int(_field(f, "attention.head_count_kv", heads, required=False)),
+            head_dim=head_dim,
+            rope_theta=_f32(_field(f, "rope.freq_base", 10000.0, required=False)),
+            rope_scaling=scaling,
+            rms_norm_eps=_f32(_field(f, "attention.layer_norm_rms_epsilon", 1e-6,
+                                     required=False)),
+            tie_word_embeddings="output.weight" not in f.tensors,
+            qkv_bias="blk.0.attn_q.bias" in f.tensors,
+            o_bias="blk.0.attn_output.bias" in f.tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+            max_position_embeddings=int(_field(f, "context_length", 2048, required=False)),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eos_ids,
+        )
+    except ModelConfigError as e:
+        raise ModelConfigError(f.path, e.reason) from e
+
+
+def gguf_name(hf_name: str) -> str:
+    """The GGUF tensor name of a Hugging Face tensor name."""
+    m = _LAYER_NAME.match(hf_name)
+    if m:
+        return f"blk.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
+    return _TOP_TENSORS[hf_name]
+
+
+def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k permutation: rows [out] of each head go from interleaved
+    pairs back to Hugging Face's two halves. w: [out, ...] (a weight or a bias)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_host(f: GGUFFile, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+    """A GGUF model as (config, params in host memory), every tensor dequantized.
+
+    Raises:
+      ModelConfigError: unsupported or inconsistent metadata.
+      WeightsError: a tensor is missing, malformed or of a type that cannot be dequantized.
+    """
+    cfg = gguf_config(f)
+    permuted = ARCHITECTURES[f.architecture][1]
+
+    def read(hf_name: str) -> np.ndarray | None:
+        name = gguf_name(hf_name)
+        if name not in f.tensors:
+            return None
+        w = f.read(name)
+        if permuted and (".attn_q." in name or ".attn_k." in name):
+            w = unpermute_rotary(w, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        return w
+
+    return cfg, assemble_host(cfg, read, dtype, lambda _: f.path)
+
+
+def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
+    """Loads a GGUF file into (config, params on the default device); see `gguf_host`."""
+    cfg, host = gguf_host(GGUFFile(path), dtype)
+    return cfg, jax.tree.map(jnp.asarray, host)

@@ -1,0 +1,183 @@
+"""`load_model(source, ...)`: any supported checkpoint into (config, params on the devices).
+
+1. A GGUF file (`gguf.py`): dequantized on the host, then placed.
+2. A Hugging Face directory whose config.json has a `quantization_config` (FP8 / INT8,
+   `quant_checkpoint.py`): linear weights read as stored (values + scales), the rest in
+   the compute dtype, then placed; KV-cache scales read when the checkpoint has them.
+3. Any other Hugging Face directory: `weights.load_hf` (its orbax cache and its sharded
+   reads with tensor parallelism).
+4. `quantization="fp8" | "int8"` then quantizes the float linear weights on the devices
+   (`quant.quantize_params`), in their shardings.
+
+Placing host params on several devices (`_place`) repeats KV heads as many times as the
+`parallel` object passed in says (`kv_repeat`; for a quantized weight, its scale columns
+too). The model package never imports the parallel one: the caller passes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from arcjax.errors import EngineConfigError, WeightsError
+from arcjax.model.config import ModelConfig
+from arcjax.model.gguf import GGUFFile, gguf_config, gguf_host
+from arcjax.model.hub import ModelSource
+from arcjax.model.quant import (LINEAR_WEIGHTS, QuantizedWeight, quantize, quantize_params,
+                                quantized_specs)
+from arcjax.model.quant_checkpoint import (checkpoint_quantization, open_raw, read_kv_scales,
+                                           read_quantized, stack_layer_weight)
+from arcjax.model.specs import Params, param_specs
+from arcjax.model.weights import assemble_host, hf_layer_name, load_hf, read_config
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """What `load_model` returns.
+
+    Attributes:
+      cfg: the model config (the sharded one with tensor parallelism).
+      params: the params on the devices.
+      kv_scales: [2, L] float32 (K and V scale per layer) from the checkpoint, or None.
+      gguf_file: the opened GGUF file (its tokenizer and template live there), or None.
+    """
+
+    cfg: ModelConfig
+    params: Params
+    kv_scales: np.ndarray | None = None
+    gguf_file: GGUFFile | None = None
+
+
+def model_config(source: ModelSource) -> ModelConfig:
+    """The model's config without loading weights."""
+    if source.is_gguf:
+        return gguf_config(GGUFFile(source.path))
+    return read_config(source.path)
+
+
+def load_model(source: ModelSource, *, dtype, cache_dir=None, parallel=None,
+               quantization: str | None = None) -> LoadedModel:
+    """Loads `source` (see the module docstring).
+
+    Args:
+      source: a resolved model (`arcjax.model.hub.resolve_model`).
+      dtype: the compute dtype (float params are stored in it).
+      cache_dir: the orbax cache of converted float safetensors params (else unused).
+      parallel: an `arcjax.parallel.TensorParallel` (passed in: the model package never
+        imports the parallel one), or None for one device.
+      quantization: None, "fp8" or "int8" (quantize float linear weights at load).
+
+    Raises:
+      ModelFileError subclasses: the model cannot be loaded.
+      EngineConfigError: `quantization` contradicts the checkpoint's own format.
+    """
+    kv_scales = gguf_file = None
+    if source.is_gguf:
+        gguf_file = GGUFFile(source.path)
+        cfg, host = gguf_host(gguf_file, dtype)
+        cfg, params = _place(cfg, host, parallel)
+    else:
+        ckpt = checkpoint_quantization(_config_dict(source.path), source.path / "config.json")
+        if ckpt is None:
+            shards = {}
+            if parallel is not None:
+                file_cfg = read_config(source.path)
+                repeat = parallel.kv_repeat(file_cfg)
+                shards = dict(kv_repeat=repeat,
+                              shardings=parallel.param_shardings(file_cfg.with_kv_repeat(repeat)))
+            cfg, params = load_hf(source.path, dtype=dtype, cache_dir=cache_dir, **shards)
+        else:
+            if quantization is not None and quantization != ckpt.fmt:
+                raise EngineConfigError("quantization", f"the checkpoint is {ckpt.fmt}; "
+                                        f"it cannot be loaded as {quantization}")
+            cfg, host, kv_scales = _quantized_hf_host(source, ckpt, dtype)
+            cfg, params = _place(cfg, host, parallel)
+    if quantization is not None:
+        shardings = None
+        if parallel is not None:
+            shapes = jax.eval_shape(lambda p: quantize_params_shapes(p, quantization), params)
+            shardings = parallel.shardings(quantized_specs(param_specs(cfg), shapes))
+        params = quantize_params(params, quantization, shardings)
+    return LoadedModel(cfg, params, kv_scales, gguf_file)
+
+
+def quantize_params_shapes(params: Params, fmt: str) -> Params:
+    """`quantize_params` for `jax.eval_shape` (shapes only; deletes nothing)."""
+    layers = dict(params["layers"])
+    for name in LINEAR_WEIGHTS:
+        if not isinstance(layers[name], QuantizedWeight):
+            layers[name] = quantize(layers[name], fmt)
+    return {**params, "layers": layers}
+
+
+def _config_dict(model_dir) -> dict:
+    read_config(model_dir)  # the typed errors of a bad config.json
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def _quantized_hf_host(source: ModelSource, ckpt, dtype):
+    cfg = read_config(source.path)
+    tensors = open_raw(source.path)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+
+    def where(name):
+        return tensors[name].path if name in tensors else source.path
+
+    def read(name):
+        return tensors[name].get(name) if name in tensors else None
+
+    host = assemble_host(cfg, read, dtype, where, skip=LINEAR_WEIGHTS)
+    specs = param_specs(cfg)["layers"]
+    for key in LINEAR_WEIGHTS:
+        reads = []
+        for i in range(cfg.num_layers):
+            name = hf_layer_name(key, i)
+            if name not in tensors:
+                raise WeightsError(source.path, f"tensor {name} is missing from the checkpoint")
+            r = read_quantized(tensors, name, ckpt)
+            shape = (r[0] if isinstance(r, tuple) else r).shape
+            if shape != specs[key].shape[1:]:
+                raise WeightsError(where(name), f"tensor {name} has shape {shape[::-1]}, the "
+                                                f"config implies {specs[key].shape[1:][::-1]}")
+            reads.append(r)
+        host["layers"][key] = stack_layer_weight(reads, np_dtype)
+    return cfg, host, read_kv_scales(tensors, cfg.num_layers)
+
+
+def _repeat_kv(x, repeat: int, head_dim: int):
+    """Columns [..., Hkv * D] -> [..., Hkv * repeat * D], each head repeated in place (a
+    quantized weight's scales follow their columns)."""
+    if isinstance(x, QuantizedWeight):
+        (bi, bo), values = x.block, _repeat_kv(x.values, repeat, head_dim)
+        if x.scale.shape[-1] == 1:  # one scale across every column
+            return QuantizedWeight(values, x.scale, (bi, bo * repeat))
+        per_column = np.repeat(x.scale, bo, axis=-1)[..., :x.values.shape[-1]]
+        return QuantizedWeight(values, _repeat_kv(per_column, repeat, head_dim), (bi, 1))
+    heads = x.shape[-1] // head_dim
+    y = x.reshape(*x.shape[:-1], heads, 1, head_dim)
+    return np.broadcast_to(y, (*x.shape[:-1], heads, repeat, head_dim)).reshape(
+        *x.shape[:-1], heads * repeat * head_dim)
+
+
+def _place(cfg: ModelConfig, host: Params, parallel) -> tuple[ModelConfig, Params]:
+    """Host params onto one device, or into their shards over `parallel`'s mesh."""
+    if parallel is None:
+        return cfg, jax.tree.map(jnp.asarray, host)
+    repeat = parallel.kv_repeat(cfg)
+    if repeat > 1:
+        layers = dict(host["layers"])
+        for key in ("wk", "wv", "bk", "bv"):
+            if key in layers:
+                layers[key] = _repeat_kv(layers[key], repeat, cfg.head_dim)
+        host = {**host, "layers": layers}
+    cfg = cfg.with_kv_repeat(repeat)
+    shardings = parallel.shardings(quantized_specs(param_specs(cfg), host))
+
+    def put(x, sharding):
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    return cfg, jax.tree.map(put, host, shardings)

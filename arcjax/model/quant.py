@@ -1,0 +1,133 @@
+"""Quantized weights: FP8 (e4m3) or INT8 values on the device, scales beside them.
+
+A quantized linear weight is a `QuantizedWeight`: `values [..., in, out]` (float8_e4m3fn
+or int8) and `scale [..., ceil(in / bi), ceil(out / bo)]` float32, one scale per block of
+`block = (bi, bo)` rows and columns; `w = values * scale` (broadcast over each block).
+The three layouts FP8 checkpoints use are all blocks:
+
+- per tensor: block (in, out), scale [1, 1];
+- per output channel: block (in, 1), scale [1, out];
+- 128 x 128 blocks (DeepSeek-V3, Qwen3-FP8): block (128, 128).
+
+It is a pytree (values and scale are leaves, `block` is static), so layer stacks scan,
+shard and donate like any array. The decoder calls `dense(w, dtype)` for every linear
+weight: a plain array is cast, a quantized one is dequantized there, inside the jitted
+step (XLA fuses the scale multiply into the matmul's operand); nothing is dequantized on
+the host. Embeddings, norms, biases and the LM head stay in the compute dtype (as FP8
+checkpoints on the Hub keep them).
+
+`quantize(w, "fp8" | "int8")` quantizes a float weight per output channel (symmetric,
+scale = max|w| / 448 for e4m3, / 127 for int8): what `quantization=` applies at load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from arcjax.model.specs import ParamSpec
+
+FP8 = jnp.float8_e4m3fn
+FORMATS = {"fp8": (FP8, 448.0), "int8": (jnp.int8, 127.0)}  # format -> (dtype, max |q|)
+# Layer weights that may be stored quantized (the linear projections).
+LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale"],
+                   meta_fields=["block"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear weight stored quantized (see the module docstring)."""
+
+    values: jax.Array  # [..., in, out] float8_e4m3fn | int8
+    scale: jax.Array  # [..., ceil(in / bi), ceil(out / bo)] float32
+    block: tuple[int, int]  # (bi, bo): rows x columns one scale covers
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+    def dequantize(self, dtype) -> jax.Array:
+        """values * scale, in `dtype` (float32 math). [..., in, out]"""
+        n_in, n_out = self.values.shape[-2:]
+        scale = self.scale.astype(jnp.float32)
+        if scale.shape[-2] > 1:
+            scale = jnp.repeat(scale, self.block[0], axis=-2)[..., :n_in, :]
+        if scale.shape[-1] > 1:
+            scale = jnp.repeat(scale, self.block[1], axis=-1)[..., :n_out]
+        return (self.values.astype(jnp.float32) * scale).astype(dtype)
+
+
+def dense(w, dtype) -> jax.Array:
+    """A linear weight in `dtype`: cast, or dequantized when stored quantized."""
+    if isinstance(w, QuantizedWeight):
+        return w.dequantize(dtype)
+    return w.astype(dtype)
+
+
+def quantize(w: jax.Array, fmt: str) -> QuantizedWeight:
+    """Per-output-channel symmetric quantization of `w [..., in, out]` ("fp8" | "int8")."""
+    dtype, qmax = FORMATS[fmt]
+    wf = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(wf), axis=-2, keepdims=True)  # [..., 1, out]
+    scale = jnp.where(amax > 0, amax / qmax, 1.0)
+    q = wf / scale
+    q = jnp.clip(jnp.round(q), -qmax, qmax) if fmt == "int8" else jnp.clip(q, -qmax, qmax)
+    return QuantizedWeight(q.astype(dtype), scale, (w.shape[-2], 1))
+
+
+def quantize_params(params: dict, fmt: str, shardings=None) -> dict:
+    """`params` with every layer's linear weights quantized (per output channel).
+
+    One weight at a time, each dropped once quantized (peak: the float params plus one
+    quantized weight). `shardings`: the quantized params' shardings (a tree like
+    `quantized_specs` of them), or None for one device.
+    """
+    layers = dict(params["layers"])
+    for name in LINEAR_WEIGHTS:
+        w = layers[name]
+        if isinstance(w, QuantizedWeight):
+            continue
+        out = None if shardings is None else shardings["layers"][name]
+        layers[name] = jax.jit(quantize, static_argnums=1, out_shardings=out)(w, fmt)
+        w.delete()
+    return {**params, "layers": layers}
+
+
+def quantized_specs(specs: dict, params: dict) -> dict:
+    """The spec tree of `params` where a layer weight is quantized: values keep the
+    weight's axes; a per-channel scale follows its output axis; per-tensor and block
+    scales are replicated (a few floats per layer)."""
+    layers = dict(specs["layers"])
+    for name, w in params["layers"].items():
+        if not isinstance(w, QuantizedWeight):
+            continue
+        spec = layers[name]
+        per_channel = w.block[1] == 1 and w.scale.shape[-2] == 1
+        scale_axes = (spec.axes[0], None, spec.axes[-1] if per_channel else None)
+        layers[name] = QuantizedWeight(spec, ParamSpec(tuple(w.scale.shape), "ones",
+                                                       scale_axes), w.block)
+    return {**specs, "layers": layers}
+
+
+def weight_dtype(params: dict) -> str:
+    """The storage dtype of the layer weights ("float8_e4m3fn", "int8", "bfloat16", ...)."""
+    return str(jnp.dtype(params["layers"]["wq"].dtype))
+
+
+def storage_dtypes(params: dict, cache: dict) -> dict[str, str]:
+    """What the trace summary and /v1/models report: the layer weights' and KV pages'
+    storage dtypes."""
+    return {"weight_dtype": weight_dtype(params), "kv_cache_dtype": str(cache["k"].dtype)}
+
+
+def param_bytes(params) -> int:
+    """Bytes the params occupy (values and scales; all devices' shards counted once)."""
+    return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))

@@ -1,0 +1,213 @@
+"""FP8 and INT8 checkpoints as the Hub publishes them, read into `QuantizedWeight`s.
+
+`checkpoint_quantization(config_dict)` reads `quantization_config`:
+
+- `quant_method: "fp8"` (transformers' fine-grained FP8: Qwen3-*-FP8, DeepSeek-V3):
+  `weight` float8_e4m3fn [out, in] + `weight_scale_inv` (a multiplier, despite the name)
+  of [ceil(out / 128), ceil(in / 128)] (`weight_block_size`), or per tensor / per channel;
+- `quant_method: "compressed-tensors"` (llm-compressor, RedHatAI/neuralmagic FP8 and
+  W8A16 INT8): formats `float-quantized`, `naive-quantized`, `int-quantized`; `weight` FP8
+  or INT8 + `weight_scale` per tensor [1], per channel [out, 1] or per block; symmetric
+  only. A `kv_cache_scheme` brings `self_attn.k_scale` / `v_scale` (one per layer).
+
+The layout of each weight is read off its scale's shape, so any of the three works in
+either format. Activation scales (`input_scale`) are not used: weights are dequantized
+into the compute dtype (W8A16). A layer weight stored in float in some layers and
+quantized in others (an `ignore` list naming single layers) is dequantized to float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from arcjax.errors import ModelConfigError, WeightsError
+from arcjax.model.quant import QuantizedWeight
+
+# safetensors dtype names -> numpy (ml_dtypes for the 8-bit floats numpy lacks).
+_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+           "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
+           "F64": np.float64, "I8": np.int8, "U8": np.uint8, "I16": np.int16,
+           "I32": np.int32, "I64": np.int64}
+_QUANTIZED = {np.dtype(ml_dtypes.float8_e4m3fn): "fp8", np.dtype(np.int8): "int8"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointQuant:
+    """What a checkpoint's quantization_config says.
+
+    Attributes:
+      fmt: "fp8" or "int8".
+      block: the block size of block-scaled weights (rows, columns) in [out, in] terms, or
+        None when scales are per tensor or per channel.
+    """
+
+    fmt: str
+    block: tuple[int, int] | None
+
+
+def checkpoint_quantization(config: dict, where) -> CheckpointQuant | None:
+    """The checkpoint's weight quantization, None for a float checkpoint.
+
+    Raises:
+      ModelConfigError: a quantization method or scheme arcjax cannot load.
+    """
+    q = config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise ModelConfigError(where, f"fp8 format {q.get('fmt')!r} is not supported "
+                                          "(e4m3)")
+        block = q.get("weight_block_size")
+        return CheckpointQuant("fp8", tuple(block) if block else None)
+    if method == "compressed-tensors":
+        fmt = q.get("format")
+        if fmt not in ("float-quantized", "naive-quantized", "int-quantized"):
+            raise ModelConfigError(where, f"compressed-tensors format {fmt!r} is not "
+                                          "supported (float-quantized, int-quantized)")
+        groups = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
+        if not groups:
+            raise ModelConfigError(where, "compressed-tensors config has no config_groups")
+        kinds = {(w.get("type"), w.get("num_bits"), w.get("symmetric", True)) for w in groups}
+        if kinds == {("float", 8, True)}:
+            kind = "fp8"
+        elif kinds == {("int", 8, True)}:
+            kind = "int8"
+        else:
+            raise ModelConfigError(where, f"compressed-tensors weights {sorted(map(str, kinds))}"
+                                          " are not supported (8-bit symmetric float or int)")
+        blocks = {tuple(w["block_structure"]) for w in groups if w.get("block_structure")}
+        return CheckpointQuant(kind, blocks.pop() if len(blocks) == 1 else None)
+    raise ModelConfigError(where, f"quantization method {method!r} is not supported (fp8, "
+                                  "compressed-tensors FP8/INT8)")
+
+
+class RawSafetensors:
+    """Reads safetensors tensors of any dtype (numpy's loader lacks float8) by header."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                self.header = json.loads(fh.read(n))
+        except (OSError, struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise WeightsError(path, f"not a readable safetensors file ({e})") from e
+        self.header.pop("__metadata__", None)
+        self._base = 8 + n
+
+    def dtype(self, name: str):
+        return np.dtype(_DTYPES[self.header[name]["dtype"]])
+
+    def get(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        if info["dtype"] not in _DTYPES:
+            raise WeightsError(self.path, f"tensor {name}: dtype {info['dtype']} unsupported")
+        dtype = np.dtype(_DTYPES[info["dtype"]])
+        start, end = info["data_offsets"]
+        count = int(np.prod(info["shape"], dtype=np.int64))
+        if end - start != count * dtype.itemsize:
+            raise WeightsError(self.path, f"tensor {name}: {end - start} bytes for shape "
+                                          f"{info['shape']} {info['dtype']}")
+        try:
+            arr = np.memmap(self.path, dtype, "r", self._base + start, (count,))
+        except ValueError as e:
+            raise WeightsError(self.path, f"tensor {name} cannot be read ({e})") from e
+        return np.asarray(arr).reshape(info["shape"])
+
+
+def open_raw(model_dir: Path) -> dict[str, RawSafetensors]:
+    """Tensor name -> the file holding it (model.safetensors or the index's shards)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(index, f"not a valid safetensors index ({e!r})") from e
+    else:
+        files = ["model.safetensors"]
+    out = {}
+    for fname in files:
+        if not (model_dir / fname).is_file():
+            raise WeightsError(model_dir / fname, "safetensors file is missing")
+        raw = RawSafetensors(model_dir / fname)
+        out.update({name: raw for name in raw.header})
+    return out
+
+
+def _scale_layout(scale: np.ndarray, out: int, n_in: int, block, where, name):
+    """(scale [nbi, nbo] float32, block (bi, bo)) in our [in, out] orientation."""
+    s = np.asarray(scale, np.float32)
+    if s.size == 1:
+        return s.reshape(1, 1), (n_in, out)
+    if s.shape in ((out,), (out, 1)):
+        return s.reshape(1, out), (n_in, 1)
+    if block is None and s.ndim == 2:  # block size from the shapes when the config omits it
+        bo, bi = -(-out // s.shape[0]), -(-n_in // s.shape[1])
+        block = (bo, bi)
+    if block is not None and s.shape == (-(-out // block[0]), -(-n_in // block[1])):
+        return np.ascontiguousarray(s.T), (block[1], block[0])
+    raise WeightsError(where, f"{name}: scale of shape {s.shape} fits no layout of a weight "
+                              f"[{out}, {n_in}] (per tensor, per channel, blocks {block})")
+
+
+def read_quantized(tensors: dict, name: str, quant: CheckpointQuant):
+    """One linear weight in our [in, out] orientation: a float array, or
+    (values [in, out], scale [nbi, nbo], block) when stored quantized."""
+    raw = tensors[name]
+    values = raw.get(name)
+    if values.dtype not in _QUANTIZED:
+        return values.T
+    base = name[:-len(".weight")]
+    scale_name = next((n for n in (f"{base}.weight_scale_inv", f"{base}.weight_scale")
+                       if n in tensors), None)
+    if scale_name is None:
+        raise WeightsError(raw.path, f"{name} is {values.dtype} but has no weight_scale")
+    if f"{base}.weight_zero_point" in tensors:
+        raise WeightsError(raw.path, f"{name}: asymmetric (zero-point) quantization is not "
+                                     "supported")
+    out, n_in = values.shape
+    scale, block = _scale_layout(tensors[scale_name].get(scale_name), out, n_in, quant.block,
+                                 raw.path, name)
+    return np.ascontiguousarray(values.T), scale, block
+
+
+def stack_layer_weight(reads: list, np_dtype):
+    """One stacked layer weight from per-layer `read_quantized` results: a
+    `QuantizedWeight` of numpy arrays when every layer is quantized alike, else float."""
+    quantized = [r for r in reads if isinstance(r, tuple)]
+    if len(quantized) == len(reads) and len({(r[0].dtype, r[1].shape, r[2])
+                                             for r in reads}) == 1:
+        return QuantizedWeight(np.stack([r[0] for r in reads]),
+                               np.stack([r[1] for r in reads]), reads[0][2])
+    out = []
+    for r in reads:
+        if isinstance(r, tuple):
+            values, scale, (bi, bo) = r
+            s = np.repeat(np.repeat(scale, bi, 0)[:values.shape[0]], bo, 1)[:, :values.shape[1]]
+            r = values.astype(np.float32) * s
+        out.append(r.astype(np_dtype))
+    return np.stack(out)
+
+
+def read_kv_scales(tensors: dict, num_layers: int) -> np.ndarray | None:
+    """[2, L] float32 (k, v) from `self_attn.k_scale`/`v_scale` (or the older
+    `k_proj.output_scale`/`v_proj.output_scale`), None unless every layer has both."""
+    out = np.ones((2, num_layers), np.float32)
+    for i in range(num_layers):
+        for j, (new, old) in enumerate((("k_scale", "k_proj.output_scale"),
+                                        ("v_scale", "v_proj.output_scale"))):
+            names = [f"model.layers.{i}.self_attn.{n}" for n in (new, old)]
+            name = next((n for n in names if n in tensors), None)
+            if name is None:
+                return None
+            out[j, i] = float(np.asarray(tensors[name].get(name), np.float32).reshape(-1)[0])
+    return out
+
