@@ -11,6 +11,10 @@ Overlapped: `advance(plan.state, plan)` folds a step in flight in with placehold
 next step is planned from it, and `commit` of the first plan then fills the tokens in
 (scheduler/commit.py).
 
+Speculative decoding: `schedule(state, config, spec_token_ids={request id: drafts})` lets decode
+rows verify draft tokens with what the step leaves over (`plan.spec_token_ids`), and `commit`
+takes, for such a row, the 1 .. 1 + drafts tokens it yielded (scheduler/spec.py).
+
 Requests enter with add_request(state, Request(...)) and leave through commit or abort.
 Automatic prefix caching (config.enable_prefix_caching, on by default) lives in scheduler/prefix.py:
 plan.num_cached / Finished.num_cached_tokens / state.num_cached(request_id) say how many prompt

@@ -6,6 +6,9 @@
   3. Prefill rows: cursor + chunk length; a final chunk pushes its sampled token and the sequence
      becomes decode-ready (or finishes at once, e.g. max_tokens == 1).
 
+A plan with draft tokens (speculative decoding) commits its decode rows through scheduler/spec.py:
+each row moves by the 1 .. 1 + drafts tokens it yielded and hands back the blocks past them.
+
 With prefix caching, every block that a decode or a prefill chunk filled in this step is hashed
 (parent digest + its tokens) and cached before any block is released, so a finishing sequence
 leaves its blocks reusable.
@@ -40,6 +43,7 @@ from collections.abc import Iterable, Sequence as SequenceOf
 from itertools import compress, repeat
 from operator import add, le
 
+from scheduler import spec
 from scheduler.blocks import BlockPool
 from scheduler.errors import CommitError, StepOrderError
 from scheduler.plan import StepPlan
@@ -143,24 +147,29 @@ def _prefilled_blocks(state: SchedulerState, plan: StepPlan) -> list[tuple[int, 
     return pairs
 
 
-def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[int], now: float,
+def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf, now: float,
            finished_ids: Iterable[RequestId] = ()) -> tuple[SchedulerState, tuple[Finished, ...]]:
     """Applies a step's results. Pure: returns a new state.
 
     Args:
       state: `plan.state`, possibly after `add_request` / `abort` calls.
       plan: the plan the engine ran.
-      sampled_token_ids: one token per sampling row, in row order.
+      sampled_token_ids: one entry per sampling row, in row order: the token it sampled. A
+        decode row that verified d draft tokens (`plan.spec_token_ids`) yields 1 .. 1 + d
+        tokens: its entry is their sequence (the accepted drafts, then the token sampled at
+        the first rejected position or after the last draft); an int entry is one token.
       now: the caller's clock at the end of the step (recorded as finish_time).
       finished_ids: sequences the engine stopped this step (EOS or a stop condition); each must
-        have sampled this step. Their last sampled token is kept in the output.
+        have sampled this step. Their last sampled token is kept in the output (the engine
+        cuts a row's entry at the token that stopped it).
 
     Returns:
       (new state, finished records: decode rows first, then prefill rows, each in row order).
 
     Raises:
       StepOrderError: the plan is not the one in flight for this state.
-      CommitError: wrong number of sampled tokens, or finished_ids naming a non-sampling row.
+      CommitError: wrong number of entries or of a row's tokens, or finished_ids naming a
+        non-sampling row.
     """
     sampled = tuple(sampled_token_ids)
     stopped = frozenset(finished_ids)
@@ -172,33 +181,50 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
     if plan.is_empty and state.step == plan.state.step and not sampled and not stopped:
         return state, ()  # nothing ran; an empty plan leaves nothing in flight
     _check(state, plan, sampled, stopped)
+    state, finished, _ = _commit(state, plan, sampled, now, stopped, hold=False)
+    return state, finished
+
+
+def _commit(state: SchedulerState, plan: StepPlan, sampled: tuple, now: float,
+            stopped: frozenset, hold: bool):
+    """`commit` once checked; `hold` (advance): decode rows with drafts are returned apart.
+    Returns (state, finished records, held rows)."""
     pool = state.pool
     finished: list[Finished] = []
+    held = ()
+    k = plan.num_decode_rows
+    bs = state.config.block_size
 
     # 2. decode rows
-    dec, rows, done = _advance_decodes(state.decoding, plan, sampled,
-                                       gen_chunk(state.config.block_size))
-    if pool.cache is not None:  # cache every block this step filled, before any release
-        dec, pairs = _decoded_blocks(dec, rows, state.config.block_size)
-        pool = pool.register(pairs + _prefilled_blocks(state, plan))
-    if stopped:
-        done = sorted(set(done).union(i for i in rows if dec.ids[i] in stopped))
-    for i in done:
-        reason = FINISH_STOP if dec.ids[i] in stopped else FINISH_LENGTH
-        finished.append(Finished(request_id=dec.ids[i], output_token_ids=dec.outputs(i),
-                                 reason=reason, finish_time=now,
-                                 num_cached_tokens=dec.seqs[i].cached_tokens or 0))
-        pool = pool.give(dec.tables[i])
-    dec = dec.without(set(done))
+    if plan.spec_token_ids:
+        tokens = spec.entries(plan, sampled)
+        prefill_pairs = _prefilled_blocks(state, plan) if pool.cache is not None else []
+        dec, pool, finished, held = spec.commit_decodes(
+            state.decoding, plan, tokens[:k], stopped, now, pool, bs, prefill_pairs, hold)
+        sampled = tuple(t[0] for t in tokens)  # prefill rows: one token each
+    else:
+        dec, rows, done = _advance_decodes(state.decoding, plan, sampled, gen_chunk(bs))
+        if pool.cache is not None:  # cache every block this step filled, before any release
+            dec, pairs = _decoded_blocks(dec, rows, bs)
+            pool = pool.register(pairs + _prefilled_blocks(state, plan))
+        if stopped:
+            done = sorted(set(done).union(i for i in rows if dec.ids[i] in stopped))
+        for i in done:
+            reason = FINISH_STOP if dec.ids[i] in stopped else FINISH_LENGTH
+            finished.append(Finished(request_id=dec.ids[i], output_token_ids=dec.outputs(i),
+                                     reason=reason, finish_time=now,
+                                     num_cached_tokens=dec.seqs[i].cached_tokens or 0))
+            pool = pool.give(dec.tables[i])
+        dec = dec.without(set(done))
 
-    if plan.num_decode_rows == len(plan.request_ids):  # no prefill rows: partials unchanged
-        return _replaced(state, dec, pool, state.partial, finished), tuple(finished)
+    if k == len(plan.request_ids):  # no prefill rows: partials unchanged
+        return _replaced(state, dec, pool, state.partial, finished), tuple(finished), held
 
     # 3. prefill rows
     partial = {p.seq.request_id: p for p in state.partial}
     ready = []  # rows of sequences whose prefill completed
-    s = plan.num_decode_rows
-    for r in range(plan.num_decode_rows, len(plan.request_ids)):
+    s = k
+    for r in range(k, len(plan.request_ids)):
         token = None
         if plan.samples[r]:
             token, s = sampled[s], s + 1
@@ -221,7 +247,8 @@ def commit(state: SchedulerState, plan: StepPlan, sampled_token_ids: SequenceOf[
             ready.append(DecodeRow(seq, computed, (token,), (), seq.block_hashes, part.table))
     dec = dec.inserted(ready)
 
-    return _replaced(state, dec, pool, tuple(partial.values()), finished), tuple(finished)
+    return (_replaced(state, dec, pool, tuple(partial.values()), finished), tuple(finished),
+            held)
 
 
 def advance(state: SchedulerState, plan: StepPlan) -> SchedulerState:
@@ -231,6 +258,9 @@ def advance(state: SchedulerState, plan: StepPlan) -> SchedulerState:
     Args:
       state: `plan.state`, possibly after `add_request` / `abort` calls.
       plan: the plan in flight.
+
+    Decode rows that verify draft tokens in the plan are not advanced (how many they accept is
+    unknown): they wait in `unfilled.verifying`, planned by nobody, until the fill.
 
     Returns:
       A state with nothing in flight and `unfilled` set: `schedule` may plan from it, and
@@ -244,9 +274,12 @@ def advance(state: SchedulerState, plan: StepPlan) -> SchedulerState:
         raise StepOrderError(f"step {state.unfilled.step} was advanced and not committed yet")
     if plan.is_empty and state.step == plan.state.step:
         return state  # nothing in flight
-    ahead, finished = commit(state, plan, (PLACEHOLDER,) * plan.num_sampled, 0.0)
+    sampled = (PLACEHOLDER,) * plan.num_sampled
+    _check(state, plan, sampled, frozenset())
+    ahead, finished, held = _commit(state, plan, sampled, 0.0, frozenset(), hold=True)
     return _replaced(state, ahead.decoding, ahead.pool, ahead.partial, (),  # still held
-                     unfilled=Unfilled(step=plan.state.step, finished=finished))
+                     unfilled=Unfilled(step=plan.state.step, finished=finished,
+                                       verifying=held))
 
 
 def abandon(state: SchedulerState, plans: SequenceOf[StepPlan]) -> SchedulerState:
@@ -309,6 +342,10 @@ def _fill(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...], now: 
         raise CommitError("sampled_token_ids",
                           f"expected {plan.num_sampled} tokens (one per sampling row), "
                           f"got {len(sampled)}")
+    yielded = None  # per sampling request, its tokens (plans with drafts)
+    if plan.spec_token_ids:
+        yielded = dict(zip(compress(plan.request_ids, plan.samples), spec.entries(plan, sampled)))
+        sampled = tuple(tokens[0] for tokens in yielded.values())  # rows without drafts: one
     token_of = dict(zip(compress(plan.request_ids, plan.samples), sampled))
     strangers = stopped - token_of.keys()
     if strangers:
@@ -340,6 +377,10 @@ def _fill(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...], now: 
                                  num_cached_tokens=dec.seqs[i].cached_tokens or 0))
         pool = pool.give(dec.tables[i])
     dec = dec.without(ended)
+    if unfilled.verifying:  # rows that verified drafts: what they accepted
+        dec, pool, done = spec.fill_verifying(dec, unfilled.verifying, yielded, stopped, now,
+                                              pool, bs)
+        finished += done
     # sequences a later plan preempted before the fill (no blocks held)
     waiting = state.waiting
     if unfilled.preempted:

@@ -219,6 +219,9 @@ class StepRecord:
         watch_completion`), else None. `device_idle_gaps` reads both.
       expert_tokens: mixture-of-experts models (engine): per layer, the tokens each expert
         received this step (a token counts once for each of its top-k experts); else None.
+      spec_drafts, spec_draft_tokens, spec_accepted_tokens: speculative decoding: rows that
+        verified drafts, their draft tokens, and how many of those were accepted.
+      spec_accepted_per_pos: per draft position i, rows that accepted their i-th draft.
     """
 
     start: float
@@ -236,6 +239,10 @@ class StepRecord:
     dispatched: float | None = None
     ready: float | None = None
     expert_tokens: tuple[tuple[int, ...], ...] | None = None
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def duration(self) -> float:
@@ -249,6 +256,27 @@ class StepRecord:
         d = dataclasses.asdict(self)
         d["engaged"] = _jsonable(dict(self.engaged))
         return d
+
+
+def spec_decode_summary(records: Iterable[StepRecord]) -> dict:
+    """Speculative decoding over a run: drafts (rows that verified draft tokens), draft and
+    accepted tokens, the acceptance rate (accepted / draft tokens), the mean acceptance
+    length (tokens a drafting row yields per step: 1 + accepted / drafts, vLLM's definition)
+    and acceptances per draft position. Rates are None when nothing was drafted."""
+    drafts = tokens = accepted = 0
+    per_pos: list[int] = []
+    for r in records:
+        drafts += r.spec_drafts
+        tokens += r.spec_draft_tokens
+        accepted += r.spec_accepted_tokens
+        for i, n in enumerate(r.spec_accepted_per_pos):
+            if i == len(per_pos):
+                per_pos.append(0)
+            per_pos[i] += n
+    return {"num_drafts": drafts, "num_draft_tokens": tokens, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / tokens if tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "accepted_per_position": per_pos}
 
 
 def _jsonable(x):

@@ -1,6 +1,8 @@
 """What `schedule` returns: the step's rows as columns, the knobs that engaged, the next state.
 
-Rows are ordered: first the decode rows (length 1, each samples), then the prefill chunks.
+Rows are ordered: first the decode rows (each samples), then the prefill chunks. A decode row has
+length 1 + its draft tokens (speculative decoding, `spec_token_ids`): it feeds its newest token and
+then the drafts, and samples at each of those positions (`sample_counts`).
 The columns are what the engine builds its arrays from (`token_ids[T]`, `cu_seqlens_q[S+1]`,
 `kv_lens[S]`, `block_tables[S, max_blocks]`); `chunks` is the same data as one record per row.
 Token ids are views: the plan keeps references to the sequences' token tuples and slices them
@@ -33,6 +35,7 @@ class Chunk:
       block_table: the sequence's KV blocks, allocated for start + length tokens.
       num_cached: tokens served from the prefix cache (positions 0 .. num_cached - 1, already in
         shared blocks) if the sequence was admitted this step, else 0.
+      spec_token_ids: draft tokens verified by this (decode) row: the last len() of `token_ids`.
     """
 
     request_id: RequestId
@@ -42,6 +45,7 @@ class Chunk:
     token_ids: tuple[int, ...]
     block_table: BlockTable
     num_cached: int = 0
+    spec_token_ids: tuple[int, ...] = ()
 
     @property
     def kv_len(self) -> int:
@@ -68,6 +72,8 @@ class Engaged:
         wait too, so a later arrival never takes the room an earlier prompt needs.
       block_limited: KV blocks (watermark included) stopped or shortened a prefill chunk or admission.
       oversize_prompt: legacy whole-prompt prefill ran one lone prompt longer than the budget.
+      drafts_trimmed: decode rows whose draft tokens the budget or the KV blocks (watermark
+        kept) shortened or dropped.
     """
 
     cap_deferred: int = 0
@@ -82,6 +88,7 @@ class Engaged:
     partials_held: int = 0
     block_limited: bool = False
     oversize_prompt: bool = False
+    drafts_trimmed: int = 0
 
     def as_dict(self) -> dict[str, object]:
         """Every knob and its detail (JSON-friendly: tuples become lists)."""
@@ -95,6 +102,7 @@ class Engaged:
 
 NOTHING_ENGAGED = Engaged()
 _newest_token = itemgetter(-1)
+NO_DRAFTS: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,6 +119,9 @@ class StepPlan:
       num_decode_rows: the first rows that are decodes.
       num_sampled: rows that sample (decode rows and final prefill chunks).
       num_tokens: tokens in the step (sum of lengths).
+      spec_token_ids: per decode row, the draft tokens it verifies (() for none); `()` as a
+        whole when no row has any. A row with d drafts has length 1 + d and samples at each of
+        its 1 + d positions; `commit` takes 1 .. 1 + d tokens for it (what it accepted).
       preempted: ids preempted this step (back to the front of the waiting queue).
       engaged: what each knob did.
       _decode_recent, _prefill_sources: where the rows' token ids come from (shared with the
@@ -132,6 +143,7 @@ class StepPlan:
     num_tokens: int
     preempted: tuple[RequestId, ...]
     engaged: Engaged
+    spec_token_ids: tuple[tuple[int, ...], ...]
     _decode_recent: tuple[tuple[int, ...], ...]
     _decode_flush: tuple[int, ...]
     _prefill_sources: tuple[tuple[int, ...], ...]
@@ -142,11 +154,31 @@ class StepPlan:
 
     @property
     def num_decode_tokens(self) -> int:
-        return self.num_decode_rows
+        """Tokens of the decode rows (their drafts included)."""
+        return self.num_decode_rows + self.num_spec_tokens
 
     @property
     def num_prefill_tokens(self) -> int:
-        return self.num_tokens - self.num_decode_rows
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Draft tokens the step verifies (0 without speculation)."""
+        return sum(map(len, self.spec_token_ids))
+
+    def row_spec_token_ids(self, row: int) -> tuple[int, ...]:
+        """The draft tokens row `row` verifies (() for prefill rows and plain decodes)."""
+        return self.spec_token_ids[row] if row < len(self.spec_token_ids) else NO_DRAFTS
+
+    @property
+    def sample_counts(self) -> tuple[int, ...]:
+        """Per row, the positions it samples at: 1 + drafts for a decode row, 1 for a final
+        prefill chunk, 0 for a non-final one. They are the row's last positions."""
+        counts = tuple(map(int, self.samples))
+        if not self.spec_token_ids:
+            return counts
+        k = len(self.spec_token_ids)
+        return tuple(1 + len(d) for d in self.spec_token_ids) + counts[k:]
 
     @property
     def num_cached_tokens(self) -> int:
@@ -160,7 +192,7 @@ class StepPlan:
     @property
     def kind(self) -> str:
         """"prompt" (prefill only), "mixed", "decode" (decode only) or "idle": metrics.step_kind."""
-        return step_kind(self.num_tokens - self.num_decode_rows, self.num_decode_rows)
+        return step_kind(self.num_prefill_tokens, self.num_decode_rows)
 
     @property
     def decode_only(self) -> bool:
@@ -185,7 +217,7 @@ class StepPlan:
         """The tokens row `row` feeds to the model."""
         k = self.num_decode_rows
         if row < k:
-            return (self._decode_recent[row][-1],)
+            return (self._decode_recent[row][-1],) + self.row_spec_token_ids(row)
         start = self.starts[row]
         return self._prefill_sources[row - k][start:start + self.lengths[row]]
 
@@ -193,8 +225,14 @@ class StepPlan:
     def token_ids(self) -> tuple[int, ...]:
         """Every row's tokens, concatenated in row order (built on each access)."""
         k = self.num_decode_rows
+        if self.spec_token_ids:
+            decodes = chain.from_iterable(
+                ((recent[-1],) + drafts) for recent, drafts in zip(
+                    self._decode_recent, self.spec_token_ids))
+        else:
+            decodes = map(_newest_token, self._decode_recent)
         return tuple(chain(
-            map(_newest_token, self._decode_recent),
+            decodes,
             *(tokens[start:start + n] for tokens, start, n in zip(
                 self._prefill_sources, self.starts[k:], self.lengths[k:]))))
 
@@ -203,7 +241,8 @@ class StepPlan:
         """The rows as records (built on each access; the columns are the fast path)."""
         return tuple(
             Chunk(request_id=rid, start=start, length=length, samples=samples,
-                  token_ids=self.row_token_ids(i), block_table=table, num_cached=cached)
+                  token_ids=self.row_token_ids(i), block_table=table, num_cached=cached,
+                  spec_token_ids=self.row_spec_token_ids(i))
             for i, (rid, start, length, samples, table, cached) in enumerate(zip(
                 self.request_ids, self.starts, self.lengths, self.samples, self.block_tables,
                 self.num_cached))

@@ -18,7 +18,8 @@ order and then assembles the plan:
      caching a sequence first takes the longest cached prefix of its tokens (whole blocks, at most
      len(tokens) - 1 tokens, so its last token is computed and yields logits) and computes from
      there: cached blocks cost no budget, and only those no one held leave the usable pool.
-  4. build: the plan's columns and the post-schedule state.
+  4. build: draft tokens on the decode rows with what is left (`spec.allocate_drafts`), then the
+     plan's columns and the post-schedule state.
 
 NOTE: the builder mutates only its own scratch (lists, counters); every input stays untouched.
 NOTE: a cached (shared) block is never written: hits are full blocks before the sequence's
@@ -42,6 +43,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.plan import Engaged, NOTHING_ENGAGED, StepPlan
 from scheduler.prefix import ROOT_DIGEST, chain_hashes
 from scheduler.request import Sequence, SeqKey
+from scheduler.spec import Drafts, allocate_drafts
 from scheduler.state import PLACEHOLDER, Partial, SchedulerState, gen_chunk
 from scheduler.window import slide, window_prefix
 
@@ -52,9 +54,10 @@ _key_of_partial = lambda part: part.seq.key  # noqa: E731
 class StepBuilder:
     """Scratch space for one `schedule` call; never escapes it."""
 
-    def __init__(self, state: SchedulerState, config: SchedulerConfig):
+    def __init__(self, state: SchedulerState, config: SchedulerConfig, drafts: Drafts = None):
         self.state = state
         self.config = config
+        self.drafts = drafts  # proposed draft tokens by request id, or None
         self.dec = state.decoding
         self.partial = list(state.partial)  # key order; entries get their allocated tables
         self.pool = state.pool
@@ -309,9 +312,11 @@ class StepBuilder:
             return
         config = self.config
         cap = config.prefill_max_seqs
+        held = len(self.state.verifying)  # running, out of the table until their fill
         i = 0
         while i < len(waiting):
-            if len(self.dec) + len(self.partial) + len(self.admitted) >= config.max_num_seqs:
+            if (len(self.dec) + len(self.partial) + len(self.admitted) + held
+                    >= config.max_num_seqs):
                 self._note("seqs_full")
                 break
             if cap and len(self.admitted) >= cap:
@@ -376,7 +381,14 @@ class StepBuilder:
     # ---- 4. the plan -------------------------------------------------------------------------
 
     def build(self) -> StepPlan:
-        """Assembles the plan and the post-schedule state."""
+        """Attaches draft tokens, then assembles the plan and the post-schedule state."""
+        spec = ()
+        if self.drafts and self.num_decode_rows:
+            self.dec, self.pool, spec, used, trimmed = allocate_drafts(
+                self.dec, self.num_decode_rows, self.drafts, self.pool, self.budget, self.config)
+            self.budget -= used
+            if trimmed:
+                self._note("drafts_trimmed", trimmed)
         state, dec, k = self.state, self.dec, self.num_decode_rows
         rows = self.prefill_rows
         if rows:
@@ -415,7 +427,8 @@ class StepBuilder:
             state=new_state,
             request_ids=dec.ids[:k] + tuple(part.seq.request.request_id for part in parts),
             starts=dec.computed[:k] + tuple(part.computed for part in parts),
-            lengths=(1,) * k + tuple(n for _, n in rows),
+            lengths=(tuple(1 + len(d) for d in spec) if spec else (1,) * k) + tuple(
+                n for _, n in rows),
             samples=(True,) * k + finals,
             block_tables=dec.tables[:k] + tuple(part.table for part in parts),
             num_cached=(0,) * k + tuple(self.cached),
@@ -424,6 +437,7 @@ class StepBuilder:
             num_tokens=self.num_tokens,
             preempted=preempted_ids,
             engaged=Engaged(**engaged) if engaged else NOTHING_ENGAGED,
+            spec_token_ids=spec,
             _decode_recent=dec.recent[:k],
             _decode_flush=self._decode_flush(),
             _prefill_sources=tuple(part.seq.tokens for part in parts),

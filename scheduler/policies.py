@@ -38,21 +38,28 @@ from scheduler.config import SchedulerConfig
 from scheduler.errors import ConfigError, StepOrderError
 from scheduler.plan import StepPlan
 from scheduler.planner import StepBuilder
+from scheduler.spec import Drafts, check_drafts
 from scheduler.state import SchedulerState
 
 
-def schedule(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
+def schedule(state: SchedulerState, config: SchedulerConfig,
+             spec_token_ids: Drafts | None = None) -> StepPlan:
     """Plans one step. Pure: reads only its arguments, returns new values, mutates nothing.
 
     Args:
       state: the state after the previous commit (not one with a plan in flight).
       config: the knobs for this step; may differ from the state's config except for the cache
         geometry (block_size, num_blocks, enable_prefix_caching).
+      spec_token_ids: speculative decoding: draft tokens proposed for decode-ready requests
+        (by id; others are ignored). A decode row verifies as many of its drafts as what is
+        left of the budget and of the free blocks above the watermark allows, never past
+        max_tokens (scheduler/spec.py); `plan.spec_token_ids` says how many each row got.
 
     Returns:
       The plan; `plan.state` is what `commit` takes with the step's sampled tokens.
 
     Raises:
+      InputError: a draft that is not a sequence of int token ids >= 0.
       StepOrderError: `state` already has a plan in flight.
       ConfigError: `config` describes another KV cache than the state's (block_size, num_blocks,
         enable_prefix_caching or sliding_window differ; the error names the field).
@@ -65,7 +72,9 @@ def schedule(state: SchedulerState, config: SchedulerConfig) -> StepPlan:
                      if getattr(config, f) != getattr(state.config, f))
         raise ConfigError(field, "block_size, num_blocks, enable_prefix_caching and "
                                  "sliding_window must match the state's config")
-    builder = StepBuilder(state, config)
+    if spec_token_ids:
+        check_drafts(spec_token_ids)
+    builder = StepBuilder(state, config, spec_token_ids)
     decoding = len(state.decoding) > 0
     prefill_work = bool(state.partial or state.waiting)
     floor = config.prefill_floor_steps

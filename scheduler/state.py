@@ -11,7 +11,8 @@ Layout (all frozen; a new state shares every part it did not change with the old
             counts, the eviction queue). Running sequences hold the rest.
 
 NOTE: invariants (checked by tests every step):
-  * a request id is in exactly one of waiting / partial / decoding;
+  * a request id is in exactly one of waiting / partial / decoding (or, overlapped with drafts,
+    unfilled.verifying);
   * outside a step (not in_flight) a running sequence owns blocks_for(num_computed) blocks, and a
     decoding row has num_computed == len(tokens) + len(generated) - 1 (its last token is unfed);
   * every nesting is of bounded depth (no cons lists): states pickle, print and deep-copy;
@@ -73,6 +74,21 @@ def gen_chunk(block_size: int) -> int:
     return block_size * -(-MIN_GEN_CHUNK // block_size)
 
 
+def last_tokens(tokens: tuple[int, ...], older: tuple[tuple[int, ...], ...],
+                recent: tuple[int, ...], count: int) -> tuple[int, ...]:
+    """The last `count` of tokens + chain(older) + recent, reading only what it needs."""
+    parts = [recent]
+    have = len(recent)
+    j = len(older)
+    while have < count and j:
+        j -= 1
+        parts.append(older[j])
+        have += len(older[j])
+    if have < count:
+        parts.append(tokens[max(0, len(tokens) - (count - have)):])
+    return tuple(chain.from_iterable(reversed(parts)))[-count:]
+
+
 class DecodeRow(NamedTuple):
     """One row being added to a DecodeTable (see its columns)."""
 
@@ -124,18 +140,7 @@ class DecodeTable:
 
     def last_tokens(self, row: int, count: int) -> tuple[int, ...]:
         """The row's last `count` tokens (of seq.tokens + generated), reading only what it needs."""
-        parts = [self.recent[row]]
-        have = len(parts[0])
-        older = self.older[row]
-        j = len(older)
-        while have < count and j:
-            j -= 1
-            parts.append(older[j])
-            have += len(older[j])
-        if have < count:
-            tokens = self.seqs[row].tokens
-            parts.append(tokens[max(0, len(tokens) - (count - have)):])
-        return tuple(chain.from_iterable(reversed(parts)))[-count:]
+        return last_tokens(self.seqs[row].tokens, self.older[row], self.recent[row], count)
 
     def outputs(self, row: int) -> tuple[int, ...]:
         """All outputs of a row so far (kept across preemptions, then generated since)."""
@@ -203,15 +208,22 @@ class Unfilled:
     in that step, the last token of each sequence in `preempted` (sent back to waiting by a later
     plan before the fill), and the last output of each record in `finished`.
 
+    Decode rows that verified draft tokens in that step are not advanced: how many tokens they
+    accept is unknown, so they wait in `verifying` (out of the decode table, holding their blocks,
+    scheduled by no plan) until the fill applies what they accepted (scheduler/spec.py).
+
     Attributes:
       step: `plan.state.step` of the advanced plan (what `commit` matches).
       finished: requests that step finished by length; `commit` fills and reports them.
       preempted: ids a later plan preempted while their newest token was a placeholder.
+      verifying: decode rows of that step with drafts, as they were planned (cursor before the
+        step, table holding the draft positions' blocks).
     """
 
     step: int
     finished: tuple[Finished, ...] = ()
     preempted: tuple[RequestId, ...] = ()
+    verifying: tuple[DecodeRow, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -254,12 +266,18 @@ class SchedulerState:
             config.num_blocks, prefix_caching=config.enable_prefix_caching))
 
     @property
+    def verifying(self) -> tuple[DecodeRow, ...]:
+        """Decode rows held out of planning until the fill of their drafts' step (overlapped
+        scheduling with speculative decoding; see `Unfilled`)."""
+        return self.unfilled.verifying if self.unfilled is not None else ()
+
+    @property
     def num_running(self) -> int:
-        return len(self.partial) + len(self.decoding)
+        return len(self.partial) + len(self.decoding) + len(self.verifying)
 
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
-        return bool(self.waiting or self.partial or len(self.decoding))
+        return bool(self.waiting or self.partial or len(self.decoding) or self.verifying)
 
     def request_ids(self) -> tuple[RequestId, ...]:
         """Ids of every request held, waiting first, then mid-prefill, then decoding, then those
@@ -268,12 +286,14 @@ class SchedulerState:
                + tuple(p.seq.request_id for p in self.partial) + self.decoding.ids)
         if self.unfilled is not None:
             ids += tuple(f.request_id for f in self.unfilled.finished)
+            ids += tuple(row.seq.request_id for row in self.unfilled.verifying)
         return ids
 
     def owned_blocks(self) -> dict[RequestId, BlockTable]:
         """Block table of every running sequence."""
         owned = {p.seq.request_id: p.table for p in self.partial}
         owned.update(zip(self.decoding.ids, self.decoding.tables))
+        owned.update((row.seq.request_id, row.table) for row in self.verifying)
         return owned
 
     def num_cached(self, request_id: RequestId) -> int:
@@ -288,6 +308,7 @@ class SchedulerState:
         yield from self.waiting
         yield from (p.seq for p in self.partial)
         yield from self.decoding.seqs
+        yield from (row.seq for row in self.verifying)
 
     def num_computed(self, request_id: RequestId) -> int:
         """The prefill/decode cursor of a request (0 while waiting)."""
@@ -298,6 +319,9 @@ class SchedulerState:
             return self.decoding.computed[self.decoding.ids.index(request_id)]
         if any(s.request_id == request_id for s in self.waiting):
             return 0
+        for row in self.verifying:
+            if row.seq.request_id == request_id:
+                return row.computed
         raise UnknownRequestError(request_id)
 
 
@@ -391,6 +415,11 @@ def abort(state: SchedulerState, request_id: RequestId) -> SchedulerState:
         return dataclasses.replace(state, decoding=dec.without({row}),
                                    pool=state.pool.give(dec.tables[row]), held=held)
     unfilled = state.unfilled
+    for i, row in enumerate(unfilled.verifying):
+        if row.seq.request_id == request_id:
+            return dataclasses.replace(state, unfilled=dataclasses.replace(
+                unfilled, verifying=unfilled.verifying[:i] + unfilled.verifying[i + 1:]),
+                pool=state.pool.give(row.table), held=held)
     kept = tuple(f for f in unfilled.finished if f.request_id != request_id)
     return dataclasses.replace(state, unfilled=dataclasses.replace(unfilled, finished=kept),
                                held=held)

@@ -211,3 +211,25 @@ def test_tensor_and_expert_parallel_equal_transformers():
 
 if __name__ == "__main__":
     print(json.dumps(_run_parallel(json.loads(sys.argv[1]))))
+
+
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "Gemma2ForCausalLM"])
+def test_speculative_decoding_with_windows_experts_and_softcaps(arch):
+    """n-gram drafts on a model whose every layer slides (Mixtral: blocks behind the window go
+    back to the pool while rows verify drafts) and one with local/global layers and soft-caps
+    (Gemma 2), prompts past the window, overlapped on and off: transformers' greedy tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3, "disable_by_batch_size": None}
+    prompts = _prompts()
+    # a prompt that repeats itself gives the n-gram proposer something to find
+    prompts = [prompts[0], (prompts[1] * 6)[:LONG]]
+    want = [hf_greedy(tiny_model_dir(arch), p, 24) for p in prompts]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for overlapped in (False, True):
+        llm = LLM(tiny_model_dir(arch), speculative_config=spec, async_scheduling=overlapped,
+                  **GEOMETRY)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [list(o.token_ids) for o in outs] == want, overlapped
+        assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+        assert llm.engine.blocks_in_use() == 0
+        llm.engine.check_trace()

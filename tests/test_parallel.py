@@ -45,11 +45,11 @@ def _env(devices: int) -> dict:
     return env
 
 
-def _greedy(llm):
+def _greedy(llm, prompts=None):
     from arcjax import SamplingParams
 
-    outs = llm.generate(_prompts(), SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
-                        use_tqdm=False)
+    outs = llm.generate(_prompts() if prompts is None else prompts,
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
     return [list(o.token_ids) for o in outs]
 
 
@@ -90,7 +90,27 @@ def _run_tensor_parallel(model_dirs: dict) -> dict:
         except EngineConfigError as e:
             errors[tp] = e.field
     out["errors"] = errors
+    out["spec"] = _run_speculative(model_dirs["LlamaForCausalLM"])
     return out
+
+
+def _run_speculative(model_dir: str) -> dict:
+    """Speculative decoding under tp=2, both proposers (the draft model runs unsharded), on
+    prompts that repeat themselves (n-gram matches), against one device without it."""
+    import arcjax
+
+    prompts = [p * 2 for p in _prompts()]
+    runs = {"reference": _greedy(arcjax.LLM(model_dir, **GEOMETRY), prompts)}
+    for name, spec in (("ngram", {"method": "ngram", "num_speculative_tokens": 3,
+                                  "prompt_lookup_min": 1, "prompt_lookup_max": 2}),
+                       ("draft_model", {"method": "draft_model", "model": model_dir,
+                                        "num_speculative_tokens": 3})):
+        llm = arcjax.LLM(model_dir, tensor_parallel_size=2, speculative_config=spec, **GEOMETRY)
+        runs[name] = {"tokens": _greedy(llm, prompts),
+                      "drafts": sum(r.spec_draft_tokens for r in llm.engine.trace),
+                      "accepted": sum(r.spec_accepted_tokens for r in llm.engine.trace)}
+        del llm
+    return runs
 
 
 def _run_host(model_dir: str, process_id: int, port: int) -> dict:
@@ -165,6 +185,16 @@ def test_weights_and_cache_really_sharded(tp_results):
     eight = checks["Llama8Heads/8"]
     assert eight["wq_devices"] == 8 and eight["wq_shard_shape"] == [2, 64, 8]
     assert eight["num_kv_heads"] == 8 and eight["cache_shard_shape"][2] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_speculative_decoding_under_tensor_parallelism(tp_results, proposer):
+    run = tp_results["spec"][proposer]
+    assert run["tokens"] == tp_results["spec"]["reference"]
+    assert run["drafts"] > 0
+    if proposer == "draft_model":  # the target's own weights: every draft is accepted
+        assert run["accepted"] == run["drafts"]
 
 
 @pytest.mark.slow

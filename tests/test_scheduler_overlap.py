@@ -28,7 +28,7 @@ from scheduler import PLACEHOLDER, Request, SchedulerConfig, SchedulerState
 from scheduler import abort, add_request, advance, commit, schedule
 from scheduler.errors import CommitError, StepOrderError, UnknownRequestError
 from test_scheduler_properties import _SETTINGS, GhostCache, _sampler, check_blocks
-from test_scheduler_properties import drive, workloads
+from test_scheduler_properties import drive, verified, workloads
 
 
 @dataclasses.dataclass
@@ -68,17 +68,21 @@ def _check_plan(plan, config: SchedulerConfig, truth: dict, feeds: dict) -> None
     for i, rid in enumerate(plan.request_ids):
         start, length = plan.starts[i], plan.lengths[i]
         row = ids[cu[i]:cu[i + 1]]
+        drafts = plan.row_spec_token_ids(i)
+        assert row[len(row) - len(drafts):] == drafts
         if PLACEHOLDER in row:
-            assert i < plan.num_decode_rows and row == (PLACEHOLDER,)
+            assert i < plan.num_decode_rows and row == (PLACEHOLDER,) + drafts
             assert feeds.get(rid) == start, "a placeholder not fed by the plan in flight"
         else:
-            assert row == truth[rid].tokens()[start:start + length]
+            assert row == truth[rid].tokens()[start:start + length - len(drafts)] + drafts
             assert feeds.get(rid) != start or i >= plan.num_decode_rows
 
 
-def drive_overlapped(workload, overlap: list[bool], abort_points: list[tuple[int, int, int]]):
+def drive_overlapped(workload, overlap: list[bool], abort_points: list[tuple[int, int, int]],
+                     propose=None):
     """Runs the workload; `overlap[i % len]` picks the mode of iteration i; `abort_points` are
-    (iteration, request index, where: 0 before planning, 1 between plan and fill, 2 after)."""
+    (iteration, request index, where: 0 before planning, 1 between plan and fill, 2 after);
+    `propose(state)`: draft tokens by request id (speculative decoding), or None."""
     config = workload.config
     requests = {r.request_id: r for r in workload.requests}
     stop_after = {r.request_id: s for r, s in zip(workload.requests, workload.stop_after)}
@@ -93,12 +97,19 @@ def drive_overlapped(workload, overlap: list[bool], abort_points: list[tuple[int
 
     def sample(plan):
         tokens, stopped = [], []
-        for rid, start, n, s in zip(plan.request_ids, plan.starts, plan.lengths, plan.samples):
+        for r, (rid, start, n, s) in enumerate(zip(plan.request_ids, plan.starts, plan.lengths,
+                                                   plan.samples)):
             if s:
-                tokens.append(truth[rid].tokens()[start + n])
-                made = start + n - len(requests[rid].prompt_token_ids) + 1
-                if status[rid] == "live" and made == stop_after[rid]:
+                drafts = plan.row_spec_token_ids(r)
+                first = start + n - len(drafts)  # position of the row's first new token
+                out = (verified(_sampler, rid, start, drafts) if drafts
+                       else (truth[rid].tokens()[first],))
+                made = first - len(requests[rid].prompt_token_ids) + 1
+                stop = stop_after[rid]
+                if status[rid] == "live" and stop is not None and made <= stop < made + len(out):
+                    out = out[:stop - made + 1]
                     stopped.append(rid)
+                tokens.append(out if drafts else out[0])
         return tokens, stopped
 
     def finish(records, step):
@@ -139,7 +150,9 @@ def drive_overlapped(workload, overlap: list[bool], abort_points: list[tuple[int
             check_blocks(ahead, config, exact=False)
             feeds = {rid: s + n for rid, s, n, smp in zip(
                 prev.request_ids, prev.starts, prev.lengths, prev.samples) if smp}
-            plan = schedule(ahead, config)
+            if ahead.verifying:
+                event("rows with drafts in flight held out of the next plan")
+            plan = schedule(ahead, config, propose(ahead) if propose else None)
             in_flight = None if plan.is_empty else plan
             state = plan.state
             if state.unfilled is not None and state.unfilled.preempted:
@@ -163,7 +176,7 @@ def drive_overlapped(workload, overlap: list[bool], abort_points: list[tuple[int
                 in_flight = None
                 check_blocks(state, config, exact=True)
                 ghost.check(state)
-            plan = schedule(state, config)
+            plan = schedule(state, config, propose(state) if propose else None)
             state = plan.state
             if not plan.is_empty:
                 launch(plan, {})

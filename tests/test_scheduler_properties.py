@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import random
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -211,6 +212,9 @@ class GhostCache:
         for i, rid in enumerate(plan.request_ids):
             start, length, table = plan.starts[i], plan.lengths[i], plan.block_tables[i]
             tokens = mirror[rid].tokens()
+            drafts = plan.row_spec_token_ids(i)
+            if drafts:  # the row feeds its newest token, then the drafts
+                tokens = tokens[:start + 1] + drafts
             for p in range(start, start + length):
                 block = table[p // bs]
                 assert block is not None, "wrote into a released entry"
@@ -271,6 +275,12 @@ def check_plan(pre: SchedulerState, plan, config: SchedulerConfig, mirror: dict)
     for i, rid in enumerate(plan.request_ids):
         start, length, table = plan.starts[i], plan.lengths[i], plan.block_tables[i]
         full = mirror[rid].tokens()
+        drafts = plan.row_spec_token_ids(i)
+        if drafts:  # decode row + drafts: never past max_tokens
+            assert i < k and length == 1 + len(drafts)
+            request = mirror[rid].request
+            assert len(full) + len(drafts) <= len(request.prompt_token_ids) + request.max_tokens
+            full = full + drafts
         cached = plan.num_cached[i]
         if rid in waiting_before:  # admitted: starts after its cached whole blocks
             assert start == cached and cached % config.block_size == 0
@@ -282,9 +292,10 @@ def check_plan(pre: SchedulerState, plan, config: SchedulerConfig, mirror: dict)
         assert 1 <= length and start + length <= len(full), "chunk passes the known tokens"
         assert plan.token_ids[cu[i]:cu[i + 1]] == full[start:start + length]
         final = start + length == len(full)
+        assert plan.sample_counts[i] == (1 + len(drafts) if final else 0)
         assert plan.samples[i] == final, "only final chunks and decodes sample"
         if i < k:
-            assert length == 1 and rid in pre.decoding.ids
+            assert length == 1 + len(drafts) and rid in pre.decoding.ids
         else:
             assert rid not in pre.decoding.ids
             if not final:
@@ -351,12 +362,57 @@ def check_state(state: SchedulerState, config: SchedulerConfig, mirror: dict) ->
         assert state.decoding.outputs(row) == tuple(mirror[rid].outputs)
 
 
+def verified(sampler, rid, start: int, drafts: tuple[int, ...]) -> tuple[int, ...]:
+    """What a decode row at cursor `start` verifying `drafts` yields when `sampler` is the
+    model: the drafts it agrees with, then its own token at the first disagreement (or after
+    the last draft)."""
+    out = []
+    for j in range(len(drafts) + 1):
+        out.append(sampler(rid, start + 1 + j))
+        if j == len(drafts) or drafts[j] != out[-1]:
+            return tuple(out)
+
+
+def drafter(seed: int, sampler, max_k: int = 5):
+    """A proposer for `drive`: per decode-ready row, 0 .. max_k drafts, each the model's true
+    token with a per-row probability (0, 0.5, 0.9 or 1), else garbage: random acceptance."""
+    rng = random.Random(seed)
+
+    def propose(state: SchedulerState) -> dict:
+        drafts = {}
+        for rid, c in zip(state.decoding.ids, state.decoding.computed):
+            if rng.random() < 0.2:
+                continue
+            p = rng.choice([0.0, 0.5, 0.9, 1.0])
+            drafts[rid] = tuple(sampler(rid, c + 1 + j) if rng.random() < p else 99_000 + j
+                                for j in range(rng.randint(1, max_k)))
+        return drafts
+
+    return propose
+
+
+def check_drafts_use_leftovers(pre: SchedulerState, config: SchedulerConfig, plan) -> None:
+    """Drafts change nothing but the decode rows' lengths and tables: the plan without them has
+    the same rows, chunks, admissions and preemptions."""
+    plain = schedule(pre, config)
+    k = plan.num_decode_rows
+    assert (plain.request_ids, plain.starts, plain.samples, plain.preempted, plain.num_cached,
+            plain.lengths[k:], plain.block_tables[k:]) == (
+        plan.request_ids, plan.starts, plan.samples, plan.preempted, plan.num_cached,
+        plan.lengths[k:], plan.block_tables[k:]), "drafts took a prefill's budget or blocks"
+    assert plan.num_tokens == plain.num_tokens + plan.num_spec_tokens
+    assert all(t[:len(p)] == p for t, p in zip(plan.block_tables, plain.block_tables))
+    knobs = lambda e: {n: bool(v) for n, v in e.as_dict().items() if n != "drafts_trimmed"}  # noqa: E731
+    assert knobs(plan.engaged) == knobs(plain.engaged)
+
+
 def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = False,
-          config_for_step=None, sampler=None) -> Trace:
+          config_for_step=None, sampler=None, propose=None) -> Trace:
     """Runs the workload to completion, checking every plan and state; returns the trace.
 
     `sampler(request_id, position)` gives the token sampled at `position` (default: a function
-    of the step and the row)."""
+    of the step and the row). `propose(state)` gives draft tokens by request id (speculative
+    decoding; needs `sampler`, the model that verifies them)."""
     config = workload.config
     ghost = GhostCache(block_size=config.block_size, window=config.sliding_window)
     mirror = {r.request_id: Mirror(request=r) for r in workload.requests}
@@ -384,11 +440,15 @@ def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = F
         step_config = config_for_step(step) if config_for_step else config
         if purity:
             snapshot = copy.deepcopy(state)
-        plan = schedule(state, step_config)
+        drafts = propose(state) if propose else None
+        plan = schedule(state, step_config, drafts)
+        if drafts:
+            check_drafts_use_leftovers(state, step_config, plan)
         if purity:
             assert state == snapshot, "schedule mutated its input"
-            assert schedule(state, step_config) == plan, "same inputs, different plans"
-            assert schedule(snapshot, copy.deepcopy(step_config)) == plan, "equal inputs differ"
+            assert schedule(state, step_config, drafts) == plan, "same inputs, different plans"
+            assert schedule(snapshot, copy.deepcopy(step_config),
+                            copy.deepcopy(drafts)) == plan, "equal inputs differ"
         check_plan(state, plan, step_config, mirror)
         ghost.run(plan, plan.state, mirror)
         trace.steps.append((state, plan))
@@ -400,15 +460,21 @@ def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = F
         sampled, stopped = [], []
         for row, (rid, samples) in enumerate(zip(plan.request_ids, plan.samples)):
             if samples:
+                drafts = plan.row_spec_token_ids(row)
                 if sampler is None:
-                    token = (step * 131 + row * 7) % 1000
+                    tokens = ((step * 131 + row * 7) % 1000,)
+                elif drafts:
+                    tokens = verified(sampler, rid, plan.starts[row], drafts)
                 else:
-                    token = sampler(rid, plan.starts[row] + plan.lengths[row])
-                sampled.append(token)
+                    tokens = (sampler(rid, plan.starts[row] + plan.lengths[row]),)
                 if mirror[rid].status == "live":
-                    mirror[rid].outputs.append(token)
-                    if len(mirror[rid].outputs) == stop_after[rid]:
-                        stopped.append(rid)
+                    for j, token in enumerate(tokens):
+                        mirror[rid].outputs.append(token)
+                        if len(mirror[rid].outputs) == stop_after[rid]:
+                            stopped.append(rid)
+                            tokens = tokens[:j + 1]  # the engine drops tokens after a stop
+                            break
+                sampled.append(tokens if drafts else tokens[0])
         if purity:
             snapshot = copy.deepcopy((after, plan))
         state, finished = commit(after, plan, sampled, float(step), stopped)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from arcjax.engine.config import EngineConfig
 from arcjax.engine.engine import Engine
+from arcjax.engine.spec import Speculator
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import EngineConfigError
 from arcjax.model.gguf_tokenizer import has_tokenizer
@@ -17,6 +18,8 @@ from arcjax.model.hub import ModelSource, resolve_model
 from arcjax.model.loader import load_model, model_config
 from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.runtime.buckets import BucketSet
+from arcjax.runtime.draft_model import DraftModelProposer
+from arcjax.runtime.ngram import NgramProposer
 from arcjax.runtime.runner import SHARED_EXECUTABLES, ModelRunner
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
@@ -65,13 +68,18 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     `engine.runner.warmup()`).
 
     Raises:
-      EngineConfigError: an option the model cannot honour (max_model_len beyond its limit).
+      EngineConfigError: an option the model cannot honour (max_model_len beyond its limit,
+        a draft model that does not fit it), found before any weights load.
       ModelFileError subclasses: the model directory cannot be loaded.
     """
     source = (resolve_model(config.model, config.revision) if config.model is not None
               else ModelSource(default_model_path(), "default"))
     model_dir = source.path  # a directory, or the .gguf file
     dtype = jnp.dtype(config.dtype or ("bfloat16" if _on_gpu() else "float32"))
+    spec, draft = config.speculative_config, None
+    if spec is not None and spec.method == "draft_model":  # checked before any weights load
+        limit = model_config(source).max_position_embeddings
+        draft = spec.check_draft_model(source, config.max_model_len or min(limit, 4096))
     parallel = None
     if jax.process_count() > 1 and config.async_scheduling:
         raise EngineConfigError("async_scheduling", "not supported across several processes "
@@ -108,22 +116,42 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     step_tokens = max(sched.max_num_batched_tokens,
                       max_model_len if sched.policy == "prefill_first" else 0)
     buckets = BucketSet.create(tile=sched.chunk_tile, max_tokens=step_tokens,
-                               max_seqs=sched.max_num_seqs)
+                               max_seqs=sched.max_num_seqs,
+                               spec_width=1 + (spec.num_speculative_tokens if spec else 0))
     runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=config.block_size,
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
                          parallel=parallel, kv_cache_dtype=kv_dtype,
                          kv_scales=model.kv_scales if config.kv_cache_dtype == "fp8" else None)
+    speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
+                  else None)
     options = {} if clock is None else {"clock": clock}
     multi_host = jax.process_count() > 1
     overlapped = (config.async_scheduling if config.async_scheduling is not None
                   else not multi_host and _overlap_pays())
     engine = Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
                     model_dir=model_dir, trace_capacity=config.trace_capacity,
-                    async_scheduling=overlapped, **options)
+                    async_scheduling=overlapped, speculator=speculator, **options)
     if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
     return engine
+
+
+def _speculator(config: EngineConfig, draft: ModelSource | None, sched, max_model_len: int,
+                dtype) -> Speculator:
+    """The proposer of `config.speculative_config`: n-gram lookup, or the draft model
+    (`draft`, loaded here, unsharded, its own KV cache: one slot per request it may draft
+    for)."""
+    spec = config.speculative_config
+    if spec.method == "ngram":
+        return Speculator(spec, NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max))
+    model = load_model(draft, dtype=dtype, cache_dir=config.cache_dir)
+    slots = min(sched.max_num_seqs, spec.disable_by_batch_size or sched.max_num_seqs)
+    return Speculator(spec, DraftModelProposer(
+        model.cfg, model.params, num_slots=slots, max_model_len=max_model_len,
+        max_drafts=spec.num_speculative_tokens, block_size=config.block_size,
+        token_budget=sched.max_num_batched_tokens, tile=sched.chunk_tile, dtype=dtype,
+        attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES))
 
 
 def run_follower(model=None, **options) -> int:

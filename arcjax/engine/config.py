@@ -13,8 +13,11 @@ import dataclasses
 import math
 import os
 
+from collections.abc import Mapping
+
 import scheduler
 from arcjax.errors import ConfigError, EngineConfigError
+from arcjax.runtime.speculative import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu")
@@ -66,6 +69,11 @@ class EngineConfig:
         either way. None = on where it is faster: with an accelerator, or on the CPU backend
         with more than one core available (not across several processes: multi-host runs
         the serial step, and True is refused there); True / False force it.
+      speculative_config: speculative decoding, vLLM's keys: {"method": "ngram",
+        "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or
+        {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}, optionally
+        "disable_by_batch_size" (`arcjax.runtime.speculative.SpeculativeConfig`; a dict or
+        its JSON text is turned into one); None = off. Outputs are the same either way.
       policy ... enable_prefix_caching: the scheduler knobs (see scheduler.SchedulerConfig);
         max_num_seqs defaults to 64 here; prefix caching is on by default.
     """
@@ -86,6 +94,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
     async_scheduling: bool | None = None
+    speculative_config: SpeculativeConfig | Mapping | str | None = None
     policy: str = "token_budget"
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -142,6 +151,11 @@ class EngineConfig:
         if self.async_scheduling and _joined_processes() > 1:
             raise EngineConfigError("async_scheduling", "not supported across several "
                                     "processes (multi-host runs the serial step)")
+        spec = SpeculativeConfig.create(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is not None and _joined_processes() > 1:
+            raise EngineConfigError("speculative_config", "not supported across several "
+                                    "processes yet")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
         # The scheduler validates its own knobs (ConfigError naming the field); the cache

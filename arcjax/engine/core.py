@@ -10,6 +10,8 @@ the next step is planned and launched before the previous one's tokens reach the
 (`scheduler.advance`; the device feeds the placeholders). `launch` packs the plan into a
 bucket's host arrays and dispatches it; `finish` collects the tokens, appends them (text,
 stops: `output.append_token`), commits them (`scheduler.commit`) and records the trace.
+With speculative decoding (`speculator`, spec.py) the plan is made with draft tokens for
+the decode rows, and a row that verified drafts yields 1 + its accepted drafts.
 
 NOTE: failures travel one road. A stage that fails raises `StepFailed`; `_recover` ends
 the requests the step call touched (every step it handled: in flight, launched; everyone
@@ -36,6 +38,7 @@ from arcjax.engine.group import RequestGroup
 from arcjax.engine.input import Abort, NewGroup, NewRequest
 from arcjax.engine.output import append_token
 from arcjax.engine.request import FINISH_ERROR, RequestState
+from arcjax.engine.spec import SpecCounts, Speculator, row_tokens
 from arcjax.engine.trace import StepRecord, StepTrace
 from arcjax.errors import EngineDeadError
 from arcjax.parallel.multihost import plan_digest
@@ -63,6 +66,7 @@ class Launched:
     start: float
     handle: StepHandle | None = None
     bucket: tuple = (0, 0, 0)
+    width: int = 1  # positions sampled per sequence (1 + k in a verification step)
     prompts: list | None = None
     compiled: bool = False
 
@@ -72,9 +76,10 @@ class EngineCore:
 
     def __init__(self, runner: ModelRunner, tokenizer, sched_config: scheduler.SchedulerConfig,
                  *, clock: Callable[[], float], trace_capacity: int, async_scheduling: bool,
-                 eos_token_ids: frozenset):
+                 eos_token_ids: frozenset, speculator: Speculator | None = None):
         self.runner, self.tokenizer, self.sched_config, self.clock = (
             runner, tokenizer, sched_config, clock)
+        self.speculator = speculator  # speculative decoding, or None
         self.eos_token_ids, self.async_scheduling = eos_token_ids, async_scheduling
         self.state = scheduler.SchedulerState.empty(sched_config)
         self.requests: dict[str, RequestState] = {}  # in the scheduler, not released
@@ -132,6 +137,8 @@ class EngineCore:
             return
         self.runner.counts.release(req.request_id)
         self.trace.release(req.request_id, len(req.token_ids))
+        if self.speculator is not None:
+            self.speculator.release(req.request_id)
 
     # --- the step ------------------------------------------------------------------------
     def step(self, changed: dict) -> None:
@@ -175,8 +182,12 @@ class EngineCore:
             return scheduler.advance(self.state, prev.plan)
 
     def _schedule(self, state: scheduler.SchedulerState) -> scheduler.StepPlan:
+        drafts = None
+        if self.speculator is not None:
+            with self._stage("propose", everyone=True):
+                drafts = self.speculator.drafts(state, self.requests)
         with self._stage("schedule", everyone=True):
-            plan = scheduler.schedule(state, self.sched_config)
+            plan = scheduler.schedule(state, self.sched_config, drafts)
             if self.sync is not None:  # every process must have planned this very step
                 self.sync.check_plan(plan_digest(plan, [
                     (self.requests[rid].seed, len(self.requests[rid].token_ids))
@@ -200,17 +211,18 @@ class EngineCore:
                                           self.eos_token_ids, set(ahead))
             prepared = self.runner.prepare(plan, rows, step.prompts)
             feed = None
-            if ahead:  # row i is fed by the row of `prev` sampling the same request
+            if ahead:  # row i's first token is the one `prev` samples for the same request
                 position = {rid: j for j, rid in enumerate(prev.plan.request_ids)}
                 fed = np.full(prepared[0].tokens, -1, np.int32)
-                for i in ahead:
-                    fed[i] = position[plan.request_ids[i]]
+                cu = plan.cu_seqlens
+                for i in ahead:  # a row of prev with no drafts: its first sampled position
+                    fed[cu[i]] = position[plan.request_ids[i]] * prev.width
                 feed = (prev.handle, fed)
         with self._stage("launch"):
             compiled_before = self.runner.num_executables
             step.handle = self.runner.launch(*prepared, feed=feed)
         b = prepared[0]
-        step.bucket = (b.tokens, b.seqs, b.max_q_len)
+        step.bucket, step.width = (b.tokens, b.seqs, b.max_q_len), b.sample_width
         step.compiled = self.runner.num_executables > compiled_before
         return step
 
@@ -232,20 +244,31 @@ class EngineCore:
                     if s and not req.finished and req.request_id in self.requests]
             snapshots = [(reqs[i], reqs[i].snapshot()) for i in live]
         with self._stage("commit", rollback=snapshots):
-            stopped, kept = [], []
+            stopped, kept, spec = [], {}, SpecCounts()
             for i, (req, snap) in zip(live, snapshots):
-                token = int(tokens[i])
+                tokens = row_tokens(out, plan, i, step.width)
+                kept[i] = []
                 try:
-                    entry = logprobs.sampled_entry(lp, i, token, req, self.tokenizer)
-                    if append_token(req, token, now, self.eos_token_ids, entry):
-                        stopped.append(req.request_id)
-                    kept.append(i)
+                    for j, token in enumerate(tokens):
+                        entry = logprobs.sampled_entry(lp, i * step.width + j, token, req,
+                                                       self.tokenizer)
+                        kept[i].append(token)
+                        if append_token(req, token, now, self.eos_token_ids, entry):
+                            stopped.append(req.request_id)
+                            break
                 except Exception as e:  # noqa: BLE001  one request's bug stops only it
-                    req.restore(snap)  # without this step's token
+                    req.restore(snap)  # without this step's tokens
                     req.finish(FINISH_ERROR, now, f"output processing failed: {e!r}")
                     stopped.append(req.request_id)
                     changed[req.request_id] = req
-            sampled = [int(tokens[i]) for i, s in enumerate(plan.samples) if s]
+                    del kept[i]
+                drafts = plan.row_spec_token_ids(i)
+                if drafts:
+                    spec.add(len(drafts), len(tokens) - 1)
+            sampled = [kept.get(i) or row_tokens(out, plan, i, step.width)
+                       for i, s in enumerate(plan.samples) if s]
+            if not plan.spec_token_ids:  # one token per row: commit's fast path takes ints
+                sampled = [tokens[0] for tokens in sampled]
             state, finished = scheduler.commit(self.state, plan, sampled, now,
                                                finished_ids=tuple(stopped))
         sampled_ids = tuple(reqs[i].request_id for i in kept)
@@ -255,16 +278,22 @@ class EngineCore:
             num_seqs=plan.num_seqs, bucket=step.bucket, compiled=step.compiled,
             engaged=plan.engaged.as_dict(), sampled=sampled_ids,
             cached_tokens=plan.num_cached_tokens, dispatched=step.handle.dispatched,
-            ready=step.handle.wait_ready(), expert_tokens=out.expert_tokens())
+            ready=step.handle.wait_ready(), expert_tokens=out.expert_tokens(),
+            **spec.record_fields())
         with self._stage("trace sink", rollback=snapshots):
             self.trace.record(record, strict=True)
         self.state = state
         self._touched.remove(step)
         for f in finished:
             self.requests[f.request_id].finish(f.reason, now)
-        for i in kept:
-            self.trace.sampled(reqs[i].request_id)
-            changed[reqs[i].request_id] = reqs[i]
+        for i, tokens in kept.items():
+            req = reqs[i]
+            self.trace.sampled(req.request_id, len(tokens))
+            drafts = plan.row_spec_token_ids(i)
+            if drafts:
+                req.num_draft_tokens += len(drafts)
+                req.num_accepted_tokens += len(row_tokens(out, plan, i, step.width)) - 1
+            changed[req.request_id] = req
 
     # --- failures ------------------------------------------------------------------------
     def _recover(self, failure: StepFailed, changed: dict) -> None:
@@ -281,6 +310,8 @@ class EngineCore:
             self.finish_request(req, FINISH_ERROR, now, message, changed)
         if failure.device or self.runner.cache_lost():
             self._reset_device(now, message, changed)
+        elif self.speculator is not None:  # a draft model's own KV may be gone with it
+            self.speculator.reset()
         for start, plan in [(s.start, s.plan) for s in steps] or [(now, None)]:
             self.trace.record(StepRecord(
                 index=self.trace.num_steps, start=start, end=now, prefill_tokens=0, decode_tokens=0,
@@ -298,6 +329,8 @@ class EngineCore:
         self.state = scheduler.forget_prefix_cache(scheduler.abandon(self.state, []))
         self.in_flight = None
         self.runner.reset_cache()
+        if self.speculator is not None:
+            self.speculator.reset()
 
     def fail_everything(self, message: str, changed: dict) -> None:
         """Every request (n > 1 samples not admitted yet included) ends with "error"."""

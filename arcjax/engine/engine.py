@@ -52,12 +52,14 @@ class Engine:
       trace_capacity: steps the trace ring keeps.
       async_scheduling: the overlapped step (plan step N+1 while step N runs) or the serial
         one; chosen here, once.
+      speculator: speculative decoding (`arcjax.engine.spec.Speculator`), or None.
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None,
                  sched_config: scheduler.SchedulerConfig, *, max_model_len: int,
                  seed: int = 0, clock=time.perf_counter, model_dir=None,
-                 trace_capacity: int = 10_000, async_scheduling: bool = False):
+                 trace_capacity: int = 10_000, async_scheduling: bool = False,
+                 speculator=None):
         self.runner, self.tokenizer, self.model_dir = runner, tokenizer, model_dir
         self.sched_config, self.max_model_len, self.clock = sched_config, max_model_len, clock
         eos = tokenizer.eos_token_ids if tokenizer else runner.cfg.eos_token_ids
@@ -67,7 +69,7 @@ class Engine:
         self.core = EngineCore(runner, tokenizer, sched_config, clock=clock,
                                trace_capacity=trace_capacity,
                                async_scheduling=async_scheduling,
-                               eos_token_ids=self.eos_token_ids)
+                               eos_token_ids=self.eos_token_ids, speculator=speculator)
         self.outputs = OutputProcessor(self.core.groups, self.core.release)
         self.dead: EngineDeadError | None = None
         self._lock = threading.Lock()  # guards the inbox, the id set and the pending list

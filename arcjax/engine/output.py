@@ -86,7 +86,8 @@ def _take(req: RequestState, kind: RequestOutputKind) -> tuple[CompletionOutput,
 def _metrics(req: RequestState) -> RequestMetrics:
     times = req.token_times
     return RequestMetrics(req.arrival, req.first_scheduled, times[0] if times else None,
-                          Prefix(times), req.finished_time)
+                          Prefix(times), req.finished_time, req.num_draft_tokens,
+                          req.num_accepted_tokens)
 
 
 def _prompt_logprobs(req: RequestState, kind: RequestOutputKind):

@@ -76,6 +76,16 @@ class RequestMetrics:
     first_token_time: float | None
     token_times: Sequence[float]  # host time each output token became known (all of them)
     finished_time: float | None
+    # speculative decoding: draft tokens this request's rows verified, and how many of them
+    # were accepted (both 0 without speculation)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted over drafted tokens (None when nothing was drafted)."""
+        return (self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens
+                else None)
 
     @property
     def ttft(self) -> float | None:

@@ -51,6 +51,8 @@ class RequestState:
     emitted_len: int = 0  # chars of `text` already handed out
     prompt_logprobs_sent: bool = False  # (DELTA outputs carry them once)
     stop_hold: int = 0  # chars held back while they may begin a stop string
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens its rows verified
+    num_accepted_tokens: int = 0  # of them, accepted
 
     def __post_init__(self):
         if self.params.logprobs is not None:

@@ -25,7 +25,7 @@ import json
 from collections import Counter
 from typing import Callable, Iterable, Mapping
 
-from scheduler.metrics import StepRecord, engagement, knob_report
+from scheduler.metrics import StepRecord, engagement, knob_report, spec_decode_summary
 
 __all__ = ["StepRecord", "StepTrace", "busy_time", "device_idle_gaps", "summarize",
            "write_jsonl"]
@@ -61,8 +61,8 @@ class StepTrace:
     def admit(self, request_id: str) -> None:
         self._sampled[request_id] = 0
 
-    def sampled(self, request_id: str) -> None:
-        self._sampled[request_id] += 1
+    def sampled(self, request_id: str, count: int = 1) -> None:
+        self._sampled[request_id] += count
 
     def release(self, request_id: str, num_tokens: int) -> None:
         traced = self._sampled.pop(request_id, 0)
@@ -100,8 +100,9 @@ def device_idle_gaps(records: list[StepRecord]) -> list[float]:
 
 def summarize(records: list[StepRecord], wall_time: float,
               configured_knobs: Mapping[str, object] = ()) -> dict:
-    """Run summary: step counts by kind, step-time coverage of wall time, and for every
-    configured knob whether it ever engaged and how often."""
+    """Run summary: step counts by kind, step-time coverage of wall time, for every
+    configured knob whether it ever engaged and how often, and speculative decoding's
+    acceptance (`scheduler.metrics.spec_decode_summary`)."""
     kinds = Counter(r.kind for r in records)
     busy = busy_time(records)
     gaps = device_idle_gaps(records)
@@ -124,6 +125,8 @@ def summarize(records: list[StepRecord], wall_time: float,
         "prefix_cache": {"cached_tokens": cached, "computed_prompt_tokens": computed,
                          "hit_rate": cached / (cached + computed) if cached + computed else None},
         "knobs_never_engaged": [k for k, v in knobs.items() if not v["engaged"]],
+        # speculative decoding: acceptance rate, mean acceptance length, per position
+        "spec_decode": spec_decode_summary(records),
     }
 
 

@@ -2,7 +2,9 @@
 
 - Per step (engine thread, `Engine.trace_sink`): steps, preemptions, and for every scheduling
   knob the steps in which it engaged (the trace's engagement log as counters; the same
-  counting as `arcjax.engine.trace.engagement`).
+  counting as `arcjax.engine.trace.engagement`); speculative decoding's drafts, draft and
+  accepted tokens, accepted tokens per draft position (vLLM's `spec_decode_*` counters;
+  acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts).
 - Per finished request (event loop): TTFT, inter-token latency and end-to-end latency
   histograms; prompt, generated and prefix-cache-hit token counters; requests by finish reason.
 - At scrape time: gauges from `Engine.stats()` (running, waiting, KV blocks in use / total).
@@ -81,6 +83,15 @@ class ServerMetrics:
         knob = counter("arcjax_scheduler_knob_engaged_steps", "Steps in which a scheduling "
                        "knob engaged (scheduler Engaged fields).", ["knob"])
         self.knobs = {k: knob.labels(knob=k, **labels) for k in KNOBS}
+        self.spec_drafts = counter("arcjax_spec_decode_num_drafts", "Decode rows that "
+                                   "verified draft tokens.").labels(**labels)
+        self.spec_draft_tokens = counter("arcjax_spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.").labels(**labels)
+        self.spec_accepted_tokens = counter("arcjax_spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.").labels(**labels)
+        self._spec_per_pos = counter("arcjax_spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.",
+                                     ["position"])
         self._knob_family = knob
         self._labels = labels
         r.register(_EngineGauges(engine))
@@ -89,6 +100,12 @@ class ServerMetrics:
     def on_step(self, record: StepRecord) -> None:
         """`Engine.trace_sink`: counts the step, its preemptions and engaged knobs."""
         self.steps.inc()
+        if record.spec_drafts:
+            self.spec_drafts.inc(record.spec_drafts)
+            self.spec_draft_tokens.inc(record.spec_draft_tokens)
+            self.spec_accepted_tokens.inc(record.spec_accepted_tokens)
+            for position, n in enumerate(record.spec_accepted_per_pos):
+                self._spec_per_pos.labels(position=str(position), **self._labels).inc(n)
         engaged = record.engaged
         preempted = engaged.get("preempted") or ()
         if preempted:

@@ -15,9 +15,19 @@ from arcjax.runtime.sampling import TokenLogprobs
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    tokens: jax.Array  # [S] int32 sampled ids (numpy once `ModelRunner.run` returns)
-    logprobs: TokenLogprobs  # [S] raw logprobs of the sampled tokens (zeros unless asked)
+    """A step's results. R = S sampled positions, or S * W in a verification step (sequence
+    s's positions are s * W .. s * W + W - 1; it yields the first `num_yielded[s]`)."""
+
+    tokens: jax.Array  # [R] int32 sampled ids (numpy once `ModelRunner.run` returns)
+    logprobs: TokenLogprobs  # [R] raw logprobs of the sampled tokens (zeros unless asked)
     prompt_logprobs: TokenLogprobs | None  # [T] of each row's next prompt token, or None
+    num_yielded: jax.Array | None = None  # [S] int32 tokens each sequence yields (1 + accepted
+    # drafts) in a verification step; None otherwise (every sequence yields its one token)
+
+    def row_tokens(self, row: int, width: int) -> np.ndarray:
+        """The tokens sequence `row` yields (host arrays; `width`: the bucket's W)."""
+        n = 1 if self.num_yielded is None else int(self.num_yielded[row])
+        return self.tokens[row * width:row * width + n]
     # [L, E] int32 tokens each expert received in each layer (mixtures of experts), or None
     expert_counts: jax.Array | None = None
 

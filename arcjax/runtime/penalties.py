@@ -31,9 +31,14 @@ import numpy as np
 PROMPT_BIT, STOP_BIT, COUNT_SHIFT = 1, 2, 2
 
 
-def apply_penalties(logits: jax.Array, counts: jax.Array, sp) -> jax.Array:
-    """vLLM's penalties, then the min_tokens mask. logits [S, V]; sp: a SamplingBatch."""
+def apply_penalties(logits: jax.Array, counts: jax.Array, sp,
+                    pending: jax.Array | None = None) -> jax.Array:
+    """vLLM's penalties, then the min_tokens mask. logits [S, V]; sp: a SamplingBatch;
+    pending: None, or [S, V] occurrences to count as generated on top of the table's
+    (speculative decoding: the drafts before a verified position)."""
     rows = counts[sp.slot]  # [S, V] int32
+    if pending is not None:
+        rows = rows + (pending << COUNT_SHIFT)
     n = (rows >> COUNT_SHIFT).astype(jnp.float32)  # occurrences in the output
     seen = ((rows & PROMPT_BIT) != 0) | (n > 0)
     rep = sp.repetition[:, None]

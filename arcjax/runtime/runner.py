@@ -8,6 +8,8 @@
    resident count table, `penalties.py`). Returns a `StepOutput`: token ids [S] and
    raw log-probabilities (plus, for steps with prompt_logprobs rows, at every row), and
    for a mixture of experts the tokens each expert received per layer.
+   A step with draft tokens samples W positions per sequence and verifies the drafts
+   (`spec_decode.py`): token ids [S * W] and how many each sequence yields [S].
    `run` is `collect(launch(...))`. Overlapped scheduling calls them apart: `launch` dispatches
    the step and returns a `StepHandle` at once (JAX dispatch is asynchronous) and starts the
    tokens' copy to the host; the next step's `launch(..., feed=(handle, rows))` takes the
@@ -44,18 +46,21 @@ from arcjax.model.specs import make_cache
 from arcjax.runtime.batching import build_batch, empty_batch
 from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.outputs import PromptTargets, StepOutput, prompt_targets
+from arcjax.runtime import spec_decode
 from arcjax.runtime.penalties import TokenCounts
 from arcjax.runtime.sampling import SamplingBatch, TokenLogprobs, sample_step, token_logprobs
 
 
 @functools.partial(jax.jit,
-                   static_argnames=("cfg", "attn_impl", "dtype", "max_q_len", "parallel"),
+                   static_argnames=("cfg", "attn_impl", "dtype", "max_q_len", "parallel",
+                                    "sample_width"),
                    donate_argnames=("cache", "counts"))
-def _step(params, cache, batch, sampling, counts, prompt=None, *, cfg, attn_impl, dtype,
-          max_q_len, parallel=None):
-    # cfg/attn_impl/dtype/max_q_len/parallel are static: one executable per bucket, no
-    # recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt` (prompt
-    # logprobs) is None or not: at most a second executable per bucket, built on demand.
+def _step(params, cache, batch, sampling, counts, prompt=None, spec=None, *, cfg, attn_impl,
+          dtype, max_q_len, parallel=None, sample_width=1):
+    # cfg/attn_impl/dtype/max_q_len/parallel/sample_width are static: one executable per
+    # bucket, no recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt`
+    # (prompt logprobs) is None or not: at most a second executable per bucket, built on
+    # demand. `spec` (draft tokens to verify) is set exactly in buckets of sample_width > 1.
     out, cache, expert_counts = decoder.forward_with_stats(
         params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
         parallel=parallel, head=prompt is None)
@@ -65,8 +70,13 @@ def _step(params, cache, batch, sampling, counts, prompt=None, *, cfg, attn_impl
     else:  # hidden states at every token row [T, H]; sampling reads its rows
         prompt_lp = _prompt_logprobs(params, cfg, out, prompt.targets, parallel)
         logits = decoder.lm_head(params, cfg, out[prompt.sample_rows], parallel)
-    tokens, logprobs, counts = sample_step(logits, sampling, counts)
-    return StepOutput(tokens, logprobs, prompt_lp, expert_counts), cache, counts
+    if spec is None:
+        tokens, logprobs, counts = sample_step(logits, sampling, counts)
+        return StepOutput(tokens, logprobs, prompt_lp, expert_counts=expert_counts), cache, counts
+    tokens, yielded, logprobs, counts = spec_decode.verify(logits, sampling, spec, counts,
+                                                           sample_width)
+    return (StepOutput(tokens, logprobs, prompt_lp, num_yielded=yielded,
+                       expert_counts=expert_counts), cache, counts)
 
 
 PROMPT_LOGPROB_ROWS = 128  # rows whose [rows, V] logits exist at once in a prompt-logprobs step
@@ -88,7 +98,8 @@ def _prompt_logprobs(params, cfg: ModelConfig, hidden, targets, parallel) -> Tok
 
 @jax.jit
 def _feed(token_ids, prev_tokens, rows):
-    """Input ids with row t replaced by `prev_tokens[rows[t]]` wherever rows[t] >= 0."""
+    """Input ids with row t replaced by `prev_tokens[rows[t]]` wherever rows[t] >= 0
+    (prev_tokens: [R], the previous step's sampled positions)."""
     return jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], token_ids)
 
 
@@ -220,72 +231,101 @@ class ModelRunner:
         return len({b for b, _ in self._compiled})
 
     def prepare(self, plan, sampling_rows: Sequence[tuple], prompt_rows=None):
-        """Packs one step plan. Returns (bucket, batch, sampling[, prompt]) as host arrays.
+        """Packs one step plan. Returns (bucket, batch, sampling[, prompt[, spec]]) as host
+        arrays (pass them to `launch` in that order).
 
         Args:
           plan: a `scheduler.StepPlan` (its columns are read, never its chunk records).
           sampling_rows: (params, seed, tokens generated so far[, count-table slot]) per row.
           prompt_rows: None, or per row the prompt whose log-probabilities it wants (None
             for rows that do not): the step then computes logits at every token row and
-            returns a 4-tuple whose last item is the `PromptTargets`.
+            returns the `PromptTargets` after the sampling inputs.
+
+        A plan whose decode rows carry draft tokens runs in a bucket of sample width
+        1 + num_speculative_tokens: its sampling inputs are per position and a fifth item,
+        the `spec_decode.SpecInputs`, follows the prompt targets (None when not asked).
         """
-        bucket = self.buckets.select(plan.num_tokens, plan.num_seqs, plan.decode_only)
+        drafts = plan.spec_token_ids
+        if drafts:
+            bucket = self.buckets.select_spec(plan.num_tokens, plan.num_seqs, max(plan.lengths))
+        else:
+            bucket = self.buckets.select(plan.num_tokens, plan.num_seqs, plan.decode_only)
         batch = build_batch(plan.token_ids, plan.starts, plan.lengths, plan.block_tables,
                             bucket=bucket, max_blocks=self.max_blocks,
                             block_size=self.block_size, num_blocks=self.num_blocks)
-        sampling = SamplingBatch.build(list(sampling_rows), bucket.seqs, self.counts.spare)
-        if prompt_rows is None:
-            return bucket, batch, sampling
-        prompt = prompt_targets(plan.starts, plan.lengths, prompt_rows, batch.logits_rows,
-                                bucket.tokens)
-        return bucket, dataclasses.replace(batch, logits_rows=np.arange(
-            bucket.tokens, dtype=np.int32)), sampling, prompt
+        spec = None
+        if drafts:
+            rows, sampling, spec = spec_decode.pack(
+                batch.cu_seqlens_q, plan.sample_counts, drafts, list(sampling_rows),
+                num_seqs=bucket.seqs, width=bucket.sample_width, spare_slot=self.counts.spare)
+            batch = dataclasses.replace(batch, logits_rows=rows)
+        else:
+            sampling = SamplingBatch.build(list(sampling_rows), bucket.seqs, self.counts.spare)
+        prompt = None
+        if prompt_rows is not None:
+            prompt = prompt_targets(plan.starts, plan.lengths, prompt_rows, batch.logits_rows,
+                                    bucket.tokens)
+            batch = dataclasses.replace(batch, logits_rows=np.arange(bucket.tokens,
+                                                                      dtype=np.int32))
+        if spec is not None:
+            return bucket, batch, sampling, prompt, spec
+        if prompt is not None:
+            return bucket, batch, sampling, prompt
+        return bucket, batch, sampling
 
-    def _executable(self, bucket: Bucket, batch, sampling, prompt):
+    def _executable(self, bucket: Bucket, batch, sampling, prompt, spec):
         exe = self._compiled.get((bucket, prompt is not None))
         if exe is None:
-            key = (self.cfg, self.attn_impl, str(self.dtype), bucket.max_q_len, self.parallel,
+            key = (self.cfg, self.attn_impl, str(self.dtype), bucket.max_q_len,
+                   bucket.sample_width, self.parallel,
                    _signature((self.params, self.cache, batch, sampling, self.counts.table,
-                               prompt)))
+                               prompt, spec)))
             exe = self.executables.get_or_compile(key, lambda: _step.lower(
-                self.params, self.cache, batch, sampling, self.counts.table, prompt,
+                self.params, self.cache, batch, sampling, self.counts.table, prompt, spec,
                 cfg=self.cfg, attn_impl=self.attn_impl, dtype=self.dtype,
-                max_q_len=bucket.max_q_len, parallel=self.parallel).compile())
+                max_q_len=bucket.max_q_len, parallel=self.parallel,
+                sample_width=bucket.sample_width).compile())
             self._compiled[(bucket, prompt is not None)] = exe
         return exe
 
-    def run(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None
-            ) -> StepOutput:
-        """Runs the step; returns its `StepOutput`: `tokens` [S] on the host (after the
-        device is done), log-probabilities still on the device (read them only if asked)."""
-        return self.collect(self.launch(bucket, batch, sampling, prompt))
+    def run(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
+            spec: spec_decode.SpecInputs | None = None) -> StepOutput:
+        """Runs the step; returns its `StepOutput`: `tokens` [R] (and `num_yielded` [S] in a
+        verification step) on the host (after the device is done), log-probabilities
+        still on the device (read them only if asked)."""
+        return self.collect(self.launch(bucket, batch, sampling, prompt, spec))
 
     def launch(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
+               spec: spec_decode.SpecInputs | None = None,
                feed: tuple[StepHandle, np.ndarray] | None = None) -> StepHandle:
         """Dispatches the step and returns without waiting for the device.
 
         Args:
+          spec: the draft tokens of a verification step (its bucket's sample width > 1).
           feed: None, or (the previous step's handle, rows [bucket.tokens] int32): input id t
-            becomes that step's sampled token of row rows[t] wherever rows[t] >= 0 (the
-            host's batch holds a placeholder there), computed on the device.
+            becomes that step's sampled position rows[t] (its `tokens[rows[t]]`) wherever
+            rows[t] >= 0 (the host's batch holds a placeholder there), computed on the device.
         """
         # One device: the host arrays go to the executable as they are (its C++ call path
         # transfers them, ~10x cheaper than a device_put per array).
         if self.parallel is not None:  # replicated on the mesh (each process its own copies)
-            batch, sampling, prompt = self.parallel.put_replicated((batch, sampling, prompt))
+            batch, sampling, prompt, spec = self.parallel.put_replicated(
+                (batch, sampling, prompt, spec))
         if feed is not None:
             prev, rows = feed
             if self.parallel is not None:
                 rows = self.parallel.put_replicated(rows)
             batch = dataclasses.replace(batch, token_ids=_feed(batch.token_ids,
                                                                prev.out.tokens, rows))
-        exe = self._executable(bucket, batch, sampling, prompt)
+        exe = self._executable(bucket, batch, sampling, prompt, spec)
         dispatched = time.perf_counter()
         out, self.cache, self.counts.table = exe(self.params, self.cache, batch, sampling,
-                                                 self.counts.table, prompt)
+                                                 self.counts.table, prompt, spec)
         handle = StepHandle(out, dispatched)
         if self.parallel is None:
             out.tokens.copy_to_host_async()
+            if out.num_yielded is not None:
+                out.num_yielded.copy_to_host_async()
         if self._watcher is not None:
             self._watcher.add(handle)
         return handle
@@ -293,11 +333,14 @@ class ModelRunner:
     def collect(self, handle: StepHandle) -> StepOutput:
         """The launched step's `StepOutput` with `tokens` on the host (waits for the device);
         log-probabilities stay on the device (read them only if asked)."""
-        tokens, experts = handle.out.tokens, handle.out.expert_counts
+        out = handle.out
+        tokens, yielded, experts = out.tokens, out.num_yielded, out.expert_counts
         if self.parallel is not None:  # replicated: any local copy is the value
             tokens = tokens.addressable_data(0)
+            yielded = None if yielded is None else yielded.addressable_data(0)
             experts = None if experts is None else experts.addressable_data(0)
-        return dataclasses.replace(handle.out, tokens=np.asarray(tokens), expert_counts=(
+        return dataclasses.replace(out, tokens=np.asarray(tokens), num_yielded=(
+            None if yielded is None else np.asarray(yielded)), expert_counts=(
             None if experts is None else np.asarray(experts)))
 
     def cache_lost(self) -> bool:
@@ -323,7 +366,13 @@ class ModelRunner:
         for bucket in sorted(buckets):
             batch = empty_batch(bucket, max_blocks=self.max_blocks, block_size=self.block_size,
                                 num_blocks=self.num_blocks)
-            self.run(bucket, batch, SamplingBatch.build([], bucket.seqs, self.counts.spare))
+            if bucket.sample_width == 1:
+                self.run(bucket, batch, SamplingBatch.build([], bucket.seqs, self.counts.spare))
+                continue
+            rows, sampling, spec = spec_decode.pack(
+                batch.cu_seqlens_q, (), (), (), num_seqs=bucket.seqs,
+                width=bucket.sample_width, spare_slot=self.counts.spare)
+            self.run(bucket, dataclasses.replace(batch, logits_rows=rows), sampling, None, spec)
         return time.perf_counter() - t0
 
     def warmup(self) -> float:
