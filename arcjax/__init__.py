@@ -1,6 +1,6 @@
 """arcjax: a JAX/Pallas LLM inference engine with chunked, mixed prefill+decode scheduling.
 
-Public API: `LLM` (batch and online use), `AsyncLLM` (a background engine loop for servers), `SamplingParams`, `RequestOutput`, the typed
+Public API: `LLM` (batch and online use), `AsyncLLM` (a background engine loop for servers), `SamplingParams` (with `StructuredOutputsParams`), `RequestOutput`, the typed
 errors of `arcjax.errors`, and `EngineConfig` / `build_engine` for embedding the engine.
 """
 
@@ -10,10 +10,13 @@ from arcjax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, Req
 from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.llm import LLM
 from arcjax.errors import (ConfigError, EngineConfigError, InputError, ModelFileError,
-                           RequestError, SamplingParamsError, UnknownRequestError)
+                           RequestError, SamplingParamsError, StructuredOutputsError,
+                           UnknownRequestError)
 from arcjax.runtime.sampling import SamplingParams
+from arcjax.runtime.structured_params import StructuredOutputsParams
 
 __all__ = ["AsyncLLM", "CompletionOutput", "LLM", "Logprob", "ConfigError", "EngineConfig", "EngineConfigError", "InputError",
            "ModelFileError", "RequestError", "RequestMetrics", "RequestOutput",
-           "SamplingParams", "SamplingParamsError", "UnknownRequestError", "build_engine",
+           "SamplingParams", "SamplingParamsError", "StructuredOutputsError",
+           "StructuredOutputsParams", "UnknownRequestError", "build_engine",
            "default_model_path"]

@@ -15,7 +15,7 @@ from scheduler.errors import (CommitError, ConfigError, DuplicateRequestError, I
 __all__ = ["CommitError", "ConfigError", "DuplicateRequestError", "EngineConfigError",
            "InputError", "ModelConfigError", "ModelFileError", "RequestError",
            "RequestTooLargeError", "SamplingParamsError", "StepOrderError",
-           "UnknownRequestError", "WeightsError"]
+           "StructuredOutputsError", "UnknownRequestError", "WeightsError"]
 
 
 class EngineConfigError(ConfigError):
@@ -24,6 +24,12 @@ class EngineConfigError(ConfigError):
 
 class SamplingParamsError(RequestError):
     """An invalid sampling parameter (field: the parameter's name)."""
+
+
+class StructuredOutputsError(SamplingParamsError):
+    """A structured-output constraint that is malformed or cannot compile into a grammar
+    (field: "structured_outputs.<kind>", e.g. "structured_outputs.json"; the server maps it
+    to its own field: response_format, tools, guided_json, ...)."""
 
 
 class ModelFileError(ValueError):

@@ -44,25 +44,50 @@ from arcjax.runtime.batching import build_batch, empty_batch
 from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.outputs import PromptTargets, StepOutput, prompt_targets
 from arcjax.runtime.penalties import TokenCounts
-from arcjax.runtime.sampling import SamplingBatch, logprobs_if, sample_step
+from arcjax.runtime.sampling import SamplingBatch, bitmask_words, logprobs_if, sample_step
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("cfg", "attn_impl", "dtype", "max_q_len", "parallel"),
-                   donate_argnames=("cache", "counts"))
-def _step(params, cache, batch, sampling, counts, prompt=None, *, cfg, attn_impl, dtype,
-          max_q_len, parallel=None):
-    # cfg/attn_impl/dtype/max_q_len/parallel are static: one executable per bucket, no
-    # recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt` (prompt
-    # logprobs) is None or not: at most a second executable per bucket, built on demand.
+_STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel")
+
+
+def _logits(params, cache, batch, prompt, *, cfg, attn_impl, dtype, max_q_len, parallel):
+    """The forward: (logits [S, V] at the sampled rows, prompt logprobs or None, cache)."""
     logits, cache = decoder.forward(params, cache, batch, cfg=cfg, attn_impl=attn_impl,
                                     dtype=dtype, max_q_len=max_q_len, parallel=parallel)
     prompt_lp = None
     if prompt is not None:  # logits at every token row [T, V]; sampling reads its rows
         prompt_lp = logprobs_if(jnp.bool_(True), logits, prompt.targets)
         logits = logits[prompt.sample_rows]
-    tokens, logprobs, counts = sample_step(logits, sampling, counts)
+    return logits, prompt_lp, cache
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache", "counts"))
+def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, *, cfg, attn_impl,
+          dtype, max_q_len, parallel=None):
+    # cfg/attn_impl/dtype/max_q_len/parallel are static: one executable per bucket, no
+    # recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt` (prompt
+    # logprobs) is None or not: at most a second executable per bucket, built on demand.
+    # `bitmask` [S, ceil(V / 32)] int32 is always an input (all ones for unconstrained
+    # rows): structured outputs need no other executable.
+    logits, prompt_lp, cache = _logits(params, cache, batch, prompt, cfg=cfg,
+                                       attn_impl=attn_impl, dtype=dtype,
+                                       max_q_len=max_q_len, parallel=parallel)
+    tokens, logprobs, counts = sample_step(logits, sampling, counts, bitmask)
     return StepOutput(tokens, logprobs, prompt_lp), cache, counts
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _forward(params, cache, batch, prompt=None, *, cfg, attn_impl, dtype, max_q_len,
+             parallel=None):
+    """`_step` without its sampling: for a step whose bitmask is not known at launch."""
+    return _logits(params, cache, batch, prompt, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
+                   max_q_len=max_q_len, parallel=parallel)
+
+
+@functools.partial(jax.jit, donate_argnames=("counts",))
+def _sample(logits, sampling, counts, bitmask):
+    """`_step`'s sampling alone, after `_forward`."""
+    return sample_step(logits, sampling, counts, bitmask)
 
 
 @jax.jit
@@ -76,16 +101,20 @@ class StepHandle:
     """A launched step: its outputs (on the device until `collect`), and times.
 
     Attributes:
-      out: the `StepOutput`, device arrays.
+      out: the `StepOutput`, device arrays (None between `launch_forward` and
+        `launch_sampling`).
       dispatched: clock time just before the step was dispatched.
       ready: clock time the device finished it, when the runner watches completions
         (`ModelRunner.watch_completion`), else None.
     """
 
-    out: StepOutput
+    out: StepOutput | None
     dispatched: float
     ready: float | None = None
     _done: threading.Event | None = None
+    # A step launched in two parts (`launch_forward`): (logits [S, V], prompt logprobs or
+    # None) on the device until `launch_sampling` turns them into `out`.
+    _forward: tuple | None = None
 
     def wait_ready(self) -> float | None:
         """`ready`, once the watcher has seen the step finish (None when not watched)."""
@@ -170,7 +199,8 @@ class ModelRunner:
         self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
         self.cache = self._new_cache()
         self.executables = executables if executables is not None else ExecutableCache()
-        self._compiled: dict[tuple[Bucket, bool], object] = {}
+        self._compiled: dict[tuple[Bucket, str, bool], object] = {}
+        self._all_allowed: dict[int, jax.Array] = {}  # rows -> all-ones bitmask (device)
         # penalties / min_tokens state: one slot per sequence a step can hold (penalties.py)
         self.counts = TokenCounts(buckets.seq_rungs[-1], cfg.vocab_size)
         self._watcher: _CompletionWatcher | None = None
@@ -191,7 +221,7 @@ class ModelRunner:
     @property
     def num_executables(self) -> int:
         """Buckets this runner has acquired an executable for (compiled or found)."""
-        return len({b for b, _ in self._compiled})
+        return len({key[0] for key in self._compiled})
 
     def prepare(self, plan, sampling_rows: Sequence[tuple], prompt_rows=None):
         """Packs one step plan. Returns (bucket, batch, sampling[, prompt]) as host arrays.
@@ -215,51 +245,110 @@ class ModelRunner:
         return bucket, dataclasses.replace(batch, logits_rows=np.arange(
             bucket.tokens, dtype=np.int32)), sampling, prompt
 
-    def _executable(self, bucket: Bucket, batch, sampling, prompt):
-        exe = self._compiled.get((bucket, prompt is not None))
+    def _executable(self, bucket: Bucket, variant: str, args: tuple):
+        """The compiled `variant` ("step", "forward" or "sample") of `bucket` for `args`
+        (its positional inputs)."""
+        fn = {"step": _step, "forward": _forward, "sample": _sample}[variant]
+        prompt_given = variant != "sample" and args[-1] is not None
+        exe = self._compiled.get((bucket, variant, prompt_given))
         if exe is None:
-            key = (self.cfg, self.attn_impl, str(self.dtype), bucket.max_q_len, self.parallel,
-                   _signature((self.params, self.cache, batch, sampling, self.counts.table,
-                               prompt)))
-            exe = self.executables.get_or_compile(key, lambda: _step.lower(
-                self.params, self.cache, batch, sampling, self.counts.table, prompt,
-                cfg=self.cfg, attn_impl=self.attn_impl, dtype=self.dtype,
-                max_q_len=bucket.max_q_len, parallel=self.parallel).compile())
-            self._compiled[(bucket, prompt is not None)] = exe
+            if variant == "sample":  # depends on the row count and vocabulary only
+                key = ("sample", self.parallel, _signature(args))
+                lower = functools.partial(fn.lower, *args)
+            else:
+                key = (variant, self.cfg, self.attn_impl, str(self.dtype), bucket.max_q_len,
+                       self.parallel, _signature(args))
+                lower = functools.partial(fn.lower, *args, cfg=self.cfg,
+                                          attn_impl=self.attn_impl, dtype=self.dtype,
+                                          max_q_len=bucket.max_q_len, parallel=self.parallel)
+            exe = self.executables.get_or_compile(key, lambda: lower().compile())
+            self._compiled[(bucket, variant, prompt_given)] = exe
         return exe
 
-    def run(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None
-            ) -> StepOutput:
-        """Runs the step; returns its `StepOutput`: `tokens` [S] on the host (after the
-        device is done), log-probabilities still on the device (read them only if asked)."""
-        return self.collect(self.launch(bucket, batch, sampling, prompt))
+    def all_allowed(self, rows: int):
+        """The bitmask of `rows` unconstrained rows, [rows, ceil(V / 32)] int32 all ones,
+        kept on the device (a step without structured outputs transfers no mask)."""
+        mask = self._all_allowed.get(rows)
+        if mask is None:
+            host = np.full((rows, bitmask_words(self.cfg.vocab_size)), -1, np.int32)
+            mask = (self.parallel.put_replicated(host) if self.parallel is not None
+                    else jax.device_put(host))
+            self._all_allowed[rows] = mask
+        return mask
 
-    def launch(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
-               feed: tuple[StepHandle, np.ndarray] | None = None) -> StepHandle:
-        """Dispatches the step and returns without waiting for the device.
-
-        Args:
-          feed: None, or (the previous step's handle, rows [bucket.tokens] int32): input id t
-            becomes that step's sampled token of row rows[t] wherever rows[t] >= 0 (the
-            host's batch holds a placeholder there), computed on the device.
-        """
+    def _device_inputs(self, bucket: Bucket, batch, sampling, prompt, bitmask, feed):
+        """Host inputs as the executable takes them: replicated on a mesh, the bitmask
+        defaulted (all ones), placeholder ids fed from the step in flight."""
+        if bitmask is None:
+            bitmask = self.all_allowed(bucket.seqs)
         # One device: the host arrays go to the executable as they are (its C++ call path
         # transfers them, ~10x cheaper than a device_put per array).
         if self.parallel is not None:  # replicated on the mesh (each process its own copies)
             batch, sampling, prompt = self.parallel.put_replicated((batch, sampling, prompt))
+            if isinstance(bitmask, np.ndarray):
+                bitmask = self.parallel.put_replicated(bitmask)
         if feed is not None:
             prev, rows = feed
             if self.parallel is not None:
                 rows = self.parallel.put_replicated(rows)
             batch = dataclasses.replace(batch, token_ids=_feed(batch.token_ids,
                                                                prev.out.tokens, rows))
-        exe = self._executable(bucket, batch, sampling, prompt)
+        return batch, sampling, prompt, bitmask
+
+    def run(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
+            bitmask: np.ndarray | None = None) -> StepOutput:
+        """Runs the step; returns its `StepOutput`: `tokens` [S] on the host (after the
+        device is done), log-probabilities still on the device (read them only if asked)."""
+        return self.collect(self.launch(bucket, batch, sampling, prompt, bitmask=bitmask))
+
+    def launch(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
+               feed: tuple[StepHandle, np.ndarray] | None = None,
+               bitmask: np.ndarray | None = None) -> StepHandle:
+        """Dispatches the step and returns without waiting for the device.
+
+        Args:
+          feed: None, or (the previous step's handle, rows [bucket.tokens] int32): input id t
+            becomes that step's sampled token of row rows[t] wherever rows[t] >= 0 (the
+            host's batch holds a placeholder there), computed on the device.
+          bitmask: None (no row constrained), or [bucket.seqs, ceil(V / 32)] int32: the
+            tokens each row may sample (all ones for unconstrained rows).
+        """
+        batch, sampling, prompt, bitmask = self._device_inputs(bucket, batch, sampling,
+                                                               prompt, bitmask, feed)
+        args = (self.params, self.cache, batch, sampling, self.counts.table, bitmask, prompt)
+        exe = self._executable(bucket, "step", args)
         dispatched = time.perf_counter()
-        out, self.cache, self.counts.table = exe(self.params, self.cache, batch, sampling,
-                                                 self.counts.table, prompt)
-        handle = StepHandle(out, dispatched)
+        out, self.cache, self.counts.table = exe(*args)
+        return self._launched(StepHandle(out, dispatched))
+
+    def launch_forward(self, bucket: Bucket, batch, prompt: PromptTargets | None = None,
+                       feed: tuple[StepHandle, np.ndarray] | None = None) -> StepHandle:
+        """Dispatches the step's forward only (its bitmask is not known yet: overlapped
+        scheduling with structured outputs); `launch_sampling` completes it. Arguments as
+        `launch`'s."""
+        batch, _, prompt, _ = self._device_inputs(bucket, batch, None, prompt, None, feed)
+        args = (self.params, self.cache, batch, prompt)
+        exe = self._executable(bucket, "forward", args)
+        dispatched = time.perf_counter()
+        logits, prompt_lp, self.cache = exe(*args)
+        return StepHandle(None, dispatched, _forward=(bucket, logits, prompt_lp))
+
+    def launch_sampling(self, handle: StepHandle, sampling,
+                        bitmask: np.ndarray | None = None) -> StepHandle:
+        """Dispatches the sampling of a step launched by `launch_forward`; `handle` is then
+        like one `launch` returned. Returns it."""
+        bucket, logits, prompt_lp = handle._forward
+        _, sampling, _, bitmask = self._device_inputs(bucket, None, sampling, None, bitmask,
+                                                      None)
+        args = (logits, sampling, self.counts.table, bitmask)
+        exe = self._executable(bucket, "sample", args)
+        tokens, logprobs, self.counts.table = exe(*args)
+        handle.out, handle._forward = StepOutput(tokens, logprobs, prompt_lp), None
+        return self._launched(handle)
+
+    def _launched(self, handle: StepHandle) -> StepHandle:
         if self.parallel is None:
-            out.tokens.copy_to_host_async()
+            handle.out.tokens.copy_to_host_async()
         if self._watcher is not None:
             self._watcher.add(handle)
         return handle
@@ -299,7 +388,8 @@ class ModelRunner:
 
     def warmup(self) -> float:
         """Prepares every bucket. Returns the seconds it took."""
-        return self.warm(b for b in self.buckets.all() if b not in self._compiled)
+        warm = {key[0] for key in self._compiled if key[1] == "step"}
+        return self.warm(b for b in self.buckets.all() if b not in warm)
 
 
 def enable_persistent_compilation_cache(path) -> None:

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from arcjax.errors import SamplingParamsError
+from arcjax.runtime.structured_params import StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # top-k log-probabilities per position: the device always computes 20
@@ -47,8 +48,14 @@ class SamplingParams:
       logprobs: None = none; k in [0, 20] = the sampled token's log-probability plus the k
         most likely tokens'. prompt_logprobs: the same for every prompt position after the
         first. Both are RAW: log_softmax of the model's logits, before penalties,
-        temperature and filters (vLLM's default `logprobs_mode="raw_logprobs"`).
+        temperature and filters (vLLM's default `logprobs_mode="raw_logprobs"`); with
+        structured_outputs, of the logits after the grammar's mask (as vLLM: tokens the
+        grammar forbids have -inf).
       skip_special_tokens / spaces_between_special_tokens: detokenization of the output.
+      structured_outputs: None, or a `StructuredOutputsParams` (or a mapping of its fields)
+        the output must match: a JSON schema, a regex, a choice, a grammar. Tokens the
+        grammar does not allow are masked before penalties, temperature and filters; a
+        request whose grammar is complete and admits nothing more finishes with "stop".
     """
 
     max_tokens: int = 16
@@ -69,6 +76,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -107,6 +115,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise SamplingParamsError(name, f"must be a bool, got {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))
+        object.__setattr__(self, "structured_outputs",
+                           StructuredOutputsParams.coerce(self.structured_outputs))
 
     @property
     def uses_penalty_state(self) -> bool:
