@@ -1,5 +1,7 @@
 """Public entry point: input validation and dispatch to an implementation."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -7,6 +9,7 @@ from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import pallas_gpu
 from pallas_kernels import plan as plan_lib
 from pallas_kernels.errors import KernelArgumentError
+from pallas_kernels.options import AttentionOptions
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.xla import ragged_paged_attention_xla
 
@@ -50,6 +53,36 @@ def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs
                  f"expected an integer dtype, got {x.dtype}")
 
 
+def _options(sliding_window, logit_softcap, k_scale, v_scale) -> AttentionOptions:
+    """Validates the optional semantics and returns them as device scalars."""
+    if sliding_window is not None:
+        _require(jnp.ndim(sliding_window) == 0, "sliding_window",
+                 f"expected a scalar, got shape {jnp.shape(sliding_window)}")
+        _require(jnp.issubdtype(jnp.result_type(sliding_window), jnp.integer),
+                 "sliding_window", f"expected an integer, got {sliding_window!r}")
+        if isinstance(sliding_window, int):
+            _require(sliding_window >= 1, "sliding_window",
+                     f"expected a window of at least 1 key, got {sliding_window}")
+        sliding_window = jnp.asarray(sliding_window, jnp.int32)
+    if logit_softcap is not None:
+        _require(isinstance(logit_softcap, (int, float)) and logit_softcap > 0,
+                 "logit_softcap", f"expected a positive Python float, got {logit_softcap!r}")
+        logit_softcap = float(logit_softcap)
+    scales = []
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None:
+            _require(jnp.ndim(scale) == 0, name, f"expected a scalar, got shape {jnp.shape(scale)}")
+            scale = jnp.asarray(scale, jnp.float32)
+        scales.append(scale)
+    return AttentionOptions(sliding_window=sliding_window, logit_softcap=logit_softcap,
+                            k_scale=scales[0], v_scale=scales[1])
+
+
+def _plain(opts: AttentionOptions) -> bool:
+    """No option past plain causal attention (what the Pallas GPU kernel supports today)."""
+    return all(getattr(opts, f.name) is None for f in dataclasses.fields(opts))
+
+
 def _gpu_can_tile(q, k_pages) -> bool:
     d, page_size = q.shape[2], k_pages.shape[1]
     return plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT and plan_lib.is_pow2(page_size)
@@ -73,6 +106,10 @@ def ragged_paged_attention(
     num_seqs: jax.Array | int,  # scalar int32, traced
     *,
     sm_scale: float | None = None,
+    sliding_window: jax.Array | int | None = None,
+    logit_softcap: float | None = None,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
     impl: str = "auto",
     interpret: bool = False,
     max_q_len: int | None = None,
@@ -91,6 +128,14 @@ def ragged_paged_attention(
         num_seqs: how many of the S sequence rows are real; traced, so it never
             causes a recompile.
         sm_scale: softmax scale; defaults to `D ** -0.5`.
+        sliding_window: None (full causal), or an integer scalar >= 1, traced or not
+            (one executable serves every layer): a row at absolute position p sees
+            keys `p - sliding_window < k <= p`.
+        logit_softcap: None, or a positive float (static): scores after `sm_scale`
+            become `cap * tanh(s / cap)` before masking.
+        k_scale, v_scale: None, or float32 scalars (traced or not): the pages hold
+            `value / scale` (e.g. float8_e4m3fn pages); attention reads
+            `float32(page) * scale`.
         impl: "reference" (host-side oracle, not for jit), "xla", "pallas_gpu", or
             "auto" (pallas_gpu on a GPU when D and block_size are powers of two,
             xla otherwise). Static.
@@ -103,6 +148,7 @@ def ragged_paged_attention(
         The attention output `[T, Hq, D]` in q's dtype.
     """
     _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, impl)
+    opts = _options(sliding_window, logit_softcap, k_scale, v_scale)
     t, _, d = q.shape
     if sm_scale is None:
         sm_scale = d**-0.5
@@ -114,16 +160,21 @@ def ragged_paged_attention(
     max_q_len = min(max_q_len, t)
     if impl == "auto":
         on_gpu = jax.default_backend() == "gpu"
-        impl = "pallas_gpu" if on_gpu and _gpu_can_tile(q, k_pages) else "xla"
+        gpu_ok = on_gpu and _gpu_can_tile(q, k_pages) and _plain(opts)
+        impl = "pallas_gpu" if gpu_ok else "xla"
     if impl == "reference":
         return ragged_paged_attention_reference(
-            q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale)
+            q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,
+            sliding_window=sliding_window, logit_softcap=opts.logit_softcap,
+            k_scale=k_scale, v_scale=v_scale)
     num_seqs = jnp.asarray(num_seqs, jnp.int32)
     block_tables = block_tables.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     cu_seqlens_q = cu_seqlens_q.astype(jnp.int32)
     if impl == "pallas_gpu":
         _validate_gpu_shapes(q, k_pages)
+        _require(_plain(opts), "impl", 'impl="pallas_gpu" does not support sliding_window, '
+                 "logit_softcap or k_scale/v_scale yet; use impl=\"xla\"")
         plan = gpu_plan_lib.make_gpu_plan(
             num_tokens=t, num_seqs=block_tables.shape[0], num_heads=q.shape[1],
             num_kv_heads=k_pages.shape[2], head_dim=d, page_size=k_pages.shape[1],
@@ -136,4 +187,5 @@ def ragged_paged_attention(
         max_blocks=block_tables.shape[1], max_q_len=max_q_len, block_q=XLA_BLOCK_Q,
         block_k=XLA_DECODE_BLOCK_K if max_q_len == 1 else XLA_BLOCK_K)
     return ragged_paged_attention_xla(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, tiles)
+        q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, tiles,
+        opts)

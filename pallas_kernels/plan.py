@@ -139,6 +139,17 @@ def kv_steps(plan: TilePlan, first_pos: jax.Array, rows: jax.Array) -> tuple[jax
     return jnp.minimum(unmasked, total), total
 
 
+def window_start(plan: TilePlan, first_pos: jax.Array, window: jax.Array | None) -> jax.Array:
+    """First key step a tile starting at `first_pos` needs under a sliding window.
+
+    Row 0 sees keys `(first_pos - window, first_pos]` and later rows slide right, so
+    key steps wholly before `first_pos - window + 1` are skipped. No window: step 0.
+    """
+    if window is None:
+        return jnp.zeros_like(first_pos)
+    return jnp.maximum(first_pos - window + 1, 0) // plan.block_k
+
+
 def longest_first(plan: TilePlan, meta: TileMetadata) -> TileMetadata:
     """Reorders the tiles by key steps, most first (idle tiles, with none, stay last).
 

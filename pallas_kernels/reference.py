@@ -20,8 +20,14 @@ def ragged_paged_attention_reference(
     cu_seqlens_q: jax.Array,  # [S + 1] int32
     num_seqs: jax.Array | int,  # scalar int32
     sm_scale: float,
+    *,
+    sliding_window: jax.Array | int | None = None,  # scalar
+    logit_softcap: float | None = None,
+    k_scale: jax.Array | float | None = None,  # scalar
+    v_scale: jax.Array | float | None = None,  # scalar
 ) -> jax.Array:  # [T, Hq, D]
-    if isinstance(q, jax.core.Tracer) or isinstance(num_seqs, jax.core.Tracer):
+    if any(isinstance(x, jax.core.Tracer)
+           for x in (q, num_seqs, sliding_window, k_scale, v_scale)):
         raise TypeError('impl="reference" reads concrete values on the host; '
                         "it cannot run under jit")
     t, hq, d = q.shape
@@ -30,6 +36,10 @@ def ragged_paged_attention_reference(
     q_host = np.asarray(q.astype(jnp.float32))
     k_host = np.asarray(k_pages.astype(jnp.float32))
     v_host = np.asarray(v_pages.astype(jnp.float32))
+    if k_scale is not None:  # quantized pages hold value / scale
+        k_host = k_host * np.float32(k_scale)
+    if v_scale is not None:
+        v_host = v_host * np.float32(v_scale)
     block_tables = np.asarray(block_tables)
     kv_lens = np.asarray(kv_lens)
     cu = np.asarray(cu_seqlens_q)
@@ -39,15 +49,21 @@ def ragged_paged_attention_reference(
         q_len, kv_len = q_end - q_start, int(kv_lens[s])
         if q_len == 0:
             continue
-        keys = np.arange(kv_len)
+        # Keys older than row 0's window are never seen (later rows' windows start later).
+        first = 0 if sliding_window is None else max(0, kv_len - q_len - int(sliding_window) + 1)
+        keys = np.arange(first, kv_len)
         pages = block_tables[s, keys // block_size]
-        k = np.repeat(k_host[pages, keys % block_size], group, axis=1)  # [kv_len, Hq, D]
-        v = np.repeat(v_host[pages, keys % block_size], group, axis=1)  # [kv_len, Hq, D]
+        k = np.repeat(k_host[pages, keys % block_size], group, axis=1)  # [K, Hq, D]
+        v = np.repeat(v_host[pages, keys % block_size], group, axis=1)  # [K, Hq, D]
         scores = np.einsum("qhd,khd->hqk", q_host[q_start:q_end], k) * np.float32(sm_scale)
+        if logit_softcap is not None:
+            scores = np.float32(logit_softcap) * np.tanh(scores / np.float32(logit_softcap))
         # Bottom-right causal: row i sits at absolute position kv_len - q_len + i.
         positions = kv_len - q_len + np.arange(q_len)
-        allowed = keys[None, :] <= positions[:, None]  # [q_len, kv_len]
-        scores = np.where(allowed[None], scores, -np.inf)  # [Hq, q_len, kv_len]
+        allowed = keys[None, :] <= positions[:, None]  # [q_len, K]
+        if sliding_window is not None:  # keys in (position - window, position]
+            allowed &= keys[None, :] > positions[:, None] - int(sliding_window)
+        scores = np.where(allowed[None], scores, -np.inf)  # [Hq, q_len, K]
         probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
         out[q_start:q_end] = np.einsum("hqk,khd->qhd", probs, v)

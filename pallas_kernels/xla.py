@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import plan as plan_lib
+from pallas_kernels.options import AttentionOptions
 
 ROW_WIDTHS = (1, 8, 32, 128)  # static tile widths a tile may shrink to
 
@@ -43,6 +44,7 @@ def _tile_attention(
     kv_len: jax.Array,  # scalar
     n_rows: jax.Array,  # scalar: real rows, <= rows
     sm_scale: float,
+    opts: AttentionOptions,
 ) -> jax.Array:  # [rows, Hq, D] float32
     _, hq, d = q.shape
     hkv = k_pages.shape[2]
@@ -55,18 +57,21 @@ def _tile_attention(
     qt = qt.reshape(rows, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rows * group, d)
     pos_m = jnp.repeat(pos, group)  # [M] with M = rows * G, row-major (row, g)
     _, total = plan_lib.kv_steps(tiles, first_pos, n_rows)
+    start = jnp.minimum(plan_lib.window_start(tiles, first_pos, opts.sliding_window), total)
 
     def step(i, carry):
         m, l, acc = carry  # [Hkv, M], [Hkv, M], [Hkv, M, D]
         pages = jax.lax.dynamic_slice_in_dim(table, i * pps, pps)  # [pps]
         keys = i * bk + jnp.arange(bk)  # [bk]
-        key_ok = keys < kv_len
+        # Keys the tile may read: below kv_len and not older than row 0's window (later
+        # rows' windows start later). Others may hold anything, NaN included.
+        key_ok = (keys < kv_len) & opts.in_window(keys, first_pos)
         k = k_pages[pages].reshape(bk, hkv, d).transpose(1, 0, 2)  # [Hkv, bk, D]
         v = v_pages[pages].reshape(bk, hkv, d).transpose(1, 0, 2)  # [Hkv, bk, D]
-        k = k.astype(jnp.float32)
-        v = jnp.where(key_ok[None, :, None], v, 0).astype(jnp.float32)
-        s = jnp.einsum("hmd,hkd->hmk", qt, k)  # [Hkv, M, bk]
-        ok = key_ok[None, :] & (keys[None, :] <= pos_m[:, None])  # [M, bk]
+        k, v = opts.dequantize(k, v)  # float32
+        v = jnp.where(key_ok[None, :, None], v, 0)
+        s = opts.softcap(jnp.einsum("hmd,hkd->hmk", qt, k))  # [Hkv, M, bk]
+        ok = key_ok[None, :] & opts.visible(keys[None, :], pos_m[:, None])  # [M, bk]
         s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
@@ -79,7 +84,7 @@ def _tile_attention(
     m_rows = rows * group
     init = (jnp.full((hkv, m_rows), -jnp.inf), jnp.zeros((hkv, m_rows)),
             jnp.zeros((hkv, m_rows, d)))
-    _, l, acc = jax.lax.fori_loop(0, total, step, init)
+    _, l, acc = jax.lax.fori_loop(start, total, step, init)
     o = acc / jnp.where(l > 0, l, 1)[..., None]  # [Hkv, M, D]
     return o.reshape(hkv, rows, group, d).transpose(1, 0, 2, 3).reshape(rows, hq, d)
 
@@ -94,6 +99,7 @@ def ragged_paged_attention_xla(
     num_seqs: jax.Array,  # scalar int32
     sm_scale: float,
     tiles: plan_lib.TilePlan,
+    opts: AttentionOptions,
 ) -> jax.Array:  # [T, Hq, D]
     t, hq, d = q.shape
     max_blocks = block_tables.shape[1]
@@ -112,7 +118,8 @@ def ragged_paged_attention_xla(
 
         def attend_and_write(width, out):
             o = _tile_attention(width, tiles, q_pad, k_pages, v_pages, tables[meta.seq[w]],
-                                q_start, meta.first_pos[w], meta.kv_len[w], n_rows, sm_scale)
+                                q_start, meta.first_pos[w], meta.kv_len[w], n_rows, sm_scale,
+                                opts)
             old = jax.lax.dynamic_slice_in_dim(out, q_start, width)
             new = jnp.where((jnp.arange(width) < n_rows)[:, None, None], o.astype(out.dtype), old)
             return jax.lax.dynamic_update_slice_in_dim(out, new, q_start, 0)
