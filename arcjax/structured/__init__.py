@@ -6,6 +6,7 @@ Dependencies: the engine and the server use this package; it uses `arcjax.runtim
 params classes and nothing above them.
 """
 
-from arcjax.structured.grammar import GrammarCompiler, MaskFiller, RequestGrammar, bitmask_words
+from arcjax.structured.grammar import (GrammarCompiler, MaskFiller, RequestGrammar,
+                                       StructuredOutputManager)
 
-__all__ = ["GrammarCompiler", "MaskFiller", "RequestGrammar", "bitmask_words"]
+__all__ = ["GrammarCompiler", "MaskFiller", "RequestGrammar", "StructuredOutputManager"]

@@ -176,11 +176,10 @@ class MaskFiller:
     """Fills packed bitmasks on llguidance's thread pool (one per engine)."""
 
     def __init__(self, vocab_size: int, num_threads: int | None = None):
-        import llguidance
-
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
-        self._executor = llguidance.LLExecutor(num_threads)
+        self._num_threads = num_threads
+        self._executor = None  # its threads start on first use
 
     def fill(self, rows: Sequence[tuple[int, RequestGrammar]], size: int) -> np.ndarray:
         """The bitmask of one step: `rows` are (row index, grammar) of the constrained
@@ -189,6 +188,52 @@ class MaskFiller:
 
         mask = np.full((size, self.words), -1, np.int32)
         if rows:
+            if self._executor is None:
+                import llguidance
+
+                self._executor = llguidance.LLExecutor(self._num_threads)
             llnp.fill_next_token_bitmask_par(
                 self._executor, [(g.matcher, int(i)) for i, g in rows], mask)
         return mask
+
+
+class StructuredOutputManager:
+    """An engine's structured outputs: the compiler (built on first use: most engines never
+    see a constrained request) and the mask filler.
+
+    Attributes:
+      compiler: the `GrammarCompiler`, or None until the first constrained request.
+      filler: the `MaskFiller` (replaceable, e.g. by a timing wrapper in benchmarks).
+    """
+
+    def __init__(self, tokenizer_path: str | None, vocab_size: int,
+                 eos_token_ids: Sequence[int]):
+        self._tokenizer_path = tokenizer_path
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
+        self.compiler: GrammarCompiler | None = None
+        self.filler = MaskFiller(vocab_size)
+        self._lock = threading.Lock()
+
+    def grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
+        """A fresh matcher for one request (compiled or found in the cache).
+
+        Raises:
+          StructuredOutputsError: the model has no tokenizer, or the constraint does not
+            compile (names its field).
+        """
+        with self._lock:
+            if self.compiler is None:
+                if self._tokenizer_path is None:
+                    raise StructuredOutputsError("structured_outputs", "needs the model's "
+                                                 "tokenizer (tokenizer.json): this model "
+                                                 "has none")
+                with open(self._tokenizer_path, encoding="utf-8") as f:
+                    self.compiler = GrammarCompiler(f.read(), self.vocab_size,
+                                                    self.eos_token_ids)
+        return self.compiler.matcher(params)
+
+    def bitmask(self, rows: Sequence[tuple[int, RequestGrammar]], size: int
+                ) -> np.ndarray | None:
+        """The bitmask of a step's `size` rows ((row, grammar) of the constrained ones), or
+        None when no row is constrained (the runner then uses its all-ones mask)."""
+        return self.filler.fill(rows, size) if rows else None
