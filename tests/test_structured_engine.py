@@ -1,0 +1,161 @@
+"""Structured outputs in the engine, on tiny random-weight models: the grammar's mask alone
+must make every output valid. JSON schemas validate (`jsonschema`), regex outputs match,
+choice outputs are a choice, Lark grammars parse; under every policy, with overlapped
+scheduling on and off, prefix caching, n > 1 and seeded sampling. Unconstrained requests
+batched with constrained ones are token-for-token what they are alone. Failed steps roll
+the grammar back; bad constraints are typed errors at submission.
+
+Every schema and pattern here forces termination within max_tokens (bounded strings,
+enums, no free whitespace), so "stop" is the only right finish reason.
+"""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from arcjax import LLM, SamplingParams, StructuredOutputsError, StructuredOutputsParams
+from hf_models import ARCHS, tiny_model_dir, tiny_model_with_tokenizer
+
+# test_engine's geometry: compiled steps are shared with its engines.
+GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
+                attention_impl="xla")
+PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Naïve café, 東京 and more", "return n"]
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "pet": {"enum": ["cat", "dog", "fox"]},
+    "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+    "required": ["name", "age", "pet", "tags"], "additionalProperties": False}
+REGEX = r"(yes|no), [0-9]{1,3} (apples|pears)\."
+CHOICES = ["alpha", "beta gamma", "δ"]
+LARK = 'start: "f(" num ("," num)? ")"\nnum: /[0-9]{1,2}/'
+MAX_TOKENS = 64
+
+
+def _constraints():
+    return [StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+            StructuredOutputsParams(regex=REGEX),
+            StructuredOutputsParams(choice=CHOICES),
+            StructuredOutputsParams(grammar=LARK)]
+
+
+def _check(kind: str, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    else:
+        assert re.fullmatch(r"f\([0-9]{1,2}(,[0-9]{1,2})?\)", text), text
+
+
+def _llm(arch="LlamaForCausalLM", **options):
+    return LLM(tiny_model_with_tokenizer(arch), **{**GEOMETRY, **options})
+
+
+def _run(llm, temperature=0.0, n=1):
+    """Every constraint on every prompt (greedy or seeded); checks each output."""
+    params, kinds = [], []
+    for c in _constraints():
+        for i, _ in enumerate(PROMPTS):
+            params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature,
+                                         seed=7 + i, n=n, structured_outputs=c))
+            kinds.append(c.kind)
+    prompts = PROMPTS * len(_constraints())
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, kind in zip(outs, kinds):
+        assert len(out.outputs) == n
+        for c in out.outputs:
+            assert c.finish_reason == "stop", (kind, c.text, c.finish_reason)
+            _check(kind, c.text)
+    assert llm.engine.blocks_in_use() == 0
+    llm.engine.check_trace()
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("policy, overlap, prefix", [
+    ("token_budget", False, True), ("token_budget", True, True),
+    ("prefill_first", True, False), ("alternate", False, False)])
+def test_every_output_matches_its_constraint(policy, overlap, prefix):
+    llm = _llm(policy=policy, async_scheduling=overlap, enable_prefix_caching=prefix)
+    _run(llm)
+
+
+def test_overlapped_equals_serial_with_sampling_and_n():
+    """Seeded sampling and n = 2: the overlapped loop (masks filled while the forward
+    runs) gives exactly the serial loop's tokens."""
+    runs = [_run(_llm(async_scheduling=on), temperature=0.8, n=2) for on in (False, True)]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("arch", ARCHS[1:])
+def test_other_architectures(arch):
+    _run(_llm(arch, async_scheduling=True))
+
+
+def test_unconstrained_rows_are_unchanged_by_constrained_neighbours():
+    llm = _llm(async_scheduling=True)
+    plain = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+             SamplingParams(max_tokens=24, temperature=0.9, seed=3, top_p=0.9, ignore_eos=True,
+                            logprobs=2)]
+    alone = llm.generate(PROMPTS[:2], plain, use_tqdm=False)
+    mixed = llm.generate(PROMPTS[:2] + PROMPTS, plain + [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, structured_outputs=c)
+        for c in _constraints()], use_tqdm=False)
+    for a, b in zip(alone, mixed[:2]):
+        assert a.token_ids == b.token_ids
+    assert [e.keys() for e in alone[1].outputs[0].logprobs] == [
+        e.keys() for e in mixed[1].outputs[0].logprobs]
+
+
+def test_bad_constraints_are_refused_at_submission_and_nothing_is_disturbed():
+    llm = _llm()
+    for bad, field in [({"regex": "(open"}, "structured_outputs.regex"),
+                       ({"json": {"type": "integer", "minimum": 3, "maximum": 1}},
+                        "structured_outputs.json"),
+                       ({"grammar": "start: nowhere"}, "structured_outputs.grammar")]:
+        with pytest.raises(StructuredOutputsError) as e:
+            llm.engine.add_request("hello", SamplingParams(structured_outputs=bad))
+        assert e.value.field == field
+    assert not llm.engine.has_unfinished()
+    ids_only = LLM(tiny_model_dir("LlamaForCausalLM"), **GEOMETRY)  # no tokenizer.json
+    with pytest.raises(StructuredOutputsError) as e:
+        ids_only.engine.add_request([5, 6, 7], SamplingParams(structured_outputs={"regex": "a"}))
+    assert e.value.field == "structured_outputs"
+
+
+def test_a_failed_commit_rolls_the_grammar_back(monkeypatch):
+    """The failed step's token leaves the matcher too (it follows the committed tokens)."""
+    import scheduler
+
+    llm = _llm(async_scheduling=False)
+    rid = llm.engine.add_request(PROMPTS[0], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0, structured_outputs={"regex": REGEX}))
+    for _ in range(3):
+        llm.engine.step()
+    req = llm.engine.requests[rid]
+    assert req.grammar.num_tokens == len(req.token_ids) == 2
+    real = scheduler.commit
+    monkeypatch.setattr(scheduler, "commit", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError("injected commit failure")))
+    llm.engine.step()
+    monkeypatch.setattr(scheduler, "commit", real)
+    assert req.finish_reason == "error"
+    assert req.grammar.num_tokens == len(req.token_ids) == 2
+
+
+def test_json_object_outputs_are_objects_or_valid_prefixes():
+    """json_object cannot force termination: a finished output is a JSON object, one cut
+    by max_tokens is a prefix the grammar accepts."""
+    llm = _llm()
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.7, seed=1,
+                                                structured_outputs={"json_object": True}),
+                        use_tqdm=False)
+    for o in outs:
+        if o.finish_reason == "stop":
+            assert isinstance(json.loads(o.text), dict)
+        else:
+            assert o.finish_reason == "length" and o.text.lstrip().startswith("{")
