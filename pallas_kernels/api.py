@@ -1,10 +1,12 @@
 """Public entry point: input validation and dispatch to an implementation."""
 
 import dataclasses
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import backends
 from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import pallas_gpu
 from pallas_kernels import plan as plan_lib
@@ -13,7 +15,8 @@ from pallas_kernels.options import AttentionOptions
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.xla import ragged_paged_attention_xla
 
-IMPLS = ("auto", "reference", "xla", "pallas_gpu")
+IMPLS = ("auto", "reference", "xla", "pallas_gpu", "triton", "mosaic_gpu")
+GPU_IMPLS = ("pallas_gpu", "triton", "mosaic_gpu")  # need the GPU tiling constraints
 XLA_BLOCK_Q = 128  # query tokens per tile on the xla path
 XLA_BLOCK_K = 512  # keys per online-softmax step on the xla path
 # Decode-only batches (max_q_len == 1) step through keys in smaller blocks: every tile
@@ -83,17 +86,79 @@ def _plain(opts: AttentionOptions) -> bool:
     return all(getattr(opts, f.name) is None for f in dataclasses.fields(opts))
 
 
-def _gpu_can_tile(q, k_pages) -> bool:
-    d, page_size = q.shape[2], k_pages.shape[1]
-    return plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT and plan_lib.is_pow2(page_size)
+def _gpu_can_tile(head_dim: int, block_size: int) -> bool:
+    return (plan_lib.is_pow2(head_dim) and head_dim >= gpu_plan_lib.MIN_DOT
+            and plan_lib.is_pow2(block_size))
 
 
-def _validate_gpu_shapes(q, k_pages):
+def _validate_gpu_shapes(q, k_pages, impl: str):
     d, page_size = q.shape[2], k_pages.shape[1]
     _require(plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT, "q",
-             f'impl="pallas_gpu" needs a power-of-two head dim >= 16, got {d}')
+             f'impl="{impl}" needs a power-of-two head dim >= 16, got {d}')
     _require(plan_lib.is_pow2(page_size), "k_pages",
-             f'impl="pallas_gpu" needs a power-of-two block_size, got {page_size}')
+             f'impl="{impl}" needs a power-of-two block_size, got {page_size}')
+
+
+def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
+                 plain: bool = True, dtype=jnp.bfloat16, kv_dtype=None, num_heads: int = 1,
+                 num_kv_heads: int = 1) -> str:
+    """The implementation a call with these shapes runs: `impl` itself, or what "auto"
+    picks on this machine's default backend (see `backends.resolve`).
+
+    Args:
+        impl: one of `IMPLS`.
+        head_dim, block_size: D and the cache's page size.
+        max_q_len: the static chunk bound (1: a decode-only batch); None if unknown.
+        plain: no sliding_window, logit_softcap or k/v scales (the kernels that lack
+            them are picked only for plain calls).
+        dtype, kv_dtype, num_heads, num_kv_heads: q's and the pages' dtypes (kv_dtype
+            defaults to dtype), Hq and Hkv: what the Mosaic GPU kernel takes.
+    """
+    _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    if impl != "auto":
+        return impl
+    on_gpu = jax.default_backend() == "gpu"
+    mosaic_ok = on_gpu and max_q_len == 1 and backends.mosaic_gpu_unsupported(
+        head_dim=head_dim, block_size=block_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, dtype=dtype, kv_dtype=kv_dtype or dtype) is None
+    return backends.resolve(on_gpu=on_gpu, can_tile=_gpu_can_tile(head_dim, block_size),
+                            decode_only=mosaic_ok, plain=plain)
+
+
+def _triton(*args, opts: AttentionOptions, interpret: bool):
+    if interpret:
+        missing = [m for m in ("triton", "torch") if importlib.util.find_spec(m) is None]
+        _require(not missing, "interpret",
+                 f'impl="triton" with interpret=True runs Triton\'s interpreter, which needs '
+                 f"{' and '.join(missing)} (pip install 'arcjax[test]')")
+    else:
+        reason = backends.triton_unavailable()
+        _require(reason is None, "impl", f'impl="triton" cannot launch here: {reason}')
+    from pallas_kernels import triton_gpu
+
+    return triton_gpu.ragged_paged_attention_triton(
+        *args, sliding_window=opts.sliding_window, logit_softcap=opts.logit_softcap,
+        k_scale=opts.k_scale, v_scale=opts.v_scale, interpret=interpret)
+
+
+def _mosaic_gpu(*args, opts: AttentionOptions, interpret: bool, max_q_len: int):
+    _require(not interpret, "interpret",
+             'impl="mosaic_gpu" has no interpret mode: Mosaic GPU kernels run only on a GPU '
+             "(scripts/gpu_check.sh checks them against the oracle there)")
+    _require(max_q_len == 1, "max_q_len",
+             f'impl="mosaic_gpu" serves decode-only batches (max_q_len=1), got {max_q_len}')
+    _require(_plain(opts), "impl", 'impl="mosaic_gpu" does not support sliding_window, '
+             'logit_softcap or k_scale/v_scale; use impl="triton"')
+    reason = backends.mosaic_gpu_unavailable()
+    _require(reason is None, "impl", f'impl="mosaic_gpu" cannot be built here: {reason}')
+    q, k_pages = args[0], args[1]
+    reason = backends.mosaic_gpu_unsupported(
+        head_dim=q.shape[2], block_size=k_pages.shape[1], num_heads=q.shape[1],
+        num_kv_heads=k_pages.shape[2], dtype=q.dtype, kv_dtype=k_pages.dtype)
+    _require(reason is None, "q", f'impl="mosaic_gpu": {reason}')
+    from pallas_kernels import mosaic_gpu
+
+    return mosaic_gpu.ragged_paged_attention_mosaic_gpu(*args)
 
 
 def ragged_paged_attention(
@@ -136,10 +201,14 @@ def ragged_paged_attention(
         k_scale, v_scale: None, or float32 scalars (traced or not): the pages hold
             `value / scale` (e.g. float8_e4m3fn pages); attention reads
             `float32(page) * scale`.
-        impl: "reference" (host-side oracle, not for jit), "xla", "pallas_gpu", or
-            "auto" (pallas_gpu on a GPU when D and block_size are powers of two,
-            xla otherwise). Static.
-        interpret: run a Pallas kernel in interpret mode (CPU tests). Static.
+        impl: "reference" (host-side oracle, not for jit), "xla", "pallas_gpu"
+            (Pallas-Triton), "triton" (a Triton kernel through jax_triton),
+            "mosaic_gpu" (decode-only batches), or "auto" (`resolve_impl`: a GPU
+            kernel this installation offers on a GPU when D and block_size are
+            powers of two, xla otherwise). Static.
+        interpret: run a GPU kernel on the CPU: Pallas interpret mode for
+            "pallas_gpu", Triton's interpreter for "triton" (needs triton and
+            torch); "mosaic_gpu" has none. Static.
         max_q_len: static upper bound on any sequence's query length (e.g. the
             token bucket's largest chunk). Defaults to T. Smaller bounds shrink the
             xla path's work; a chunk longer than it gives undefined results.
@@ -158,10 +227,9 @@ def ragged_paged_attention(
         raise KernelArgumentError("max_q_len",
                                   f"expected a positive int, got {max_q_len!r}")
     max_q_len = min(max_q_len, t)
-    if impl == "auto":
-        on_gpu = jax.default_backend() == "gpu"
-        gpu_ok = on_gpu and _gpu_can_tile(q, k_pages) and _plain(opts)
-        impl = "pallas_gpu" if gpu_ok else "xla"
+    impl = resolve_impl(impl, head_dim=d, block_size=k_pages.shape[1], max_q_len=max_q_len,
+                        plain=_plain(opts), dtype=q.dtype, kv_dtype=k_pages.dtype,
+                        num_heads=q.shape[1], num_kv_heads=k_pages.shape[2])
     if impl == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,
@@ -171,17 +239,21 @@ def ragged_paged_attention(
     block_tables = block_tables.astype(jnp.int32)
     kv_lens = kv_lens.astype(jnp.int32)
     cu_seqlens_q = cu_seqlens_q.astype(jnp.int32)
-    if impl == "pallas_gpu":
-        _validate_gpu_shapes(q, k_pages)
-        _require(_plain(opts), "impl", 'impl="pallas_gpu" does not support sliding_window, '
-                 "logit_softcap or k_scale/v_scale yet; use impl=\"xla\"")
+    if impl in GPU_IMPLS:
+        _validate_gpu_shapes(q, k_pages, impl)
         plan = gpu_plan_lib.make_gpu_plan(
             num_tokens=t, num_seqs=block_tables.shape[0], num_heads=q.shape[1],
             num_kv_heads=k_pages.shape[2], head_dim=d, page_size=k_pages.shape[1],
             max_blocks=block_tables.shape[1], max_q_len=max_q_len, itemsize=q.dtype.itemsize)
-        return pallas_gpu.ragged_paged_attention_pallas_gpu(
-            q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, plan,
-            interpret=interpret)
+        args = (q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,
+                plan)
+        if impl == "triton":
+            return _triton(*args, opts=opts, interpret=interpret)
+        if impl == "mosaic_gpu":
+            return _mosaic_gpu(*args, opts=opts, interpret=interpret, max_q_len=max_q_len)
+        _require(_plain(opts), "impl", 'impl="pallas_gpu" does not support sliding_window, '
+                 "logit_softcap or k_scale/v_scale yet; use impl=\"xla\" or \"triton\"")
+        return pallas_gpu.ragged_paged_attention_pallas_gpu(*args, interpret=interpret)
     tiles = plan_lib.make_plan(
         num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
         max_blocks=block_tables.shape[1], max_q_len=max_q_len, block_q=XLA_BLOCK_Q,

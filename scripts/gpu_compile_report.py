@@ -1,8 +1,13 @@
-"""Compiles the Pallas attention kernel for sm_90a offline and reports what ptxas made of it.
+"""Compiles the GPU attention kernels for sm_90a offline and reports what ptxas made of them.
 
-No GPU needed: the kernel is lowered for CUDA on this host (`pallas_kernels.lowering`), its
-Triton IR compiled with the standalone `triton` package (optional: `pip install triton`), and
-the PTX assembled by the ptxas that triton bundles. Per variant it prints registers per
+No GPU needed. Two kernels, side by side for every variant (`--kernels`):
+- "pallas": the Pallas-Triton kernel (`pallas_gpu.py`) is lowered for CUDA on this host
+  (`pallas_kernels.lowering`) and its Triton IR compiled with the standalone `triton`
+  package (optional: `pip install triton`);
+- "triton": the raw Triton kernel (`triton_kernel.py`) is compiled from its source with the
+  constexprs `triton_gpu.launch_params` gives the launch, and every array pointer 16-byte
+  aligned (what jax_triton tells Triton).
+The PTX is assembled by the ptxas that triton bundles. Per variant it prints registers per
 thread, shared memory, spill bytes, whether the dots became wgmma (Hopper) or mma.sync, the
 `cp.async.wait_group` depths in the PTX, and blocks per SM (registers and shared memory).
 Wait depths: 0 alone means every K/V load is waited for before its step computes; a
@@ -10,12 +15,17 @@ depth of N > 0 inside the loops means N more loads stay in flight (the 0 that re
 is the drain after each loop).
 
   1. Each variant is a kernel shape (mixed or decode-only plan, dtype, D, GQA group, page
-     size) and a tiling (block_m, block_k, warps, stages); `make_gpu_plan` fills the rest.
-  2. Lower with `ShapeDtypeStruct` inputs (nothing is allocated), capture the Triton IR.
-  3. `triton.compile` for `cuda:90` (sm_90a), then `ptxas -v` on the PTX.
+     size; for the Triton kernel also a window, a soft-cap, float8 pages) and a tiling
+     (block_m, block_k, warps, stages); `make_gpu_plan` fills the rest.
+  2. Pallas: lower with `ShapeDtypeStruct` inputs (nothing is allocated), capture the
+     Triton IR. Triton: the kernel's source with this variant's constexprs.
+  3. `triton.compile` for `cuda:90` (sm_90a), then `ptxas -v` on the PTX. "global scratch"
+     must be 0 for the Triton kernel: jax-triton 0.3 (the one that pairs with Triton 3.6)
+     cannot allocate it.
 
   python scripts/gpu_compile_report.py                   # the default table
   python scripts/gpu_compile_report.py --only=prefill --out=/tmp/report.json
+  python scripts/gpu_compile_report.py --kernels=triton --only=decode
 """
 
 from __future__ import annotations
@@ -33,11 +43,12 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from pallas_kernels import gpu_plan, lowering, pallas_gpu
+from pallas_kernels import gpu_plan, lowering, pallas_gpu, triton_gpu
 
 _ONLY = flags.DEFINE_list("only", [], "only variants whose name starts with one of these")
 _OUT = flags.DEFINE_string("out", None, "write the table as JSON here")
 _ARCH = flags.DEFINE_integer("arch", 90, "CUDA compute capability to compile for")
+_KERNELS = flags.DEFINE_list("kernels", ["pallas", "triton"], "pallas and/or triton")
 
 SM_REGISTERS = 65536  # per SM on sm_90
 SM_SMEM_BYTES = 228 * 1024  # per SM on sm_90 ...
@@ -54,6 +65,10 @@ class Variant:
     num_kv_heads: int = 8
     page_size: int = 16
     tuning: tuple[tuple[str, int], ...] = ()  # make_gpu_plan overrides
+    kv_dtype: str | None = None  # page dtype if not `dtype` (Triton kernel: float8 pages)
+    window: bool = False  # Triton kernel: a sliding window
+    softcap: bool = False  # Triton kernel: a logit soft-cap
+    kernels: tuple[str, ...] = ("pallas", "triton")  # which kernels this variant exists for
 
 
 def variants() -> list[Variant]:
@@ -77,6 +92,15 @@ def variants() -> list[Variant]:
     out.append(Variant(name="decode_stages2", decode_only=True, tuning=(("num_stages", 2),)))
     out.append(Variant(name="decode_f32", decode_only=True, dtype="float32"))
     out.append(Variant(name="decode_g1_d64", decode_only=True, head_dim=64, group=1))
+    # The signature's options, on the Triton kernel (Gemma-2-like local layers, fp8 cache).
+    out.append(Variant(name="prefill_window_softcap", decode_only=False, window=True,
+                       softcap=True, kernels=("triton",)))
+    out.append(Variant(name="prefill_fp8_pages", decode_only=False, kv_dtype="float8_e4m3fn",
+                       kernels=("triton",)))
+    out.append(Variant(name="decode_fp8_pages", decode_only=True, kv_dtype="float8_e4m3fn",
+                       kernels=("triton",)))
+    out.append(Variant(name="decode_window", decode_only=True, window=True,
+                       kernels=("triton",)))
     return out
 
 
@@ -96,9 +120,10 @@ def plan_and_args(v: Variant):
         max_q_len=1 if v.decode_only else num_tokens, itemsize=dtype.itemsize,
         **dict(v.tuning))
     i32 = jnp.int32
+    kv_dtype = jnp.dtype(v.kv_dtype or v.dtype)
     args = (jax.ShapeDtypeStruct((num_tokens, hq, d), dtype),
-            jax.ShapeDtypeStruct((num_blocks, v.page_size, hkv, d), dtype),
-            jax.ShapeDtypeStruct((num_blocks, v.page_size, hkv, d), dtype),
+            jax.ShapeDtypeStruct((num_blocks, v.page_size, hkv, d), kv_dtype),
+            jax.ShapeDtypeStruct((num_blocks, v.page_size, hkv, d), kv_dtype),
             jax.ShapeDtypeStruct((num_seqs, max_blocks), i32),
             jax.ShapeDtypeStruct((num_seqs,), i32),
             jax.ShapeDtypeStruct((num_seqs + 1,), i32),
@@ -114,6 +139,36 @@ def triton_ir(v: Variant) -> tuple[gpu_plan.GpuPlan, str]:
     if len(modules) != 1:
         raise RuntimeError(f"{v.name}: expected one Triton kernel, lowered {len(modules)}")
     return plan, modules[0].ir
+
+
+# Triton's names of the dtypes the kernels take.
+TRITON_TYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "int32": "i32",
+                "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
+
+
+def triton_source(v: Variant, triton):
+    """The Triton kernel's source, specialized as `triton_gpu` launches it for `v`."""
+    from triton.compiler import ASTSource
+
+    from pallas_kernels import triton_kernel
+
+    plan, args = plan_and_args(v)
+    q, k_pages, v_pages, block_tables = args[:4]
+    params = triton_gpu.launch_params(
+        q, k_pages, block_tables, plan, sm_scale=v.head_dim**-0.5,
+        sliding_window=4096 if v.window else None, logit_softcap=50.0 if v.softcap else None,
+        interpret=False)
+    outs = triton_gpu.output_shapes(q, k_pages, block_tables, plan)
+    arrays = dict(meta_ptr=jnp.int32, scalars_ptr=jnp.int32, scales_ptr=jnp.float32,
+                  tables_ptr=jnp.int32, q_ptr=q.dtype, k_ptr=k_pages.dtype, v_ptr=v_pages.dtype,
+                  o_ptr=outs[0].dtype, op_ptr=outs[1].dtype, mp_ptr=outs[2].dtype,
+                  lp_ptr=outs[3].dtype)
+    fn = getattr(triton_kernel, triton_gpu.KERNEL_NAME)
+    signature = {name: "*" + TRITON_TYPES[jnp.dtype(dt).name] for name, dt in arrays.items()}
+    signature.update({name: "constexpr" for name in params})
+    # jax_triton tells Triton every array is 16-byte aligned; so do we.
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in arrays}
+    return plan, ASTSource(fn, signature, constexprs=params, attrs=attrs)
 
 
 def _triton():
@@ -152,22 +207,30 @@ def ptxas_facts(ptx: str, ptxas: str, arch: int) -> dict:
                 spill_load_bytes=int(spills.group(2)) if spills else None)
 
 
-def compile_variant(v: Variant, arch: int) -> dict:
+def compile_variant(v: Variant, arch: int, kernel_name: str = "pallas") -> dict:
     triton, GPUTarget, get_ptxas = _triton()
     start = time.perf_counter()
-    plan, ir = triton_ir(v)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ttir")
-        with open(path, "w") as f:
-            f.write(ir)
-        kernel = triton.compile(path, target=GPUTarget("cuda", arch, 32),
-                                options=dict(num_warps=plan.num_warps, num_stages=plan.num_stages))
+    target = GPUTarget("cuda", arch, 32)
+    if kernel_name == "triton":
+        plan, source = triton_source(v, triton)
+        kernel = triton.compile(source, target=target, options=dict(
+            num_warps=plan.num_warps, num_stages=plan.num_stages))
+    else:
+        plan, ir = triton_ir(v)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.ttir")
+            with open(path, "w") as f:
+                f.write(ir)
+            kernel = triton.compile(path, target=target, options=dict(
+                num_warps=plan.num_warps, num_stages=plan.num_stages))
     ptx = kernel.asm["ptx"]
-    row = dict(variant=v.name, dtype=v.dtype, head_dim=v.head_dim, group=v.group,
+    row = dict(kernel=kernel_name, variant=v.name, dtype=v.dtype, kv_dtype=v.kv_dtype or v.dtype,
+               head_dim=v.head_dim, group=v.group,
                page_size=v.page_size, rows=plan.rows, block_q=plan.tiles.block_q,
                block_k=plan.tiles.block_k, num_splits=plan.num_splits,
                num_warps=plan.num_warps, num_stages=plan.num_stages,
-               smem_bytes=int(kernel.metadata.shared))
+               smem_bytes=int(kernel.metadata.shared),
+               global_scratch=int(getattr(kernel.metadata, "global_scratch_size", 0) or 0))
     row.update(ptxas_facts(ptx, get_ptxas(arch).path, arch))
     row.update(ptx_facts(ptx))
     threads = 32 * plan.num_warps
@@ -180,17 +243,18 @@ def compile_variant(v: Variant, arch: int) -> dict:
 
 def format_table(rows: list[dict]) -> str:
     """A markdown table of the compile report."""
-    head = ("| variant | dtype | M | bk | splits | warps | stages | regs | smem KB | spills B "
-            "| mma | wait depths | blocks/SM |")
-    lines = [head, "|" + "---|" * 13]
+    head = ("| kernel | variant | dtype | M | bk | splits | warps | stages | regs | smem KB "
+            "| spills B | mma | wait depths | blocks/SM |")
+    lines = [head, "|" + "---|" * 14]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | error: {r['error']} |" + " |" * 11)
+            lines.append(f"| {r['kernel']} | {r['variant']} | error: {r['error']} |" + " |" * 11)
             continue
         mma = "wgmma" if r["wgmma"] else ("mma.sync" if r["mma_sync"] else "fma")
         spills = (r["spill_store_bytes"] or 0) + (r["spill_load_bytes"] or 0)
+        dtype = r["dtype"] if r["kv_dtype"] == r["dtype"] else f"{r['dtype']}/{r['kv_dtype']}"
         lines.append(
-            f"| {r['variant']} | {r['dtype']} | {r['rows']} | {r['block_k']} | "
+            f"| {r['kernel']} | {r['variant']} | {dtype} | {r['rows']} | {r['block_k']} | "
             f"{r['num_splits']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
             f"{r['smem_bytes'] / 1024:.0f} | {spills} | {mma} | "
             f"{','.join(map(str, r['wait_depths'])) or '-'} | "
@@ -205,11 +269,13 @@ def main(argv):
                                                                 for p in _ONLY.value)]
     rows = []
     for v in chosen:
-        try:
-            rows.append(compile_variant(v, _ARCH.value))
-        except Exception as e:  # noqa: BLE001 - one broken variant must not hide the others
-            rows.append(dict(variant=v.name, error=f"{type(e).__name__}: {str(e)[:200]}"))
-        print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+        for kernel_name in (k for k in _KERNELS.value if k in v.kernels):
+            try:
+                rows.append(compile_variant(v, _ARCH.value, kernel_name))
+            except Exception as e:  # noqa: BLE001 - one broken variant must not hide the others
+                rows.append(dict(kernel=kernel_name, variant=v.name,
+                                 error=f"{type(e).__name__}: {str(e)[:200]}"))
+            print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     print()
     print(format_table(rows))
     if _OUT.value:
