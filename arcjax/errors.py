@@ -4,6 +4,10 @@ Every error caused by bad input is an `InputError` (a `ValueError`) carrying `.f
 wrong, as the caller spelled it) and `.limit` (the bound it broke, or None). The scheduler's
 classes are the same objects here (never re-wrapped), so `.field` survives from the planner to an
 HTTP 400. Files that cannot be loaded raise `ModelFileError` subclasses naming the file.
+
+`EngineDeadError` is not about input: the engine met a failure it cannot recover from (a KV
+cache reset that failed, a lost process of a multi-host run, an error while recovering from
+a failed step). Every waiter gets it, and so does every later call.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from scheduler.errors import (CommitError, ConfigError, DuplicateRequestError, I
                               UnknownRequestError)
 
 __all__ = ["CommitError", "ConfigError", "DuplicateRequestError", "EngineConfigError",
+           "EngineDeadError",
            "InputError", "ModelConfigError", "ModelFileError", "RequestError",
            "RequestTooLargeError", "SamplingParamsError", "StepOrderError",
            "StructuredOutputsError", "UnknownRequestError", "WeightsError"]
@@ -20,6 +25,18 @@ __all__ = ["CommitError", "ConfigError", "DuplicateRequestError", "EngineConfigE
 
 class EngineConfigError(ConfigError):
     """An engine option out of range (names the option and the limit)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped for good; `.reason` says why (the same text on every process of a
+    multi-host run). Requests it held finished without output; later calls raise it too."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"the engine is dead: {reason}")
+        self.reason = reason
+
+    def __reduce__(self):
+        return type(self), (self.reason,)
 
 
 class SamplingParamsError(RequestError):

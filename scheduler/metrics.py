@@ -176,7 +176,7 @@ class _Clipped:
 
 
 def format_table(columns: Mapping[str, BurstSummary]) -> str:
-    """The burst table of BACKGROUND.md, one column per run."""
+    """The burst table of docs/motivation.md, one column per run."""
     rows: list[tuple[str, list[str]]] = []
 
     def row(label: str, cell) -> None:

@@ -32,7 +32,7 @@ class CostModel:
     kv_read is the keys every row attends over (its kv_len), summed over the step's rows. Prompt
     tokens served from the prefix cache are not computed, so they cost nothing here.
 
-    The defaults are the legacy H200 server of BACKGROUND.md (~2B model, MTP depth 3), derived
+    The defaults are the legacy H200 server of docs/motivation.md (~2B model, MTP depth 3), derived
     from its figures (the one definition; COST_PRESETS["h200_legacy"] is this):
       c_prefill: 12,160 prompt tokens in 43.2 s (K=32) -> 3.553 ms/token (281 tok/s); K=128's total
         prefill wall (171.3-176.5 s for 128 x 380 = 48,640 tokens: 276-284 tok/s) agrees.

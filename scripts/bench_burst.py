@@ -1,4 +1,4 @@
-"""The burst experiment of BACKGROUND.md, every arm side by side: K users arrive at once, each
+"""The burst experiment of docs/motivation.md, every arm side by side: K users arrive at once, each
 with a P-word prompt; how long until each sees a first token, and does decoding stall?
 
   1. Build K deterministic P-word prompts (words from the tokenizer's vocabulary, --seed).
@@ -57,7 +57,7 @@ _ARMS = flags.DEFINE_list("arms", DEFAULT_ARMS,
                           ",".join(scheduler.ARM_KEYS))
 _BUDGET = flags.DEFINE_integer(
     "max_num_batched_tokens", 4096, "token budget of arms that set none (4096: ~10 whole 400-token "
-    "prompts per prefill step, the legacy server's step in BACKGROUND.md's K=32 run)")
+    "prompts per prefill step, the legacy server's step in docs/motivation.md's K=32 run)")
 _REPEATS = flags.DEFINE_integer("repeats", 1, "real runs of every arm, round-robin; each arm's "
                                 "table column is its run with the median TTFT p50")
 _TILE = flags.DEFINE_integer("chunk_tile", 128, "non-final chunks are multiples of it")
@@ -75,7 +75,7 @@ _COMPARE = flags.DEFINE_bool("compare", False, "after the real run, simulate the
 _CALIBRATE = flags.DEFINE_list("calibrate_from", [], "fit the cost model to these JSONL files "
                                "(--trace_out rows, or an engine trace)")
 _COST = flags.DEFINE_string("cost_model", None, "cost model JSON (CostModel.to_json()), or "
-                            "h200_legacy (BACKGROUND.md's server, see arcjax/costmodel.py)")
+                            "h200_legacy (docs/motivation.md's server, see arcjax/costmodel.py)")
 _SAVE_COST = flags.DEFINE_string("save_cost_model", None, "write the fitted cost model here")
 _WARMUP = flags.DEFINE_enum(
     "warmup", "planned", ["planned", "all"], "compile before any window: the buckets the "

@@ -1,4 +1,4 @@
-"""Prints the burst table of BACKGROUND.md from the simulator: K users at once, P-token prompts.
+"""Prints the burst table of docs/motivation.md from the simulator: K users at once, P-token prompts.
 
 Each --variants entry is one column: a policy, optionally with knob overrides, e.g.
   python scripts/simulate.py --users=32 --prompt_tokens=380 --max_num_batched_tokens=4096 \
@@ -7,7 +7,7 @@ Each --variants entry is one column: a policy, optionally with knob overrides, e
   python scripts/simulate.py --users=32 --system_prompt_tokens=1024 --prompt_tokens=64 \
       --variants=token_budget    (add --noprefix_caching to compare)
 
-The default cost model is the legacy H200 server of BACKGROUND.md (CostModel's defaults); pass
+The default cost model is the legacy H200 server of docs/motivation.md (CostModel's defaults); pass
 --cost_json (a file holding CostModel.to_json(), e.g. one saved by
 `scripts/bench_burst.py --save_cost_model`), the --c_* flags, or --calibrate_from=trace.jsonl
 (an engine trace or calibration rows; fitted by arcjax.costmodel, its error printed) for

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from arcjax.errors import EngineConfigError
+from arcjax.errors import EngineConfigError, EngineDeadError
 from arcjax.model.config import ModelConfig
 from arcjax.model.specs import cache_specs, param_specs
 from arcjax.parallel import (FollowerStop, LocalTransport, PlanDivergenceError, StepSync,
@@ -132,7 +132,8 @@ def _engines(**follower_options):
     from arcjax.engine.config import EngineConfig
 
     geometry = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=4,
-                    attention_impl="xla", chunk_tile=16, max_num_batched_tokens=32)
+                    attention_impl="xla", chunk_tile=16, max_num_batched_tokens=32,
+                    async_scheduling=False)  # multi-host runs the serial step
     model = tiny_model_dir("LlamaForCausalLM")
     leader = build_engine(EngineConfig.from_options(model, **geometry))
     follower = build_engine(EngineConfig.from_options(model, **{**geometry,
@@ -168,7 +169,12 @@ def test_engines_with_different_configs_fail_loudly():
     leader, follower = _engines(max_num_batched_tokens=16)  # plans chunk differently
     leader.add_request(list(range(3, 43)), SamplingParams(max_tokens=4))
     th, box = _in_thread(follower.step)
-    with pytest.raises(PlanDivergenceError):
+    with pytest.raises(EngineDeadError, match="diverged") as err:
         leader.step()  # raised before the device call: nothing compiles
     th.join(10)
-    assert isinstance(box.get("error"), PlanDivergenceError)
+    # both engines are dead with the same reason (the first process to fail gives it)
+    assert isinstance(box.get("error"), EngineDeadError)
+    assert box["error"].reason == err.value.reason and "PlanDivergenceError" in err.value.reason
+    assert not leader.has_unfinished() and not follower.has_unfinished()
+    with pytest.raises(EngineDeadError):
+        leader.add_request([5, 6], SamplingParams(max_tokens=2))

@@ -109,7 +109,7 @@ def test_simulation_stops_at_until():
 
 
 def test_cap_chops_prefill_into_more_smaller_steps_for_the_same_work():
-    """BACKGROUND.md: the cap turns a few long prompt steps into more, shorter ones; decode is
+    """docs/motivation.md: the cap turns a few long prompt steps into more, shorter ones; decode is
     not slowed and the prefill work is the same (up to c0 per extra step); TTFT min drops."""
     cost = CostModel()
     off = _config(policy="prefill_first", max_num_batched_tokens=4096)
@@ -230,7 +230,7 @@ def test_cost_model_defaults_are_the_derived_legacy_h200():
     assert cost.c_decode == pytest.approx((2.3275 - 0.7055) / 96)
     assert cost.c0 == pytest.approx(0.7055 - 32 * cost.c_decode)
     assert cost.c_prefill == pytest.approx(43.2 / 12160) and cost.c_kv == 0.0
-    # the fit reproduces the measured decode steps of BACKGROUND.md
+    # the fit reproduces the measured decode steps of docs/motivation.md
     assert cost.c0 + 32 * cost.c_decode == pytest.approx(0.7055)
     assert cost.c0 + 128 * cost.c_decode == pytest.approx(2.3275)
 

@@ -179,18 +179,18 @@ def test_choice_stream_deltas():
     from arcjax.entrypoints.openai_logprobs import ChoiceStream
 
     e = {t: {t: Logprob(-float(t), 1, s)} for t, s in [(1, "ab"), (2, "\ufffd"), (3, "é")]}
-    s = ChoiceStream(0, chat=False)
+    s = ChoiceStream(0, chat=False)  # it reads DELTA outputs: what is new in each
     assert s.delta(0, CompletionOutput(0, "ab", (1,), -1.0, [e[1]], None)) == (
         "ab", {"tokens": ["ab"], "token_logprobs": [-1.0], "top_logprobs": [{"ab": -1.0}],
                "text_offset": [0]}, None)
     # a token whose text is held back sends nothing; it rides with the next chunk
-    assert s.delta(0, CompletionOutput(0, "ab", (1, 2), -3.0, [e[1], e[2]], None)) is None
+    assert s.delta(0, CompletionOutput(0, "", (2,), -3.0, [e[2]], None)) is None
     assert s.delta(1, CompletionOutput(1, "", (), 0.0, [], None)) is None  # another choice
-    text, lps, reason = s.delta(0, CompletionOutput(0, "abé", (1, 2, 3), -6.0,
-                                                    [e[1], e[2], e[3]], "length"))
+    text, lps, reason = s.delta(0, CompletionOutput(0, "é", (3,), -6.0, [e[3]], "length"))
     assert (text, reason) == ("é", "length")
     assert lps["tokens"] == ["\ufffd", "é"] and lps["text_offset"] == [2, 3]
-    assert s.delta(0, CompletionOutput(0, "abé", (1, 2, 3), -6.0, None, "length")) is None
+    assert s.delta(0, CompletionOutput(0, "", (), -6.0, None, "length")) is None  # done
+    assert s.tokens == {0: 3, 1: 0}
     plain = ChoiceStream(None, chat=True)  # logprobs off: text deltas only
     assert plain.delta(0, CompletionOutput(0, "x", (1,), None, None, "stop")) == ("x", None,
                                                                                   "stop")

@@ -169,7 +169,7 @@ def _finite(x: float | None) -> float | None:
 def burst_metrics(run: BurstRun) -> dict:
     """The burst table's rows for one run; the same code for real and simulated runs.
 
-    Everything in BACKGROUND.md's tables comes from `scheduler.metrics.summarize` over the
+    Everything in docs/motivation.md's tables comes from `scheduler.metrics.summarize` over the
     window (TTFT percentiles are over the users served in it: read them with
     users_with_first_token). Added here: "mean_step_s", the wall time per step over the window
     (step work plus host work between steps), which a decode gap is compared with, and the
@@ -267,7 +267,7 @@ _ROWS = (
 
 
 def format_table(results: Sequence[Mapping]) -> str:
-    """The burst table of BACKGROUND.md, one column per arm (dicts from `burst_metrics`)."""
+    """The burst table of docs/motivation.md, one column per arm (dicts from `burst_metrics`)."""
     body = [[label, *(cell(m) for m in results)] for label, cell in _ROWS]
     return markdown_table(["", *(m["arm"] for m in results)],
                           [row for row in body if any(row[1:])])

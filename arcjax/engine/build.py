@@ -13,7 +13,7 @@ from arcjax.engine.engine import Engine
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import EngineConfigError
 from arcjax.model.weights import load_hf, read_config
-from arcjax.parallel import StepSync, TensorParallel
+from arcjax.parallel import StepSync, TensorParallel, follow, kv_repeat, sharded_config
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.runner import SHARED_EXECUTABLES, ModelRunner
 
@@ -69,14 +69,21 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     model_dir = Path(config.model) if config.model is not None else default_model_path()
     dtype = jnp.dtype(config.dtype or ("bfloat16" if _on_gpu() else "float32"))
     parallel = None
+    if jax.process_count() > 1 and config.async_scheduling:
+        raise EngineConfigError("async_scheduling", "not supported across several processes "
+                                "(multi-host runs the serial step)")
     if jax.process_count() > 1 and config.tensor_parallel_size != jax.device_count():
         raise EngineConfigError("tensor_parallel_size", f"over {jax.process_count()} "
                                 f"processes it must span all {jax.device_count()} devices, "
                                 f"got {config.tensor_parallel_size}", limit=jax.device_count())
+    shards = {}
     if config.tensor_parallel_size > 1 or jax.process_count() > 1:
-        parallel = TensorParallel.create(read_config(model_dir), config.tensor_parallel_size)
-    # With `parallel`, cfg is the sharded config (KV heads repeated when tp exceeds them).
-    cfg, params = load_hf(model_dir, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel)
+        file_cfg, tp = read_config(model_dir), config.tensor_parallel_size
+        parallel = TensorParallel.create(file_cfg, tp)
+        shards = dict(shardings=parallel.param_shardings(sharded_config(file_cfg, tp)),
+                      kv_repeat=kv_repeat(file_cfg, tp))
+    # With shardings, cfg is the sharded config (KV heads repeated when tp exceeds them).
+    cfg, params = load_hf(model_dir, dtype=dtype, cache_dir=config.cache_dir, **shards)
     tokenizer = (Tokenizer.from_dir(model_dir)
                  if (model_dir / "tokenizer.json").is_file() else None)
     max_model_len = config.max_model_len or min(cfg.max_position_embeddings, 4096)
@@ -98,13 +105,19 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
                          parallel=parallel)
     options = {} if clock is None else {"clock": clock}
+    multi_host = jax.process_count() > 1
+    overlapped = (config.async_scheduling if config.async_scheduling is not None
+                  else not multi_host and _overlap_pays())
     engine = Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
-                    model_dir=model_dir, trace_capacity=config.trace_capacity, **options)
-    if jax.process_count() > 1:  # process 0 admits; every process runs the same plans
+                    model_dir=model_dir, trace_capacity=config.trace_capacity,
+                    async_scheduling=overlapped, **options)
+    if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
-        if config.async_scheduling:
-            raise EngineConfigError("async_scheduling", "not supported across several "
-                                    "processes yet (multi-host runs the serial loop)")
-    engine.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                               else engine.sync is None and _overlap_pays())
     return engine
+
+
+def run_follower(model=None, **options) -> int:
+    """A multi-host follower process's whole run: the engine the leader builds (same model,
+    same options), stepped in lockstep until the leader stops it (`arcjax.parallel.follow`).
+    Returns the steps taken; raises `EngineDeadError` when the run failed on any process."""
+    return follow(build_engine(EngineConfig.from_options(model, **options)))

@@ -49,7 +49,7 @@ class EngineConfig:
         tokens fed forward on the device (`scheduler.advance`); greedy outputs are identical
         either way. None = on where it is faster: with an accelerator, or on the CPU backend
         with more than one core available (not across several processes: multi-host runs
-        the serial loop); True / False force it.
+        the serial step, and True is refused there); True / False force it.
       policy ... enable_prefix_caching: the scheduler knobs (see scheduler.SchedulerConfig);
         max_num_seqs defaults to 64 here; prefix caching is on by default.
     """
@@ -107,6 +107,9 @@ class EngineConfig:
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise EngineConfigError("async_scheduling", f"must be a bool or None, got "
                                                         f"{self.async_scheduling!r}")
+        if self.async_scheduling and _joined_processes() > 1:
+            raise EngineConfigError("async_scheduling", "not supported across several "
+                                    "processes (multi-host runs the serial step)")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
         # The scheduler validates its own knobs (ConfigError naming the field); the cache
@@ -144,6 +147,15 @@ class EngineConfig:
         """The scheduler's config for a cache of `num_blocks` blocks."""
         return scheduler.SchedulerConfig(block_size=self.block_size, num_blocks=num_blocks,
                                          **{k: getattr(self, k) for k in SCHEDULER_OPTIONS})
+
+
+def _joined_processes() -> int:
+    """Processes of the `jax.distributed` run this process joined (1 when it joined none);
+    read without starting a JAX backend."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    return state.num_processes if state.client is not None and state.num_processes else 1
 
 
 def _int(name: str, value, minimum: int, optional: bool = False) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from arcjax.engine.outputs import RequestOutput
 from arcjax.engine.request import RequestState
 
 CHILD_SEP = "\x1fn"  # child ids: f"{parent}{CHILD_SEP}{index}" (no user id contains \x1f)
@@ -48,15 +47,3 @@ class RequestGroup:
         """Whether the waiting children may enter (child 0's prompt is computed)."""
         first = self.children[0]
         return bool(self.waiting) and (bool(first.token_ids) or first.finished)
-
-    def output(self) -> RequestOutput:
-        """The group's output: `outputs` holds every child's completion; text, token ids,
-        delta, finish reason and metrics are child 0's (vLLM's shortcuts)."""
-        first = self.children[0].output()
-        for c in self.children[1:]:
-            c.output()  # advance its emitted text like child 0's
-        finished = self.finished
-        return dataclasses.replace(
-            first, request_id=self.request_id, finished=finished,
-            finish_reason=first.finish_reason if finished else None,
-            outputs=tuple(c.completion() for c in self.children))

@@ -2,6 +2,15 @@
 `CompletionOutput`, one per sample; `.text` / `.token_ids` are the first's) with its
 `RequestMetrics`, and `Logprob` entries.
 
+What an output carries depends on its request's `SamplingParams.output_kind`
+(`RequestOutputKind`): everything so far (CUMULATIVE), what is new since the previous output
+(DELTA), or everything, once, at the end (FINAL_ONLY). `delta_text` is always the text new
+since the previous output.
+
+NOTE: a cumulative output is built in O(1), not O(tokens so far): its `token_ids`, logprobs
+and token times are `Prefix` views, the first n items of the request's append-only lists
+(read-only, fixed length, compared and hashed like tuples); no output copies them.
+
 Log-probabilities are RAW (log_softmax of the model's logits before penalties, temperature
 and filters; vLLM's default `logprobs_mode`). A position's entry is a dict
 {token id: Logprob} holding the chosen token (sampled, or the prompt's next token) and the
@@ -11,7 +20,53 @@ top `k` tokens (k = SamplingParams.logprobs / prompt_logprobs), so it has k or k
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
+from collections.abc import Sequence
+
+
+class Prefix(Sequence):
+    """The first `n` items of an append-only list, shared: O(1) to make, read-only, a fixed
+    length however the list grows. Equal to any sequence (tuple, list, Prefix) with the
+    same items; hashed like the tuple of its items; slicing returns a tuple."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list, n: int | None = None):
+        self._items = items
+        self._n = len(items) if n is None else n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return tuple(self._items[slice(*i.indices(self._n))])
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("Prefix index out of range")
+        return self._items[i]
+
+    def __iter__(self):
+        return itertools.islice(self._items, self._n)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (Prefix, tuple, list)):
+            return len(other) == self._n and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __add__(self, other) -> tuple:
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other) -> tuple:
+        return tuple(other) + tuple(self)
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,7 +74,7 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
-    token_times: tuple[float, ...]  # host time each output token became known
+    token_times: Sequence[float]  # host time each output token became known (all of them)
     finished_time: float | None
 
     @property
@@ -63,10 +118,10 @@ class CompletionOutput:
     """One completion (sample) of a request."""
 
     index: int  # 0 .. n - 1
-    text: str
-    token_ids: tuple[int, ...]
+    text: str  # all of it, or (DELTA) the text new in this output
+    token_ids: Sequence[int]  # all of them, or (DELTA) those new in this output
     cumulative_logprob: float | None  # sum of the sampled tokens' logprobs (when asked)
-    logprobs: list[PositionLogprobs] | None  # one entry per generated token, or None
+    logprobs: Sequence[PositionLogprobs] | None  # one entry per token of `token_ids`, or None
     finish_reason: str | None
 
     @property
@@ -79,8 +134,8 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
-    text: str  # all generated text so far (stop string excluded)
-    token_ids: tuple[int, ...]  # all generated token ids so far
+    text: str  # generated text so far (stop string excluded); DELTA: the new text
+    token_ids: Sequence[int]  # generated token ids so far; DELTA: the new ids
     finished: bool
     finish_reason: str | None  # "length" | "stop" | "abort" | "error" | None while running
     metrics: RequestMetrics

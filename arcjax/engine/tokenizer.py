@@ -26,6 +26,7 @@ REPLACEMENT_CHAR = "\ufffd"
 # Tokens of left context decoded with each new token, so decoders whose output depends on the
 # previous token (Metaspace's leading space, WordPiece's "##") render the new text correctly.
 _CONTEXT_TOKENS = 5
+_LONG_TEXT = 4096  # characters: longer texts are encoded with the GIL released
 
 
 class TokenizerFileError(ModelFileError):
@@ -139,8 +140,13 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; with `add_special_tokens`, BOS is added where the model expects it."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; with `add_special_tokens`, BOS is added where the model
+        expects it. A long text is encoded with the GIL released (the library's batch
+        call), so other threads (an event loop, the engine) run meanwhile."""
+        if len(text) > _LONG_TEXT:
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos:
             ids = [self.bos_token_id, *ids]
         return ids

@@ -1,4 +1,5 @@
-"""Per-step trace: a run summary and JSONL export of `StepRecord`s.
+"""Per-step trace: the engine's ring of `StepRecord`s with its sink and self-check
+(`StepTrace`), a run summary and JSONL export.
 
 The record type is `scheduler.metrics.StepRecord`, the one step record of the project: the
 simulator writes the same type, so every metric reads real and simulated runs alike.
@@ -19,13 +20,64 @@ next dispatch (so unwatched overlapped gaps read 0).
 
 from __future__ import annotations
 
+import collections
 import json
 from collections import Counter
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 from scheduler.metrics import StepRecord, engagement, knob_report
 
-__all__ = ["StepRecord", "busy_time", "device_idle_gaps", "summarize", "write_jsonl"]
+__all__ = ["StepRecord", "StepTrace", "busy_time", "device_idle_gaps", "summarize",
+           "write_jsonl"]
+
+
+class StepTrace:
+    """The engine's trace (stepping thread): a ring of the last `capacity` records, an
+    optional sink called with each, and per request the tokens the trace sampled for it
+    (`check` compares them with the requests' outputs)."""
+
+    def __init__(self, capacity: int):
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
+        self.sink: Callable[[StepRecord], None] | None = None  # e.g. a JSONL writer
+        self.sink_error: str | None = None  # why a failing sink was detached
+        self.num_steps = 0
+        self._sampled: dict[str, int] = {}  # per held request
+        self._errors: list[str] = []
+
+    def record(self, record: StepRecord, *, strict: bool) -> None:
+        """Appends a record and hands it to the sink. A sink that raises is detached;
+        `strict`: the error is raised too (the step fails) and nothing is appended."""
+        if self.sink is not None:
+            try:
+                self.sink(record)
+            except Exception as e:  # noqa: BLE001
+                self.sink_error = f"trace_sink failed and was detached: {e!r}"
+                self.sink = None
+                if strict:
+                    raise
+        self.num_steps += 1
+        self.records.append(record)
+
+    def admit(self, request_id: str) -> None:
+        self._sampled[request_id] = 0
+
+    def sampled(self, request_id: str) -> None:
+        self._sampled[request_id] += 1
+
+    def release(self, request_id: str, num_tokens: int) -> None:
+        traced = self._sampled.pop(request_id, 0)
+        if traced != num_tokens:
+            self._errors.append(f"{request_id}: {num_tokens} tokens, {traced} traced")
+
+    def check(self, held: Mapping[str, int]) -> int:
+        """Self-check: every request released so far had exactly as many tokens as the
+        trace sampled for it, and so far every request of `held` (id -> tokens) too.
+        Returns len(held). Raises AssertionError listing disagreements."""
+        bad = self._errors + [f"{rid}: {n} tokens, {self._sampled.get(rid)} traced"
+                              for rid, n in held.items() if n != self._sampled.get(rid)]
+        if bad:
+            raise AssertionError(f"trace disagrees with outputs: {bad}")
+        return len(held)
 
 
 def busy_time(records: Iterable[StepRecord]) -> float:

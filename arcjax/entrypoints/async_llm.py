@@ -3,20 +3,20 @@
 1. `AsyncLLM(model, **options)` builds the engine (`build_engine`) and starts one thread
    that owns it: it steps while any request is unfinished and sleeps otherwise.
 2. `async for out in llm.generate(prompt, params, request_id=None)` queues the request
-   (validated at once: a bad request raises here, typed) with a sink that hands each output
-   to this coroutine's event loop (`call_soon_threadsafe`), then yields them until the
-   final one.
+   (validated at once: a bad request raises here, typed) with a one-slot collector as its
+   sink, then yields its outputs until the final one.
 3. Leaving the `async for` early (a break, a cancelled task: a client disconnect) aborts
    the request; the engine frees its KV blocks at the start of its next step at the latest.
 4. `await llm.abort(request_id)`; `llm.shutdown()` stops the thread (aborting what is left).
 
-NOTE: the engine thread never waits on a consumer: outputs go into an unbounded asyncio
-queue per request, so a slow reader delays only itself. A reader that fell behind gets one
-output for everything queued (the newest, its `delta_text` the concatenation of the deltas
-it replaces), as vLLM's output collector merges deltas: a busy server then formats one
-chunk instead of several. A sink whose event loop is gone
-gets its request aborted by the engine. An exception escaping a step (a bug) finishes every
-unfinished request with reason "error" and the loop keeps serving.
+NOTE: the engine thread never waits on a reader. Each request's outputs go into a
+collector that holds one slot and merges at put time (vLLM's output collector): a reader
+that fell behind finds one output for everything it missed (DELTA: the new text, token ids
+and logprobs concatenated; CUMULATIVE: the newest, its `delta_text` the concatenation), so
+a reader that stops reading holds one merged output, never a queue of copies, and the
+event loop is woken once per slot fill, not once per output. If the engine dies
+(`EngineDeadError`: see engine/engine.py), every waiting reader gets that error, later calls
+raise it, and the thread ends; nothing spins.
 """
 
 from __future__ import annotations
@@ -31,11 +31,99 @@ from collections.abc import AsyncIterator
 
 from arcjax.engine.build import build_engine
 from arcjax.engine.config import EngineConfig
-from arcjax.engine.outputs import RequestOutput
-from arcjax.errors import UnknownRequestError
+from arcjax.engine.outputs import CompletionOutput, RequestOutput
+from arcjax.errors import EngineDeadError, UnknownRequestError
 from arcjax.runtime.sampling import SamplingParams
+from arcjax.runtime.sampling_params import RequestOutputKind
 
 log = logging.getLogger(__name__)
+
+
+class _Merged:
+    """Outputs of one request the reader has not taken yet, merged as they arrive (O(new)
+    per output); `result()` is the one output that stands for all of them."""
+
+    def __init__(self, out: RequestOutput, delta: bool):
+        self.newest, self.delta, self.count = out, delta, 1
+        self.first = out
+        self.deltas: list[str] = []
+        self.parts: dict[int, tuple[list, list, list | None]] = {}
+
+    def add(self, out: RequestOutput) -> None:
+        if self.count == 1:
+            self._absorb(self.first)
+        self._absorb(out)
+        self.newest = out
+        self.count += 1
+
+    def _absorb(self, out: RequestOutput) -> None:
+        self.deltas.append(out.delta_text)
+        if self.delta:
+            for c in out.outputs:
+                texts, ids, entries = self.parts.setdefault(
+                    c.index, ([], [], [] if c.logprobs is not None else None))
+                texts.append(c.text)
+                ids.extend(c.token_ids)
+                if entries is not None and c.logprobs is not None:
+                    entries.extend(c.logprobs)
+
+    def result(self) -> RequestOutput:
+        if self.count == 1:
+            return self.newest
+        out, delta_text = self.newest, "".join(self.deltas)
+        if not self.delta:
+            return dataclasses.replace(out, delta_text=delta_text)
+        comps = tuple(CompletionOutput(c.index, "".join(self.parts[c.index][0]),
+                                       tuple(self.parts[c.index][1]), c.cumulative_logprob,
+                                       self.parts[c.index][2], c.finish_reason)
+                      for c in out.outputs)
+        return dataclasses.replace(out, text=comps[0].text, token_ids=comps[0].token_ids,
+                                   delta_text=delta_text, outputs=comps,
+                                   prompt_logprobs=self.first.prompt_logprobs)
+
+
+class _Collector:
+    """Hands one request's outputs from the engine thread to its reader (one slot)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool):
+        self._loop, self._delta = loop, delta
+        self._lock = threading.Lock()
+        self._slot: _Merged | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        """The request's sink (engine thread). Raises RuntimeError when the reader's event
+        loop is gone (the engine then ends the request)."""
+        with self._lock:
+            wake = self._slot is None
+            if wake:
+                self._slot = _Merged(out, self._delta)
+            else:
+                self._slot.add(out)
+        if wake:
+            self._loop.call_soon_threadsafe(self._ready.set)
+
+    def fail(self, error: BaseException) -> None:
+        """The reader's next `get` raises `error` (after any output still in the slot)."""
+        with self._lock:
+            self._error = error
+        try:
+            self._loop.call_soon_threadsafe(self._ready.set)
+        except RuntimeError:  # the reader's loop is closed: nobody waits
+            pass
+
+    async def get(self) -> RequestOutput:
+        while True:
+            with self._lock:
+                slot, self._slot = self._slot, None
+                error = self._error
+            if slot is not None:
+                return slot.result()
+            if error is not None:
+                raise error
+            self._ready.clear()
+            await self._ready.wait()
 
 
 class AsyncLLM:
@@ -52,23 +140,30 @@ class AsyncLLM:
         self.tokenizer = self.engine.tokenizer
         self._wake = threading.Event()
         self._stopping = False
-        self.step_errors = 0  # steps that raised (each finished its requests with "error")
+        self._lock = threading.Lock()
+        self._collectors: set[_Collector] = set()
+        self.step_errors = 0  # exceptions that escaped a step (each one killed the engine)
         self._thread = threading.Thread(target=self._loop, name="arcjax-engine", daemon=True)
         self._thread.start()
 
     # --- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopping:
-            self._wake.clear()
-            if not self.engine.has_unfinished():
-                self._wake.wait()
-                continue
-            try:
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                if not self.engine.has_unfinished():
+                    self._wake.wait()
+                    continue
                 self.engine.run_step()
-            except Exception as e:  # noqa: BLE001  a bug in a step must not kill the server
-                self.step_errors += 1
-                log.exception("engine step failed")
-                self.engine.fail_all(f"engine step failed: {e!r}")
+        except BaseException as e:  # noqa: BLE001  the engine is dead: tell every reader
+            self.step_errors += 1
+            error = e if isinstance(e, EngineDeadError) else self.engine.kill(
+                f"the engine loop failed: {e!r}")
+            log.error("engine stopped: %s", error.reason, exc_info=e)
+            with self._lock:
+                collectors = list(self._collectors)
+            for c in collectors:
+                c.fail(error)
 
     def _notify(self) -> None:
         self._wake.set()
@@ -76,36 +171,41 @@ class AsyncLLM:
     # --- requests (event-loop side) -------------------------------------------------------
     async def generate(self, prompt, params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields this request's outputs (`delta_text` is the text new in each) until the
-        final one. Raises RequestError subclasses at once for a bad request."""
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        """Yields this request's outputs (as `params.output_kind` says; `delta_text` is the
+        new text in each) until the final one.
 
-        def sink(out: RequestOutput) -> None:  # engine thread
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-
-        rid = self.engine.add_request(prompt, params, request_id, sink=sink)
-        self._notify()
-        finished = False
+        Raises:
+          RequestError subclasses: a bad request (at once).
+          EngineDeadError: the engine is dead, or died while this request ran.
+        """
+        params = SamplingParams() if params is None else params
+        delta = isinstance(params, SamplingParams) and (
+            params.output_kind is RequestOutputKind.DELTA)
+        collector = _Collector(asyncio.get_running_loop(), delta)
+        with self._lock:
+            self._collectors.add(collector)
         try:
-            while not finished:
-                out = await queue.get()
-                if not out.finished and not queue.empty():  # behind: merge what is queued
-                    deltas = [out.delta_text]
-                    while not out.finished and not queue.empty():
-                        out = queue.get_nowait()
-                        deltas.append(out.delta_text)
-                    out = dataclasses.replace(out, delta_text="".join(deltas))
-                finished = out.finished
-                yield out
+            rid = self.engine.add_request(prompt, params, request_id, sink=collector.put)
+            if not self._thread.is_alive():  # died between the check and the add
+                raise self.engine.dead or EngineDeadError("the engine thread has stopped")
+            self._notify()
+            finished = False
+            try:
+                while not finished:
+                    out = await collector.get()
+                    finished = out.finished
+                    yield out
+            finally:
+                if not finished:
+                    self._abort_quietly(rid)
         finally:
-            if not finished:
-                self._abort_quietly(rid)
+            with self._lock:
+                self._collectors.discard(collector)
 
     def _abort_quietly(self, request_id: str) -> None:
         try:
             self.engine.abort(request_id)
-        except UnknownRequestError:  # it finished meanwhile
+        except (UnknownRequestError, EngineDeadError):  # it finished meanwhile, or all did
             pass
         self._notify()
 
@@ -124,7 +224,8 @@ class AsyncLLM:
         return self.engine.num_unfinished
 
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        """Whether the engine serves (False once stopping, or dead)."""
+        return self._thread.is_alive() and not self._stopping and self.engine.dead is None
 
     def shutdown(self, timeout: float | None = 10.0) -> None:
         """Stops the engine thread; requests still unfinished are aborted first."""

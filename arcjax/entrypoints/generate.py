@@ -38,13 +38,14 @@ _HELP = {
 }
 def generate(cfg: GenerateConfig) -> list[str]:
     """Completions (generated text only) of cfg.prompt, num_prompts of them."""
-    import arcjax
+    from arcjax.entrypoints.llm import LLM
+    from arcjax.runtime.sampling_params import SamplingParams
 
     if cfg.num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {cfg.num_prompts}")
-    llm = arcjax.LLM(model=cfg.model or None)
-    params = [arcjax.SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                    top_p=cfg.top_p, seed=cfg.seed + i)
+    llm = LLM(model=cfg.model or None)
+    params = [SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                             top_p=cfg.top_p, seed=cfg.seed + i)
               for i in range(cfg.num_prompts)]
     outputs = llm.generate([cfg.prompt] * cfg.num_prompts, params, use_tqdm=False)
     return [out.text for out in outputs]

@@ -4,6 +4,9 @@
 steps the engine until its requests finish, and aborts whatever is left if the caller
 abandons the call (an exception, a closed or dropped stream). Requests added through the
 online API (`add_request`) get their outputs from `step()`, whoever else steps.
+`generate` asks for final outputs only (`RequestOutputKind.FINAL_ONLY`, as vLLM's
+`LLM.generate`); `stream` yields what each request's `output_kind` says. A dead engine
+raises `EngineDeadError` out of both.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from arcjax.engine.config import SCHEDULER_OPTIONS, EngineConfig
 from arcjax.engine.outputs import RequestOutput
 from arcjax.engine.trace import summarize, write_jsonl
 from arcjax.entrypoints.chat import ChatTemplate, ChatTemplateError
-from arcjax.errors import RequestError
+from arcjax.errors import EngineDeadError, RequestError
 from arcjax.runtime.sampling import SamplingParams
+from arcjax.runtime.sampling_params import RequestOutputKind
 
 
 class LLM:
@@ -86,11 +90,14 @@ class LLM:
             self.engine.check(p, sp)
         return list(prompts), params
 
-    def _run(self, prompts, sampling_params, ids: list[str]) -> Iterator[RequestOutput]:
+    def _run(self, prompts, sampling_params, ids: list[str],
+             kind: RequestOutputKind | None = None) -> Iterator[RequestOutput]:
         """Submits every prompt with a collecting sink (their ids appended to `ids`, in
-        prompt order); yields outputs as steps complete; aborts what is left if the caller
-        stops early."""
+        prompt order; `kind`, when given, replaces each request's output kind); yields
+        outputs as steps complete; aborts what is left if the caller stops early."""
         prompts, params = self._normalize(prompts, sampling_params)
+        if kind is not None:
+            params = [dataclasses.replace(p, output_kind=kind) for p in params]
         inbox: list[RequestOutput] = []
         try:
             for p, sp in zip(prompts, params):
@@ -107,24 +114,35 @@ class LLM:
             for rid in ids:
                 try:
                     self.engine.abort(rid)
-                except RequestError:  # finished already
+                except (RequestError, EngineDeadError):  # finished already, or all gone
                     pass
 
     def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
-        """Yields incremental outputs (`delta_text`) of these prompts as steps complete.
-        Closing the iterator early aborts the requests still running."""
+        """Yields the outputs of these prompts as steps complete (as each request's
+        `output_kind` says; `delta_text` is the new text in every kind). Closing the
+        iterator early aborts the requests still running.
+
+        Raises:
+          EngineDeadError: the engine died (its requests are gone).
+        """
         yield from self._run(prompts, sampling_params, [])
 
     def generate(self, prompts: str | Sequence, sampling_params=None, *,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates for every prompt; returns final outputs in prompt order."""
+        """Generates for every prompt; returns final outputs in prompt order (whatever
+        their `output_kind`: each carries everything its request generated).
+
+        Raises:
+          RequestError: a prompt or its params are refused (nothing is queued).
+          EngineDeadError: the engine died (its requests are gone).
+        """
         from tqdm.auto import tqdm
 
         ids: list[str] = []
         final: dict[str, RequestOutput] = {}
         generated = 0
         with tqdm(disable=not use_tqdm, desc="generate", unit="req") as bar:
-            for out in self._run(prompts, sampling_params, ids):
+            for out in self._run(prompts, sampling_params, ids, RequestOutputKind.FINAL_ONLY):
                 if out.finished:
                     final[out.request_id] = out
                     generated += len(out.token_ids)

@@ -112,7 +112,7 @@ class ServerMetrics:
         if m.e2e_latency is not None:
             self.e2e.observe(m.e2e_latency)
         self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(len(out.token_ids))
+        self.generation_tokens.inc(len(m.token_times))  # whatever the output's kind
         if out.num_cached_tokens:
             self.cached_tokens.inc(out.num_cached_tokens)
         child = self.requests.get(out.finish_reason)

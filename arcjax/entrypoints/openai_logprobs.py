@@ -15,8 +15,8 @@ one dict {token id: Logprob} per generated token, holding the sampled token and 
   "logprob", "bytes", "top_logprobs": [k items in rank order]}]}; `bytes` is the UTF-8 of
   the token's text (a token that is part of a multi-byte character decodes to U+FFFD).
 
-`ChoiceStream` turns a stream of outputs into per-choice deltas: text new since the last
-chunk of that choice, the tokens (and entries) new since then, and the finish reason once.
+`ChoiceStream` turns a stream of DELTA outputs into per-choice chunks: the new text, the
+tokens (and entries) new since the choice's last chunk, and the finish reason once.
 """
 
 from __future__ import annotations
@@ -91,37 +91,40 @@ def choice_logprobs(c: CompletionOutput, k: int | None, chat: bool) -> dict | No
 
 
 class ChoiceStream:
-    """Per-choice progress of a streamed request: `delta(index, completion)` returns
-    (text, logprobs or None, finish reason or None) new for that choice since its last
-    delta, or None when there is nothing new to send."""
+    """Per-choice progress of a streamed request whose outputs are DELTA:
+    `delta(index, completion)` returns (text, logprobs or None, finish reason or None) to
+    send for that choice, or None when there is nothing to send yet (tokens whose text is
+    held back ride, with their logprobs, in the next chunk). `tokens[index]` counts the
+    choice's tokens so far (for `usage`)."""
 
     def __init__(self, k: int | None, chat: bool):
         self.k, self.chat = k, chat
-        self.text_len: dict[int, int] = {}
         self.tokens: dict[int, int] = {}
         self.offset: dict[int, int] = {}
+        self.held: dict[int, tuple[list, list]] = {}  # token ids, entries not sent yet
         self.done: set[int] = set()
 
     def delta(self, index: int, c: CompletionOutput):
         if index in self.done:
             return None
-        start = self.text_len.get(index, 0)
-        text = c.text[start:]
-        self.text_len[index] = len(c.text)  # shorter than start only after a stop-string cut
+        self.tokens[index] = self.tokens.get(index, 0) + len(c.token_ids)
+        want = self.k is not None and c.logprobs is not None
+        if want:
+            ids, entries = self.held.setdefault(index, ([], []))
+            ids.extend(c.token_ids)
+            entries.extend(c.logprobs)
         reason = c.finish_reason
-        if not text and reason is None:
-            return None  # tokens whose text is held back ride with the next chunk
+        if not c.text and reason is None:
+            return None
         if reason is not None:
             self.done.add(index)
         logprobs = None
-        if self.k is not None and c.logprobs is not None:
-            first = self.tokens.get(index, 0)
-            ids, entries = c.token_ids[first:], c.logprobs[first:len(c.token_ids)]
-            self.tokens[index] = len(c.token_ids)
+        if want:
+            ids, entries = self.held.pop(index)
             if self.chat:
                 logprobs = chat_logprobs(entries, ids, self.k)
             else:
                 logprobs = completion_logprobs(entries, ids, self.offset.get(index, 0))
                 self.offset[index] = self.offset.get(index, 0) + sum(
                     len(t) for t in logprobs["tokens"])
-        return text, logprobs, reason
+        return c.text, logprobs, reason

@@ -217,10 +217,12 @@ def error_body(message: str, type_: str, param: str | None = None,
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def usage(outputs: Sequence[RequestOutput]) -> dict:
-    """Prompt tokens once per prompt; completion tokens of every choice."""
+def usage(outputs: Sequence[RequestOutput], completion_tokens: int | None = None) -> dict:
+    """Prompt tokens once per prompt; completion tokens of every choice (counted from the
+    outputs, which must then carry everything, or given)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in lp.completions_of(o))
+    completion = completion_tokens if completion_tokens is not None else sum(
+        len(c.token_ids) for o in outputs for c in lp.completions_of(o))
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens
@@ -274,6 +276,6 @@ def chat_chunk(rid: str, created: int, model: str, index: int, delta: dict,
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str,
-                outputs: Sequence[RequestOutput]) -> dict:
+                outputs: Sequence[RequestOutput], completion_tokens: int) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(outputs)}
+            "usage": usage(outputs, completion_tokens)}

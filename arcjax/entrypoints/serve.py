@@ -7,9 +7,10 @@
    `AsyncLLM.generate(...)` under a server-chosen request id; with `n` > 1 the engine
    returns n completions per prompt (choice index prompt_index * n + sample index) and
    `openai_logprobs` shapes them, their log-probabilities and their per-choice deltas.
-2. Non-streaming: outputs are collected while a watcher waits for the client's
-   `http.disconnect`; streaming: the first output is awaited under the same watcher (so a bad
-   request still gets its 400 before any header), then server-sent events follow; on a
+2. Non-streaming (FINAL_ONLY outputs): outputs are collected while a watcher waits for the
+   client's `http.disconnect`; streaming (DELTA outputs): the first output is awaited under
+   the same watcher (so a bad request still gets its 400 before any header), then
+   server-sent events follow; on a
    disconnect starlette cancels the stream. Either way the `AsyncLLM.generate` iterator is
    left early, which aborts the request: its KV blocks are freed at the start of the next
    engine step at the latest.
@@ -21,10 +22,13 @@
    rest (their responses end with finish_reason "abort"), then uvicorn exits and the engine
    thread stops; the process exits 0. A second signal exits at once.
 
-NOTE: the event loop never blocks on the engine: `AsyncLLM` hands outputs over through
-per-request unbounded queues, so a slow reader only lets its own queue grow (TCP
-backpressure stalls its response, nothing else). All server state (`active`, `in_flight`,
-`draining`) is touched only from the event loop, except `draining`, also read by handlers.
+NOTE: the event loop never blocks on the engine: streams ask for DELTA outputs, and
+`AsyncLLM` hands them over through a one-slot collector per request that merges what a
+slow reader has not taken (TCP backpressure stalls its response, nothing else; it holds one
+merged output). A dead engine (`EngineDeadError`) ends every stream with an error event,
+answers 503 to new requests, and /health answers 503. All server state (`active`,
+`in_flight`, `draining`) is touched only from the event loop, except `draining`, also read
+by handlers.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.chat import ChatTemplate
 from arcjax.entrypoints.metrics import ServerMetrics
 from arcjax.entrypoints.openai_logprobs import ChoiceStream, completions_of
-from arcjax.errors import InputError, RequestError, UnknownRequestError
+from arcjax.errors import EngineDeadError, InputError, RequestError, UnknownRequestError
+from arcjax.runtime.sampling_params import RequestOutputKind
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +210,10 @@ class OpenAIServer:
         async def _bad_input(request, e: InputError):
             return _error(400, str(e), "invalid_request_error", e.field)
 
+        @app.exception_handler(EngineDeadError)
+        async def _dead(request, e: EngineDeadError):
+            return _error(503, str(e), "service_unavailable", code="engine_dead")
+
         @app.exception_handler(HTTPError)
         async def _http_error(request, e: HTTPError):
             return _error(e.status, e.message, e.type, e.param, e.code)
@@ -231,6 +240,9 @@ class OpenAIServer:
 
     # --- plain endpoints ----------------------------------------------------------------
     async def health(self) -> Response:
+        dead = self.llm.engine.dead
+        if dead is not None:
+            return _error(503, str(dead), "service_unavailable", code="engine_dead")
         if self.draining or not self.llm.is_running():
             return _error(503, "shutting down", "service_unavailable", code="shutting_down")
         return JSONResponse({"status": "ok"})
@@ -330,7 +342,10 @@ class OpenAIServer:
         self._check_queue(len(prompts) * n)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         created = int(time.time())
-        stream = self._outputs(rid, prompts, parsed.params)
+        # streams carry what is new in each step; a whole response needs the final only
+        kind = RequestOutputKind.DELTA if parsed.stream else RequestOutputKind.FINAL_ONLY
+        stream = self._outputs(rid, prompts, dataclasses.replace(parsed.params,
+                                                                 output_kind=kind))
         self.in_flight += 1
         handed_over = False
         try:
@@ -459,10 +474,13 @@ class OpenAIServer:
                     item = None
             if include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                yield proto.sse(proto.usage_chunk(rid, created, model, obj, finals))
+                yield proto.sse(proto.usage_chunk(rid, created, model, obj, finals,
+                                                  sum(choices.tokens.values())))
             yield "data: [DONE]\n\n"
         except InputError as e:  # a prompt refused when queued, after the first output
             yield proto.sse(proto.error_body(str(e), "invalid_request_error", e.field))
+        except EngineDeadError as e:  # the stream ends with the reason
+            yield proto.sse(proto.error_body(str(e), "service_unavailable", code="engine_dead"))
 
     # --- shutdown -----------------------------------------------------------------------
     async def drain(self, timeout: float) -> None:

@@ -65,6 +65,13 @@ class ModelConfig:
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
+    def with_kv_repeat(self, repeat: int) -> "ModelConfig":
+        """The model with each KV head stored `repeat` times (what a device holds when
+        tensor parallelism splits more ways than there are KV heads)."""
+        if repeat == 1:
+            return self
+        return dataclasses.replace(self, num_kv_heads=self.num_kv_heads * repeat)
+
     @classmethod
     def from_hf_dict(cls, d: Mapping) -> "ModelConfig":
         """Builds the config from a parsed Hugging Face config.json."""

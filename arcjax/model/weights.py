@@ -5,10 +5,11 @@
    `safetensors.safe_open` (memory-mapped, validated by the library: truncated files and
    absurd headers are refused), converts it once into its slot of the stacked params
    tree (no second full copy in host memory), and moves it to the device.
-   With `parallel` (an `arcjax.parallel.TensorParallel`), every array is built in its
-   shards instead (`jax.make_array_from_callback`): each device's block is read straight
-   from the file through `get_slice` (only that block's bytes), so no device and no host
-   buffer ever holds the whole model; KV heads are repeated as `sharded_config` says.
+   With `shardings` (a tree of shardings for the params, derived by the caller: the model
+   package never imports the parallel one), every array is built in its shards instead
+   (`jax.make_array_from_callback`): each device's block is read straight from the file
+   through `get_slice` (only that block's bytes), so no device and no host buffer ever
+   holds the whole model; each KV head is stored `kv_repeat` times.
 2. With `cache_dir`, the converted params are saved with orbax-checkpoint under a
    key of (files, sizes, mtimes, dtype) and restored from there next time.
 3. `save_hf(params, cfg, out_dir)` writes config.json + model.safetensors with
@@ -148,17 +149,19 @@ def _read_tensor(path: Path, handle, name: str) -> np.ndarray:
 
 
 def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
-            cache_dir: str | os.PathLike | None = None,
-            parallel=None) -> tuple[ModelConfig, Params]:
+            cache_dir: str | os.PathLike | None = None, *, shardings=None,
+            kv_repeat: int = 1) -> tuple[ModelConfig, Params]:
     """Loads a Hugging Face model directory into (config, params on device).
 
     Args:
       model_dir: directory with config.json and safetensors weights.
       dtype: the params' dtype (converted once, tensor by tensor).
       cache_dir: if set, converted params are cached there with orbax-checkpoint (single
-        device only; ignored with `parallel`).
-      parallel: an `arcjax.parallel.TensorParallel`: load straight into its shards. The
-        returned config is then `arcjax.parallel.sharded_config` of the file's.
+        device only; ignored with `shardings`).
+      shardings: a tree of shardings, one per array of `param_specs(cfg.with_kv_repeat(
+        kv_repeat))` (e.g. `arcjax.parallel.TensorParallel.param_shardings`): load straight
+        into those shards. The returned config is then the file's `with_kv_repeat`.
+      kv_repeat: how many times each KV head is stored (with `shardings` only).
 
     Raises:
       ModelConfigError: config.json is missing or malformed.
@@ -166,8 +169,8 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
     """
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
-    if parallel is not None:
-        return _load_sharded(model_dir, cfg, dtype, parallel)
+    if shardings is not None:
+        return _load_sharded(model_dir, cfg, dtype, shardings, kv_repeat)
     key = None
     if cache_dir is not None:
         key = _cache_key(model_dir, dtype)
@@ -202,15 +205,11 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
     return cfg, params
 
 
-def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, parallel):
-    from arcjax.parallel.layout import kv_repeat, sharded_config
-
+def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, shardings, repeat: int):
     tensors = _open_checkpoint(model_dir)
     np_dtype = np.dtype(jnp.dtype(dtype))
-    repeat = kv_repeat(cfg, parallel.size)
-    scfg = sharded_config(cfg, parallel.size)
+    scfg = cfg.with_kv_repeat(repeat)
     specs, orig_specs = param_specs(scfg), param_specs(cfg)
-    shardings = parallel.shardings(specs)
     out = {}
     for key in specs:
         if key == "layers":

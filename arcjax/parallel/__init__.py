@@ -10,10 +10,10 @@ from arcjax.parallel.layout import (TENSOR_AXES, TP_AXIS, TensorParallel, check_
                                     sharded_config)
 from arcjax.parallel.multihost import (CoordinatorTransport, FollowerStop, LocalTransport,
                                        PlanDivergenceError, StepSync, follow, initialize,
-                                       plan_digest, run_follower, stop_followers)
+                                       plan_digest, stop_followers)
 
 __all__ = ["CoordinatorTransport", "FollowerStop", "LocalTransport", "PlanDivergenceError",
            "StepSync", "TENSOR_AXES", "TP_AXIS", "TensorParallel", "check_tensor_parallel",
            "follow", "initialize", "kv_repeat", "logical_rules", "make_mesh",
-           "per_device_bytes", "plan_digest", "run_follower", "sharded_config",
+           "per_device_bytes", "plan_digest", "sharded_config",
            "stop_followers"]

@@ -76,8 +76,7 @@ def kv_repeat(cfg: ModelConfig, tp: int) -> int:
 
 def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
     """The model as `tp` devices hold it: KV heads repeated `kv_repeat` times."""
-    r = kv_repeat(cfg, tp)
-    return cfg if r == 1 else dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * r)
+    return cfg.with_kv_repeat(kv_repeat(cfg, tp))
 
 
 def make_mesh(tp: int, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -7,6 +7,7 @@ bad value raises `SamplingParamsError` whose `.field` names it.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import numpy as np
@@ -16,6 +17,20 @@ from arcjax.runtime.structured_params import StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # top-k log-probabilities per position: the device always computes 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a request carries (vLLM's kinds).
+
+    CUMULATIVE: everything generated so far (text, token ids, logprobs), in every output.
+    DELTA: only what is new since the previous output of that request (the text, token ids
+      and logprobs of this step); whoever wants the whole text accumulates it.
+    FINAL_ONLY: one output, when the request finishes, carrying everything.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(x) -> bool:
@@ -52,6 +67,8 @@ class SamplingParams:
         structured_outputs, of the logits after the grammar's mask (as vLLM: tokens the
         grammar forbids have -inf).
       skip_special_tokens / spaces_between_special_tokens: detokenization of the output.
+      output_kind: a `RequestOutputKind` (CUMULATIVE, DELTA or FINAL_ONLY; its int value is
+        accepted too).
       structured_outputs: None, or a `StructuredOutputsParams` (or a mapping of its fields)
         the output must match: a JSON schema, a regex, a choice, a grammar. Tokens the
         grammar does not allow are masked before penalties, temperature and filters; a
@@ -76,6 +93,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
@@ -115,6 +133,11 @@ class SamplingParams:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise SamplingParamsError(name, f"must be a bool, got {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))
+        kind = self.output_kind
+        if not _is_int(kind) or int(kind) not in RequestOutputKind._value2member_map_:
+            raise SamplingParamsError("output_kind", "must be a RequestOutputKind (CUMULATIVE, "
+                                      f"DELTA, FINAL_ONLY), got {kind!r}")
+        object.__setattr__(self, "output_kind", RequestOutputKind(int(kind)))
         object.__setattr__(self, "structured_outputs",
                            StructuredOutputsParams.coerce(self.structured_outputs))
 

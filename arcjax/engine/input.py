@@ -1,0 +1,186 @@
+"""Input processing: a request as submitted -> validated, tokenized engine state.
+
+1. `check(prompt, params)`: the prompt is tokenized (text) or type-checked (token ids) and
+   checked against the model (vocabulary, max_model_len); every refusal is a
+   `RequestError` naming the field and the limit.
+2. `build(...)`: the request's `RequestState` (with its incremental detokenizer) and its
+   `scheduler.Request`, or, for n > 1, the `RequestGroup` of its n children (child i has
+   seed `seed + i`; with prefix caching only child 0 enters the scheduler at once, the
+   others once its prompt is computed, so they hit the prefix cache: `engine/group.py`).
+3. The inbox items the core drains (`NewRequest`, `NewGroup`, `Abort`), and their wire
+   form for multi-host runs (`to_wire` on the leader, `from_wire` on the followers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+import scheduler
+from arcjax.engine.group import RequestGroup, child_id, child_seed
+from arcjax.engine.request import RequestState
+from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from arcjax.errors import RequestError
+from arcjax.runtime.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class NewRequest:
+    state: RequestState
+    request: scheduler.Request
+
+
+@dataclasses.dataclass(frozen=True)
+class NewGroup:
+    group: RequestGroup
+    entering: list  # (RequestState, scheduler.Request) pairs that enter the scheduler now
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+class InputProcessor:
+    """Validation, tokenization and request-state construction (any thread: no state).
+
+    Args:
+      tokenizer: the model's tokenizer, or None (token-id prompts only).
+      vocab_size, max_model_len: the model's limits.
+      sched_config: the scheduler's config (its own request checks).
+      seed: seeds requests whose SamplingParams have no seed (with the request id).
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
+                 sched_config: scheduler.SchedulerConfig, seed: int = 0):
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.sched_config, self.seed = sched_config, seed
+
+    def check(self, prompt, params: SamplingParams) -> tuple[str | None, tuple[int, ...]]:
+        """Validates a request without queueing it. Returns (prompt text, token ids).
+
+        Raises:
+          RequestError (a ValueError naming `.field`): the request is refused.
+        """
+        if not isinstance(params, SamplingParams):
+            raise RequestError("params", f"must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        vocab, limit = self.vocab_size, self.max_model_len
+        if len(ids) > limit:
+            raise RequestError("prompt", f"{len(ids)} tokens, more than max_model_len "
+                               f"{limit}", limit=limit)
+        if len(ids) + params.max_tokens > limit:
+            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens "
+                               f"({params.max_tokens}) exceeds max_model_len {limit}",
+                               limit=limit - len(ids))
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError("prompt", f"token id {bad} is outside the vocabulary "
+                               f"[0, {vocab})", limit=vocab)
+        if any(not t < vocab for t in params.stop_token_ids):
+            raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab})",
+                               limit=vocab)
+        return text, ids
+
+    def _tokenize(self, prompt) -> tuple[str | None, tuple[int, ...]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt", "a string prompt needs a tokenizer; pass token ids")
+            try:
+                prompt.encode("utf-8")
+                ids = tuple(self.tokenizer.encode(prompt))
+            except (UnicodeError, TypeError) as e:
+                raise RequestError("prompt", f"text cannot be encoded ({e})") from None
+            if not ids:
+                raise RequestError("prompt", "must not be empty", limit=1)
+            return prompt, ids
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+                raise RequestError("prompt", f"a token-id array must be 1-D integers, got "
+                                   f"{prompt.dtype} with shape {prompt.shape}")
+            ids = tuple(int(t) for t in prompt)
+        elif isinstance(prompt, (list, tuple)):
+            bad = next((t for t in prompt if not isinstance(t, (int, np.integer))
+                        or isinstance(t, (bool, np.bool_))), None)
+            if bad is not None:
+                raise RequestError("prompt", f"token ids must be ints, got {bad!r}")
+            ids = tuple(int(t) for t in prompt)
+        else:
+            raise RequestError("prompt", "must be a string or a list of token ids, got "
+                               f"{type(prompt).__name__}")
+        if not ids:
+            raise RequestError("prompt", "must not be empty", limit=1)
+        return None, ids
+
+    @staticmethod
+    def check_options(request_id, arrival, priority) -> None:
+        """The submission options' types (RequestError naming the bad one)."""
+        if request_id is not None and (not isinstance(request_id, (str, int))
+                                       or isinstance(request_id, bool)):
+            raise RequestError("request_id", f"must be a str, got {request_id!r}")
+        if not isinstance(arrival, (int, float)) or isinstance(arrival, bool):
+            raise RequestError("arrival_time", f"must be a number, got {arrival!r}")
+        if not isinstance(priority, (int, np.integer)) or isinstance(priority, (bool, np.bool_)):
+            raise RequestError("priority", f"must be an int, got {priority!r}")
+
+    def build(self, request_id: str, text, ids: tuple[int, ...], params: SamplingParams,
+              arrival: float, priority: int, sink) -> NewRequest | NewGroup:
+        """The inbox item of one validated request (its scheduler checks run here).
+
+        Raises:
+          RequestError: the scheduler refuses the request (e.g. it can never fit).
+        """
+        request = scheduler.Request(request_id=request_id, prompt_token_ids=ids,
+                                    max_tokens=params.max_tokens, arrival_time=arrival,
+                                    priority=int(priority))
+        scheduler.validate_request(request, self.sched_config)
+        seed = params.seed if params.seed is not None else zlib.crc32(
+            f"{self.seed}:{request_id}".encode())
+        if params.n == 1:
+            state = self.state(request_id, text, ids, params, seed, arrival)
+            state.sink = sink
+            return NewRequest(state, request)
+        pairs = []
+        for i in range(params.n):
+            cid = child_id(request_id, i)
+            cp = dataclasses.replace(params, n=1, seed=child_seed(seed, i), prompt_logprobs=(
+                params.prompt_logprobs if i == 0 else None))  # the group reports child 0's
+            state = self.state(cid, text, ids, cp, cp.seed, arrival)
+            state.index, state.parent_id = i, request_id
+            pairs.append((state, dataclasses.replace(request, request_id=cid)))
+        hold = 1 if self.sched_config.enable_prefix_caching else params.n
+        group = RequestGroup(request_id, [st for st, _ in pairs], pairs[hold:], sink)
+        return NewGroup(group, pairs[:hold])
+
+    def state(self, rid: str, text, ids, params: SamplingParams, seed: int,
+              arrival: float) -> RequestState:
+        """A fresh request state (with its detokenizer when there is a tokenizer)."""
+        detok = IncrementalDetokenizer(
+            self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        ) if self.tokenizer else None
+        return RequestState(rid, text, ids, params, seed, float(arrival), detok)
+
+    # --- multi-host wire form ------------------------------------------------------------
+    @staticmethod
+    def to_wire(items: list) -> list[tuple]:
+        """Inbox items as plain tuples (n == 1 only: n > 1 is refused across hosts)."""
+        return [("add", it.state.request_id, it.state.prompt, it.state.prompt_ids,
+                 it.state.params, it.state.seed, it.state.arrival, it.request.priority)
+                if isinstance(it, NewRequest) else ("abort", it.request_id) for it in items]
+
+    def from_wire(self, wire: list[tuple]) -> list:
+        """The leader's inbox items, rebuilt on a follower."""
+        items = []
+        for item in wire:
+            if item[0] == "abort":
+                items.append(Abort(item[1]))
+                continue
+            _, rid, text, ids, params, seed, arrival, priority = item
+            request = scheduler.Request(request_id=rid, prompt_token_ids=ids,
+                                        max_tokens=params.max_tokens, arrival_time=arrival,
+                                        priority=priority)
+            items.append(NewRequest(self.state(rid, text, ids, params, seed, arrival), request))
+        return items

@@ -1,0 +1,206 @@
+"""Output processing: sampled tokens into text and stops, then outputs built and delivered.
+
+1. `append_token(req, token, ...)` (inside a step's commit): records the token, detokenizes
+   it, checks stop token ids, EOS and stop strings (the text is cut before a stop string).
+2. `OutputProcessor.deliver(changed)` (after every step, in its `finally`): builds the
+   output of every request the step changed, as its `SamplingParams.output_kind` says, and
+   hands it to the request's sink or returns it (requests without a sink); a request whose
+   final output is out is released. A child of an n > 1 request is reported through its
+   group's one output.
+
+NOTE: building an output costs O(what changed in this step), never O(tokens so far): DELTA
+slices only the new tokens; CUMULATIVE and FINAL_ONLY share the request's lists through
+`Prefix` views (the text is one string, shared; `delta_text` is a slice of the new chars).
+While a request may still meet a stop string, the last `len(longest stop) - 1` characters
+are held back from outputs, so the concatenated deltas always equal the final text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from arcjax.engine.group import RequestGroup
+from arcjax.engine.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
+from arcjax.engine.request import FINISH_STOP, RequestState
+from arcjax.runtime.sampling_params import RequestOutputKind
+
+DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
+
+def append_token(req: RequestState, token: int, now: float, eos_token_ids: frozenset,
+                 logprobs: tuple | None = None) -> bool:
+    """Records one sampled token (and, when asked, its raw logprob and position entry);
+    returns True if it ends the request with "stop". Before `min_tokens` tokens, stop ids
+    and stop strings do not stop it (vLLM; the device masks stop ids then)."""
+    req.token_ids.append(token)
+    req.token_times.append(now)
+    if req.logprobs is not None and logprobs is not None:
+        req.cumulative_logprob += logprobs[0]
+        req.logprobs.append(logprobs[1])
+    p = req.params
+    if len(req.token_ids) <= p.min_tokens:
+        if req.detok is not None:
+            req.text += req.detok.add(token)
+        return False
+    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+        if req.detok is not None:  # the stop token's own text is left out (as vLLM)
+            req.text += req.detok.flush()
+        req.finish_reason = FINISH_STOP
+        return True
+    if req.detok is not None:
+        old_len = len(req.text)
+        req.text += req.detok.add(token)
+        for s in p.stop:
+            cut = req.text.find(s, max(0, old_len - len(s) + 1))
+            if cut >= 0:
+                req.text = req.text[:cut]
+                req.finish_reason = FINISH_STOP
+                return True
+    return False
+
+
+def _take(req: RequestState, kind: RequestOutputKind) -> tuple[CompletionOutput, str]:
+    """The request's completion as `kind` wants it, and the text new since the previous
+    output; moves its cursors past what it hands out."""
+    n, start = len(req.token_ids), req.emitted_tokens
+    upto = len(req.text) if req.finished else max(req.emitted_len,
+                                                  len(req.text) - req.stop_hold)
+    delta = req.text[req.emitted_len:upto]
+    lps = req.logprobs
+    if kind is DELTA:
+        text, ids = delta, tuple(req.token_ids[start:n])
+        entries = lps[start:n] if lps is not None else None
+    else:
+        text = req.text if upto == len(req.text) else req.text[:upto]
+        ids = Prefix(req.token_ids, n)
+        entries = Prefix(lps, n) if lps is not None else None
+    req.emitted_tokens, req.emitted_len = n, upto
+    cumulative = req.cumulative_logprob if lps is not None else None
+    return CompletionOutput(req.index, text, ids, cumulative, entries, req.finish_reason), delta
+
+
+def _metrics(req: RequestState) -> RequestMetrics:
+    times = req.token_times
+    return RequestMetrics(req.arrival, req.first_scheduled, times[0] if times else None,
+                          Prefix(times), req.finished_time)
+
+
+def _prompt_logprobs(req: RequestState, kind: RequestOutputKind):
+    if req.prompt_logprobs is None or (kind is DELTA and req.prompt_logprobs_sent):
+        return None
+    req.prompt_logprobs_sent = True
+    return Prefix(req.prompt_logprobs)
+
+
+def _build(request_id: str, first: RequestState, completions: list, finished: bool,
+           kind: RequestOutputKind) -> RequestOutput:
+    (c0, delta), *_ = completions
+    return RequestOutput(request_id, first.prompt, first.prompt_ids, c0.text, c0.token_ids,
+                         finished, first.finish_reason if finished else None, _metrics(first),
+                         delta, first.error, first.num_cached_tokens,
+                         tuple(c for c, _ in completions), _prompt_logprobs(first, kind))
+
+
+def request_output(req: RequestState) -> RequestOutput | None:
+    """The output of a single request now (None: FINAL_ONLY and not finished)."""
+    kind = req.params.output_kind
+    if kind is FINAL_ONLY and not req.finished:
+        return None
+    out = _build(req.request_id, req, [_take(req, kind)], req.finished, kind)
+    if req.finished:
+        req.detok = None  # free the detokenizer's history
+    return out
+
+
+def group_output(group: RequestGroup) -> RequestOutput | None:
+    """The output of an n > 1 request: `outputs` holds every child's completion; text,
+    token ids, delta, finish reason and metrics are child 0's (vLLM's shortcuts)."""
+    first = group.children[0]
+    kind = first.params.output_kind
+    finished = group.finished
+    if kind is FINAL_ONLY and not finished:
+        return None
+    out = _build(group.request_id, first, [_take(c, kind) for c in group.children],
+                 finished, kind)
+    if finished:
+        for c in group.children:
+            c.detok = None
+    return out
+
+
+@dataclasses.dataclass
+class Delivery:
+    """What one `deliver` call did."""
+
+    pending: list[RequestOutput]  # outputs of requests without a sink
+    done: list[str]  # user request ids whose final output was built
+    broken: dict[str, str]  # unfinished user request id -> why its sink failed
+
+
+class OutputProcessor:
+    """Builds and hands out outputs (stepping thread); see the module docstring.
+
+    Args:
+      groups: the n > 1 requests by user id (shared with the core, which admits them).
+      release: called with every request whose final output was built.
+    """
+
+    def __init__(self, groups: dict[str, RequestGroup],
+                 release: Callable[[RequestState], None]):
+        self.groups, self.release = groups, release
+
+    def deliver(self, changed: dict[str, RequestState]) -> Delivery:
+        """Builds and hands out the output of every request in `changed`."""
+        delivery = Delivery([], [], {})
+        touched: dict[str, RequestGroup] = {}
+        for rid, req in changed.items():
+            if req.parent_id is None:
+                self._emit(rid, req, req.sink, lambda r=req: request_output(r), delivery)
+            elif req.parent_id in self.groups:
+                touched[req.parent_id] = self.groups[req.parent_id]
+            if req.finished:
+                self.release(req)
+        for gid, group in touched.items():
+            self._emit(gid, group.children[0], group.sink, lambda g=group: group_output(g),
+                       delivery, finished=group.finished)
+            if group.finished:
+                self.groups.pop(gid, None)
+        return delivery
+
+    @staticmethod
+    def _emit(rid: str, req: RequestState, sink, build, delivery: Delivery,
+              finished: bool | None = None) -> None:
+        """Builds one output and hands it over. A failure to build the output of a request
+        still running, or a sink that raises for one, is reported in `delivery.broken` (the
+        engine ends the request with "error"); a finished request whose output cannot be
+        built gets a bare final "error" output."""
+        finished = req.finished if finished is None else finished
+        try:
+            out = build()
+        except Exception as e:  # noqa: BLE001  a bug in one output stops only its request
+            message = f"output processing failed: {e!r}"
+            if not finished:
+                delivery.broken[rid] = message
+                return
+            out = _bare_error(rid, req, message)
+        if out is None:
+            return
+        if out.finished:
+            delivery.done.append(rid)
+        if sink is None:
+            delivery.pending.append(out)
+            return
+        try:
+            sink(out)
+        except Exception as e:  # noqa: BLE001  its consumer is gone: stop generating for it
+            if not out.finished:
+                delivery.broken[rid] = f"output sink failed: {e!r}"
+
+
+def _bare_error(rid: str, req: RequestState, message: str) -> RequestOutput:
+    """A final output that says only why the request failed."""
+    metrics = RequestMetrics(req.arrival, req.first_scheduled, None, (), req.finished_time)
+    return RequestOutput(rid, req.prompt, req.prompt_ids, "", (), True, "error", metrics,
+                         error=message, outputs=(CompletionOutput(0, "", (), None, None,
+                                                                  "error"),))
