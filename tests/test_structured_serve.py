@@ -1,8 +1,8 @@
 """Structured outputs and tool calling over HTTP, with the official `openai` client.
 
 One in-process server over a tiny random-weight Llama whose chat template speaks the
-Hermes/Qwen tool format (tools listed in a system turn, `<tool_call>` blocks, tool results
-as `<tool_response>`). The mask alone makes the outputs valid: a Pydantic model parsed
+Hermes/Qwen tool format, tersely (the byte-level test tokenizer makes every character a
+token): tools listed first, `<tool_call>` blocks, tool results as `<tool_response>`. The mask alone makes the outputs valid: a Pydantic model parsed
 by `client.chat.completions.parse`, a tool-call round trip (`tools` -> `tool_calls` -> a
 `tool` message -> a final answer) streaming and not, with tool_choice "required", a
 named function and "auto" (the Hermes parser reading a completion the test constrains
@@ -29,19 +29,16 @@ from test_serve import GEOMETRY, RunningServer
 
 MODEL = "tiny-tools"
 TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n<tools>\n"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
-    "Answer with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n"
+    "{%- if tools %}tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}\n"
     "{% endif %}"
     "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
-    "</tool_response><|im_end|>\n"
-    "{%- elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant"
-    "{%- for tc in m.tool_calls %}\n<tool_call>\n"
-    "{{ {'name': tc.function.name, 'arguments': tc.function.arguments} | tojson }}\n"
-    "</tool_call>{%- endfor %}<|im_end|>\n"
-    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{%- if m.role == 'tool' %}tool: <tool_response>{{ m.content }}</tool_response>\n"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}assistant:"
+    "{%- for tc in m.tool_calls %}<tool_call>"
+    "{{ {'name': tc.function.name, 'arguments': tc.function.arguments} | tojson }}"
+    "</tool_call>{%- endfor %}\n"
+    "{%- else %}{{ m.role }}: {{ m.content }}\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}assistant:{% endif %}")
 TIGHT = {"structured_outputs": {"disable_any_whitespace": True}}  # bounded JSON
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -157,7 +154,7 @@ def test_tool_call_round_trip_required(client, model_dir, stream):
     # the tool message went through the chat template: the prompt holds its rendering
     template = ChatTemplate.from_dir(model_dir)
     text = template.render(template_messages(history), tools=[WEATHER, TIME])
-    assert "<tool_response>\nSunny, 21 C\n</tool_response>" in text
+    assert "tool: <tool_response>Sunny, 21 C</tool_response>" in text
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(model_dir + "/tokenizer.json")
@@ -205,7 +202,7 @@ def test_bad_constraints_are_400s_naming_the_field(server):
         ({"guided_regex": "(open"}, "guided_regex"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice"),
-        ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_regex"),
+        ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice"),
     ]:
         r = httpx.post(server.url + "/v1/chat/completions", json={
             "model": MODEL, "messages": QUESTION, "max_tokens": 4, **body}, timeout=60)

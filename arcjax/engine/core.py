@@ -9,7 +9,17 @@ The step is one of two short sequences, chosen once at construction:
 the next step is planned and launched before the previous one's tokens reach the host
 (`scheduler.advance`; the device feeds the placeholders). `launch` packs the plan into a
 bucket's host arrays and dispatches it; `finish` collects the tokens, appends them (text,
-stops: `output.append_token`), commits them (`scheduler.commit`) and records the trace.
+stops, grammars: `output.append_token`), commits them (`scheduler.commit`) and records
+the trace.
+
+Structured outputs: a constrained row's grammar bitmask goes into the step with it. When
+the mask needs the token the step before is still sampling (overlapped, a constrained
+decode row fed by the device), the step is launched in two parts: its forward at once,
+its sampling once `finish` has committed the step before and the masks are filled
+(`sample_pending`): the device runs the forward while the host commits and fills masks.
+
+  overlapped with such rows:  advance -> schedule -> launch forward -> finish(before)
+                              -> fill masks -> launch sampling
 
 NOTE: failures travel one road. A stage that fails raises `StepFailed`; `_recover` ends
 the requests the step call touched (every step it handled: in flight, launched; everyone
@@ -40,6 +50,7 @@ from arcjax.engine.trace import StepRecord, StepTrace
 from arcjax.errors import EngineDeadError
 from arcjax.parallel.multihost import plan_digest
 from arcjax.runtime.runner import ModelRunner, StepHandle
+from arcjax.structured import StructuredOutputManager
 
 
 class StepFailed(Exception):
@@ -65,6 +76,9 @@ class Launched:
     bucket: tuple = (0, 0, 0)
     prompts: list | None = None
     compiled: bool = False
+    # Launched as a forward only: (sampling inputs, constrained (row, grammar) pairs, rows);
+    # `sample_pending` fills the masks and launches the sampling.
+    pending: tuple | None = None
 
 
 class EngineCore:
@@ -72,9 +86,10 @@ class EngineCore:
 
     def __init__(self, runner: ModelRunner, tokenizer, sched_config: scheduler.SchedulerConfig,
                  *, clock: Callable[[], float], trace_capacity: int, async_scheduling: bool,
-                 eos_token_ids: frozenset):
+                 eos_token_ids: frozenset, structured: StructuredOutputManager | None = None):
         self.runner, self.tokenizer, self.sched_config, self.clock = (
             runner, tokenizer, sched_config, clock)
+        self.structured = structured
         self.eos_token_ids, self.async_scheduling = eos_token_ids, async_scheduling
         self.state = scheduler.SchedulerState.empty(sched_config)
         self.requests: dict[str, RequestState] = {}  # in the scheduler, not released
@@ -158,6 +173,8 @@ class EngineCore:
         self.in_flight = None if plan.is_empty else self._launch(plan, prev)
         if prev is not None:
             self._finish(prev, changed)
+        if self.in_flight is not None and self.in_flight.pending is not None:
+            self._sample_pending(self.in_flight)
 
     @contextlib.contextmanager
     def _stage(self, name: str, **flags):
@@ -206,13 +223,35 @@ class EngineCore:
                 for i in ahead:
                     fed[i] = position[plan.request_ids[i]]
                 feed = (prev.handle, fed)
+            # constrained rows that sample; their grammars lag one token when fed ahead
+            grammars = [(i, req.grammar) for i, (req, s) in enumerate(zip(step.reqs,
+                                                                         plan.samples))
+                        if s and req.grammar is not None]
+            lagging = bool(grammars) and not {i for i, _ in grammars}.isdisjoint(ahead)
+            bitmask = (None if lagging or not grammars
+                       else self.structured.bitmask(grammars, prepared[0].seqs))
         with self._stage("launch"):
             compiled_before = self.runner.num_executables
-            step.handle = self.runner.launch(*prepared, feed=feed)
+            if lagging:  # the forward now, the sampling once `prev` is committed
+                bucket, batch, sampling, *prompt = prepared
+                step.handle = self.runner.launch_forward(bucket, batch, *prompt, feed=feed)
+                step.pending = (sampling, grammars, bucket.seqs)
+            else:
+                step.handle = self.runner.launch(*prepared, feed=feed, bitmask=bitmask)
         b = prepared[0]
         step.bucket = (b.tokens, b.seqs, b.max_q_len)
         step.compiled = self.runner.num_executables > compiled_before
         return step
+
+    def _sample_pending(self, step: Launched) -> None:
+        """Fills the masks of a step launched as a forward only (its constrained rows'
+        grammars now hold the tokens of the step before) and launches its sampling."""
+        sampling, grammars, rows = step.pending
+        with self._stage("pack"):
+            bitmask = self.structured.bitmask(grammars, rows)
+        with self._stage("launch"):
+            self.runner.launch_sampling(step.handle, sampling, bitmask)
+        step.pending = None
 
     def _finish(self, step: Launched, changed: dict) -> None:
         """Collects a launched step's tokens, appends them and commits them."""

@@ -18,6 +18,7 @@ import sys
 import typing
 
 from arcjax.engine.config import ATTENTION_IMPLS, DTYPES, EngineConfig
+from arcjax.structured.tool_parsers import PARSERS
 
 _CHOICES = {"dtype": DTYPES, "attention_impl": ATTENTION_IMPLS,
             "policy": ("prefill_first", "alternate", "token_budget")}
@@ -74,6 +75,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take after SIGTERM/SIGINT")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="how tool_choice 'auto' reads the model's tool calls (default: the "
+                        "format its chat template shows)")
     p.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache directory")
@@ -104,7 +108,8 @@ def parse_serve(argv: list[str]) -> ServeCommand:
                          api_key=args.api_key or os.environ.get("ARCJAX_API_KEY") or None,
                          served_model_name=args.served_model_name,
                          max_queued_requests=args.max_queued_requests,
-                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                         tool_call_parser=args.tool_call_parser)
     return ServeCommand(args.model_dir, config, options, args.warmup, args.compilation_cache_dir)
 
 

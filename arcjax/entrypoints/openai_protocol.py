@@ -5,12 +5,18 @@ the decoded JSON body and turns `RequestOutput`s into responses and stream chunk
 builders below.
 
 NOTE: validation lives here and in `SamplingParams` (types and ranges) and `Engine.check`
-(lengths, vocabulary); every refusal is an `InputError` whose `.field` is the request's own
-field name, so the server answers 400 with `param` naming it. Fields the engine does not
-support (best_of, echo, logit_bias, tools, ...) are refused by name unless they carry their
-neutral value; fields that are not part of the API at all are refused too. The one field
-accepted and ignored is `user` (an end-user id OpenAI keeps for abuse monitoring: it never
-changes the output, and clients send it by default in some SDKs).
+(lengths, vocabulary, grammars); every refusal is an `InputError` whose `.field` is the
+request's own field name, so the server answers 400 with `param` naming it. Fields the
+engine does not support (best_of, echo, logit_bias, functions, ...) are refused by name
+unless they carry their neutral value; fields that are not part of the API at all are
+refused too. The one field accepted and ignored is `user` (an end-user id OpenAI keeps for
+abuse monitoring: it never changes the output, and clients send it by default in some
+SDKs).
+
+Structured outputs and tools (`arcjax.structured`): `response_format`, vLLM's
+`structured_outputs` and `guided_*` fields become one `StructuredOutputsParams`
+(`openai_fields`); chat's `tools` / `tool_choice` / `parallel_tool_calls` become a
+`ToolPlan` (`tools`), whose parser turns each completion into content and `tool_calls`.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from arcjax.engine.outputs import RequestOutput
 from arcjax.entrypoints import openai_logprobs as lp
 from arcjax.errors import RequestError, SamplingParamsError
 from arcjax.runtime.sampling import SamplingParams
+from arcjax.structured import openai_fields
+from arcjax.structured.tools import ToolPlan, plan_tools, template_messages, tool_calls_json
 
 
 class ProtocolError(RequestError):
@@ -38,18 +46,17 @@ _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "n": "n"}
 # Known fields the engine does not support, with the values that mean "not used".
 _UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-                "logit_bias": (None, {}),
-                "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-                "function_call": (None, "none"), "parallel_tool_calls": (None,),
-                "response_format": (None, {"type": "text"}),
-                "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,)}
+                "logit_bias": (None, {}), "functions": (None, []),
+                "function_call": (None, "none"), "prompt_logprobs": (None,)}
 _IGNORED = {"user"}  # see the module NOTE
 _COMMON = {"model", "max_tokens", "stream", "stream_options", "logprobs", *_SAMPLING,
-           *_UNSUPPORTED, *_IGNORED}
+           *_UNSUPPORTED, *_IGNORED, *openai_fields.FIELDS}
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "add_generation_prompt",
-                          "top_logprobs"}
-_COMPLETION_NEUTRAL = {"top_logprobs": (None, 0)}  # a chat field; refused in completions
+                          "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+# chat fields, refused in completions unless neutral
+_COMPLETION_NEUTRAL = {"top_logprobs": (None, 0), "tools": (None, []),
+                       "tool_choice": (None, "none"), "parallel_tool_calls": (None,)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +73,8 @@ class ParsedRequest:
     max_tokens_given: bool
     messages: tuple = ()
     add_generation_prompt: bool = True
+    tools: ToolPlan | None = None  # chat: how tools shape the output and the response
+    constraint: openai_fields.Constraint = openai_fields.Constraint(None, None)
 
 
 def _is_int(x) -> bool:
@@ -107,7 +116,8 @@ def _chat_logprobs(body: dict) -> int | None:
     return (k or 0) if on else None
 
 
-def _common(body: dict, max_field: str, default_max: int | None, logprobs: int | None = None):
+def _common(body: dict, max_field: str, default_max: int | None, logprobs: int | None = None,
+            constraint: openai_fields.Constraint = openai_fields.Constraint(None, None)):
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ProtocolError("model", f"must be a string, got {model!r}")
@@ -138,6 +148,7 @@ def _common(body: dict, max_field: str, default_max: int | None, logprobs: int |
     given = max_tokens is not None
     kwargs["max_tokens"] = max_tokens if given else (default_max or 1)
     kwargs["logprobs"] = logprobs
+    kwargs["structured_outputs"] = constraint.params
     try:
         params = SamplingParams(**kwargs)
     except SamplingParamsError as e:
@@ -163,14 +174,18 @@ def parse_completion(body) -> ParsedRequest:
     else:
         raise ProtocolError("prompt", "must be a string, a list of strings, a list of token "
                                       "ids or a list of lists of token ids (non-empty)")
+    constraint = openai_fields.constraint_from_body(body)
     model, params, stream, include_usage, given = _common(body, "max_tokens", 16,
-                                                          _completion_logprobs(body))
-    return ParsedRequest(model, prompts, params, stream, include_usage, "max_tokens", given)
+                                                          _completion_logprobs(body), constraint)
+    return ParsedRequest(model, prompts, params, stream, include_usage, "max_tokens", given,
+                         constraint=constraint)
 
 
-def parse_chat(body) -> ParsedRequest:
+def parse_chat(body, tool_parser: str | None = None) -> ParsedRequest:
     """A /v1/chat/completions body (decoded JSON). Raises InputError naming the field.
-    Message contents that are lists of text parts are joined into one string."""
+    Message contents that are lists of text parts are joined into one string; an
+    assistant's `tool_calls` get their arguments decoded for the chat template.
+    `tool_parser`: the server's parser of the model's tool calls (None: "auto" refused)."""
     _check_fields(body, _CHAT_FIELDS)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise ProtocolError("max_completion_tokens", "give max_tokens or "
@@ -197,17 +212,20 @@ def parse_chat(body) -> ParsedRequest:
             content = ""
         elif not isinstance(content, str):
             raise ProtocolError(f"messages[{i}].content", "must be a string or text parts")
-        for key in ("tool_calls", "function_call"):
-            if m.get(key):
-                raise ProtocolError(f"messages[{i}].{key}", "not supported by this server")
+        if m.get("function_call"):
+            raise ProtocolError(f"messages[{i}].function_call", "not supported by this "
+                                                                "server (use tool_calls)")
         clean.append({**m, "content": content})
     add_gen = body.get("add_generation_prompt", True)
     if not isinstance(add_gen, bool):
         raise ProtocolError("add_generation_prompt", "must be a boolean")
+    tools = plan_tools(body.get("tools"), body.get("tool_choice"),
+                       body.get("parallel_tool_calls"), tool_parser)
+    constraint = openai_fields.constraint_from_body(body, tools.constraint)
     model, params, stream, include_usage, given = _common(body, max_field, None,
-                                                          _chat_logprobs(body))
+                                                          _chat_logprobs(body), constraint)
     return ParsedRequest(model, (), params, stream, include_usage, max_field, given,
-                         tuple(clean), add_gen)
+                         tuple(template_messages(clean)), add_gen, tools, constraint)
 
 
 # --- responses ------------------------------------------------------------------------
@@ -245,13 +263,30 @@ def completion_response(rid: str, created: int, model: str, outputs: Sequence[Re
             "usage": usage(outputs)}
 
 
+def chat_message(text: str, finish_reason: str | None, tools: ToolPlan | None
+                 ) -> tuple[dict, str | None]:
+    """A completion's `message` (content and, when the tools' parser finds calls,
+    `tool_calls`) and its finish reason as OpenAI reports it."""
+    if tools is None or tools.mode == "none":
+        return {"role": "assistant", "content": text}, finish_reason
+    parsed = tools.parser.parse(text, final=True)
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = tool_calls_json(parsed.calls)
+    return message, tools.finish_reason(finish_reason, parsed.calls)
+
+
 def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput],
-                  n: int = 1, logprobs: int | None = None) -> dict:
+                  n: int = 1, logprobs: int | None = None, tools: ToolPlan | None = None
+                  ) -> dict:
+    choices = []
+    for i, c in _choices(outputs, n):
+        message, reason = chat_message(c.text, c.finish_reason, tools)
+        choices.append({"index": i, "message": message,
+                        "logprobs": lp.choice_logprobs(c, logprobs, chat=True),
+                        "finish_reason": reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": lp.choice_logprobs(c, logprobs, chat=True),
-                         "finish_reason": c.finish_reason} for i, c in _choices(outputs, n)],
-            "usage": usage(outputs)}
+            "choices": choices, "usage": usage(outputs)}
 
 
 def sse(data: dict | str) -> str:

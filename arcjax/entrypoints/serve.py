@@ -7,6 +7,10 @@
    `AsyncLLM.generate(...)` under a server-chosen request id; with `n` > 1 the engine
    returns n completions per prompt (choice index prompt_index * n + sample index) and
    `openai_logprobs` shapes them, their log-probabilities and their per-choice deltas.
+   Structured outputs (`response_format`, `structured_outputs`, `guided_*`) go to the
+   engine as `SamplingParams.structured_outputs`; chat `tools` render through the chat
+   template and the request's `ToolPlan` reads each completion into content and
+   `tool_calls` (streamed as `delta.tool_calls` by `structured.tools.ToolCallStream`).
 2. Non-streaming (FINAL_ONLY outputs): outputs are collected while a watcher waits for the
    client's `http.disconnect`; streaming (DELTA outputs): the first output is awaited under
    the same watcher (so a bad request still gets its 400 before any header), then
@@ -52,8 +56,12 @@ from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.chat import ChatTemplate
 from arcjax.entrypoints.metrics import ServerMetrics
 from arcjax.entrypoints.openai_logprobs import ChoiceStream, completions_of
-from arcjax.errors import EngineDeadError, InputError, RequestError, UnknownRequestError
+from arcjax.errors import (EngineDeadError, InputError, RequestError, StructuredOutputsError,
+                           UnknownRequestError)
 from arcjax.runtime.sampling_params import RequestOutputKind
+from arcjax.structured.openai_fields import rename_field
+from arcjax.structured.tool_parsers import PARSERS, guess_parser
+from arcjax.structured.tools import ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +81,8 @@ class ServeConfig:
         requests wait in the engine; None = no limit.
       shutdown_timeout: seconds requests in flight may take to finish after SIGTERM/SIGINT.
       log_level: uvicorn's log level.
+      tool_call_parser: how `tool_choice: "auto"` reads the model's tool calls ("hermes",
+        "llama3_json"); None = the format the chat template shows, if it shows one.
     """
 
     host: str = "127.0.0.1"
@@ -82,8 +92,12 @@ class ServeConfig:
     max_queued_requests: int | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.shutdown_timeout < 0:
@@ -191,6 +205,8 @@ class OpenAIServer:
         self._fanout.add(self.metrics.on_step)
         self.chat_template = (ChatTemplate.from_dir(engine.model_dir)
                               if engine.model_dir is not None else ChatTemplate(None))
+        self.tool_parser = (self.config.tool_call_parser
+                            or guess_parser(self.chat_template.source))
         self.created = int(time.time())
         self.draining = False
         self.active: set[str] = set()  # engine request ids this server is waiting on
@@ -306,6 +322,8 @@ class OpenAIServer:
         """`Engine.check` with the request's own field names. Returns the prompt's ids."""
         try:
             return self.llm.engine.check(prompt, params)[1]
+        except StructuredOutputsError as e:  # a constraint that does not compile
+            raise rename_field(e, parsed.constraint) from None
         except RequestError as e:
             max_field = parsed.max_tokens_field if parsed.max_tokens_given else prompt_field
             field = {"prompt": prompt_field, "max_tokens": max_field}.get(e.field, e.field)
@@ -320,10 +338,11 @@ class OpenAIServer:
         return await self._generate(request, parsed, ids, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        parsed = proto.parse_chat(await self._admit(request))
+        parsed = proto.parse_chat(await self._admit(request), self.tool_parser)
         self._check_model(parsed.model)
         text = self.chat_template.render(parsed.messages,
-                                         add_generation_prompt=parsed.add_generation_prompt)
+                                         add_generation_prompt=parsed.add_generation_prompt,
+                                         tools=list(parsed.tools.tools or ()) or None)
         tokenizer = self.llm.tokenizer
         if tokenizer is None:
             raise RequestError("messages", "this model has no tokenizer")
@@ -356,14 +375,18 @@ class OpenAIServer:
                 failed = next((o for o in finals if o.finish_reason == "error"), None)
                 if failed is not None:
                     raise HTTPError(500, f"generation failed: {failed.error}", "internal_error")
-                build = proto.chat_response if chat else proto.completion_response
-                return JSONResponse(build(rid, created, self.model_name, finals, n,
-                                          parsed.params.logprobs))
+                if chat:
+                    return JSONResponse(proto.chat_response(
+                        rid, created, self.model_name, finals, n, parsed.params.logprobs,
+                        parsed.tools))
+                return JSONResponse(proto.completion_response(
+                    rid, created, self.model_name, finals, n, parsed.params.logprobs))
             ok, first = await _until_disconnect(request, stream.__anext__())
             if not ok:
                 return Response(status_code=499)
             body = self._events(first, stream, len(prompts), rid, created, chat,
-                                parsed.include_usage, n, parsed.params.logprobs)
+                                parsed.include_usage, n, parsed.params.logprobs,
+                                parsed.tools)
 
             async def on_close():
                 await stream.aclose()
@@ -435,13 +458,17 @@ class OpenAIServer:
 
     async def _events(self, first, stream, num_prompts: int, rid: str, created: int,
                       chat: bool, include_usage: bool, n: int = 1,
-                      logprobs: int | None = None) -> AsyncIterator[str]:
+                      logprobs: int | None = None, tools=None) -> AsyncIterator[str]:
         """The SSE body: OpenAI chunks (one per choice with something new: choice index
-        prompt_index * n + sample index), an optional usage chunk, then [DONE]. (The
-        response closes `stream` when it ends, however it ends.)"""
+        prompt_index * n + sample index), an optional usage chunk, then [DONE]. With
+        tools, a choice's text goes through its `ToolCallStream`: content and
+        `delta.tool_calls` items. (The response closes `stream` when it ends, however it
+        ends.)"""
         model = self.model_name
         finals: list[RequestOutput | None] = [None] * num_prompts
         choices = ChoiceStream(logprobs, chat)
+        parsing = chat and tools is not None and tools.mode != "none"
+        calls: dict[int, tuple[ToolCallStream, list[str]]] = {}  # index -> (stream, text)
         try:
             if chat:
                 for j in range(n):
@@ -456,7 +483,19 @@ class OpenAIServer:
                     if new is None:
                         continue
                     text, lps, reason = new
-                    if chat:
+                    if parsing:
+                        parser, seen = calls.setdefault(index, (ToolCallStream(tools.parser),
+                                                                []))
+                        seen.append(text)
+                        text, items, found = parser.update("".join(seen), reason is not None)
+                        delta = {"content": text} if text else {}
+                        if items:
+                            delta["tool_calls"] = items
+                        reason = tools.finish_reason(reason, found)
+                        if delta or reason is not None or lps is not None:
+                            yield proto.sse(proto.chat_chunk(rid, created, model, index,
+                                                             delta, reason, lps))
+                    elif chat:
                         delta = {"content": text} if text else {}
                         yield proto.sse(proto.chat_chunk(rid, created, model, index, delta,
                                                          reason, lps))

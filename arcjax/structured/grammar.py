@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -206,31 +206,43 @@ class StructuredOutputManager:
       filler: the `MaskFiller` (replaceable, e.g. by a timing wrapper in benchmarks).
     """
 
-    def __init__(self, tokenizer_path: str | None, vocab_size: int,
+    def __init__(self, tokenizer_json: Callable[[], str] | None, vocab_size: int,
                  eos_token_ids: Sequence[int]):
-        self._tokenizer_path = tokenizer_path
+        """Args:
+          tokenizer_json: returns the model's `tokenizer.json` text (None: the model has
+            no tokenizer, and structured outputs are refused).
+          vocab_size, eos_token_ids: the model's logits width and its EOS ids.
+        """
+        self._tokenizer_json = tokenizer_json
         self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
         self.compiler: GrammarCompiler | None = None
         self.filler = MaskFiller(vocab_size)
         self._lock = threading.Lock()
 
-    def grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
-        """A fresh matcher for one request (compiled or found in the cache).
+    def check(self, params: StructuredOutputsParams) -> None:
+        """Compiles `params` (or finds it in the cache): the check at submission.
 
         Raises:
           StructuredOutputsError: the model has no tokenizer, or the constraint does not
             compile (names its field).
         """
+        self._compiler().template(params)
+
+    def grammar(self, params: StructuredOutputsParams) -> RequestGrammar:
+        """A fresh matcher for one request (compiled or found in the cache); raises as
+        `check`."""
+        return self._compiler().matcher(params)
+
+    def _compiler(self) -> GrammarCompiler:
         with self._lock:
             if self.compiler is None:
-                if self._tokenizer_path is None:
+                if self._tokenizer_json is None:
                     raise StructuredOutputsError("structured_outputs", "needs the model's "
                                                  "tokenizer (tokenizer.json): this model "
                                                  "has none")
-                with open(self._tokenizer_path, encoding="utf-8") as f:
-                    self.compiler = GrammarCompiler(f.read(), self.vocab_size,
-                                                    self.eos_token_ids)
-        return self.compiler.matcher(params)
+                self.compiler = GrammarCompiler(self._tokenizer_json(), self.vocab_size,
+                                                self.eos_token_ids)
+            return self.compiler
 
     def bitmask(self, rows: Sequence[tuple[int, RequestGrammar]], size: int
                 ) -> np.ndarray | None:
