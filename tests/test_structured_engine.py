@@ -78,8 +78,7 @@ def _run(llm, temperature=0.0, n=1, prompts=PROMPTS[:2]):
 
 
 @pytest.mark.parametrize("schedule, overlap, prefix", [
-    (0, False, True), (1, False, False), (2, False, True), (3, False, True),
-    (0, True, True), (3, True, False)])
+    (0, False, True), (1, False, False), (2, False, True), (0, True, True), (3, True, False)])
 def test_every_output_matches_its_constraint(schedule, overlap, prefix):
     """Every policy (schedule 3 preempts: 12 KV blocks), overlapped or serial, with and
     without prefix caching."""

@@ -16,7 +16,7 @@ Structured outputs: a constrained row's grammar bitmask goes into the step with 
 the mask needs the token the step before is still sampling (overlapped, a constrained
 decode row fed by the device), the step is launched in two parts: its forward at once,
 its sampling once `finish` has committed the step before and the masks are filled
-(`sample_pending`): the device runs the forward while the host commits and fills masks.
+(`_sample_pending`): the device runs the forward while the host commits and fills masks.
 
   overlapped with such rows:  advance -> schedule -> launch forward -> finish(before)
                               -> fill masks -> launch sampling
@@ -77,7 +77,7 @@ class Launched:
     prompts: list | None = None
     compiled: bool = False
     # Launched as a forward only: (sampling inputs, constrained (row, grammar) pairs, rows);
-    # `sample_pending` fills the masks and launches the sampling.
+    # `_sample_pending` fills the masks and launches the sampling.
     pending: tuple | None = None
 
 
@@ -212,9 +212,10 @@ class EngineCore:
                     req.first_scheduled, req.num_cached_tokens = step.start, cached
             ahead = [i for i in range(plan.num_decode_rows)
                      if plan.row_token_ids(i)[0] == scheduler.PLACEHOLDER]
+            fed_rows = set(ahead)
             step.prompts = logprobs.prompt_rows(plan, step.reqs)
             rows = logprobs.sampling_rows(plan, step.reqs, self.runner.counts,
-                                          self.eos_token_ids, set(ahead))
+                                          self.eos_token_ids, fed_rows)
             prepared = self.runner.prepare(plan, rows, step.prompts)
             feed = None
             if ahead:  # row i is fed by the row of `prev` sampling the same request
@@ -223,11 +224,11 @@ class EngineCore:
                 for i in ahead:
                     fed[i] = position[plan.request_ids[i]]
                 feed = (prev.handle, fed)
-            # constrained rows that sample; their grammars lag one token when fed ahead
+            # constrained rows that sample; a grammar fed ahead lacks the token in flight
             grammars = [(i, req.grammar) for i, (req, s) in enumerate(zip(step.reqs,
                                                                          plan.samples))
                         if s and req.grammar is not None]
-            lagging = bool(grammars) and not {i for i, _ in grammars}.isdisjoint(ahead)
+            lagging = any(i in fed_rows for i, _ in grammars)
             bitmask = (None if lagging or not grammars
                        else self.structured.bitmask(grammars, prepared[0].seqs))
         with self._stage("launch"):
