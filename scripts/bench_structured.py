@@ -11,8 +11,10 @@ random allowed tokens (a finished row starts over); the time is the median per s
 as many unconstrained ones on the packaged model: same prompts, greedy, and each
 unconstrained request runs exactly as many tokens as its JSON twin produced (EOS ignored),
 so both arms do the same work; `--repeats` alternating runs per `--async_scheduling` arm:
-tokens/s, their ratio, the host time spent filling masks per step and the device's idle
-time between steps (how much of the mask time the device step hides).
+tokens/s, the median ratio of adjacent (json, plain) pairs by wall time and by the
+process's CPU time (steadier on a shared machine), the host time spent filling masks per
+step and the device's idle time between steps (how much of the mask time the device step
+hides).
 
   python scripts/bench_structured.py --masks --out=runs/structured_masks.json
   python scripts/bench_structured.py --throughput --num_requests=64
@@ -208,13 +210,14 @@ def _run(llm, prompts, params) -> dict:
     timed = llm.engine.structured.filler
     timed.seconds, timed.calls = 0.0, 0
     first = llm.engine.num_steps
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     steps = [r for r in llm.engine.trace if r.index >= first]
     gaps = device_idle_gaps(steps)
     tokens = sum(len(o.token_ids) for o in outs)
     return {"wall_s": wall, "output_tokens": tokens, "tok_s": tokens / wall,
+            "tok_per_cpu_s": tokens / cpu,
             "steps": len(steps), "idle_gap_mean_ms": 1e3 * sum(gaps) / max(1, len(gaps)),
             "mask_ms_per_step": 1e3 * timed.seconds / max(1, len(steps)),
             "mask_calls": timed.calls, "lengths": [len(o.token_ids) for o in outs],
@@ -246,14 +249,17 @@ def run_throughput() -> dict:
         warm = llm.warmup()
         constrained = arcjax.SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=0,
                                             structured_outputs=schema)
-        _run(llm, prompts, constrained)  # first use: split executables, grammar compile
+        # first use (split executables, grammar compile); greedy: every run has these lengths
+        lengths = _run(llm, prompts, constrained)["lengths"]
+        plain = [arcjax.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                 for n in lengths]  # the same work, unconstrained
         runs = {"json": [], "plain": []}
-        for _ in range(_REPEATS.value):
-            runs["json"].append(_run(llm, prompts, constrained))
-            lengths = runs["json"][-1]["lengths"]  # the same work, unconstrained
-            plain = [arcjax.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
-                     for n in lengths]
-            runs["plain"].append(_run(llm, prompts, plain))
+        for i in range(_REPEATS.value):  # each pair in both orders, alternately
+            order = ("json", "plain") if i % 2 == 0 else ("plain", "json")
+            for kind in order:
+                runs[kind].append(_run(llm, prompts, constrained if kind == "json" else plain))
+            if runs["json"][-1]["lengths"] != lengths:
+                raise RuntimeError("greedy JSON outputs changed between runs")
         valid = 0
         for text in runs["json"][-1]["texts"]:
             try:
@@ -262,19 +268,22 @@ def run_throughput() -> dict:
             except (ValueError, jsonschema.ValidationError):
                 pass
         med = {k: sorted(v, key=lambda r: r["tok_s"])[len(v) // 2] for k, v in runs.items()}
+        pairs = list(zip(runs["json"], runs["plain"]))  # adjacent in time: drift cancels
         arm = {"warmup_s": warm, "valid_json": valid,
                "json_tok_s": [r["tok_s"] for r in runs["json"]],
                "plain_tok_s": [r["tok_s"] for r in runs["plain"]],
-               "ratio_median": statistics.median(r["tok_s"] for r in runs["json"])
-               / statistics.median(r["tok_s"] for r in runs["plain"])}
+               "ratio_median": statistics.median(j["tok_s"] / p["tok_s"] for j, p in pairs),
+               "cpu_ratio_median": statistics.median(j["tok_per_cpu_s"] / p["tok_per_cpu_s"]
+                                                     for j, p in pairs)}
         for k in ("json", "plain"):
             arm[k] = {f: med[k][f] for f in ("steps", "idle_gap_mean_ms", "mask_ms_per_step",
                                              "output_tokens")}
         name = f"async_scheduling={str(on).lower()}"
         out["arms"][name] = arm
         print(f"{name}: json {statistics.median(arm['json_tok_s']):.0f} tok/s vs plain "
-              f"{statistics.median(arm['plain_tok_s']):.0f} tok/s = "
-              f"{arm['ratio_median']:.2f}x; masks {arm['json']['mask_ms_per_step']:.2f} ms/step"
+              f"{statistics.median(arm['plain_tok_s']):.0f} tok/s, median pair ratio "
+              f"{arm['ratio_median']:.2f}x (per CPU-second {arm['cpu_ratio_median']:.2f}x); "
+              f"masks {arm['json']['mask_ms_per_step']:.2f} ms/step"
               f", device idle {arm['json']['idle_gap_mean_ms']:.2f} vs "
               f"{arm['plain']['idle_gap_mean_ms']:.2f} ms/step; valid {valid}/{_N.value}",
               flush=True)

@@ -6,7 +6,8 @@ batched with constrained ones are token-for-token what they are alone. Failed st
 the grammar back; bad constraints are typed errors at submission.
 
 Every schema and pattern here forces termination within max_tokens (bounded strings,
-enums, no free whitespace), so "stop" is the only right finish reason.
+enums, no additional properties, the default bounded whitespace), so "stop" is the only
+right finish reason.
 """
 
 import json
@@ -25,19 +26,19 @@ from test_engine_overlap import SCHEDULES
 GEOMETRY = {**ENGINE_GEOMETRY, **SCHEDULES[0]}
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Naïve café, 東京 and more", "return n"]
 SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 6},
+    "name": {"type": "string", "pattern": "^[a-z]{1,6}$"},  # ASCII: bytes bounded too
     "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "pet": {"enum": ["cat", "dog", "fox"]},
-    "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2}},
+    "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 1}},
     "required": ["name", "age", "pet", "tags"], "additionalProperties": False}
 REGEX = r"(yes|no), [0-9]{1,3} (apples|pears)\."
 CHOICES = ["alpha", "beta gamma", "δ"]
 LARK = 'start: "f(" num ("," num)? ")"\nnum: /[0-9]{1,2}/'
-MAX_TOKENS = 64
+MAX_TOKENS = 80  # schedule 3's 12 blocks of 8 hold prompt + 80
 
 
 def _constraints():
-    return [StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+    return [StructuredOutputsParams(json=SCHEMA),  # the default, bounded whitespace
             StructuredOutputsParams(regex=REGEX),
             StructuredOutputsParams(choice=CHOICES),
             StructuredOutputsParams(grammar=LARK)]

@@ -39,7 +39,6 @@ TEMPLATE = (
     "</tool_call>{%- endfor %}\n"
     "{%- else %}{{ m.role }}: {{ m.content }}\n{% endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}assistant:{% endif %}")
-TIGHT = {"structured_outputs": {"disable_any_whitespace": True}}  # bounded JSON
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {
@@ -81,8 +80,8 @@ def client(server):
 
 def test_pydantic_response_format_parses(client):
     completion = client.chat.completions.parse(
-        model=MODEL, messages=QUESTION, response_format=Weather, max_tokens=48,
-        temperature=0, extra_body=TIGHT)
+        model=MODEL, messages=QUESTION, response_format=Weather, max_tokens=64,
+        temperature=0)
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, Weather)
@@ -93,7 +92,7 @@ def test_guided_fields_streaming_and_not(client):
                          ({"guided_regex": r"[0-9]{2}°[CF]"}, lambda t: len(t) == 4),
                          ({"response_format": {"type": "json_schema", "json_schema": {
                              "name": "w", "schema": WEATHER["function"]["parameters"]}},
-                           **TIGHT},
+                           "structured_outputs": {"disable_any_whitespace": True}},
                           lambda t: jsonschema.validate(json.loads(t), WEATHER["function"][
                               "parameters"]) is None)]:
         body = {k: v for k, v in extra.items() if k != "response_format"}
@@ -107,13 +106,15 @@ def test_guided_fields_streaming_and_not(client):
                                response_format=fmt, extra_body=body, stream=True) if c.choices)
         assert whole.choices[0].message.content == streamed
         assert check(streamed), (extra, streamed)
+    text = client.completions.create(model=MODEL, prompt="Weather:", max_tokens=8,
+                                     temperature=0, extra_body={"guided_choice": ["hot", "cold"]})
+    assert text.choices[0].text in ("hot", "cold")
 
 
 def _round_trip(client, tool_choice, stream: bool):
     """tools -> tool_calls -> a tool message -> a final answer. Returns the calls."""
     kwargs = dict(model=MODEL, messages=QUESTION, tools=[WEATHER, TIME], temperature=0,
-                  max_tokens=64, tool_choice=tool_choice, parallel_tool_calls=False,
-                  extra_body=TIGHT)
+                  max_tokens=96, tool_choice=tool_choice, parallel_tool_calls=False)
     if not stream:
         choice = client.chat.completions.create(**kwargs).choices[0]
         calls = [(c.id, c.function.name, c.function.arguments)

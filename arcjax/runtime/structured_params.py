@@ -3,10 +3,12 @@
 Exactly one constraint: `json` (a JSON schema, as a dict or its JSON text), `regex`,
 `choice` (a list of strings: the output is one of them), `grammar` (a Lark grammar, or a
 GBNF one as llama.cpp writes it) or `json_object=True` (any JSON object). Options:
-`disable_any_whitespace` (JSON: no whitespace between tokens, so a schema with bounded
-values bounds the output's length), `disable_additional_properties` (JSON: every object
-schema that does not say otherwise gets `"additionalProperties": false`) and
-`whitespace_pattern` (JSON: the regex of the whitespace allowed between tokens).
+`disable_any_whitespace` (JSON: no whitespace between tokens), `whitespace_pattern` (JSON:
+the regex of the whitespace allowed between two tokens; default: at most one space or
+newline, bounded unlike vLLM's, so that a schema with bounded values and
+`"additionalProperties": false` bounds the output; vLLM's is `r"[ \t\n\r]*"`) and
+`disable_additional_properties` (JSON: every object schema that does not say otherwise
+gets `"additionalProperties": false`).
 
 Checked when built (types, one constraint, a schema that parses as JSON): a bad value
 raises `StructuredOutputsError` whose `.field` is "structured_outputs.<name>". Whether the

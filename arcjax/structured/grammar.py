@@ -32,6 +32,10 @@ from arcjax.runtime.sampling import bitmask_words
 from arcjax.runtime.structured_params import StructuredOutputsParams
 
 CACHE_SIZE = 256  # compiled templates kept (each holds its lexer: KBs to a few MBs)
+# JSON whitespace between two tokens when the request does not say: at most one space or
+# newline. Bounded (llama.cpp and Outlines bound it too), so a schema with bounded values
+# bounds the output: unbounded whitespace lets a model pad JSON until max_tokens.
+DEFAULT_WHITESPACE = r"[ \n]"
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -45,8 +49,9 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     kind = params.kind
     if kind in ("json", "json_object"):
         options = {"whitespace_flexible": not params.disable_any_whitespace}
-        if params.whitespace_pattern is not None:
-            options["whitespace_pattern"] = params.whitespace_pattern
+        if not params.disable_any_whitespace:
+            options["whitespace_pattern"] = (DEFAULT_WHITESPACE if params.whitespace_pattern
+                                             is None else params.whitespace_pattern)
         return llguidance.LLMatcher.grammar_from_json_schema(params.schema, defaults=options)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
