@@ -1,9 +1,9 @@
 """arcjax: a JAX/Pallas LLM inference engine with chunked, mixed prefill+decode scheduling.
 
 Public API: `LLM` (batch and online use), `AsyncLLM` (a background engine loop for servers),
-`SamplingParams` (with `RequestOutputKind`), `RequestOutput`, the typed errors of
-`arcjax.errors` (`EngineDeadError` among them), and `EngineConfig` / `build_engine` for
-embedding the engine.
+`SamplingParams` (with `RequestOutputKind` and `StructuredOutputsParams`), `RequestOutput`,
+the typed errors of `arcjax.errors` (`EngineDeadError` among them), and `EngineConfig` /
+`build_engine` for embedding the engine.
 """
 
 from arcjax.engine.build import build_engine, default_model_path
@@ -13,11 +13,13 @@ from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.llm import LLM
 from arcjax.errors import (ConfigError, EngineConfigError, EngineDeadError, InputError,
                            ModelFileError, RequestError, SamplingParamsError,
-                           UnknownRequestError)
+                           StructuredOutputsError, UnknownRequestError)
 from arcjax.runtime.sampling import SamplingParams
 from arcjax.runtime.sampling_params import RequestOutputKind
+from arcjax.runtime.structured_params import StructuredOutputsParams
 
 __all__ = ["AsyncLLM", "CompletionOutput", "ConfigError", "EngineConfig", "EngineConfigError",
            "EngineDeadError", "InputError", "LLM", "Logprob", "ModelFileError", "RequestError",
            "RequestMetrics", "RequestOutput", "RequestOutputKind", "SamplingParams",
-           "SamplingParamsError", "UnknownRequestError", "build_engine", "default_model_path"]
+           "SamplingParamsError", "StructuredOutputsError", "StructuredOutputsParams",
+           "UnknownRequestError", "build_engine", "default_model_path"]

@@ -20,7 +20,7 @@ __all__ = ["CommitError", "ConfigError", "DuplicateRequestError", "EngineConfigE
            "EngineDeadError",
            "InputError", "ModelConfigError", "ModelFileError", "RequestError",
            "RequestTooLargeError", "SamplingParamsError", "StepOrderError",
-           "UnknownRequestError", "WeightsError"]
+           "StructuredOutputsError", "UnknownRequestError", "WeightsError"]
 
 
 class EngineConfigError(ConfigError):
@@ -41,6 +41,12 @@ class EngineDeadError(RuntimeError):
 
 class SamplingParamsError(RequestError):
     """An invalid sampling parameter (field: the parameter's name)."""
+
+
+class StructuredOutputsError(SamplingParamsError):
+    """A structured-output constraint that is malformed or cannot compile into a grammar
+    (field: "structured_outputs.<kind>", e.g. "structured_outputs.json"; the server maps it
+    to its own field: response_format, tools, guided_json, ...)."""
 
 
 class ModelFileError(ValueError):

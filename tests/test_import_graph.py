@@ -1,7 +1,8 @@
 """Dependencies point down: every import statement of the three packages (module level or
 inside a function: a lazy import is a dependency too), read with `ast`, checked against
-the layers entrypoints -> engine -> parallel -> runtime -> model -> pallas_kernels, with
-the scheduler importing only the standard library, and no cycle between modules."""
+the layers entrypoints -> engine -> structured -> parallel -> runtime -> model ->
+pallas_kernels, with the scheduler importing only the standard library, and no cycle
+between modules."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ LAYERS = {
     "arcjax.bench": 7, "arcjax.train": 7,  # tools: nothing below imports them
     "arcjax.entrypoints": 6,
     "arcjax.engine": 5,
+    "arcjax.structured": 4.5,  # grammars and tool calls: used by engine and entrypoints
     "arcjax.parallel": 4,
     "arcjax.runtime": 3,
     "arcjax.model": 2,

@@ -28,6 +28,7 @@ MAX_TOKENS = 6
 # Llama8Heads: 8 query heads, 2 KV heads (tp=8 repeats each KV head 4 times).
 CASES = (("LlamaForCausalLM", (2, 4)), ("Qwen2ForCausalLM", (2,)), ("Llama8Heads", (8,)))
 SUBPROCESS_TIMEOUT_S = 420
+STRUCTURED_REGEX = r"[a-z]{2,4}-[0-9]{2}"
 
 
 def _prompts():
@@ -82,6 +83,16 @@ def _run_tensor_parallel(model_dirs: dict) -> dict:
                 "num_kv_heads": runner.cfg.num_kv_heads,
             }
             del llm
+    # structured outputs: the bitmask is replicated like the other step inputs
+    out["structured"] = {}
+    regex = arcjax.SamplingParams(max_tokens=24, temperature=0.0,
+                                  structured_outputs={"regex": STRUCTURED_REGEX})
+    for tp in (1, 2):  # serial: the executables of the greedy runs above
+        llm = arcjax.LLM(model_dirs["LlamaWithTokenizer"], tensor_parallel_size=tp,
+                         async_scheduling=False, **GEOMETRY)
+        outs = llm.generate(_prompts(), regex, use_tqdm=False)
+        out["structured"][str(tp)] = [[o.text, o.finish_reason] for o in outs]
+        del llm
     errors = {}
     for tp in (3, 8):  # 3 does not divide 4 heads; 8 exceeds them
         try:
@@ -141,10 +152,11 @@ def _run_host(model_dir: str, process_id: int, port: int) -> dict:
 # --- the tests ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dirs():
-    from hf_models import tiny_llama_8_heads_dir, tiny_model_dir
+    from hf_models import tiny_llama_8_heads_dir, tiny_model_dir, tiny_model_with_tokenizer
 
     dirs = {arch: tiny_model_dir(arch) for arch, _ in CASES if arch.endswith("CausalLM")}
-    return dirs | {"Llama8Heads": tiny_llama_8_heads_dir()}
+    return dirs | {"Llama8Heads": tiny_llama_8_heads_dir(),
+                   "LlamaWithTokenizer": tiny_model_with_tokenizer("LlamaForCausalLM")}
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +207,14 @@ def test_speculative_decoding_under_tensor_parallelism(tp_results, proposer):
     assert run["drafts"] > 0
     if proposer == "draft_model":  # the target's own weights: every draft is accepted
         assert run["accepted"] == run["drafts"]
+
+
+def test_structured_outputs_under_tensor_parallelism(tp_results):
+    import re
+
+    one, two = tp_results["structured"]["1"], tp_results["structured"]["2"]
+    assert one == two
+    assert all(reason == "stop" and re.fullmatch(STRUCTURED_REGEX, text) for text, reason in one)
 
 
 @pytest.mark.slow

@@ -468,7 +468,8 @@ BAD_CHATS = [
     ({"messages": [{"content": "x"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools[0].function"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
@@ -479,7 +480,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
       "max_completion_tokens": 4}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x " * 300}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": "json"},
      "response_format"),
 ]
 

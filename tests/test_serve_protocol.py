@@ -76,7 +76,7 @@ def test_chat_parsing():
     assert p.ignored == ("prompt", "zeta")  # not chat fields: accepted and ignored
     for body, field in [({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
                         ({"messages": [{"role": "assistant", "content": "x",
-                                        "tool_calls": [{}]}]}, "messages[0].tool_calls"),
+                                        "tool_calls": [{}]}]}, "messages[0].tool_calls[0]"),
                         ({"messages": [{"role": "user", "content": "x"}],
                           "tool_choice": "auto"}, "tool_choice"),
                         ({"messages": [{"role": "user", "content": "x"}],

@@ -9,9 +9,20 @@ The step is one of two short sequences, chosen once at construction:
 the next step is planned and launched before the previous one's tokens reach the host
 (`scheduler.advance`; the device feeds the placeholders). `launch` packs the plan into a
 bucket's host arrays and dispatches it; `finish` collects the tokens, appends them (text,
-stops: `output.append_token`), commits them (`scheduler.commit`) and records the trace.
-With speculative decoding (`speculator`, spec.py) the plan is made with draft tokens for
-the decode rows, and a row that verified drafts yields 1 + its accepted drafts.
+stops, grammars: `output.append_token`), commits them (`scheduler.commit`) and records
+the trace. With speculative decoding (`speculator`, spec.py) the plan is made with draft
+tokens for the decode rows, and a row that verified drafts yields 1 + its accepted drafts.
+
+Structured outputs: a constrained row's grammar bitmask goes into the step with it. When
+the mask needs the token the step before is still sampling (overlapped, a constrained
+decode row fed by the device), the step is launched in two parts: its forward at once,
+its sampling once `finish` has committed the step before and the masks are filled
+(`_sample_pending`): the device runs the forward while the host commits and fills masks.
+A constrained row that verifies drafts has one mask per position (the grammar's state
+after the drafts before it; its drafts are cut to what the grammar accepts first).
+
+  overlapped with such rows:  advance -> schedule -> launch forward -> finish(before)
+                              -> fill masks -> launch sampling
 
 NOTE: failures travel one road. A stage that fails raises `StepFailed`; `_recover` ends
 the requests the step call touched (every step it handled: in flight, launched; everyone
@@ -43,6 +54,7 @@ from arcjax.engine.trace import StepRecord, StepTrace
 from arcjax.errors import EngineDeadError
 from arcjax.parallel.multihost import plan_digest
 from arcjax.runtime.runner import ModelRunner, StepHandle
+from arcjax.structured import StructuredOutputManager
 
 
 class StepFailed(Exception):
@@ -69,6 +81,10 @@ class Launched:
     width: int = 1  # positions sampled per sequence (1 + k in a verification step)
     prompts: list | None = None
     compiled: bool = False
+    # Launched as a forward only: (sampling inputs, drafts to verify or None, constrained
+    # (position, grammar, drafts) rows, positions);
+    # `_sample_pending` fills the masks and launches the sampling.
+    pending: tuple | None = None
 
 
 class EngineCore:
@@ -76,10 +92,12 @@ class EngineCore:
 
     def __init__(self, runner: ModelRunner, tokenizer, sched_config: scheduler.SchedulerConfig,
                  *, clock: Callable[[], float], trace_capacity: int, async_scheduling: bool,
-                 eos_token_ids: frozenset, speculator: Speculator | None = None):
+                 eos_token_ids: frozenset, speculator: Speculator | None = None,
+                 structured: StructuredOutputManager | None = None):
         self.runner, self.tokenizer, self.sched_config, self.clock = (
             runner, tokenizer, sched_config, clock)
         self.speculator = speculator  # speculative decoding, or None
+        self.structured = structured
         self.eos_token_ids, self.async_scheduling = eos_token_ids, async_scheduling
         self.state = scheduler.SchedulerState.empty(sched_config)
         self.requests: dict[str, RequestState] = {}  # in the scheduler, not released
@@ -165,6 +183,8 @@ class EngineCore:
         self.in_flight = None if plan.is_empty else self._launch(plan, prev)
         if prev is not None:
             self._finish(prev, changed)
+        if self.in_flight is not None and self.in_flight.pending is not None:
+            self._sample_pending(self.in_flight)
 
     @contextlib.contextmanager
     def _stage(self, name: str, **flags):
@@ -206,9 +226,10 @@ class EngineCore:
                     req.first_scheduled, req.num_cached_tokens = step.start, cached
             ahead = [i for i in range(plan.num_decode_rows)
                      if plan.row_token_ids(i)[0] == scheduler.PLACEHOLDER]
+            fed_rows = set(ahead)
             step.prompts = logprobs.prompt_rows(plan, step.reqs)
             rows = logprobs.sampling_rows(plan, step.reqs, self.runner.counts,
-                                          self.eos_token_ids, set(ahead))
+                                          self.eos_token_ids, fed_rows)
             prepared = self.runner.prepare(plan, rows, step.prompts)
             feed = None
             if ahead:  # row i's first token is the one `prev` samples for the same request
@@ -218,13 +239,37 @@ class EngineCore:
                 for i in ahead:  # a row of prev with no drafts: its first sampled position
                     fed[cu[i]] = position[plan.request_ids[i]] * prev.width
                 feed = (prev.handle, fed)
+            # constrained rows that sample (first position i * W; drafts: a mask each); a
+            # grammar fed ahead lacks the token in flight
+            width, size = prepared[0].sample_width, prepared[0].seqs * prepared[0].sample_width
+            grammars = [(i * width, req.grammar, plan.row_spec_token_ids(i))
+                        for i, (req, s) in enumerate(zip(step.reqs, plan.samples))
+                        if s and req.grammar is not None]
+            lagging = any(i // width in fed_rows for i, _, _ in grammars)
+            bitmask = (None if lagging or not grammars
+                       else self.structured.bitmask(grammars, size))
         with self._stage("launch"):
             compiled_before = self.runner.num_executables
-            step.handle = self.runner.launch(*prepared, feed=feed)
+            if lagging:  # the forward now, the sampling once `prev` is committed
+                bucket, batch, sampling, prompt, spec = (*prepared, None, None)[:5]
+                step.handle = self.runner.launch_forward(bucket, batch, prompt, feed=feed)
+                step.pending = (sampling, spec, grammars, size)
+            else:
+                step.handle = self.runner.launch(*prepared, feed=feed, bitmask=bitmask)
         b = prepared[0]
         step.bucket, step.width = (b.tokens, b.seqs, b.max_q_len), b.sample_width
         step.compiled = self.runner.num_executables > compiled_before
         return step
+
+    def _sample_pending(self, step: Launched) -> None:
+        """Fills the masks of a step launched as a forward only (its constrained rows'
+        grammars now hold the tokens of the step before) and launches its sampling."""
+        sampling, spec, grammars, size = step.pending
+        with self._stage("pack"):
+            bitmask = self.structured.bitmask(grammars, size)
+        with self._stage("launch"):
+            self.runner.launch_sampling(step.handle, sampling, bitmask, spec)
+        step.pending = None
 
     def _finish(self, step: Launched, changed: dict) -> None:
         """Collects a launched step's tokens, appends them and commits them."""

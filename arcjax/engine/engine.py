@@ -38,6 +38,7 @@ from arcjax.errors import (DuplicateRequestError, EngineConfigError, EngineDeadE
 from arcjax.parallel.multihost import FollowerStop
 from arcjax.runtime.runner import ModelRunner
 from arcjax.runtime.sampling import SamplingParams
+from arcjax.structured import StructuredOutputManager
 
 Sink = Callable[[RequestOutput], None]
 
@@ -64,12 +65,17 @@ class Engine:
         self.sched_config, self.max_model_len, self.clock = sched_config, max_model_len, clock
         eos = tokenizer.eos_token_ids if tokenizer else runner.cfg.eos_token_ids
         self.eos_token_ids = frozenset(eos)
+        # structured outputs: grammars compiled on first use, masks filled per step
+        self.structured = StructuredOutputManager(
+            tokenizer.to_json if tokenizer is not None else None, runner.cfg.vocab_size,
+            sorted(self.eos_token_ids))
         self.inputs = InputProcessor(tokenizer, runner.cfg.vocab_size, max_model_len,
-                                     sched_config, seed)
+                                     sched_config, seed, self.structured)
         self.core = EngineCore(runner, tokenizer, sched_config, clock=clock,
                                trace_capacity=trace_capacity,
                                async_scheduling=async_scheduling,
-                               eos_token_ids=self.eos_token_ids, speculator=speculator)
+                               eos_token_ids=self.eos_token_ids, speculator=speculator,
+                               structured=self.structured)
         self.outputs = OutputProcessor(self.core.groups, self.core.release)
         self.dead: EngineDeadError | None = None
         self._lock = threading.Lock()  # guards the inbox, the id set and the pending list

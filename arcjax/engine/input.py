@@ -3,7 +3,10 @@
 1. `check(prompt, params)`: the prompt is tokenized (text) or type-checked (token ids) and
    checked against the model (vocabulary, max_model_len); every refusal is a
    `RequestError` naming the field and the limit.
-2. `build(...)`: the request's `RequestState` (with its incremental detokenizer) and its
+   A structured-output constraint is compiled here (or found in the grammar cache): one
+   that cannot compile is a `StructuredOutputsError` naming its field.
+2. `build(...)`: the request's `RequestState` (with its incremental detokenizer and, for
+   structured outputs, its own grammar matcher) and its
    `scheduler.Request`, or, for n > 1, the `RequestGroup` of its n children (child i has
    seed `seed + i`; with prefix caching only child 0 enters the scheduler at once, the
    others once its prompt is computed, so they hit the prefix cache: `engine/group.py`).
@@ -22,8 +25,9 @@ import scheduler
 from arcjax.engine.group import RequestGroup, child_id, child_seed
 from arcjax.engine.request import RequestState
 from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from arcjax.errors import RequestError
+from arcjax.errors import RequestError, StructuredOutputsError
 from arcjax.runtime.sampling import SamplingParams
+from arcjax.structured import StructuredOutputManager
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +55,14 @@ class InputProcessor:
       vocab_size, max_model_len: the model's limits.
       sched_config: the scheduler's config (its own request checks).
       seed: seeds requests whose SamplingParams have no seed (with the request id).
+      structured: compiles structured-output constraints (None: they are refused).
     """
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
-                 sched_config: scheduler.SchedulerConfig, seed: int = 0):
+                 sched_config: scheduler.SchedulerConfig, seed: int = 0,
+                 structured: StructuredOutputManager | None = None):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        self.sched_config, self.seed = sched_config, seed
+        self.sched_config, self.seed, self.structured = sched_config, seed, structured
 
     def check(self, prompt, params: SamplingParams) -> tuple[str | None, tuple[int, ...]]:
         """Validates a request without queueing it. Returns (prompt text, token ids).
@@ -82,6 +88,10 @@ class InputProcessor:
         if any(not t < vocab for t in params.stop_token_ids):
             raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab})",
                                limit=vocab)
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise StructuredOutputsError("structured_outputs", "not available here")
+            self.structured.check(params.structured_outputs)
         return text, ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
@@ -177,7 +187,10 @@ class InputProcessor:
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         ) if self.tokenizer else None
-        return RequestState(rid, text, ids, params, seed, float(arrival), detok)
+        state = RequestState(rid, text, ids, params, seed, float(arrival), detok)
+        if params.structured_outputs is not None:
+            state.grammar = self.structured.grammar(params.structured_outputs)
+        return state
 
     # --- multi-host wire form ------------------------------------------------------------
     @staticmethod

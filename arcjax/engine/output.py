@@ -1,7 +1,9 @@
 """Output processing: sampled tokens into text and stops, then outputs built and delivered.
 
-1. `append_token(req, token, ...)` (inside a step's commit): records the token, detokenizes
-   it, checks stop token ids, EOS and stop strings (the text is cut before a stop string).
+1. `append_token(req, token, ...)` (inside a step's commit): records the token, advances the
+   request's grammar (structured outputs), detokenizes it, checks stop token ids, EOS and
+   stop strings (the text is cut before a stop string); a grammar that admits no more
+   text stops the request too.
 2. `OutputProcessor.deliver(changed)` (after every step, in its `finally`): builds the
    output of every request the step changed, as its `SamplingParams.output_kind` says, and
    hands it to the request's sink or returns it (requests without a sink); a request whose
@@ -29,13 +31,28 @@ from arcjax.runtime.sampling_params import RequestOutputKind
 DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 
+class GrammarRejected(RuntimeError):
+    """A sampled token the request's grammar does not allow (the mask should have made it
+    impossible): the request ends with "error"."""
+
+
 def append_token(req: RequestState, token: int, now: float, eos_token_ids: frozenset,
                  logprobs: tuple | None = None) -> bool:
     """Records one sampled token (and, when asked, its raw logprob and position entry);
     returns True if it ends the request with "stop". Before `min_tokens` tokens, stop ids
-    and stop strings do not stop it (vLLM; the device masks stop ids then)."""
+    and stop strings do not stop it (vLLM; the device masks stop ids then). A request
+    whose grammar is complete and admits nothing more stops at once: the grammar would
+    allow only EOS next.
+
+    Raises:
+      GrammarRejected: the grammar does not allow `token` (recorded all the same: the
+        step sampled it).
+    """
     req.token_ids.append(token)
     req.token_times.append(now)
+    if req.grammar is not None and not req.grammar.accept(token):
+        raise GrammarRejected(f"structured outputs: token {token} is not allowed by the "
+                              f"grammar ({req.grammar.error})")
     if req.logprobs is not None and logprobs is not None:
         req.cumulative_logprob += logprobs[0]
         req.logprobs.append(logprobs[1])
@@ -43,7 +60,7 @@ def append_token(req: RequestState, token: int, now: float, eos_token_ids: froze
     if len(req.token_ids) <= p.min_tokens:
         if req.detok is not None:
             req.text += req.detok.add(token)
-        return False
+        return _grammar_complete(req)
     if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
         if req.detok is not None:  # the stop token's own text is left out (as vLLM)
             req.text += req.detok.flush()
@@ -58,7 +75,17 @@ def append_token(req: RequestState, token: int, now: float, eos_token_ids: froze
                 req.text = req.text[:cut]
                 req.finish_reason = FINISH_STOP
                 return True
-    return False
+    return _grammar_complete(req)
+
+
+def _grammar_complete(req: RequestState) -> bool:
+    """Stops a request whose grammar admits no more text (min_tokens cannot apply)."""
+    if req.grammar is None or not req.grammar.is_stopped:
+        return False
+    if req.detok is not None:
+        req.text += req.detok.flush()
+    req.finish_reason = FINISH_STOP
+    return True
 
 
 def _take(req: RequestState, kind: RequestOutputKind) -> tuple[CompletionOutput, str]:

@@ -13,6 +13,7 @@ import dataclasses
 from arcjax.engine.outputs import PositionLogprobs
 from arcjax.engine.tokenizer import IncrementalDetokenizer
 from arcjax.runtime.sampling import SamplingParams
+from arcjax.structured import RequestGrammar
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
 
@@ -53,6 +54,7 @@ class RequestState:
     stop_hold: int = 0  # chars held back while they may begin a stop string
     num_draft_tokens: int = 0  # speculative decoding: draft tokens its rows verified
     num_accepted_tokens: int = 0  # of them, accepted
+    grammar: RequestGrammar | None = None  # structured outputs: advanced by each token
 
     def __post_init__(self):
         if self.params.logprobs is not None:
@@ -68,17 +70,20 @@ class RequestState:
     def snapshot(self) -> tuple:
         """What appending tokens may change, in O(1): for rolling a failed step back."""
         return (len(self.token_ids), len(self.token_times), self.text, self.finish_reason,
-                self.detok.snapshot() if self.detok else None, self.cumulative_logprob)
+                self.detok.snapshot() if self.detok else None, self.cumulative_logprob,
+                self.grammar.num_tokens if self.grammar else None)
 
     def restore(self, snap: tuple) -> None:
         (n_tokens, n_times, self.text, self.finish_reason, detok,
-         self.cumulative_logprob) = snap
+         self.cumulative_logprob, grammar_tokens) = snap
         del self.token_ids[n_tokens:]
         del self.token_times[n_times:]
         if self.logprobs is not None:
             del self.logprobs[n_tokens:]
         if self.detok is not None:
             self.detok.restore(detok)
+        if self.grammar is not None:
+            self.grammar.rewind_to(grammar_tokens)
 
     def finish(self, reason: str, now: float, error: str | None = None) -> None:
         """Marks the request finished (the first reason wins) and flushes held-back text."""

@@ -4,7 +4,9 @@
      `disable_by_batch_size` running requests, the proposer (n-gram on the host, or the
      draft model) drafts up to k tokens for every decode-ready row from the tokens known then
      (overlapped scheduling: a row whose newest token is still on the device is `pending`).
-     The planner fits them in what the step leaves (scheduler/spec.py).
+     The planner fits them in what the step leaves (scheduler/spec.py). A request with
+     structured outputs keeps the drafts its grammar accepts (`RequestGrammar.valid_prefix`;
+     with its newest token in flight, all of them: see `drafts`).
   2. The jitted step verifies them (runtime/spec_decode.py); `row_tokens` reads what each
      row yielded: 1 + its accepted drafts.
   3. The core appends them one by one (a stop cuts the row there), commits each row's kept
@@ -65,7 +67,18 @@ class Speculator:
             pending = 1 if recent[-1] == scheduler.PLACEHOLDER else 0
             rows.append(ProposalRow(rid, req.prompt_ids + tuple(req.token_ids), pending))
         proposals = self.proposer.propose(rows, self.k)
-        return {row.request_id: d for row, d in zip(rows, proposals) if d}
+        out = {}
+        for row, d in zip(rows, proposals):
+            grammar = requests[row.request_id].grammar
+            if d and grammar is not None and not row.pending:
+                # structured outputs: the drafts the grammar accepts. A row whose newest
+                # token is in flight keeps its drafts: its masks are filled once that token
+                # is committed, up to its first draft the grammar refuses (which the target,
+                # masked, can never match: it is rejected there).
+                d = tuple(d)[:grammar.valid_prefix(d)]
+            if d:
+                out[row.request_id] = d
+        return out
 
     def release(self, request_id: str) -> None:
         self.proposer.release(request_id)

@@ -89,6 +89,10 @@ class Tokenizer:
         self.added_token_ids = frozenset(tokenizer.get_added_tokens_decoder())
         self._token_text: dict[int, str] = {}
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what a grammar engine reads)."""
+        return self._tok.to_str()
+
     @classmethod
     def from_dir(cls, model_dir: str | os.PathLike) -> Tokenizer:
         """Loads the tokenizer of a Hugging Face-format model directory.

@@ -19,6 +19,7 @@ import typing
 
 from arcjax.engine.config import (ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
                                   EngineConfig)
+from arcjax.structured.tool_parsers import PARSERS
 
 _CHOICES = {"dtype": DTYPES, "attention_impl": ATTENTION_IMPLS, "quantization": QUANTIZATIONS,
             "kv_cache_dtype": KV_CACHE_DTYPES,
@@ -83,6 +84,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take after SIGTERM/SIGINT")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="how tool_choice 'auto' reads the model's tool calls (default: the "
+                        "format its chat template shows)")
     p.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache directory")
@@ -115,7 +119,8 @@ def parse_serve(argv: list[str]) -> ServeCommand:
                          max_queued_requests=args.max_queued_requests,
                          max_request_bytes=args.max_request_bytes,
                          max_stop_strings=args.max_stop_strings,
-                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+                         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
+                         tool_call_parser=args.tool_call_parser)
     return ServeCommand(args.model_dir, config, options, args.warmup, args.compilation_cache_dir)
 
 

@@ -41,6 +41,13 @@ def _text(lp: Logprob) -> str:
     return lp.decoded_token if lp.decoded_token is not None else ""
 
 
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: a token a grammar forbids reports this (vLLM's)
+
+
+def _value(lp: Logprob) -> float:
+    return max(lp.logprob, LOGPROB_FLOOR)
+
+
 def _ranked(entry: PositionLogprobs) -> list[Logprob]:
     return sorted(entry.values(), key=lambda lp: lp.rank)
 
@@ -54,10 +61,10 @@ def completion_logprobs(entries: Sequence[PositionLogprobs], token_ids: Sequence
         chosen = entry[tid]
         text = _text(chosen)
         tokens.append(text)
-        lps.append(chosen.logprob)
+        lps.append(_value(chosen))
         top: dict[str, float] = {}
         for lp in _ranked(entry):
-            top.setdefault(_text(lp), lp.logprob)
+            top.setdefault(_text(lp), _value(lp))
         tops.append(top)
         offsets.append(offset)
         offset += len(text)
@@ -67,7 +74,7 @@ def completion_logprobs(entries: Sequence[PositionLogprobs], token_ids: Sequence
 
 def _chat_token(lp: Logprob) -> dict:
     text = _text(lp)
-    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": _value(lp), "bytes": list(text.encode("utf-8"))}
 
 
 def chat_logprobs(entries: Sequence[PositionLogprobs], token_ids: Sequence[int],

@@ -5,11 +5,11 @@ the decoded JSON body and turns `RequestOutput`s into responses and stream chunk
 builders below.
 
 NOTE: validation lives here and in `SamplingParams` (types and ranges) and `Engine.check`
-(lengths, vocabulary); every refusal is an `InputError` whose `.field` is the request's own
-field name, so the server answers 400 with `param` naming it. Known fields the engine does
-not support (best_of, echo, logit_bias, tools, ...) are refused by name unless they carry
-their neutral value. Fields that are not part of the API are accepted and ignored, as vLLM
-does (clients and SDKs add their own): the parsed request lists them in `ignored` (the
+(lengths, vocabulary, grammars); every refusal is an `InputError` whose `.field` is the
+request's own field name, so the server answers 400 with `param` naming it. Known fields the
+engine does not support (best_of, echo, logit_bias, functions, ...) are refused by name unless
+they carry their neutral value. Fields that are not part of the API are accepted and ignored,
+as vLLM does (clients and SDKs add their own): the parsed request lists them in `ignored` (the
 server logs each name once and returns them in a response header). `user` (an end-user id
 OpenAI keeps for abuse monitoring) is known and ignored silently. A request may ask for at
 most `max_stop_strings` stop strings: each is searched for after every token.
@@ -17,6 +17,11 @@ most `max_stop_strings` stop strings: each is searched for after every token.
 Chat messages: `content` is a string or a list of `{"type": "text", "text": ...}` parts
 (joined with newlines, as vLLM does); the `developer` role (OpenAI's successor of `system`
 for instructions) is rendered as `system`, which every chat template knows.
+
+Structured outputs and tools (`arcjax.structured`): `response_format`, vLLM's
+`structured_outputs` and `guided_*` fields become one `StructuredOutputsParams`
+(`openai_fields`); chat's `tools` / `tool_choice` / `parallel_tool_calls` become a
+`ToolPlan` (`tools`), whose parser turns each completion into content and `tool_calls`.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from arcjax.engine.outputs import RequestOutput
 from arcjax.entrypoints import openai_logprobs as lp
 from arcjax.errors import RequestError, SamplingParamsError
 from arcjax.runtime.sampling import SamplingParams
+from arcjax.structured import openai_fields
+from arcjax.structured.tools import ToolPlan, plan_tools, template_messages, tool_calls_json
 
 
 class ProtocolError(RequestError):
@@ -47,18 +54,17 @@ _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
              "n": "n"}
 # Known fields the engine does not support, with the values that mean "not used".
 _UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-                "logit_bias": (None, {}),
-                "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-                "function_call": (None, "none"), "parallel_tool_calls": (None,),
-                "response_format": (None, {"type": "text"}),
-                "prompt_logprobs": (None,), "guided_json": (None,), "guided_regex": (None,)}
+                "logit_bias": (None, {}), "functions": (None, []),
+                "function_call": (None, "none"), "prompt_logprobs": (None,)}
 _IGNORED = {"user"}  # see the module NOTE
 _COMMON = {"model", "max_tokens", "stream", "stream_options", "logprobs", *_SAMPLING,
-           *_UNSUPPORTED, *_IGNORED}
+           *_UNSUPPORTED, *_IGNORED, *openai_fields.FIELDS}
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "add_generation_prompt",
-                          "top_logprobs"}
-_COMPLETION_NEUTRAL = {"top_logprobs": (None, 0)}  # a chat field; refused in completions
+                          "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
+# chat fields, refused in completions unless neutral
+_COMPLETION_NEUTRAL = {"top_logprobs": (None, 0), "tools": (None, []),
+                       "tool_choice": (None, "none"), "parallel_tool_calls": (None,)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +82,8 @@ class ParsedRequest:
     messages: tuple = ()
     add_generation_prompt: bool = True
     ignored: tuple[str, ...] = ()  # unknown fields, accepted and ignored (sorted)
+    tools: ToolPlan | None = None  # chat: how tools shape the output and the response
+    constraint: openai_fields.Constraint = openai_fields.Constraint(None, None)
 
 
 def _is_int(x) -> bool:
@@ -117,7 +125,8 @@ def _chat_logprobs(body: dict) -> int | None:
 
 
 def _common(body: dict, max_field: str, default_max: int | None, logprobs: int | None,
-            max_stop_strings: int):
+            max_stop_strings: int,
+            constraint: openai_fields.Constraint = openai_fields.Constraint(None, None)):
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ProtocolError("model", f"must be a string, got {model!r}")
@@ -151,6 +160,7 @@ def _common(body: dict, max_field: str, default_max: int | None, logprobs: int |
     given = max_tokens is not None
     kwargs["max_tokens"] = max_tokens if given else (default_max or 1)
     kwargs["logprobs"] = logprobs
+    kwargs["structured_outputs"] = constraint.params
     try:
         params = SamplingParams(**kwargs)
     except SamplingParamsError as e:
@@ -176,16 +186,20 @@ def parse_completion(body, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS) -> 
     else:
         raise ProtocolError("prompt", "must be a string, a list of strings, a list of token "
                                       "ids or a list of lists of token ids (non-empty)")
+    constraint = openai_fields.constraint_from_body(body)
     model, params, stream, include_usage, given = _common(
-        body, "max_tokens", 16, _completion_logprobs(body), max_stop_strings)
+        body, "max_tokens", 16, _completion_logprobs(body), max_stop_strings, constraint)
     return ParsedRequest(model, prompts, params, stream, include_usage, "max_tokens", given,
-                         ignored=ignored)
+                         ignored=ignored, constraint=constraint)
 
 
-def parse_chat(body, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS) -> ParsedRequest:
+def parse_chat(body, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
+               tool_parser: str | None = None) -> ParsedRequest:
     """A /v1/chat/completions body (decoded JSON). Raises InputError naming the field.
     Message contents that are lists of text parts are joined into one string; the
-    `developer` role becomes `system`."""
+    `developer` role becomes `system`; an assistant's `tool_calls` get their arguments
+    decoded for the chat template. `tool_parser`: the server's parser of the model's tool
+    calls (None: "auto" refused)."""
     ignored = _check_fields(body, _CHAT_FIELDS)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise ProtocolError("max_completion_tokens", "give max_tokens or "
@@ -212,18 +226,22 @@ def parse_chat(body, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS) -> Parsed
             content = ""
         elif not isinstance(content, str):
             raise ProtocolError(f"messages[{i}].content", "must be a string or text parts")
-        for key in ("tool_calls", "function_call"):
-            if m.get(key):
-                raise ProtocolError(f"messages[{i}].{key}", "not supported by this server")
+        if m.get("function_call"):
+            raise ProtocolError(f"messages[{i}].function_call", "not supported by this "
+                                                                "server (use tool_calls)")
         role = "system" if m["role"] == "developer" else m["role"]
         clean.append({**m, "role": role, "content": content})
     add_gen = body.get("add_generation_prompt", True)
     if not isinstance(add_gen, bool):
         raise ProtocolError("add_generation_prompt", "must be a boolean")
+    tools = plan_tools(body.get("tools"), body.get("tool_choice"),
+                       body.get("parallel_tool_calls"), tool_parser)
+    constraint = openai_fields.constraint_from_body(body, tools.constraint)
     model, params, stream, include_usage, given = _common(body, max_field, None,
-                                                          _chat_logprobs(body), max_stop_strings)
+                                                          _chat_logprobs(body), max_stop_strings,
+                                                          constraint)
     return ParsedRequest(model, (), params, stream, include_usage, max_field, given,
-                         tuple(clean), add_gen, ignored)
+                         tuple(template_messages(clean)), add_gen, ignored, tools, constraint)
 
 
 # --- responses ------------------------------------------------------------------------
@@ -261,13 +279,30 @@ def completion_response(rid: str, created: int, model: str, outputs: Sequence[Re
             "usage": usage(outputs)}
 
 
+def chat_message(text: str, finish_reason: str | None, tools: ToolPlan | None
+                 ) -> tuple[dict, str | None]:
+    """A completion's `message` (content and, when the tools' parser finds calls,
+    `tool_calls`) and its finish reason as OpenAI reports it."""
+    if tools is None or tools.mode == "none":
+        return {"role": "assistant", "content": text}, finish_reason
+    parsed = tools.parser.parse(text, final=True)
+    message = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = tool_calls_json(parsed.calls)
+    return message, tools.finish_reason(finish_reason, parsed.calls)
+
+
 def chat_response(rid: str, created: int, model: str, outputs: Sequence[RequestOutput],
-                  n: int = 1, logprobs: int | None = None) -> dict:
+                  n: int = 1, logprobs: int | None = None, tools: ToolPlan | None = None
+                  ) -> dict:
+    choices = []
+    for i, c in _choices(outputs, n):
+        message, reason = chat_message(c.text, c.finish_reason, tools)
+        choices.append({"index": i, "message": message,
+                        "logprobs": lp.choice_logprobs(c, logprobs, chat=True),
+                        "finish_reason": reason})
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": c.text},
-                         "logprobs": lp.choice_logprobs(c, logprobs, chat=True),
-                         "finish_reason": c.finish_reason} for i, c in _choices(outputs, n)],
-            "usage": usage(outputs)}
+            "choices": choices, "usage": usage(outputs)}
 
 
 def sse(data: dict | str) -> str:

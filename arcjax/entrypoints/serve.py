@@ -8,6 +8,10 @@
    limit and queues every prompt (`AsyncLLM.submit`) under a server-chosen request id; with
    `n` > 1 the engine returns n completions per prompt (choice index prompt_index * n +
    sample index) and `openai_logprobs` shapes them, their log-probabilities and deltas.
+   Structured outputs (`response_format`, `structured_outputs`, `guided_*`) go to the
+   engine as `SamplingParams.structured_outputs`; chat `tools` render through the chat
+   template and the request's `ToolPlan` reads each completion into content and
+   `tool_calls` (streamed as `delta.tool_calls` by `structured.tools.ToolCallStream`).
 2. Non-streaming (FINAL_ONLY outputs): outputs are collected while a watcher waits for the
    client's `http.disconnect`; streaming (DELTA outputs): the first output is awaited under
    the same watcher (so a bad request still gets its 400 before any header), then
@@ -55,9 +59,13 @@ from arcjax.entrypoints.openai_logprobs import ChoiceStream, completions_of
 from arcjax.entrypoints.serve_http import (EventStream, HTTPError, TraceFanout, build_server,
                                            close_outputs, error_response, parse_json,
                                            too_large, until_disconnect)
-from arcjax.errors import EngineDeadError, InputError, RequestError, UnknownRequestError
+from arcjax.errors import (EngineDeadError, InputError, RequestError, StructuredOutputsError,
+                           UnknownRequestError)
 from arcjax.model.quant import storage_dtypes
 from arcjax.runtime.sampling_params import RequestOutputKind
+from arcjax.structured.openai_fields import rename_field
+from arcjax.structured.tool_parsers import PARSERS, guess_parser
+from arcjax.structured.tools import ToolCallStream
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +88,8 @@ class ServeConfig:
       max_stop_strings: a request asking for more stop strings is refused (400, "stop").
       shutdown_timeout: seconds requests in flight may take to finish after SIGTERM/SIGINT.
       log_level: uvicorn's log level.
+      tool_call_parser: how `tool_choice: "auto"` reads the model's tool calls ("hermes",
+        "llama3_json"); None = the format the chat template shows, if it shows one.
     """
 
     host: str = "127.0.0.1"
@@ -91,8 +101,12 @@ class ServeConfig:
     max_stop_strings: int = proto.DEFAULT_MAX_STOP_STRINGS
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.max_request_bytes < 1:
@@ -121,6 +135,8 @@ class OpenAIServer:
         self._fanout.add(self.metrics.on_step)
         self.chat_template = (ChatTemplate.from_dir(engine.model_dir)
                               if engine.model_dir is not None else ChatTemplate(None))
+        self.tool_parser = (self.config.tool_call_parser
+                            or guess_parser(self.chat_template.source))
         self.created = int(time.time())
         self.draining = False
         self.active: set[str] = set()  # engine request ids this server is waiting on
@@ -266,6 +282,8 @@ class OpenAIServer:
         """`Engine.check` with the request's own field names. Returns the prompt's ids."""
         try:
             return self.llm.engine.check(prompt, params)[1]
+        except StructuredOutputsError as e:  # a constraint that does not compile
+            raise rename_field(e, parsed.constraint) from None
         except RequestError as e:
             max_field = parsed.max_tokens_field if parsed.max_tokens_given else prompt_field
             field = {"prompt": prompt_field, "max_tokens": max_field}.get(e.field, e.field)
@@ -289,10 +307,11 @@ class OpenAIServer:
 
     def _prepare_chat(self, raw: bytes):
         """(worker pool) The parsed request, its params, and the rendered prompt's ids."""
-        parsed = proto.parse_chat(parse_json(raw), self.config.max_stop_strings)
+        parsed = proto.parse_chat(parse_json(raw), self.config.max_stop_strings, self.tool_parser)
         self._check_model(parsed.model)
         text = self.chat_template.render(parsed.messages,
-                                         add_generation_prompt=parsed.add_generation_prompt)
+                                         add_generation_prompt=parsed.add_generation_prompt,
+                                         tools=list(parsed.tools.tools or ()) or None)
         try:  # the template printed the special tokens
             prompt = self.llm.engine.inputs.encode(text, add_special_tokens=False)
         except RequestError as e:
@@ -333,14 +352,19 @@ class OpenAIServer:
                 failed = next((o for o in finals if o.finish_reason == "error"), None)
                 if failed is not None:
                     raise HTTPError(500, f"generation failed: {failed.error}", "internal_error")
-                build = proto.chat_response if chat else proto.completion_response
-                return JSONResponse(build(rid, created, self.model_name, finals, n,
-                                          parsed.params.logprobs), headers=headers)
+                if chat:
+                    return JSONResponse(proto.chat_response(
+                        rid, created, self.model_name, finals, n, parsed.params.logprobs,
+                        parsed.tools), headers=headers)
+                return JSONResponse(proto.completion_response(
+                    rid, created, self.model_name, finals, n, parsed.params.logprobs),
+                    headers=headers)
             ok, first = await until_disconnect(request, stream.__anext__())
             if not ok:
                 return Response(status_code=499)
             body = self._events(first, stream, len(prompts), rid, created, chat,
-                                parsed.include_usage, n, parsed.params.logprobs)
+                                parsed.include_usage, n, parsed.params.logprobs,
+                                parsed.tools)
 
             async def on_close():
                 await close_outputs(stream, streams)
@@ -412,13 +436,17 @@ class OpenAIServer:
 
     async def _events(self, first, stream, num_prompts: int, rid: str, created: int,
                       chat: bool, include_usage: bool, n: int = 1,
-                      logprobs: int | None = None) -> AsyncIterator[str]:
+                      logprobs: int | None = None, tools=None) -> AsyncIterator[str]:
         """The SSE body: OpenAI chunks (one per choice with something new: choice index
-        prompt_index * n + sample index), an optional usage chunk, then [DONE]. (The
-        response closes `stream` when it ends, however it ends.)"""
+        prompt_index * n + sample index), an optional usage chunk, then [DONE]. With
+        tools, a choice's text goes through its `ToolCallStream`: content and
+        `delta.tool_calls` items. (The response closes `stream` when it ends, however it
+        ends.)"""
         model = self.model_name
         finals: list[RequestOutput | None] = [None] * num_prompts
         choices = ChoiceStream(logprobs, chat)
+        parsing = chat and tools is not None and tools.mode != "none"
+        calls: dict[int, tuple[ToolCallStream, list[str]]] = {}  # index -> (stream, text)
         try:
             if chat:
                 for j in range(n):
@@ -433,7 +461,19 @@ class OpenAIServer:
                     if new is None:
                         continue
                     text, lps, reason = new
-                    if chat:
+                    if parsing:
+                        parser, seen = calls.setdefault(index, (ToolCallStream(tools.parser),
+                                                                []))
+                        seen.append(text)
+                        text, items, found = parser.update("".join(seen), reason is not None)
+                        delta = {"content": text} if text else {}
+                        if items:
+                            delta["tool_calls"] = items
+                        reason = tools.finish_reason(reason, found)
+                        if delta or reason is not None or lps is not None:
+                            yield proto.sse(proto.chat_chunk(rid, created, model, index,
+                                                             delta, reason, lps))
+                    elif chat:
                         delta = {"content": text} if text else {}
                         yield proto.sse(proto.chat_chunk(rid, created, model, index, delta,
                                                          reason, lps))

@@ -48,35 +48,67 @@ from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.outputs import PromptTargets, StepOutput, prompt_targets
 from arcjax.runtime import spec_decode
 from arcjax.runtime.penalties import TokenCounts
-from arcjax.runtime.sampling import SamplingBatch, TokenLogprobs, sample_step, token_logprobs
+from arcjax.runtime.sampling import (SamplingBatch, TokenLogprobs, bitmask_words, sample_step,
+                                     token_logprobs)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("cfg", "attn_impl", "dtype", "max_q_len", "parallel",
-                                    "sample_width"),
-                   donate_argnames=("cache", "counts"))
-def _step(params, cache, batch, sampling, counts, prompt=None, spec=None, *, cfg, attn_impl,
-          dtype, max_q_len, parallel=None, sample_width=1):
-    # cfg/attn_impl/dtype/max_q_len/parallel/sample_width are static: one executable per
-    # bucket, no recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt`
-    # (prompt logprobs) is None or not: at most a second executable per bucket, built on
-    # demand. `spec` (draft tokens to verify) is set exactly in buckets of sample_width > 1.
+_STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel")
+
+
+def _logits(params, cache, batch, prompt, *, cfg, attn_impl, dtype, max_q_len, parallel):
+    """The forward: (logits [R, V] at the sampled positions, prompt logprobs or None, the
+    cache, tokens per expert [L, E] or None)."""
     out, cache, expert_counts = decoder.forward_with_stats(
         params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
         parallel=parallel, head=prompt is None)
     prompt_lp = None
     if prompt is None:
-        logits = out  # [S, V] at each sequence's last row
+        logits = out  # [R, V] at `batch.logits_rows`
     else:  # hidden states at every token row [T, H]; sampling reads its rows
         prompt_lp = _prompt_logprobs(params, cfg, out, prompt.targets, parallel)
         logits = decoder.lm_head(params, cfg, out[prompt.sample_rows], parallel)
+    return logits, prompt_lp, cache, expert_counts
+
+
+def _sampled(logits, sampling, counts, bitmask, spec, sample_width):
+    """(tokens [R], tokens each sequence yields [S] or None, logprobs, count table)."""
     if spec is None:
-        tokens, logprobs, counts = sample_step(logits, sampling, counts)
-        return StepOutput(tokens, logprobs, prompt_lp, expert_counts=expert_counts), cache, counts
-    tokens, yielded, logprobs, counts = spec_decode.verify(logits, sampling, spec, counts,
-                                                           sample_width)
+        tokens, logprobs, counts = sample_step(logits, sampling, counts, bitmask)
+        return tokens, None, logprobs, counts
+    return spec_decode.verify(logits, sampling, spec, counts, sample_width, bitmask)
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "sample_width"),
+                   donate_argnames=("cache", "counts"))
+def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None, *, cfg,
+          attn_impl, dtype, max_q_len, parallel=None, sample_width=1):
+    # cfg/attn_impl/dtype/max_q_len/parallel/sample_width are static: one executable per
+    # bucket, no recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt`
+    # (prompt logprobs) is None or not: at most a second executable per bucket, built on
+    # demand. `spec` (draft tokens to verify) is set exactly in buckets of sample_width > 1.
+    # `bitmask` [R, ceil(V / 32)] int32 is always an input (all ones for unconstrained
+    # rows): structured outputs need no other executable.
+    logits, prompt_lp, cache, experts = _logits(params, cache, batch, prompt, cfg=cfg,
+                                                attn_impl=attn_impl, dtype=dtype,
+                                                max_q_len=max_q_len, parallel=parallel)
+    tokens, yielded, logprobs, counts = _sampled(logits, sampling, counts, bitmask, spec,
+                                                 sample_width)
     return (StepOutput(tokens, logprobs, prompt_lp, num_yielded=yielded,
-                       expert_counts=expert_counts), cache, counts)
+                       expert_counts=experts), cache, counts)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
+def _forward(params, cache, batch, prompt=None, *, cfg, attn_impl, dtype, max_q_len,
+             parallel=None):
+    """`_step` without its sampling: for a step whose bitmask is not known at launch."""
+    return _logits(params, cache, batch, prompt, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
+                   max_q_len=max_q_len, parallel=parallel)
+
+
+@functools.partial(jax.jit, static_argnames=("sample_width",), donate_argnames=("counts",))
+def _sample(logits, sampling, counts, bitmask, spec=None, *, sample_width=1):
+    """`_step`'s sampling (and verification) alone, after `_forward`."""
+    return _sampled(logits, sampling, counts, bitmask, spec, sample_width)
 
 
 PROMPT_LOGPROB_ROWS = 128  # rows whose [rows, V] logits exist at once in a prompt-logprobs step
@@ -108,16 +140,21 @@ class StepHandle:
     """A launched step: its outputs (on the device until `collect`), and times.
 
     Attributes:
-      out: the `StepOutput`, device arrays.
+      out: the `StepOutput`, device arrays (None between `launch_forward` and
+        `launch_sampling`).
       dispatched: clock time just before the step was dispatched.
       ready: clock time the device finished it, when the runner watches completions
         (`ModelRunner.watch_completion`), else None.
     """
 
-    out: StepOutput
+    out: StepOutput | None
     dispatched: float
     ready: float | None = None
     _done: threading.Event | None = None
+    # A step launched in two parts (`launch_forward`): (bucket, logits [R, V], prompt
+    # logprobs or None, expert counts or None) on the device until `launch_sampling` turns
+    # them into `out`.
+    _forward: tuple | None = None
 
     def wait_ready(self) -> float | None:
         """`ready`, once the watcher has seen the step finish (None when not watched)."""
@@ -207,7 +244,8 @@ class ModelRunner:
         self.kv_scales = kv_scales
         self.cache = self._new_cache()
         self.executables = executables if executables is not None else ExecutableCache()
-        self._compiled: dict[tuple[Bucket, bool], object] = {}
+        self._compiled: dict[tuple[Bucket, str, bool], object] = {}
+        self._all_allowed: dict[int, jax.Array] = {}  # rows -> all-ones bitmask (device)
         # penalties / min_tokens state: one slot per sequence a step can hold (penalties.py)
         self.counts = TokenCounts(buckets.seq_rungs[-1], cfg.vocab_size)
         self._watcher: _CompletionWatcher | None = None
@@ -228,7 +266,7 @@ class ModelRunner:
     @property
     def num_executables(self) -> int:
         """Buckets this runner has acquired an executable for (compiled or found)."""
-        return len({b for b, _ in self._compiled})
+        return len({key[0] for key in self._compiled})
 
     def prepare(self, plan, sampling_rows: Sequence[tuple], prompt_rows=None):
         """Packs one step plan. Returns (bucket, batch, sampling[, prompt[, spec]]) as host
@@ -273,31 +311,72 @@ class ModelRunner:
             return bucket, batch, sampling, prompt
         return bucket, batch, sampling
 
-    def _executable(self, bucket: Bucket, batch, sampling, prompt, spec):
-        exe = self._compiled.get((bucket, prompt is not None))
+    def _executable(self, bucket: Bucket, variant: str, args: tuple):
+        """The compiled `variant` ("step", "forward" or "sample") of `bucket` for `args`
+        (its positional inputs)."""
+        fn = {"step": _step, "forward": _forward, "sample": _sample}[variant]
+        prompt_given = variant != "sample" and args[6 if variant == "step" else 3] is not None
+        exe = self._compiled.get((bucket, variant, prompt_given))
         if exe is None:
-            key = (self.cfg, self.attn_impl, str(self.dtype), bucket.max_q_len,
-                   bucket.sample_width, self.parallel,
-                   _signature((self.params, self.cache, batch, sampling, self.counts.table,
-                               prompt, spec)))
-            exe = self.executables.get_or_compile(key, lambda: _step.lower(
-                self.params, self.cache, batch, sampling, self.counts.table, prompt, spec,
-                cfg=self.cfg, attn_impl=self.attn_impl, dtype=self.dtype,
-                max_q_len=bucket.max_q_len, parallel=self.parallel,
-                sample_width=bucket.sample_width).compile())
-            self._compiled[(bucket, prompt is not None)] = exe
+            width = {} if variant == "forward" else {"sample_width": bucket.sample_width}
+            if variant == "sample":  # depends on the position count and vocabulary only
+                key = ("sample", bucket.sample_width, self.parallel, _signature(args))
+                lower = functools.partial(fn.lower, *args, **width)
+            else:
+                key = (variant, self.cfg, self.attn_impl, str(self.dtype), bucket.max_q_len,
+                       bucket.sample_width, self.parallel, _signature(args))
+                lower = functools.partial(fn.lower, *args, cfg=self.cfg,
+                                          attn_impl=self.attn_impl, dtype=self.dtype,
+                                          max_q_len=bucket.max_q_len, parallel=self.parallel,
+                                          **width)
+            exe = self.executables.get_or_compile(key, lambda: lower().compile())
+            self._compiled[(bucket, variant, prompt_given)] = exe
         return exe
 
+    def all_allowed(self, rows: int):
+        """The bitmask of `rows` unconstrained positions, [rows, ceil(V / 32)] int32 all
+        ones, kept on the device (a step without structured outputs transfers no mask)."""
+        mask = self._all_allowed.get(rows)
+        if mask is None:
+            host = np.full((rows, bitmask_words(self.cfg.vocab_size)), -1, np.int32)
+            mask = (self.parallel.put_replicated(host) if self.parallel is not None
+                    else jax.device_put(host))
+            self._all_allowed[rows] = mask
+        return mask
+
+    def _device_inputs(self, bucket: Bucket, batch, sampling, prompt, spec, bitmask, feed):
+        """Host inputs as the executable takes them: replicated on a mesh, the bitmask
+        defaulted (all ones), placeholder ids fed from the step in flight."""
+        if bitmask is None:
+            bitmask = self.all_allowed(bucket.seqs * bucket.sample_width)
+        # One device: the host arrays go to the executable as they are (its C++ call path
+        # transfers them, ~10x cheaper than a device_put per array).
+        if self.parallel is not None:  # replicated on the mesh (each process its own copies)
+            batch, sampling, prompt, spec = self.parallel.put_replicated(
+                (batch, sampling, prompt, spec))
+            if isinstance(bitmask, np.ndarray):
+                bitmask = self.parallel.put_replicated(bitmask)
+        if feed is not None:
+            prev, rows = feed
+            if self.parallel is not None:
+                rows = self.parallel.put_replicated(rows)
+            batch = dataclasses.replace(batch, token_ids=_feed(batch.token_ids,
+                                                               prev.out.tokens, rows))
+        return batch, sampling, prompt, spec, bitmask
+
     def run(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
-            spec: spec_decode.SpecInputs | None = None) -> StepOutput:
+            spec: spec_decode.SpecInputs | None = None, bitmask: np.ndarray | None = None
+            ) -> StepOutput:
         """Runs the step; returns its `StepOutput`: `tokens` [R] (and `num_yielded` [S] in a
         verification step) on the host (after the device is done), log-probabilities
         still on the device (read them only if asked)."""
-        return self.collect(self.launch(bucket, batch, sampling, prompt, spec))
+        return self.collect(self.launch(bucket, batch, sampling, prompt, spec,
+                                        bitmask=bitmask))
 
     def launch(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
                spec: spec_decode.SpecInputs | None = None,
-               feed: tuple[StepHandle, np.ndarray] | None = None) -> StepHandle:
+               feed: tuple[StepHandle, np.ndarray] | None = None,
+               bitmask: np.ndarray | None = None) -> StepHandle:
         """Dispatches the step and returns without waiting for the device.
 
         Args:
@@ -305,23 +384,50 @@ class ModelRunner:
           feed: None, or (the previous step's handle, rows [bucket.tokens] int32): input id t
             becomes that step's sampled position rows[t] (its `tokens[rows[t]]`) wherever
             rows[t] >= 0 (the host's batch holds a placeholder there), computed on the device.
+          bitmask: None (no position constrained), or [bucket.seqs * sample_width,
+            ceil(V / 32)] int32: the tokens each sampled position may take (all ones for
+            unconstrained rows).
         """
-        # One device: the host arrays go to the executable as they are (its C++ call path
-        # transfers them, ~10x cheaper than a device_put per array).
-        if self.parallel is not None:  # replicated on the mesh (each process its own copies)
-            batch, sampling, prompt, spec = self.parallel.put_replicated(
-                (batch, sampling, prompt, spec))
-        if feed is not None:
-            prev, rows = feed
-            if self.parallel is not None:
-                rows = self.parallel.put_replicated(rows)
-            batch = dataclasses.replace(batch, token_ids=_feed(batch.token_ids,
-                                                               prev.out.tokens, rows))
-        exe = self._executable(bucket, batch, sampling, prompt, spec)
+        batch, sampling, prompt, spec, bitmask = self._device_inputs(
+            bucket, batch, sampling, prompt, spec, bitmask, feed)
+        args = (self.params, self.cache, batch, sampling, self.counts.table, bitmask, prompt,
+                spec)
+        exe = self._executable(bucket, "step", args)
         dispatched = time.perf_counter()
-        out, self.cache, self.counts.table = exe(self.params, self.cache, batch, sampling,
-                                                 self.counts.table, prompt, spec)
-        handle = StepHandle(out, dispatched)
+        out, self.cache, self.counts.table = exe(*args)
+        return self._launched(StepHandle(out, dispatched))
+
+    def launch_forward(self, bucket: Bucket, batch, prompt: PromptTargets | None = None,
+                       feed: tuple[StepHandle, np.ndarray] | None = None) -> StepHandle:
+        """Dispatches the step's forward only (its bitmask is not known yet: overlapped
+        scheduling with structured outputs); `launch_sampling` completes it. Arguments as
+        `launch`'s."""
+        batch, _, prompt, _, _ = self._device_inputs(bucket, batch, None, prompt, None, None,
+                                                     feed)
+        args = (self.params, self.cache, batch, prompt)
+        exe = self._executable(bucket, "forward", args)
+        dispatched = time.perf_counter()
+        logits, prompt_lp, self.cache, experts = exe(*args)
+        return StepHandle(None, dispatched, _forward=(bucket, logits, prompt_lp, experts))
+
+    def launch_sampling(self, handle: StepHandle, sampling,
+                        bitmask: np.ndarray | None = None,
+                        spec: spec_decode.SpecInputs | None = None) -> StepHandle:
+        """Dispatches the sampling (and the verification of `spec`'s drafts) of a step
+        launched by `launch_forward`; `handle` is then like one `launch` returned."""
+        bucket, logits, prompt_lp, experts = handle._forward
+        _, sampling, _, spec, bitmask = self._device_inputs(bucket, None, sampling, None, spec,
+                                                            bitmask, None)
+        args = (logits, sampling, self.counts.table, bitmask, spec)
+        exe = self._executable(bucket, "sample", args)
+        tokens, yielded, logprobs, self.counts.table = exe(*args)
+        handle.out = StepOutput(tokens, logprobs, prompt_lp, num_yielded=yielded,
+                                expert_counts=experts)
+        handle._forward = None
+        return self._launched(handle)
+
+    def _launched(self, handle: StepHandle) -> StepHandle:
+        out = handle.out
         if self.parallel is None:
             out.tokens.copy_to_host_async()
             if out.num_yielded is not None:
@@ -378,7 +484,8 @@ class ModelRunner:
     def warmup(self) -> float:
         """Prepares every bucket not prepared yet (a second call runs nothing). Returns the
         seconds it took."""
-        return self.warm(b for b in self.buckets.all() if (b, False) not in self._compiled)
+        warm = {key[0] for key in self._compiled if key[1] == "step" and not key[2]}
+        return self.warm(b for b in self.buckets.all() if b not in warm)
 
 
 def enable_persistent_compilation_cache(path) -> None:

@@ -1,7 +1,9 @@
 """Per-row sampling on device: penalties, min_tokens, temperature, filters, log-probabilities.
 
 One jitted step samples every row with no host round trip (`sample_step`):
-  1. raw log-probabilities (log_softmax of the model's logits), only when a row asks;
+  0. the grammar bitmask (structured outputs): tokens a constrained row's grammar forbids
+     get -inf; only when some row is constrained (the others' rows are all ones);
+  1. raw log-probabilities (log_softmax of those logits), only when a row asks;
   2. penalties and min_tokens from the token-count table (`penalties.py`), only when a
      row uses them;
   3. temperature, top-k / top-p / min-p, Gumbel-max draw (greedy rows: argmax);
@@ -47,6 +49,7 @@ class SamplingBatch:
     slot: jax.Array  # [S] int32 row of the token-count table (the spare row when unused)
     penalized: jax.Array  # [S] bool: reads and updates its table row
     logprobs: jax.Array  # [S] bool: returns log-probabilities
+    constrained: jax.Array  # [S] bool: structured output (its bitmask row is not all ones)
 
     @classmethod
     def build(cls, rows: list[tuple], size: int, spare_slot: int = 0) -> "SamplingBatch":
@@ -65,17 +68,19 @@ class SamplingBatch:
         slot = np.full(size, spare_slot, np.int32)
         penalized = np.zeros(size, bool)
         logprobs = np.zeros(size, bool)
+        constrained = np.zeros(size, bool)
         for i, row in enumerate(rows):
             p, s, c = row[:3]
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             seed[i], counter[i] = s, c
             logprobs[i] = p.logprobs is not None
+            constrained[i] = p.structured_outputs is not None
             if len(row) > 3 and row[3] is not None:
                 slot[i], penalized[i] = row[3], True
                 presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
                 repetition[i], min_tokens[i] = p.repetition_penalty, p.min_tokens
         return cls(temp, top_k, top_p, min_p, seed, counter, presence, frequency, repetition,
-                   min_tokens, slot, penalized, logprobs)
+                   min_tokens, slot, penalized, logprobs, constrained)
 
 
 @jax.tree_util.register_dataclass
@@ -199,14 +204,35 @@ def sample(logits: jax.Array, sp: SamplingBatch) -> jax.Array:
     return jnp.where(random_row, drawn, greedy)
 
 
-def sample_step(logits: jax.Array, sp: SamplingBatch, counts: jax.Array):
+def bitmask_words(vocab: int) -> int:
+    """int32 words of one row's packed token bitmask."""
+    return (vocab + 31) // 32
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """logits [S, V] with -inf wherever the packed bitmask [S, ceil(V / 32)] int32 has a 0
+    bit (bit t % 32 of word t // 32: llguidance's layout)."""
+    rows, vocab = logits.shape
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [S, W, 32]
+    allowed = bits.reshape(rows, -1)[:, :vocab] != 0  # [S, V]
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def sample_step(logits: jax.Array, sp: SamplingBatch, counts: jax.Array,
+                bitmask: jax.Array | None = None):
     """The step's sampling. logits [S, V] float32; counts: the token-count table
-    [slots + 1, V] int32 (donated by the caller).
+    [slots + 1, V] int32 (donated by the caller); bitmask: [S, ceil(V / 32)] int32, the
+    tokens each row may sample (all ones for rows without structured outputs), or None
+    (no row is constrained: known when tracing).
 
     Returns:
       (tokens [S] int32, TokenLogprobs of the sampled tokens (zeros unless some row asked),
        the updated count table).
     """
+    if bitmask is not None:
+        logits = jax.lax.cond(jnp.any(sp.constrained),
+                              lambda: apply_bitmask(logits, bitmask), lambda: logits)
     adjusted = jax.lax.cond(jnp.any(sp.penalized),
                             lambda: apply_penalties(logits, counts, sp), lambda: logits)
     tokens = sample(adjusted, sp)

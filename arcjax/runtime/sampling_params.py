@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from arcjax.errors import SamplingParamsError
+from arcjax.runtime.structured_params import StructuredOutputsParams
 
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20  # top-k log-probabilities per position: the device always computes 20
@@ -62,10 +63,16 @@ class SamplingParams:
       logprobs: None = none; k in [0, 20] = the sampled token's log-probability plus the k
         most likely tokens'. prompt_logprobs: the same for every prompt position after the
         first. Both are RAW: log_softmax of the model's logits, before penalties,
-        temperature and filters (vLLM's default `logprobs_mode="raw_logprobs"`).
+        temperature and filters (vLLM's default `logprobs_mode="raw_logprobs"`); with
+        structured_outputs, of the logits after the grammar's mask (as vLLM: tokens the
+        grammar forbids have -inf).
       skip_special_tokens / spaces_between_special_tokens: detokenization of the output.
       output_kind: a `RequestOutputKind` (CUMULATIVE, DELTA or FINAL_ONLY; its int value is
         accepted too).
+      structured_outputs: None, or a `StructuredOutputsParams` (or a mapping of its fields)
+        the output must match: a JSON schema, a regex, a choice, a grammar. Tokens the
+        grammar does not allow are masked before penalties, temperature and filters; a
+        request whose grammar is complete and admits nothing more finishes with "stop".
     """
 
     max_tokens: int = 16
@@ -87,6 +94,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -130,6 +138,8 @@ class SamplingParams:
             raise SamplingParamsError("output_kind", "must be a RequestOutputKind (CUMULATIVE, "
                                       f"DELTA, FINAL_ONLY), got {kind!r}")
         object.__setattr__(self, "output_kind", RequestOutputKind(int(kind)))
+        object.__setattr__(self, "structured_outputs",
+                           StructuredOutputsParams.coerce(self.structured_outputs))
 
     @property
     def uses_penalty_state(self) -> bool:

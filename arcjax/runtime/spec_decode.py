@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from arcjax.runtime.penalties import apply_penalties, count_sampled
-from arcjax.runtime.sampling import SamplingBatch, TokenLogprobs, logprobs_if, sample
+from arcjax.runtime.sampling import (SamplingBatch, TokenLogprobs, apply_bitmask, logprobs_if,
+                                     sample)
 
 
 @jax.tree_util.register_dataclass
@@ -93,7 +94,8 @@ def _draft_counts(spec: SpecInputs, width: int, vocab: int) -> jax.Array:
 
 
 def verify(logits: jax.Array, sp: SamplingBatch, spec: SpecInputs, counts: jax.Array,
-           width: int) -> tuple[jax.Array, jax.Array, TokenLogprobs, jax.Array]:
+           width: int, bitmask: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array, TokenLogprobs, jax.Array]:
     """Samples every position and accepts each row's longest matching draft prefix.
 
     Args:
@@ -102,6 +104,8 @@ def verify(logits: jax.Array, sp: SamplingBatch, spec: SpecInputs, counts: jax.A
       spec: the drafts.
       counts: the token-count table (penalties.py), donated by the caller.
       width: W (static).
+      bitmask: [R, ceil(V / 32)] int32, the tokens each position may take (structured
+        outputs: the grammar's state after the drafts before it; all ones elsewhere), or None.
 
     Returns:
       (target tokens [R] int32, tokens each sequence yields [S] int32 (1 + accepted drafts;
@@ -109,6 +113,9 @@ def verify(logits: jax.Array, sp: SamplingBatch, spec: SpecInputs, counts: jax.A
        targets [R] (zeros unless some row asked), the count table with the yielded tokens).
     """
     vocab = logits.shape[-1]
+    if bitmask is not None:  # as plain sampling: before penalties and raw logprobs
+        logits = jax.lax.cond(jnp.any(sp.constrained),
+                              lambda: apply_bitmask(logits, bitmask), lambda: logits)
     adjusted = jax.lax.cond(
         jnp.any(sp.penalized),
         lambda: apply_penalties(logits, counts, sp, _draft_counts(spec, width, vocab)),
