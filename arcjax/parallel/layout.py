@@ -249,7 +249,9 @@ class TensorParallel:
 
         rep = PartitionSpec()
         return jax.shard_map(body, mesh=self.mesh,
-                             in_specs=(rep, rep) + tuple(self.pspec(a) for a in weight_axes),
+                             in_specs=(rep, rep) + tuple(
+                                 jax.tree.map(self.pspec, a, is_leaf=_is_axes)
+                                 for a in weight_axes),
                              out_specs=(rep, rep), check_vma=False)
 
     def expert_offset(self, experts_per_device: int) -> jax.Array:
@@ -258,6 +260,11 @@ class TensorParallel:
         if mesh is None:
             return jnp.int32(0)
         return jax.lax.axis_index(mesh) * experts_per_device
+
+
+def _is_axes(x) -> bool:
+    """A leaf of a tree of logical axes: one array's axes (a tuple of names / None)."""
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
 def per_device_bytes(tree) -> dict[str, int]:
