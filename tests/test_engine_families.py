@@ -186,6 +186,16 @@ def _run_parallel(model_dirs: dict) -> dict:
         spec = (list(layers["we_gate"].sharding.spec) if "we_gate" in layers else None)
         out[f"{arch}/{tp}/{ep}"] = {"tokens": list(res[0].token_ids), "we_gate": spec,
                                     "experts": [r.expert_tokens for r in llm.engine.trace]}
+    # quantized experts: the width split over "tp" (gate/up scales split with their output
+    # columns, down's per-output-channel scales whole beside its split rows)
+    llm = LLM(model_dirs["MixtralForCausalLM"], tensor_parallel_size=2, quantization="int8",
+              **GEOMETRY)
+    res = llm.generate([_prompts()[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                       ignore_eos=True), use_tqdm=False)
+    we_down = llm.engine.runner.params["layers"]["we_down"]
+    out["int8"] = {"tokens": list(res[0].token_ids),
+                   "scale": list(we_down.scale.sharding.spec),
+                   "values": list(we_down.values.sharding.spec)}
     return out
 
 
@@ -207,6 +217,22 @@ def test_tensor_and_expert_parallel_equal_transformers():
     assert got["MixtralForCausalLM/2/2"]["we_gate"] == [None, "ep", None, "tp"]
     assert got["Qwen2MoeForCausalLM/1/2"]["we_gate"] == [None, ["ep", "tp"], None, None]
     assert all(len(r) == 2 for r in got["MixtralForCausalLM/2/2"]["experts"])
+    assert got["int8"]["values"] == [None, None, "tp", None]
+    assert got["int8"]["scale"] in ([None, None, None, None], [])
+    assert got["int8"]["tokens"] == _int8_expected("MixtralForCausalLM")
+
+
+def _int8_expected(arch: str) -> list[int]:
+    """transformers' greedy tokens on the model's int8-quantized weights, dequantized."""
+    import jax.numpy as jnp
+
+    from arcjax.model.hub import resolve_model
+    from arcjax.model.loader import load_model
+    from test_quant_experts import dequantized_dir
+
+    model = load_model(resolve_model(tiny_model_dir(arch)), dtype=jnp.float32,
+                       quantization="int8")
+    return hf_greedy(dequantized_dir(model.cfg, model.params), _prompts()[0], MAX_TOKENS)
 
 
 if __name__ == "__main__":
