@@ -230,7 +230,7 @@ def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_expe
       lp: the layer's params: router [H, E]; optionally ws_gate/ws_up [H, Is], ws_down
         [Is, H], ws_router [H, 1].
       experts: every layer's expert weights (`EXPERT_WEIGHTS`): we_gate/we_up [L, E, H, I],
-        we_down [L, E, I, H].
+        we_down [L, E, I, H]; arrays or `QuantizedWeight`s (scales [L, E, ...]).
       layer: scalar int32, this layer.
       num_experts, top_k, renormalize, act: from the model config.
       valid: [T] bool, real tokens.

@@ -239,7 +239,8 @@ class TensorParallel:
     def experts_map(self, fn, weight_axes: Sequence[Sequence[str | None]]):
         """`fn(x, route, *weights) -> (partial_out, stats)` under shard_map: x (tokens) and
         route (the routing) replicated, each weight split by its spec's axes (expert weights
-        by "expert" and "moe_mlp"); `fn` sees its device's experts and width and returns a
+        by "expert" and "moe_mlp"; a quantized weight's entry is a tree of axes, its values'
+        and its scales'); `fn` sees its device's experts and width and returns a
         partial sum over them, which is all-reduced (psum over every mesh axis); `stats`
         are the same on every device. `fn` finds its first expert with `local_experts`."""
         names = tuple(self.mesh.axis_names)
