@@ -67,8 +67,8 @@ def test_experts_quantized_per_expert_and_channel():
 
 def test_fp8_experts_and_shared_expert_greedy_equal_transformers():
     """Qwen2-MoE with `quantization="fp8"`: experts and its gated shared expert quantized;
-    the tiled grouped GEMM gives transformers' tokens on the dequantized weights, and the
-    grouped-GEMM implementations agree on the quantized weights. (The engine runs
+    the tiled grouped GEMM gives transformers' tokens on the dequantized weights, and
+    ragged_dot (the GPU default) agrees with it on the quantized weights. (The engine runs
     quantized experts, split over two devices, in test_engine_families.)"""
     src = tiny_model_dir("Qwen2MoeForCausalLM")
     model = load_model(resolve_model(src), dtype=jnp.float32, quantization="fp8")
@@ -92,7 +92,6 @@ def test_fp8_experts_and_shared_expert_greedy_equal_transformers():
         return np.asarray(out)
 
     np.testing.assert_allclose(mlp("ragged_dot"), mlp("tiled"), atol=2e-5)
-    np.testing.assert_allclose(mlp("dense"), mlp("tiled"), atol=2e-5)
 
 
 def test_expert_scales_are_split_with_their_experts():
