@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from arcjax.errors import ModelConfigError
 from arcjax.model.gguf import GGUFFile, load_gguf
 from arcjax.model.gguf_config import gguf_config
 from arcjax.model.hub import resolve_model
@@ -114,7 +115,7 @@ def test_gemma_gguf_greedy_equals_transformers(arch):
 def test_gemma_metadata_llama_cpp_defaults(tmp_path):
     """What GGUF leaves out, read as llama.cpp does: soft-caps 50 / 30 (Gemma 2), every
     6th layer global (Gemma 3), the 27B query scale (hidden / heads), an explicit
-    `attention.sliding_window_pattern`."""
+    `attention.sliding_window_pattern`; typed errors for inconsistent metadata."""
     import gguf
 
     def write(arch, layers, extra):
@@ -139,3 +140,9 @@ def test_gemma_metadata_llama_cpp_defaults(tmp_path):
     assert write("gemma2", 46, {}).query_pre_attn_scalar == 16  # 64 / 4, the 27B rule
     pattern = write("gemma3", 3, {"sliding_window_pattern": [True, False, False]})
     assert pattern.sliding_layers == (True, False, False)
+    with pytest.raises(ModelConfigError, match="sliding_window_pattern has 2 entries"):
+        write("gemma3", 3, {"sliding_window_pattern": [True, False]})
+    with pytest.raises(ModelConfigError, match="qwen3moe.expert_count is missing"):
+        write("qwen3moe", 2, {})
+    with pytest.raises(ModelConfigError, match="'qwen2' with experts is not supported"):
+        write("qwen2", 2, {"expert_count": 4})

@@ -122,16 +122,18 @@ def test_fp8_expert_checkpoint_loads_per_expert_tensors():
 
 def test_block_scaled_experts_are_dequantized_before_a_split():
     """Under expert / tensor parallelism a quantized expert weight enters the shard_map
-    quantized when its scales split with its values (per channel, per tensor); block
-    scales, whose blocks a split of the width would cut, are dequantized first."""
+    quantized when its scales split with its values (per channel, per tensor) or when only
+    experts are split; block scales, whose blocks a split of the width would cut, are
+    dequantized first."""
     from arcjax.model.moe import _shardable
 
     values = jnp.ones((1, 2, 8, 4), jnp.int8)
     channel = QuantizedWeight(values, jnp.full((1, 2, 1, 4), 0.5), (8, 1))
     tensor = QuantizedWeight(values, jnp.full((1, 2, 1, 1), 0.5), (8, 4))
     block = QuantizedWeight(values, jnp.full((1, 2, 2, 2), 0.5), (4, 2))
-    assert _shardable(channel, jnp.float32) is channel
-    assert _shardable(tensor, jnp.float32) is tensor
-    dense = _shardable(block, jnp.float32)
+    assert _shardable(channel, jnp.float32, True) is channel
+    assert _shardable(tensor, jnp.float32, True) is tensor
+    assert _shardable(block, jnp.float32, False) is block  # split by expert only
+    dense = _shardable(block, jnp.float32, True)
     assert not _is_quantized(dense)
     np.testing.assert_array_equal(np.asarray(dense), np.full((1, 2, 8, 4), 0.5, np.float32))

@@ -193,14 +193,18 @@ def dense_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.
     return jax.lax.fori_loop(0, num_experts, body, jnp.zeros(x.shape, jnp.float32))
 
 
-def _shardable(w, dtype):
-    """An expert weight as `experts_map` may split it: a quantized one stays quantized when
-    its scales split with its values (per channel or per tensor); block scales, whose
-    blocks a split of the expert's width would cut, are dequantized first (GSPMD)."""
-    if isinstance(w, QuantizedWeight) and w.scale.shape[-2] == 1 and (
-            w.scale.shape[-1] == 1 or w.block[1] == 1):
+def _shardable(w, dtype, width_split: bool):
+    """An expert weight as `experts_map` may split it: a quantized one stays quantized
+    unless the experts' width is split (`width_split`) and its scales are blocks, which that
+    split would cut; those are dequantized first (GSPMD). Per-channel and per-tensor scales
+    split with their values (or are whole), and a split by expert alone keeps every
+    matrix whole."""
+    if not isinstance(w, QuantizedWeight):
         return w
-    return dense(w, dtype) if isinstance(w, QuantizedWeight) else w
+    if not width_split or (w.scale.shape[-2] == 1 and (w.scale.shape[-1] == 1
+                                                       or w.block[1] == 1)):
+        return w
+    return dense(w, dtype)
 
 
 def _axes(w, axes: tuple):
@@ -257,7 +261,8 @@ def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_expe
             return experts_ffn(x, order_, sizes_, weights_, *w_local, layer=layer_,
                                first=first, act=act, impl=impl), sizes_
 
-        w = tuple(_shardable(x, h.dtype) for x in w)
+        width_split = parallel.degree("moe_mlp") > 1
+        w = tuple(_shardable(x, h.dtype, width_split) for x in w)
         axes = tuple(_axes(x, a) for x, a in zip(w, (("layers", "expert", "embed", "moe_mlp"),) * 2
                                                  + (("layers", "expert", "moe_mlp", "embed"),)))
         out, sizes = parallel.experts_map(local, axes)(h, (order, sizes, weights, layer), *w)
