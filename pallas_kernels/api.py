@@ -194,8 +194,9 @@ def impl_unavailable(impl: str, *, interpret: bool = False,
                     f"needs {' and '.join(missing)} (pip install 'arcjax[test]')")
         return None
     if platform is not None and not _is_gpu(platform):
-        return (f'impl="{impl}" runs on an NVIDIA GPU, and this runs on {platform} (the '
-                f'kernel API\'s interpret=True runs it on the CPU; "auto" picks xla here)')
+        return (f'impl="{impl}" runs on an NVIDIA GPU, and this runs on {platform} '
+                f'(ragged_paged_attention(..., interpret=True) runs it on the CPU; "auto" '
+                f"picks xla here)")
     reason = {"pallas_gpu": lambda: (None if backends.pallas_triton_state() != "absent"
                                      else f"jax {jax.__version__} has no Pallas Triton backend"),
               "triton": backends.triton_unavailable,
