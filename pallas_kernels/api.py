@@ -85,10 +85,13 @@ def _options(sliding_window, logit_softcap, k_scale, v_scale) -> AttentionOption
 PALLAS_GPU_OPTIONS = ("k_scale", "v_scale", "sliding_window", "logit_softcap")
 
 
-def _plain(opts: AttentionOptions, supported: tuple[str, ...] = ()) -> bool:
-    """No option past plain causal attention, except those in `supported`."""
-    return all(getattr(opts, f.name) is None for f in dataclasses.fields(opts)
-               if f.name not in supported)
+def _given(opts: AttentionOptions) -> dict:
+    """The options as `resolve_call` takes them (each field by name)."""
+    return {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+
+
+def _is_gpu(platform: str) -> bool:
+    return platform in ("gpu", "cuda")
 
 
 def _gpu_can_tile(head_dim: int, block_size: int) -> bool:
@@ -106,7 +109,8 @@ def _validate_gpu_shapes(q, k_pages, impl: str):
 
 def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
                  plain: bool = True, dtype=jnp.bfloat16, kv_dtype=None, num_heads: int = 1,
-                 num_kv_heads: int = 1, pallas_gpu_ok: bool | None = None) -> str:
+                 num_kv_heads: int = 1, pallas_gpu_ok: bool | None = None,
+                 platform: str | None = None) -> str:
     """The implementation a call with these shapes runs: `impl` itself, or what "auto"
     picks on this machine's default backend (see `backends.resolve`).
 
@@ -120,11 +124,13 @@ def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | 
             defaults to dtype), Hq and Hkv: what the Mosaic GPU kernel takes.
         pallas_gpu_ok: the Pallas GPU kernel implements every option of the call (None:
             only when `plain`).
+        platform: where the call runs ("cpu", "gpu", "cuda", ...); None = the default
+            backend.
     """
     _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
     if impl != "auto":
         return impl
-    on_gpu = jax.default_backend() == "gpu"
+    on_gpu = _is_gpu(platform or jax.default_backend())
     mosaic_ok = on_gpu and max_q_len == 1 and backends.mosaic_gpu_unsupported(
         head_dim=head_dim, block_size=block_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, dtype=dtype, kv_dtype=kv_dtype or dtype) is None
@@ -132,15 +138,78 @@ def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | 
                             decode_only=mosaic_ok, plain=plain, pallas_gpu_ok=pallas_gpu_ok)
 
 
-def _triton(*args, opts: AttentionOptions, interpret: bool):
+def resolve_call(impl: str, q, k_pages, *, max_q_len: int | None = None,
+                 sliding_window=None, logit_softcap=None, k_scale=None, v_scale=None,
+                 platform: str | None = None) -> str:
+    """The implementation `ragged_paged_attention(q, k_pages, ..., impl=impl,
+    max_q_len=max_q_len, <options>)` runs on `platform`: what a caller reports without
+    tracing a call (the engine's trace summary, per bucket).
+
+    Args:
+        impl: one of `IMPLS`.
+        q, k_pages: arrays or `jax.ShapeDtypeStruct`s ([T, Hq, D] and [num_blocks,
+            block_size, Hkv, D]; only shapes and dtypes are read).
+        max_q_len: as `ragged_paged_attention`'s (None: T).
+        sliding_window, logit_softcap, k_scale, v_scale: only whether each is given
+            (not None) matters.
+        platform: where the call runs; None = the default backend.
+
+    Returns:
+        One of `IMPLS` other than "auto".
+    """
+    given = {name for name, value in (("sliding_window", sliding_window),
+                                      ("logit_softcap", logit_softcap),
+                                      ("k_scale", k_scale), ("v_scale", v_scale))
+             if value is not None}
+    t = q.shape[0]
+    return resolve_impl(impl, head_dim=q.shape[2], block_size=k_pages.shape[1],
+                        max_q_len=t if max_q_len is None else min(max_q_len, t),
+                        plain=not given, pallas_gpu_ok=given <= set(PALLAS_GPU_OPTIONS),
+                        dtype=q.dtype, kv_dtype=k_pages.dtype, num_heads=q.shape[1],
+                        num_kv_heads=k_pages.shape[2], platform=platform)
+
+
+def impl_unavailable(impl: str, *, interpret: bool = False,
+                     platform: str | None = None) -> str | None:
+    """Why `ragged_paged_attention(..., impl=impl, interpret=interpret)` cannot run here,
+    or None if it can: a package or backend this installation lacks, an interpreter a
+    kernel does not have, or (given `platform`) a GPU kernel asked off the GPU.
+
+    Args:
+        impl: one of `IMPLS`.
+        interpret: run a GPU kernel on the CPU (its interpreter).
+        platform: where the call runs ("cpu", "gpu", ...); None: not checked (lowering
+            for CUDA on a CPU host, `lowering.lower_for_cuda`, needs no GPU).
+    """
+    _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    if impl not in GPU_IMPLS:
+        return None
     if interpret:
+        if impl == "mosaic_gpu":
+            return ('impl="mosaic_gpu" has no interpret mode: Mosaic GPU kernels run only on '
+                    "a GPU (scripts/gpu_check.sh checks them against the oracle there)")
         missing = [m for m in ("triton", "torch") if importlib.util.find_spec(m) is None]
-        _require(not missing, "interpret",
-                 f'impl="triton" with interpret=True runs Triton\'s interpreter, which needs '
-                 f"{' and '.join(missing)} (pip install 'arcjax[test]')")
-    else:
-        reason = backends.triton_unavailable()
-        _require(reason is None, "impl", f'impl="triton" cannot launch here: {reason}')
+        if impl == "triton" and missing:
+            return (f'impl="triton" with interpret=True runs Triton\'s interpreter, which '
+                    f"needs {' and '.join(missing)} (pip install 'arcjax[test]')")
+        return None
+    if platform is not None and not _is_gpu(platform):
+        return (f'impl="{impl}" runs on an NVIDIA GPU, and this runs on {platform} '
+                f'(ragged_paged_attention(..., interpret=True) runs it on the CPU; "auto" '
+                f"picks xla here)")
+    reason = {"pallas_gpu": lambda: (None if backends.pallas_triton_state() != "absent"
+                                     else f"jax {jax.__version__} has no Pallas Triton backend"),
+              "triton": backends.triton_unavailable,
+              "mosaic_gpu": backends.mosaic_gpu_unavailable}[impl]()
+    if reason is None:
+        return None
+    verb = "cannot launch" if impl == "triton" else "cannot be built"
+    return f'impl="{impl}" {verb} here: {reason}'
+
+
+def _triton(*args, opts: AttentionOptions, interpret: bool):
+    reason = impl_unavailable("triton", interpret=interpret)
+    _require(reason is None, "interpret" if interpret else "impl", reason)
     from pallas_kernels import triton_gpu
 
     return triton_gpu.ragged_paged_attention_triton(
@@ -149,15 +218,14 @@ def _triton(*args, opts: AttentionOptions, interpret: bool):
 
 
 def _mosaic_gpu(*args, opts: AttentionOptions, interpret: bool, max_q_len: int):
-    _require(not interpret, "interpret",
-             'impl="mosaic_gpu" has no interpret mode: Mosaic GPU kernels run only on a GPU '
-             "(scripts/gpu_check.sh checks them against the oracle there)")
+    reason = impl_unavailable("mosaic_gpu", interpret=interpret)
+    _require(not interpret, "interpret", reason)
     _require(max_q_len == 1, "max_q_len",
              f'impl="mosaic_gpu" serves decode-only batches (max_q_len=1), got {max_q_len}')
-    _require(_plain(opts), "impl", 'impl="mosaic_gpu" does not support sliding_window, '
+    _require(not any(v is not None for v in _given(opts).values()), "impl",
+             'impl="mosaic_gpu" does not support sliding_window, '
              'logit_softcap or k_scale/v_scale; use impl="triton"')
-    reason = backends.mosaic_gpu_unavailable()
-    _require(reason is None, "impl", f'impl="mosaic_gpu" cannot be built here: {reason}')
+    _require(reason is None, "impl", reason)
     q, k_pages = args[0], args[1]
     reason = backends.mosaic_gpu_unsupported(
         head_dim=q.shape[2], block_size=k_pages.shape[1], num_heads=q.shape[1],
@@ -234,10 +302,7 @@ def ragged_paged_attention(
         raise KernelArgumentError("max_q_len",
                                   f"expected a positive int, got {max_q_len!r}")
     max_q_len = min(max_q_len, t)
-    impl = resolve_impl(impl, head_dim=d, block_size=k_pages.shape[1], max_q_len=max_q_len,
-                        plain=_plain(opts), pallas_gpu_ok=_plain(opts, PALLAS_GPU_OPTIONS),
-                        dtype=q.dtype, kv_dtype=k_pages.dtype,
-                        num_heads=q.shape[1], num_kv_heads=k_pages.shape[2])
+    impl = resolve_call(impl, q, k_pages, max_q_len=max_q_len, **_given(opts))
     if impl == "reference":
         return ragged_paged_attention_reference(
             q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,

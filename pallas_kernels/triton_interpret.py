@@ -16,8 +16,9 @@ GPU launch it stands in for. The interpreter runs in a worker process started wi
 3. A failure inside the kernel comes back as `TritonInterpreterError` with the worker's
    traceback; a worker that died is restarted at the next launch.
 
-NOTE: the worker is started at the first interpreted launch and lives until this process
-exits (its stdin closing ends it). It needs `triton` and `torch` (the `test` extra).
+NOTE: the worker is started when the first interpreted launch is traced (its imports of
+triton and torch overlap the compile of the computation that calls it) and lives until
+this process exits (its stdin closing ends it). It needs `triton` and `torch` (the `test` extra).
 """
 
 from __future__ import annotations
@@ -44,16 +45,25 @@ class _Worker:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
 
-    def _start(self) -> subprocess.Popen:
-        env = dict(os.environ, TRITON_INTERPRET="1")
-        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "triton_worker.py")
-        return subprocess.Popen([sys.executable, worker], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, env=env)
+    def _running(self) -> subprocess.Popen:
+        """The live process, started if there is none (the caller holds the lock)."""
+        if self._proc is None or self._proc.poll() is not None:
+            env = dict(os.environ, TRITON_INTERPRET="1")
+            worker = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                  "triton_worker.py")
+            self._proc = subprocess.Popen([sys.executable, worker], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, env=env)
+        return self._proc
+
+    def start(self) -> None:
+        """Starts the process unless it runs (its imports then overlap what the caller
+        does next, e.g. compiling the computation that will call it)."""
+        with self._lock:
+            self._running()
 
     def call(self, request: tuple):
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._proc = self._start()
+            self._running()
             try:
                 pickle.dump(request, self._proc.stdin, protocol=pickle.HIGHEST_PROTOCOL)
                 self._proc.stdin.flush()
@@ -92,6 +102,7 @@ def launch(kernel_name: str, grid: tuple[int, ...], arrays, out_shapes, params: 
         The outputs, as jax arrays of `out_shapes`.
     """
     specs = tuple((tuple(s.shape), np.dtype(s.dtype).name) for s in out_shapes)
+    _WORKER.start()  # while the caller's computation compiles
 
     def host(*host_arrays):
         request = (kernel_name, tuple(grid), [np.asarray(a) for a in host_arrays], specs,

@@ -198,7 +198,7 @@ def test_abort_frees_blocks_at_once():
 
 def test_trace_metrics_summary_and_jsonl(tmp_path):
     llm = _llm(chunk_tile=16, max_num_batched_tokens=64, prefill_max_seqs=2,
-               long_prefill_token_threshold=32)
+               long_prefill_token_threshold=32, attention_impl="auto")  # xla's executables
     outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
     for o in outs:
         m = o.metrics
@@ -212,6 +212,13 @@ def test_trace_metrics_summary_and_jsonl(tmp_path):
     assert 0 < summary["step_time_fraction_of_wall"] <= 1
     assert summary["knobs"]["prefill_max_seqs"]["engaged"]
     assert summary["knobs"]["long_prefill_token_threshold"]["engaged"]
+    # The attention each bucket kind ran ("auto" resolved when the bucket compiled).
+    attention = summary["attention"]
+    assert attention["configured"] == "auto"
+    assert attention["decode"] == ["xla"] and attention["prefill"] == ["xla"]
+    assert {(b["tokens"], b["seqs"], b["max_q_len"]) for b in attention["buckets"]} == {
+        r.bucket for r in trace}
+    assert sum(b["steps"] for b in attention["buckets"]) == len(trace)
     llm.export_trace(tmp_path / "trace.jsonl")
     rows = [json.loads(line) for line in open(tmp_path / "trace.jsonl")]
     assert len(rows) == len(trace) and rows[0]["engaged"].keys() == trace[0].engaged.keys()

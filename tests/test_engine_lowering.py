@@ -8,6 +8,8 @@ without a GPU. The Triton kernel (impl="triton") is covered where jax_triton can
 it), so on a CPU-only jaxlib that case is skipped and says why.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -17,7 +19,8 @@ from arcjax.model.specs import cache_specs, is_spec, param_specs
 from arcjax.runtime import runner
 from arcjax.runtime.batching import empty_batch
 from arcjax.runtime.buckets import BucketSet
-from arcjax.runtime.sampling import SamplingBatch
+from arcjax.runtime.sampling import SamplingBatch, bitmask_words
+from arcjax.runtime.spec_decode import SpecInputs
 from pallas_kernels import backends, lowering
 
 _UNAVAILABLE = lowering.cuda_lowering_unavailable()
@@ -52,7 +55,36 @@ def test_every_engine_bucket_lowers_with_a_gpu_kernel(bucket, impl):
                                   num_blocks=NUM_BLOCKS))
     sampling = _abstract(SamplingBatch.build([], bucket.seqs, MAX_SEQS))
     counts = jax.ShapeDtypeStruct((MAX_SEQS + 1, CFG.vocab_size), jnp.int32)  # penalties.py
+    bitmask = jax.ShapeDtypeStruct((bucket.seqs * bucket.sample_width,
+                                    bitmask_words(CFG.vocab_size)), jnp.int32)
     text = lowering.lower_for_cuda(runner._step.__wrapped__, params, cache, batch, sampling,
-                                   counts, cfg=CFG, attn_impl=impl, dtype=dtype,
+                                   counts, bitmask, cfg=CFG, attn_impl=impl, dtype=dtype,
                                    max_q_len=bucket.max_q_len)
+    assert lowering.triton_kernel_calls(text) >= 1, "attention did not lower to the kernel"
+
+
+SPEC_BUCKETS = [b for b in BucketSet.create(tile=64, max_tokens=256, max_seqs=MAX_SEQS,
+                                            spec_width=4).all() if b.sample_width > 1]
+
+
+@pytest.mark.parametrize("bucket", [SPEC_BUCKETS[0], SPEC_BUCKETS[-1]], ids=str)
+def test_verification_buckets_lower_with_drafts_and_masks(bucket):
+    """Speculative decoding's verification step (W positions per sequence, drafts, a grammar
+    mask per position) lowers with the Pallas GPU kernel too."""
+    dtype = jnp.bfloat16
+    rows = bucket.num_samples
+    params = _abstract_specs(param_specs(CFG), dtype)
+    cache = _abstract_specs(cache_specs(CFG, NUM_BLOCKS, BLOCK_SIZE), dtype)
+    batch = _abstract(empty_batch(bucket, max_blocks=MAX_BLOCKS, block_size=BLOCK_SIZE,
+                                  num_blocks=NUM_BLOCKS))
+    batch = dataclasses.replace(batch, logits_rows=jax.ShapeDtypeStruct((rows,), jnp.int32))
+    sampling = _abstract(SamplingBatch.build([], rows, MAX_SEQS))
+    counts = jax.ShapeDtypeStruct((MAX_SEQS + 1, CFG.vocab_size), jnp.int32)
+    bitmask = jax.ShapeDtypeStruct((rows, bitmask_words(CFG.vocab_size)), jnp.int32)
+    spec = SpecInputs(jax.ShapeDtypeStruct((rows,), jnp.int32),
+                      jax.ShapeDtypeStruct((rows,), jnp.bool_))
+    text = lowering.lower_for_cuda(runner._step.__wrapped__, params, cache, batch, sampling,
+                                   counts, bitmask, None, spec, cfg=CFG, attn_impl="pallas_gpu",
+                                   dtype=dtype, max_q_len=bucket.max_q_len,
+                                   sample_width=bucket.sample_width)
     assert lowering.triton_kernel_calls(text) >= 1, "attention did not lower to the kernel"

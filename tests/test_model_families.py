@@ -234,7 +234,7 @@ def test_large_vocabulary_logits_only_at_the_rows_that_need_them():
         step = functools.partial(runner._step, cfg=cfg, attn_impl="xla", dtype=jnp.float32,
                                  max_q_len=t)
         jaxpr = jax.make_jaxpr(step)(params, cache, every_row if with_prompt else batch,
-                                     sampling, counts, with_prompt)
+                                     sampling, counts, None, with_prompt)
         shapes = {a.shape for a in _avals(jaxpr.jaxpr) if hasattr(a, "shape")}
         # rows of [rows, V] arrays, the tied embedding [H, V] and the count table aside
         widest = max(s[0] for s in shapes if len(s) == 2 and s[1] == vocab

@@ -134,6 +134,15 @@ def test_models_and_health(server):
     assert _client(server).models.retrieve(MODEL).id == MODEL
 
 
+def test_model_card_names_the_attention_its_buckets_run(server):
+    _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3)
+    card = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
+    attention = card["attention"]  # the buckets compiled so far, "auto" resolved
+    assert attention["configured"] == "xla"
+    assert attention["decode"] == ["xla"] and attention["prefill"] == ["xla"]
+    assert all(b["impl"] == "xla" for b in attention["buckets"])
+
+
 # --- completions ----------------------------------------------------------------------------
 def test_completions_equal_llm_generate(server, reference):
     outs = reference.generate(PROMPTS, _greedy(), use_tqdm=False)

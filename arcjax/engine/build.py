@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from arcjax.engine.config import EngineConfig
 from arcjax.engine.engine import Engine
 from arcjax.engine.spec import Speculator
@@ -68,14 +69,19 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     `engine.runner.warmup()`).
 
     Raises:
-      EngineConfigError: an option the model cannot honour (max_model_len beyond its limit,
-        a draft model that does not fit it), found before any weights load.
+      EngineConfigError: an option the model or this machine cannot honour (max_model_len
+        beyond its limit, a draft model that does not fit it, an attention_impl that cannot
+        run here), found before any weights load.
       ModelFileError subclasses: the model directory cannot be loaded.
     """
     source = (resolve_model(config.model, config.revision) if config.model is not None
               else ModelSource(default_model_path(), "default"))
     model_dir = source.path  # a directory, or the .gguf file
     dtype = jnp.dtype(config.dtype or ("bfloat16" if _on_gpu() else "float32"))
+    reason = pallas_kernels.impl_unavailable(config.attention_impl,
+                                             platform=jax.default_backend())
+    if reason is not None:  # a GPU kernel off the GPU, or without its packages
+        raise EngineConfigError("attention_impl", reason)
     spec, draft = config.speculative_config, None
     if spec is not None and spec.method == "draft_model":  # checked before any weights load
         limit = model_config(source).max_position_embeddings

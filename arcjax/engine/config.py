@@ -20,7 +20,10 @@ from arcjax.errors import ConfigError, EngineConfigError
 from arcjax.runtime.speculative import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu")
+# "auto" resolves per bucket (`pallas_kernels.resolve_call`); the GPU kernels: Pallas-Triton
+# and the Triton kernel through jax-triton. Not engine-wide: "mosaic_gpu" (decode-only
+# batches: "auto" runs it in decode buckets once verified) and "reference" (host numpy).
+ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu", "triton")
 QUANTIZATIONS = ("fp8", "int8")  # weight formats a float checkpoint is quantized to at load
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the compute dtype; "fp8": float8_e4m3fn pages
 
@@ -53,7 +56,10 @@ class EngineConfig:
         memory on GPU, room for max_num_seqs full sequences (at most 256 MiB) on CPU.
       kv_memory_fraction: share of free device memory the KV cache takes (GPU default).
       block_size: tokens per KV block (a power of two).
-      attention_impl: "auto" | "xla" | "pallas_gpu".
+      attention_impl: "auto" (per bucket, what this installation runs best: a GPU kernel
+        on a GPU, xla elsewhere; the trace summary names it) | "xla" | "pallas_gpu"
+        (Pallas-Triton) | "triton" (the Triton kernel through jax-triton). A GPU kernel
+        off the GPU, or without its packages, is refused when the engine is built.
       seed: seeds requests whose SamplingParams have no seed.
       cache_dir: where converted params are cached (orbax); None = no cache.
       trace_capacity: engine steps the trace ring keeps (oldest dropped first).
@@ -139,8 +145,9 @@ class EngineConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise EngineConfigError(
                 "attention_impl", f"must be one of {ATTENTION_IMPLS} (the 'reference' oracle "
-                f"is host-side numpy and cannot run in the jitted step), got "
-                f"{self.attention_impl!r}")
+                f"is host-side numpy and cannot run in the jitted step; 'mosaic_gpu' serves "
+                f"decode-only batches, which 'auto' gives it on a GPU where it has passed "
+                f"scripts/gpu_check.sh), got {self.attention_impl!r}")
         _int("seed", self.seed, 0)
         _int("trace_capacity", self.trace_capacity, 1)
         _int("tensor_parallel_size", self.tensor_parallel_size, 1)

@@ -27,8 +27,8 @@ from typing import Callable, Iterable, Mapping
 
 from scheduler.metrics import StepRecord, engagement, knob_report, spec_decode_summary
 
-__all__ = ["StepRecord", "StepTrace", "busy_time", "device_idle_gaps", "summarize",
-           "write_jsonl"]
+__all__ = ["StepRecord", "StepTrace", "attention_report", "busy_time", "device_idle_gaps",
+           "summarize", "write_jsonl"]
 
 
 class StepTrace:
@@ -128,6 +128,37 @@ def summarize(records: list[StepRecord], wall_time: float,
         # speculative decoding: acceptance rate, mean acceptance length, per position
         "spec_decode": spec_decode_summary(records),
     }
+
+
+def attention_report(configured: str, impls: Mapping[tuple[int, int, int], str],
+                     records: Iterable[StepRecord] | None = None) -> dict:
+    """Which attention implementation the engine's steps run.
+
+    Args:
+      configured: the engine's `attention_impl` ("auto" or an implementation).
+      impls: (T, S, max_q_len) -> implementation, resolved when each bucket was compiled
+        (`ModelRunner.attention_impls`).
+      records: the steps to report on (only the buckets they ran in, with step counts);
+        None = every bucket acquired so far.
+
+    Returns:
+      {"configured", "decode": implementations of the decode-only buckets (max_q_len 1),
+      "prefill": those of the buckets with prompt chunks (prefill, mixed, speculative
+      verification), "buckets": [{"tokens", "seqs", "max_q_len", "impl"[, "steps"]}]};
+      the lists are sorted and empty when no such bucket ran.
+    """
+    steps = None
+    if records is not None:
+        steps = Counter(r.bucket for r in records if r.bucket in impls)
+    buckets = sorted(impls if steps is None else steps)
+    kinds: dict[str, set[str]] = {"decode": set(), "prefill": set()}
+    rows = []
+    for b in buckets:
+        kinds["decode" if b[2] == 1 else "prefill"].add(impls[b])
+        count = {} if steps is None else {"steps": steps[b]}
+        rows.append({"tokens": b[0], "seqs": b[1], "max_q_len": b[2], "impl": impls[b], **count})
+    return {"configured": configured, **{k: sorted(v) for k, v in kinds.items()},
+            "buckets": rows}
 
 
 def write_jsonl(records: Iterable[StepRecord], path) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 from arcjax.engine.build import build_engine
 from arcjax.engine.config import SCHEDULER_OPTIONS, EngineConfig
 from arcjax.engine.outputs import RequestOutput
-from arcjax.engine.trace import summarize, write_jsonl
+from arcjax.engine.trace import attention_report, summarize, write_jsonl
 from arcjax.entrypoints.chat import ChatTemplate, ChatTemplateError
 from arcjax.errors import EngineDeadError, RequestError
 from arcjax.model.quant import storage_dtypes
@@ -190,12 +190,18 @@ class LLM:
 
     # --- trace ------------------------------------------------------------------------
     def trace_summary(self, wall_time: float) -> dict:
+        """The trace's run summary (`arcjax.engine.trace.summarize`) with the weights' and
+        KV pages' storage dtypes and the attention implementation the traced steps ran
+        (`attention`, per bucket kind: `arcjax.engine.trace.attention_report`)."""
         configured = {k: v for k, v in self.scheduler_options.items()
                       if k in ("prefill_max_seqs", "prefill_floor_steps",
                                "long_prefill_token_threshold") and v}
-        summary = summarize(list(self.engine.trace), wall_time, configured)
+        records = list(self.engine.trace)
+        summary = summarize(records, wall_time, configured)
         runner = self.engine.runner
-        return {**summary, **storage_dtypes(runner.params, runner.cache)}
+        return {**summary, **storage_dtypes(runner.params, runner.cache),
+                "attention": attention_report(runner.attn_impl, dict(runner.attention_impls),
+                                              records)}
 
     def export_trace(self, path) -> None:
         write_jsonl(self.engine.trace, path)

@@ -51,6 +51,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from arcjax.engine.outputs import RequestOutput
+from arcjax.engine.trace import attention_report
 from arcjax.entrypoints import openai_protocol as proto
 from arcjax.entrypoints.async_llm import AsyncLLM, RequestStream
 from arcjax.entrypoints.chat import ChatTemplate
@@ -207,7 +208,9 @@ class OpenAIServer:
         runner = self.llm.engine.runner
         return {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "arcjax", "max_model_len": self.llm.engine.max_model_len,
-                **storage_dtypes(runner.params, runner.cache)}
+                **storage_dtypes(runner.params, runner.cache),
+                # the buckets compiled so far (every bucket after a warm-up)
+                "attention": attention_report(runner.attn_impl, dict(runner.attention_impls))}
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)

@@ -187,6 +187,40 @@ def lm_head(params: Params, cfg: ModelConfig, h: jax.Array, parallel=None) -> ja
     return logits
 
 
+def _attention_options(cfg: ModelConfig, max_q_len: int | None, window, k_scale,
+                       v_scale) -> dict:
+    """The options `forward_with_stats` passes to `ragged_paged_attention` (and
+    `attention_impl` resolves with): the layer's window (windowed models only), the
+    model's soft-cap, FP8 pages' scales."""
+    return dict(max_q_len=max_q_len,
+                sliding_window=window if cfg.layer_windows() is not None else None,
+                logit_softcap=cfg.attn_logit_softcap, k_scale=k_scale, v_scale=v_scale)
+
+
+def attention_impl(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: int,
+                   max_q_len: int | None, dtype, parallel=None,
+                   platform: str | None = None) -> str:
+    """The attention implementation `forward_with_stats` runs for a bucket of `tokens`
+    rows whose chunks are at most `max_q_len` long: `attn_impl` itself, or what "auto"
+    resolves to for the same arguments (`pallas_kernels.resolve_call`), per device under
+    `parallel`.
+
+    Args:
+      cache: the paged cache the step runs over (its page shape and dtype, its scales).
+      dtype: the compute dtype (q's).
+      platform: where the step runs; None = the default backend.
+    """
+    k = cache["k"]  # [L * num_blocks, block_size, Hkv, D]
+    tp = parallel.tp if parallel is not None else 1
+    q = jax.ShapeDtypeStruct((tokens, cfg.num_heads // tp, cfg.head_dim), dtype)
+    pages = jax.ShapeDtypeStruct((k.shape[0], k.shape[1], k.shape[2] // tp, k.shape[3]),
+                                 k.dtype)
+    scale = 1.0 if "k_scale" in cache else None  # stand-ins: only presence is read
+    return pallas_kernels.resolve_call(
+        attn_impl, q, pages, platform=platform,
+        **_attention_options(cfg, max_q_len, 0, scale, scale))
+
+
 def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
             attn_impl: str = "auto", dtype=jnp.float32,
             max_q_len: int | None = None, parallel=None) -> tuple[jax.Array, Cache]:
@@ -226,7 +260,6 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     num_blocks = cache["k"].shape[0] // cfg.num_layers  # blocks per layer
     layer_slots = num_blocks * block_size
     valid_slot = batch.slot_mapping < layer_slots  # padding rows carry an out-of-range slot
-    windowed = cfg.layer_windows() is not None
     scanned, experts = split_experts(params["layers"])
 
     scaled = "k_scale" in cache  # FP8 pages: one K and one V scale per layer
@@ -251,9 +284,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                                              v_scale=v_scale)
             out = pallas_kernels.ragged_paged_attention(
                 q, kc, vc, tables, kv_lens, cu_seqlens_q, num_seqs, impl=attn_impl,
-                max_q_len=max_q_len, sm_scale=cfg.sm_scale,
-                sliding_window=window if windowed else None,
-                logit_softcap=cfg.attn_logit_softcap, k_scale=k_scale, v_scale=v_scale)
+                sm_scale=cfg.sm_scale, **_attention_options(cfg, max_q_len, window, k_scale,
+                                                            v_scale))
             return out.astype(q.dtype), kc, vc
 
         if parallel is not None:  # per device: its heads, its KV heads, its cache shard

@@ -243,8 +243,13 @@ class ModelRunner:
         self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or dtype)
         self.kv_scales = kv_scales
         self.cache = self._new_cache()
+        self.platform = next(iter(self.cache["k"].devices())).platform  # "cpu", "gpu", ...
         self.executables = executables if executables is not None else ExecutableCache()
         self._compiled: dict[tuple[Bucket, str, bool], object] = {}
+        # (T, S, max_q_len) of each bucket acquired -> the attention implementation its
+        # steps run, what they were compiled with ("auto" resolved; see `_attention_impl`
+        # and `arcjax.engine.trace.attention_report`)
+        self.attention_impls: dict[tuple[int, int, int], str] = {}
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> all-ones bitmask (device)
         # penalties / min_tokens state: one slot per sequence a step can hold (penalties.py)
         self.counts = TokenCounts(buckets.seq_rungs[-1], cfg.vocab_size)
@@ -322,16 +327,29 @@ class ModelRunner:
             if variant == "sample":  # depends on the position count and vocabulary only
                 key = ("sample", bucket.sample_width, self.parallel, _signature(args))
                 lower = functools.partial(fn.lower, *args, **width)
-            else:
-                key = (variant, self.cfg, self.attn_impl, str(self.dtype), bucket.max_q_len,
+            else:  # compiled with the implementation "auto" resolves to for this bucket
+                impl = self._attention_impl(bucket)
+                key = (variant, self.cfg, impl, str(self.dtype), bucket.max_q_len,
                        bucket.sample_width, self.parallel, _signature(args))
-                lower = functools.partial(fn.lower, *args, cfg=self.cfg,
-                                          attn_impl=self.attn_impl, dtype=self.dtype,
-                                          max_q_len=bucket.max_q_len, parallel=self.parallel,
-                                          **width)
+                lower = functools.partial(fn.lower, *args, cfg=self.cfg, attn_impl=impl,
+                                          dtype=self.dtype, max_q_len=bucket.max_q_len,
+                                          parallel=self.parallel, **width)
             exe = self.executables.get_or_compile(key, lambda: lower().compile())
             self._compiled[(bucket, variant, prompt_given)] = exe
         return exe
+
+    def _attention_impl(self, bucket: Bucket) -> str:
+        """The attention implementation of `bucket`'s steps: `attn_impl`, "auto" resolved
+        (once per bucket) for this bucket's shapes, cache and platform."""
+        key = (bucket.tokens, bucket.seqs, bucket.max_q_len)
+        impl = self.attention_impls.get(key)
+        if impl is None:
+            impl = decoder.attention_impl(self.cache, cfg=self.cfg, attn_impl=self.attn_impl,
+                                          tokens=bucket.tokens, max_q_len=bucket.max_q_len,
+                                          dtype=self.dtype, parallel=self.parallel,
+                                          platform=self.platform)
+            self.attention_impls[key] = impl
+        return impl
 
     def all_allowed(self, rows: int):
         """The bitmask of `rows` unconstrained positions, [rows, ceil(V / 32)] int32 all
