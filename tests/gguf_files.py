@@ -4,7 +4,10 @@
 the directory has a byte-level BPE tokenizer.json) and chat template, and its tensors:
 q/k permuted for the `llama` architecture, 2-D weights quantized to `qtype` with the `gguf`
 package's quantizers, or with the K-quant encoders below (the package only decodes
-Q4_K/Q5_K/Q6_K), 1-D tensors in F32. Test-only: torch/transformers are not needed here.
+Q4_K/Q5_K/Q6_K), 1-D tensors in F32. Mixtures of experts get their experts merged per
+layer into `ffn_{gate,up,down}_exps` [E, out, in] (routers kept F32, as llama-quantize
+keeps them); Gemma's norms are written as 1 + w. Test-only: torch/transformers are not
+needed here.
 """
 
 from __future__ import annotations
@@ -12,13 +15,17 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import tempfile
 
 import numpy as np
 
 QK_K = 256
 _ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+         "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+         "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+         "Qwen3MoeForCausalLM": "qwen3moe", "Gemma2ForCausalLM": "gemma2",
+         "Gemma3ForCausalLM": "gemma3"}
 
 
 def _f16(x) -> np.ndarray:
@@ -99,7 +106,7 @@ def quantize(w: np.ndarray, qtype_name: str) -> tuple[np.ndarray, int]:
     qtype = gguf.GGMLQuantizationType[qtype_name]
     if qtype_name in _K_QUANTIZERS:
         rows = w.reshape(-1, QK_K).astype(np.float32)
-        data = _K_QUANTIZERS[qtype_name](rows).reshape(w.shape[0], -1)
+        data = _K_QUANTIZERS[qtype_name](rows).reshape(*w.shape[:-1], -1)
         return data, qtype
     if qtype_name == "F32":
         return w.astype(np.float32), qtype
@@ -119,16 +126,29 @@ _NAMES = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj": "att
           "self_attn.o_proj": "attn_output", "self_attn.q_norm.weight": "attn_q_norm.weight",
           "self_attn.k_norm.weight": "attn_k_norm.weight",
           "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          "mlp.gate.weight": "ffn_gate_inp.weight",
+          "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp",
+          "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+          "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+          "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+_GEMMA_NAMES = {"post_attention_layernorm.weight": "post_attention_norm.weight"}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, gemma: bool = False) -> str:
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
            "output_norm.weight", "lm_head.weight": "output.weight"}
     if name in top:
         return top[name]
     _, _, i, rest = name.split(".", 3)
-    for hf, gg in _NAMES.items():
+    for hf, gg in ({**_NAMES, **_GEMMA_NAMES} if gemma else _NAMES).items():
         if rest.startswith(hf):
             return f"blk.{i}.{gg}{rest[len(hf):]}"
     raise KeyError(name)
@@ -136,8 +156,9 @@ def _gguf_name(name: str) -> str:
 
 def _rope(cfg: dict) -> dict:
     """rope_theta and scaling, from transformers 5's rope_parameters or the older keys."""
+    params = cfg.get("rope_parameters") or {}
     return {"rope_theta": cfg.get("rope_theta", 10000.0), **(cfg.get("rope_scaling") or {}),
-            **(cfg.get("rope_parameters") or {})}
+            **params.get("full_attention", params)}  # Gemma 3: the global layers' rope
 
 
 def llama3_rope_factors(cfg: dict) -> np.ndarray:
@@ -163,8 +184,10 @@ def llama3_rope_factors(cfg: dict) -> np.ndarray:
 
 
 def write_gguf(hf_dir: str, qtype_name: str, path: str | None = None, *,
-               add_tokenizer: bool = True) -> str:
-    """Writes `hf_dir` as a GGUF file (weights in `qtype_name`); returns its path."""
+               add_tokenizer: bool = True, merge_experts: bool = True) -> str:
+    """Writes `hf_dir` as a GGUF file (weights in `qtype_name`); returns its path.
+    `merge_experts=False`: one tensor per expert, `blk.N.ffn_gate.E.weight` (the layout of
+    Mixtral files converted before llama.cpp merged them)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -193,6 +216,7 @@ def write_gguf(hf_dir: str, qtype_name: str, path: str | None = None, *,
     if scaling.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(scaling["factor"])
+    _add_family_metadata(w, cfg, arch)
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
     tok_path = os.path.join(hf_dir, "tokenizer.json")
@@ -220,24 +244,77 @@ def write_gguf(hf_dir: str, qtype_name: str, path: str | None = None, *,
     state = load_file(os.path.join(hf_dir, "model.safetensors"))
     if scaling.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
+    gemma = arch.startswith("gemma")
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for name, t in state.items():
         t = np.asarray(t, np.float32)
-        gname = _gguf_name(name)
+        m = _EXPERT.match(name)
+        if m:  # merged below: blk.N.ffn_{kind}_exps [E, out, in]
+            experts.setdefault((m.group(1), _EXPERT_KIND[m.group(3)]), {})[int(m.group(2))] = t
+            continue
+        gname = _gguf_name(name, gemma)
         if arch == "llama" and ".attn_q." in gname:
             t = _permute(t, heads)
         elif arch == "llama" and ".attn_k." in gname:
             t = _permute(t, kv_heads)
-        if t.ndim == 2 and t.shape[1] % gguf.GGML_QUANT_SIZES[
-                gguf.GGMLQuantizationType[qtype_name]][0] == 0:
-            data, qtype = quantize(t, qtype_name)
-            w.add_tensor(gname, data, raw_dtype=qtype)
-        else:
-            w.add_tensor(gname, t)
+        if gemma and gname.endswith("norm.weight"):
+            t = t + 1.0
+        if "ffn_gate_inp" in gname:  # routers stay F32; the shared gate as [H]
+            w.add_tensor(gname, t.reshape(-1) if "shexp" in gname else t)
+            continue
+        _add_weight(w, gname, t, qtype_name)
+    for (layer, kind), by_expert in sorted(experts.items()):
+        if not merge_experts:
+            for e in sorted(by_expert):
+                _add_weight(w, f"blk.{layer}.ffn_{kind}.{e}.weight", by_expert[e], qtype_name)
+            continue
+        merged = np.stack([by_expert[e] for e in sorted(by_expert)])
+        _add_weight(w, f"blk.{layer}.ffn_{kind}_exps.weight", merged, qtype_name)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _add_weight(w, name: str, t: np.ndarray, qtype_name: str) -> None:
+    """A 2-D or 3-D weight in `qtype_name` when its rows fit the type's block, else F32."""
+    import gguf
+
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype_name]][0]
+    if t.ndim >= 2 and t.shape[-1] % block == 0:
+        data, qtype = quantize(t, qtype_name)
+        w.add_tensor(name, data, raw_dtype=qtype)
+    else:
+        w.add_tensor(name, t)
+
+
+def _add_family_metadata(w, cfg: dict, arch: str) -> None:
+    """Experts, windows and soft-caps, as llama.cpp's converter writes them."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if arch != "llama":  # Mixtral's experts are feed_forward_length wide
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if arch == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if arch.startswith("gemma"):  # llama.cpp reads windows for Gemma only
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+
+
+# Gemma with transformers' defaults where GGUF has no field (query_pre_attn_scalar 256 =
+# head_dim, Gemma 2's soft-caps 50 / 30, Gemma 3's local rope base 10000 and every 6th layer
+# global), so transformers' GGUF loader builds the same model; a window of 8 the tests'
+# prompts run past.
+_GGUF_EXTRA = {"Qwen2ForCausalLM": dict(tie_word_embeddings=True),
+               # transformers reads no head_dim from a qwen3 GGUF (Qwen3Config's 128 applies)
+               "Qwen3ForCausalLM": dict(head_dim=128),
+               "Gemma2ForCausalLM": dict(head_dim=256, sliding_window=8),
+               "Gemma3ForCausalLM": dict(head_dim=256, sliding_window=8, num_hidden_layers=6)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -246,13 +323,12 @@ def tiny_gguf_model_dir(arch: str = "LlamaForCausalLM", seed: int = 0) -> str:
     import torch
     import transformers
 
-    cfg_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    extra = {"Qwen2ForCausalLM": dict(tie_word_embeddings=True),
-             # transformers reads no head_dim from a qwen3 GGUF (Qwen3Config's 128 applies)
-             "Qwen3ForCausalLM": dict(head_dim=128)}.get(arch, {})
-    cfg = cfg_cls(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  bos_token_id=1, eos_token_id=2, **extra)
+    cfg_cls = getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(
+        arch, arch.replace("ForCausalLM", "Config")))
+    cfg = cfg_cls(**{**dict(vocab_size=384, hidden_size=256, intermediate_size=512,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=512, bos_token_id=1, eos_token_id=2),
+                     **_GGUF_EXTRA.get(arch, {})})
     cfg.architectures = [arch]
     torch.manual_seed(seed)
     model = getattr(transformers, arch)(cfg).eval()

@@ -186,6 +186,42 @@ def _run_parallel(model_dirs: dict) -> dict:
         spec = (list(layers["we_gate"].sharding.spec) if "we_gate" in layers else None)
         out[f"{arch}/{tp}/{ep}"] = {"tokens": list(res[0].token_ids), "we_gate": spec,
                                     "experts": [r.expert_tokens for r in llm.engine.trace]}
+    out["int8"] = _quantized_experts_split(model_dirs["MixtralForCausalLM"])
+    return out
+
+
+def _quantized_experts_split(model_dir: str) -> dict:
+    """int8 experts loaded into their shards (tp splits each expert's width: gate/up scales
+    split with their output columns, down's whole beside its split rows; ep splits values
+    and scales by expert) and one layer's `moe_mlp` run under the split: its output per
+    (tp, ep), to compare with one device's."""
+    import jax
+    import jax.numpy as jnp
+
+    from arcjax.model.hub import resolve_model
+    from arcjax.model.loader import load_model
+    from arcjax.model.moe import moe_mlp
+    from arcjax.model.weights import read_config
+    from arcjax.parallel import TensorParallel
+
+    cfg = read_config(model_dir)
+    h = jax.random.normal(jax.random.key(0), (16, cfg.hidden_size), jnp.float32)
+    out = {}
+    for tp, ep in ((1, 1), (2, 1), (1, 2)):
+        parallel = None if tp == ep == 1 else TensorParallel.create(cfg, tp, ep=ep)
+        layers = load_model(resolve_model(model_dir), dtype=jnp.float32, parallel=parallel,
+                            quantization="int8").params["layers"]
+        experts = {k: layers[k] for k in ("we_gate", "we_up", "we_down")}
+        mlp = jax.jit(functools.partial(
+            moe_mlp, num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+            renormalize=cfg.norm_topk_prob, act=cfg.hidden_act, impl="tiled",
+            parallel=parallel))
+        y, _ = mlp(h, {"router": layers["router"][1]}, experts, jnp.int32(1),
+                   valid=jnp.ones(16, bool))
+        down = experts["we_down"]
+        out[f"{tp}/{ep}"] = {"out": np.asarray(y).tolist(),
+                             "values": [str(a) for a in getattr(down.values.sharding, "spec", ())],
+                             "scale": [str(a) for a in getattr(down.scale.sharding, "spec", ())]}
     return out
 
 
@@ -207,6 +243,12 @@ def test_tensor_and_expert_parallel_equal_transformers():
     assert got["MixtralForCausalLM/2/2"]["we_gate"] == [None, "ep", None, "tp"]
     assert got["Qwen2MoeForCausalLM/1/2"]["we_gate"] == [None, ["ep", "tp"], None, None]
     assert all(len(r) == 2 for r in got["MixtralForCausalLM/2/2"]["experts"])
+    q = got["int8"]  # quantized experts split: one device's output, specs covering scales
+    for key in ("2/1", "1/2"):
+        np.testing.assert_allclose(q[key]["out"], q["1/1"]["out"], atol=1e-5, err_msg=key)
+    assert q["2/1"]["values"] == ["None", "None", "tp", "None"]
+    assert q["2/1"]["scale"] in (["None", "None", "None", "None"], [])
+    assert q["1/2"]["values"][:2] == q["1/2"]["scale"][:2] == ["None", "('ep', 'tp')"]
 
 
 if __name__ == "__main__":

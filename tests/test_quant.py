@@ -73,13 +73,15 @@ def _config(layout: str, fmt: str, kv_scales: bool) -> dict:
     return out
 
 
-def quantized_checkpoint(layout: str, fmt: str = "fp8", kv_scales: bool = False):
-    """(quantized checkpoint dir, float dir of the same weights dequantized)."""
+def quantized_checkpoint(layout: str, fmt: str = "fp8", kv_scales: bool = False,
+                         src: str | None = None):
+    """(quantized checkpoint dir, float dir of the same weights dequantized); `src`: the
+    float model (a mixture of experts gets one quantized tensor per layer and expert)."""
     import torch
     from safetensors.numpy import load_file
     from safetensors.torch import save_file
 
-    src = tiny_gguf_model_dir("LlamaForCausalLM")
+    src = src or tiny_gguf_model_dir("LlamaForCausalLM")
     state = load_file(os.path.join(src, "model.safetensors"))
     qdir, fdir = tempfile.mkdtemp(prefix="arcjax-q-"), tempfile.mkdtemp(prefix="arcjax-dq-")
     quantized, dequantized = {}, {}

@@ -1,17 +1,18 @@
-"""GGUF files (llama.cpp's format): metadata, configuration and dequantized weights.
+"""GGUF files (llama.cpp's format): metadata and dequantized weights.
 
 1. `GGUFFile(path)` reads the header, the metadata and the tensor table (struct reads over
    a memory map: milliseconds, where `gguf.GGUFReader` spends seconds building a view per
    array element); tensor data stays on disk until read.
-2. `gguf_config(f)` builds the `ModelConfig` from the metadata (`{arch}.block_count`,
-   `.embedding_length`, ...) and from which tensors exist (tied embeddings, biases, q/k
-   norms, llama3's per-frequency `rope_freqs`).
+2. `gguf_config(f)` (`gguf_config.py`) builds the `ModelConfig` from the metadata.
 3. `load_gguf(path, dtype)` dequantizes every tensor at load with the `gguf` package
    (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K and the i-quants it knows),
-   undoes llama.cpp's rotary permutation of q/k for the `llama` architecture (its
-   converter interleaves each head's halves for GGML's rope mode 0; qwen2/qwen3 use
-   NEOX mode and are stored unpermuted), and fills the params tree through the same
-   assembly as safetensors checkpoints (`weights.assemble_host`).
+   undoes llama.cpp's rotary permutation of q/k for the `llama` architecture (Mixtral
+   included: its converter interleaves each head's halves for GGML's rope mode 0; qwen
+   and gemma use NEOX mode and are stored unpermuted), splits the merged expert tensors
+   `ffn_{gate,up,down}_exps` [E, out, in] into the stacked expert weights, takes 1 off
+   Gemma's norm weights (llama.cpp stores 1 + w, as transformers' GGUF loader undoes too),
+   and fills the params tree through the same assembly as safetensors checkpoints
+   (`weights.assemble_host`).
 """
 
 from __future__ import annotations
@@ -27,17 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arcjax.errors import ModelConfigError, WeightsError
+from arcjax.errors import WeightsError
 from arcjax.model.config import ModelConfig
+from arcjax.model.gguf_config import ARCHITECTURES, gguf_config
 from arcjax.model.specs import Params
 from arcjax.model.weights import assemble_host
 
-# general.architecture -> (our architecture, permuted q/k)
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),
-    "qwen3": ("Qwen3ForCausalLM", False),
-}
 _LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -54,7 +50,23 @@ _LAYER_TENSORS = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # mixtures of experts (the experts themselves: `_EXPERT`)
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    # Gemma (post_attention_layernorm: `_GEMMA_TENSORS`)
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+# Gemma's post_attention_layernorm normalizes the attention output (not the MLP's input).
+_GEMMA_TENSORS = {"post_attention_layernorm.weight": "post_attention_norm.weight"}
+# One expert's matrix of a merged [E, out, in] tensor (Qwen names, Mixtral's w1/w3/w2).
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_TENSORS = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                   "down_proj": "down", "w2": "down"}
 _TOP_TENSORS = {"model.embed_tokens.weight": "token_embd.weight",
                 "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -181,86 +193,19 @@ class GGUFFile:
         return np.asarray(out, np.float32).reshape(info.shape[::-1])
 
 
-def _field(f: GGUFFile, key: str, default=None, required: bool = True):
-    full = f"{f.architecture}.{key}"
-    if full in f.metadata:
-        return f.metadata[full]
-    if required and default is None:
-        raise ModelConfigError(f.path, f"GGUF metadata {full} is missing")
-    return default
-
-
-def _f32(x) -> float:
-    """A float32 metadata value as the decimal it was written from (1e-06, not
-    9.99999997e-07), so the config equals the source model's and shares its compiles."""
-    return float(str(np.float32(x)))
-
-
-def gguf_config(f: GGUFFile) -> ModelConfig:
-    """The model configuration from a GGUF file's metadata and tensor table.
-
-    Raises:
-      ModelConfigError: an unsupported architecture, missing or inconsistent metadata.
-    """
-    arch = f.architecture
-    if arch not in ARCHITECTURES:
-        raise ModelConfigError(f.path, f"GGUF architecture {arch!r} is not supported; "
-                                       f"supported: {', '.join(ARCHITECTURES)}")
-    if int(_field(f, "expert_count", 0, required=False)) > 0:
-        raise ModelConfigError(f.path, "mixture-of-experts GGUF models are not supported")
-    if "token_embd.weight" not in f.tensors:
-        raise ModelConfigError(f.path, "tensor token_embd.weight is missing")
-    hidden = int(_field(f, "embedding_length"))
-    heads = int(_field(f, "attention.head_count"))
-    head_dim = int(_field(f, "attention.key_length", hidden // heads, required=False))
-    scaling = None
-    kind = str(_field(f, "rope.scaling.type", "none", required=False))
-    if kind == "linear":
-        scaling = ("linear", _f32(_field(f, "rope.scaling.factor")))
-    elif kind not in ("none", ""):
-        raise ModelConfigError(f.path, f"rope scaling {kind!r} is not supported (linear, "
-                                       "llama3 rope_freqs)")
-    if "rope_freqs.weight" in f.tensors:  # llama3 scaling, stored as a divisor per frequency
-        factors = f.read("rope_freqs.weight").reshape(-1)
-        if factors.shape[0] != head_dim // 2:
-            raise ModelConfigError(f.path, f"rope_freqs has {factors.shape[0]} entries, "
-                                           f"head_dim {head_dim} needs {head_dim // 2}")
-        scaling = ("freq_factors", *(float(x) for x in factors))
-    eos = [f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    eos_ids = tuple(dict.fromkeys(int(i) for i in eos if i is not None))
-    bos = f.get("tokenizer.ggml.bos_token_id")
-    try:
-        return ModelConfig(
-            architecture=ARCHITECTURES[arch][0],
-            vocab_size=int(f.tensors["token_embd.weight"].shape[1]),
-            hidden_size=hidden,
-            intermediate_size=int(_field(f, "feed_forward_length")),
-            num_layers=int(_field(f, "block_count")),
-            num_heads=heads,
-            num_kv_heads=int(_field(f, "attention.head_count_kv", heads, required=False)),
-            head_dim=head_dim,
-            rope_theta=_f32(_field(f, "rope.freq_base", 10000.0, required=False)),
-            rope_scaling=scaling,
-            rms_norm_eps=_f32(_field(f, "attention.layer_norm_rms_epsilon", 1e-6,
-                                     required=False)),
-            tie_word_embeddings="output.weight" not in f.tensors,
-            qkv_bias="blk.0.attn_q.bias" in f.tensors,
-            o_bias="blk.0.attn_output.bias" in f.tensors,
-            qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
-            max_position_embeddings=int(_field(f, "context_length", 2048, required=False)),
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_ids=eos_ids,
-        )
-    except ModelConfigError as e:
-        raise ModelConfigError(f.path, e.reason) from e
-
-
-def gguf_name(hf_name: str) -> str:
-    """The GGUF tensor name of a Hugging Face tensor name."""
+def gguf_name(hf_name: str, gemma: bool = False) -> tuple[str, int | None]:
+    """(GGUF tensor name, expert) of a Hugging Face tensor name: an expert's matrix is
+    entry `expert` of the layer's merged `ffn_{gate,up,down}_exps` tensor (else None)."""
     m = _LAYER_NAME.match(hf_name)
-    if m:
-        return f"blk.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
-    return _TOP_TENSORS[hf_name]
+    if not m:
+        return _TOP_TENSORS[hf_name], None
+    layer, rest = m.groups()
+    expert = _EXPERT.match(rest)
+    if expert:
+        return f"blk.{layer}.ffn_{_EXPERT_TENSORS[expert.group(2)]}_exps.weight", int(
+            expert.group(1))
+    names = {**_LAYER_TENSORS, **_GEMMA_TENSORS} if gemma else _LAYER_TENSORS
+    return f"blk.{layer}.{names[rest]}", None
 
 
 def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -279,14 +224,34 @@ def gguf_host(f: GGUFFile, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
     """
     cfg = gguf_config(f)
     permuted = ARCHITECTURES[f.architecture][1]
+    gemma = cfg.norm_unit_offset
+    merged: dict[str, np.ndarray] = {}  # the last merged expert tensor read, [E, out, in]
+
+    def read_expert(name: str, expert: int) -> np.ndarray | None:
+        if name not in f.tensors:  # older files: one tensor per expert, blk.N.ffn_gate.E
+            single = name.replace("_exps.weight", f".{expert}.weight")
+            return f.read(single) if single in f.tensors else None
+        if name not in merged:
+            merged.clear()
+            merged[name] = f.read(name)
+        if merged[name].shape[0] != cfg.num_experts:
+            raise WeightsError(f.path, f"tensor {name} holds {merged[name].shape[0]} experts, "
+                                       f"expert_count is {cfg.num_experts}")
+        return merged[name][expert]
 
     def read(hf_name: str) -> np.ndarray | None:
-        name = gguf_name(hf_name)
+        name, expert = gguf_name(hf_name, gemma)
+        if expert is not None:
+            return read_expert(name, expert)
         if name not in f.tensors:
             return None
         w = f.read(name)
         if permuted and (".attn_q." in name or ".attn_k." in name):
             w = unpermute_rotary(w, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        if gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w
+            w = w - 1.0
+        if name.endswith("ffn_gate_inp_shexp.weight"):  # [H] or [1, H]: HF's [1, H]
+            w = w.reshape(1, -1)
         return w
 
     return cfg, assemble_host(cfg, read, dtype, lambda _: f.path)

@@ -2,11 +2,13 @@
 
 1. A GGUF file (`gguf.py`): dequantized on the host, then placed.
 2. A Hugging Face directory whose config.json has a `quantization_config` (FP8 / INT8,
-   `quant_checkpoint.py`): linear weights read as stored (values + scales), the rest in
-   the compute dtype, then placed; KV-cache scales read when the checkpoint has them.
+   `quant_checkpoint.py`): linear weights (experts' too, one tensor per layer and expert,
+   stacked [L, E, ...]) read as stored (values + scales), the rest in the compute dtype,
+   then placed; KV-cache scales read when the checkpoint has them.
 3. Any other Hugging Face directory: `weights.load_hf` (its orbax cache and its sharded
    reads with tensor parallelism).
-4. `quantization="fp8" | "int8"` then quantizes the float linear weights on the devices
+4. `quantization="fp8" | "int8"` then quantizes the float linear weights (experts' too,
+   per expert and output channel) on the devices
    (`quant.quantize_params`), in their shardings.
 
 Placing host params on several devices (`_place`) repeats KV heads as many times as the
@@ -109,7 +111,7 @@ def quantize_params_shapes(params: Params, fmt: str) -> Params:
     """`quantize_params` for `jax.eval_shape` (shapes only; deletes nothing)."""
     layers = dict(params["layers"])
     for name in LINEAR_WEIGHTS:
-        if not isinstance(layers[name], QuantizedWeight):
+        if name in layers and not isinstance(layers[name], QuantizedWeight):
             layers[name] = quantize(layers[name], fmt)
     return {**params, "layers": layers}
 
@@ -130,21 +132,24 @@ def _quantized_hf_host(source: ModelSource, ckpt, dtype):
     def read(name):
         return tensors[name].get(name) if name in tensors else None
 
-    host = assemble_host(cfg, read, dtype, where, skip=LINEAR_WEIGHTS)
     specs = param_specs(cfg)["layers"]
-    for key in LINEAR_WEIGHTS:
+    keys = tuple(k for k in LINEAR_WEIGHTS if k in specs)
+    host = assemble_host(cfg, read, dtype, where, skip=keys)
+    for key in keys:
+        lead = specs[key].shape[:2] if specs[key].axes[1] == "expert" else specs[key].shape[:1]
+        want = specs[key].shape[len(lead):]
         reads = []
-        for i in range(cfg.num_layers):
-            name = hf_layer_name(key, i)
+        for index in np.ndindex(*lead):  # (layer,) or (layer, expert)
+            name = hf_layer_name(cfg, key, *index)
             if name not in tensors:
                 raise WeightsError(source.path, f"tensor {name} is missing from the checkpoint")
             r = read_quantized(tensors, name, ckpt)
             shape = (r[0] if isinstance(r, tuple) else r).shape
-            if shape != specs[key].shape[1:]:
+            if shape != want:
                 raise WeightsError(where(name), f"tensor {name} has shape {shape[::-1]}, the "
-                                                f"config implies {specs[key].shape[1:][::-1]}")
+                                                f"config implies {want[::-1]}")
             reads.append(r)
-        host["layers"][key] = stack_layer_weight(reads, np_dtype)
+        host["layers"][key] = stack_layer_weight(reads, np_dtype, lead)
     return cfg, host, read_kv_scales(tensors, cfg.num_layers)
 
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from arcjax.model.quant import QuantizedWeight, dense, dense_at, scale_axes
+
 IMPLS = ("auto", "ragged_dot", "tiled", "dense")
 # The stacked [L, E, ...] expert weights, read by (layer, expert) (see the NOTE above).
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
@@ -116,7 +118,7 @@ def _tiled_ffn(x: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     def body(i, y):
         rows = jax.lax.dynamic_slice_in_dim(x_pad, i * tm, tm)  # [tm, H]
         ex = tile_expert[i]
-        g, u, d = (w[layer, ex].astype(x.dtype) for w in (w_gate, w_up, w_down))
+        g, u, d = (dense_at(w, (layer, ex), x.dtype) for w in (w_gate, w_up, w_down))
         out = (activation(rows @ g, act) * (rows @ u)) @ d  # [tm, H]
         out = out.astype(jnp.float32)
         return jax.lax.dynamic_update_slice_in_dim(y, out, i * tm, 0)
@@ -129,7 +131,7 @@ def _ragged_ffn(x, sizes, w_gate, w_up, w_down, act, layer):
     dt = x.dtype
 
     def mm(lhs, w):  # w: [L, E, in, out]; the layer's [E, in, out]
-        return jax.lax.ragged_dot(lhs, w[layer].astype(dt), sizes,
+        return jax.lax.ragged_dot(lhs, dense_at(w, (layer,), dt), sizes,
                                   preferred_element_type=jnp.float32)
 
     h = (activation(mm(x, w_gate), act) * mm(x, w_up)).astype(dt)
@@ -184,11 +186,32 @@ def dense_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.
     dt = x.dtype
 
     def body(e, acc):
-        g, u, d = (w[layer, e].astype(dt) for w in (w_gate, w_up, w_down))
+        g, u, d = (dense_at(w, (layer, e), dt) for w in (w_gate, w_up, w_down))
         h = activation(x @ g, act) * (x @ u)
         return acc + gate[:, e, None] * (h @ d).astype(jnp.float32)
 
     return jax.lax.fori_loop(0, num_experts, body, jnp.zeros(x.shape, jnp.float32))
+
+
+def _shardable(w, dtype, width_split: bool):
+    """An expert weight as `experts_map` may split it: a quantized one stays quantized
+    unless the experts' width is split (`width_split`) and its scales are blocks, which that
+    split would cut; those are dequantized first (GSPMD). Per-channel and per-tensor scales
+    split with their values (or are whole), and a split by expert alone keeps every
+    matrix whole."""
+    if not isinstance(w, QuantizedWeight):
+        return w
+    if not width_split or (w.scale.shape[-2] == 1 and (w.scale.shape[-1] == 1
+                                                       or w.block[1] == 1)):
+        return w
+    return dense(w, dtype)
+
+
+def _axes(w, axes: tuple):
+    """The logical axes of an expert weight's leaves (values and scales when quantized)."""
+    if isinstance(w, QuantizedWeight):
+        return QuantizedWeight(axes, scale_axes(w, axes), w.block)
+    return axes
 
 
 def resolve_impl(impl: str) -> str:
@@ -211,7 +234,7 @@ def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_expe
       lp: the layer's params: router [H, E]; optionally ws_gate/ws_up [H, Is], ws_down
         [Is, H], ws_router [H, 1].
       experts: every layer's expert weights (`EXPERT_WEIGHTS`): we_gate/we_up [L, E, H, I],
-        we_down [L, E, I, H].
+        we_down [L, E, I, H]; arrays or `QuantizedWeight`s (scales [L, E, ...]).
       layer: scalar int32, this layer.
       num_experts, top_k, renormalize, act: from the model config.
       valid: [T] bool, real tokens.
@@ -238,12 +261,14 @@ def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_expe
             return experts_ffn(x, order_, sizes_, weights_, *w_local, layer=layer_,
                                first=first, act=act, impl=impl), sizes_
 
-        axes = ((("layers", "expert", "embed", "moe_mlp"),) * 2
-                + (("layers", "expert", "moe_mlp", "embed"),))
+        width_split = parallel.degree("moe_mlp") > 1
+        w = tuple(_shardable(x, h.dtype, width_split) for x in w)
+        axes = tuple(_axes(x, a) for x, a in zip(w, (("layers", "expert", "embed", "moe_mlp"),) * 2
+                                                 + (("layers", "expert", "moe_mlp", "embed"),)))
         out, sizes = parallel.experts_map(local, axes)(h, (order, sizes, weights, layer), *w)
     if "ws_gate" in lp:  # Qwen2-MoE: sigmoid(h @ gate) * shared MLP(h)
         dt = h.dtype
-        shared = activation(h @ lp["ws_gate"].astype(dt), act) * (h @ lp["ws_up"].astype(dt))
-        shared = shared @ lp["ws_down"].astype(dt)
+        shared = activation(h @ dense(lp["ws_gate"], dt), act) * (h @ dense(lp["ws_up"], dt))
+        shared = shared @ dense(lp["ws_down"], dt)
         out = out + (jax.nn.sigmoid(h @ lp["ws_router"].astype(dt)) * shared).astype(jnp.float32)
     return out.astype(h.dtype), sizes

@@ -13,8 +13,10 @@ It is a pytree (values and scale are leaves, `block` is static), so layer stacks
 shard and donate like any array. The decoder calls `dense(w, dtype)` for every linear
 weight: a plain array is cast, a quantized one is dequantized there, inside the jitted
 step (XLA fuses the scale multiply into the matmul's operand); nothing is dequantized on
-the host. Embeddings, norms, biases and the LM head stay in the compute dtype (as FP8
-checkpoints on the Hub keep them).
+the host. The stacked expert weights of a mixture of experts ([L, E, in, out], one scale
+per expert and output channel) are read by (layer, expert) through `dense_at`, inside the
+grouped GEMMs. Embeddings, norms, biases, routers and the LM head stay in the compute
+dtype (as FP8 checkpoints on the Hub keep them).
 
 `quantize(w, "fp8" | "int8")` quantizes a float weight per output channel (symmetric,
 scale = max|w| / 448 for e4m3, / 127 for int8): what `quantization=` applies at load.
@@ -32,8 +34,11 @@ from arcjax.model.specs import ParamSpec
 
 FP8 = jnp.float8_e4m3fn
 FORMATS = {"fp8": (FP8, 448.0), "int8": (jnp.int8, 127.0)}  # format -> (dtype, max |q|)
-# Layer weights that may be stored quantized (the linear projections).
-LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# Layer weights that may be stored quantized (the linear projections): attention, the dense
+# MLP, the stacked experts [L, E, in, out] and Qwen2-MoE's shared expert. A model has a
+# subset of them (a mixture of experts has no w_gate).
+LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
+                  "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale"],
@@ -72,6 +77,23 @@ def dense(w, dtype) -> jax.Array:
     return w.astype(dtype)
 
 
+def dense_at(w, index: tuple, dtype) -> jax.Array:
+    """`w[index]` in `dtype`: one (layer, expert)'s matrix, or one layer's [E, in, out],
+    of a stacked weight; a quantized one indexes its values and scales alike (the scale
+    has the values' leading axes) and is dequantized here."""
+    if isinstance(w, QuantizedWeight):
+        return QuantizedWeight(w.values[index], w.scale[index], w.block).dequantize(dtype)
+    return w[index].astype(dtype)
+
+
+def scale_axes(w: QuantizedWeight, axes: tuple) -> tuple:
+    """The logical axes of `w.scale` given the values' `axes`: the leading (layer, expert)
+    axes alike; a per-channel scale follows the output axis; per-tensor and block scales
+    are not split within a matrix."""
+    per_channel = w.block[1] == 1 and w.scale.shape[-2] == 1
+    return (*axes[:-2], None, axes[-1] if per_channel else None)
+
+
 def quantize(w: jax.Array, fmt: str) -> QuantizedWeight:
     """Per-output-channel symmetric quantization of `w [..., in, out]` ("fp8" | "int8")."""
     dtype, qmax = FORMATS[fmt]
@@ -92,8 +114,8 @@ def quantize_params(params: dict, fmt: str, shardings=None) -> dict:
     """
     layers = dict(params["layers"])
     for name in LINEAR_WEIGHTS:
-        w = layers[name]
-        if isinstance(w, QuantizedWeight):
+        w = layers.get(name)
+        if w is None or isinstance(w, QuantizedWeight):
             continue
         out = None if shardings is None else shardings["layers"][name]
         layers[name] = jax.jit(quantize, static_argnums=1, out_shardings=out)(w, fmt)
@@ -103,17 +125,15 @@ def quantize_params(params: dict, fmt: str, shardings=None) -> dict:
 
 def quantized_specs(specs: dict, params: dict) -> dict:
     """The spec tree of `params` where a layer weight is quantized: values keep the
-    weight's axes; a per-channel scale follows its output axis; per-tensor and block
-    scales are replicated (a few floats per layer)."""
+    weight's axes; the scale's axes are `scale_axes` (an expert weight's scales split by
+    expert like its values)."""
     layers = dict(specs["layers"])
     for name, w in params["layers"].items():
         if not isinstance(w, QuantizedWeight):
             continue
         spec = layers[name]
-        per_channel = w.block[1] == 1 and w.scale.shape[-2] == 1
-        scale_axes = (spec.axes[0], None, spec.axes[-1] if per_channel else None)
         layers[name] = QuantizedWeight(spec, ParamSpec(tuple(w.scale.shape), "ones",
-                                                       scale_axes), w.block)
+                                                       scale_axes(w, spec.axes)), w.block)
     return {**specs, "layers": layers}
 
 

@@ -179,14 +179,22 @@ def read_quantized(tensors: dict, name: str, quant: CheckpointQuant):
     return np.ascontiguousarray(values.T), scale, block
 
 
-def stack_layer_weight(reads: list, np_dtype):
-    """One stacked layer weight from per-layer `read_quantized` results: a
-    `QuantizedWeight` of numpy arrays when every layer is quantized alike, else float."""
+def stack_layer_weight(reads: list, np_dtype, lead: tuple[int, ...] | None = None):
+    """One stacked layer weight from per-layer (or per layer and expert, in row-major
+    order) `read_quantized` results, shaped `lead + one matrix` (lead: (L,) by default,
+    (L, E) for experts): a `QuantizedWeight` of numpy arrays when every matrix is quantized
+    alike, else float."""
+    lead = (len(reads),) if lead is None else tuple(lead)
+
+    def stack(arrays):
+        out = np.stack(arrays)
+        return out.reshape(lead + out.shape[1:])
+
     quantized = [r for r in reads if isinstance(r, tuple)]
     if len(quantized) == len(reads) and len({(r[0].dtype, r[1].shape, r[2])
                                              for r in reads}) == 1:
-        return QuantizedWeight(np.stack([r[0] for r in reads]),
-                               np.stack([r[1] for r in reads]), reads[0][2])
+        return QuantizedWeight(stack([r[0] for r in reads]), stack([r[1] for r in reads]),
+                               reads[0][2])
     out = []
     for r in reads:
         if isinstance(r, tuple):
@@ -194,7 +202,7 @@ def stack_layer_weight(reads: list, np_dtype):
             s = np.repeat(np.repeat(scale, bi, 0)[:values.shape[0]], bo, 1)[:, :values.shape[1]]
             r = values.astype(np.float32) * s
         out.append(r.astype(np_dtype))
-    return np.stack(out)
+    return stack(out)
 
 
 def read_kv_scales(tensors: dict, num_layers: int) -> np.ndarray | None:

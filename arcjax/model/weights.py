@@ -230,9 +230,10 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
     return cfg, params
 
 
-def hf_layer_name(key: str, layer: int) -> str:
-    """The Hugging Face tensor name of layer weight `key` ("wq", ...) of one layer."""
-    return _LAYER_NAMES[key][0].format(i=layer)
+def hf_layer_name(cfg: ModelConfig, key: str, layer: int, expert: int = 0) -> str:
+    """The Hugging Face tensor name of layer weight `key` ("wq", "we_gate", ...) of one
+    layer (and expert, for stacked expert weights) of `cfg`'s architecture."""
+    return _layer_names(cfg)[key][0].format(i=layer, e=expert)
 
 
 def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = ()) -> Params:

@@ -36,6 +36,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -238,7 +239,8 @@ class TensorParallel:
     def experts_map(self, fn, weight_axes: Sequence[Sequence[str | None]]):
         """`fn(x, route, *weights) -> (partial_out, stats)` under shard_map: x (tokens) and
         route (the routing) replicated, each weight split by its spec's axes (expert weights
-        by "expert" and "moe_mlp"); `fn` sees its device's experts and width and returns a
+        by "expert" and "moe_mlp"; a quantized weight's entry is a tree of axes, its values'
+        and its scales'); `fn` sees its device's experts and width and returns a
         partial sum over them, which is all-reduced (psum over every mesh axis); `stats`
         are the same on every device. `fn` finds its first expert with `local_experts`."""
         names = tuple(self.mesh.axis_names)
@@ -249,7 +251,9 @@ class TensorParallel:
 
         rep = PartitionSpec()
         return jax.shard_map(body, mesh=self.mesh,
-                             in_specs=(rep, rep) + tuple(self.pspec(a) for a in weight_axes),
+                             in_specs=(rep, rep) + tuple(
+                                 jax.tree.map(self.pspec, a, is_leaf=_is_axes)
+                                 for a in weight_axes),
                              out_specs=(rep, rep), check_vma=False)
 
     def expert_offset(self, experts_per_device: int) -> jax.Array:
@@ -258,6 +262,11 @@ class TensorParallel:
         if mesh is None:
             return jnp.int32(0)
         return jax.lax.axis_index(mesh) * experts_per_device
+
+
+def _is_axes(x) -> bool:
+    """A leaf of a tree of logical axes: one array's axes (a tuple of names / None)."""
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
 def per_device_bytes(tree) -> dict[str, int]:
