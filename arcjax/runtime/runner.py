@@ -221,6 +221,11 @@ class ExecutableCache:
     def __len__(self) -> int:
         return len(self._items)
 
+    def clear(self) -> None:
+        """Forgets every executable (runners that hold one keep it)."""
+        with self._lock:
+            self._items.clear()
+
 
 SHARED_EXECUTABLES = ExecutableCache()
 
