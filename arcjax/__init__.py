@@ -7,16 +7,16 @@ the typed errors of `arcjax.errors` (`EngineDeadError` among them), and `EngineC
 """
 
 from arcjax.engine.build import build_engine, default_model_path
-from arcjax.engine.config import EngineConfig
-from arcjax.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from arcjax.engine.engine_config import EngineConfig
+from arcjax.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.llm import LLM
 from arcjax.errors import (ConfigError, EngineConfigError, EngineDeadError, InputError,
                            ModelFileError, RequestError, SamplingParamsError,
                            StructuredOutputsError, UnknownRequestError)
-from arcjax.runtime.sampling import SamplingParams
-from arcjax.runtime.sampling_params import RequestOutputKind
-from arcjax.runtime.structured_params import StructuredOutputsParams
+from arcjax.sampling_params import SamplingParams
+from arcjax.sampling_params import RequestOutputKind
+from arcjax.sampling_params import StructuredOutputsParams
 
 __all__ = ["AsyncLLM", "CompletionOutput", "ConfigError", "EngineConfig", "EngineConfigError",
            "EngineDeadError", "InputError", "LLM", "Logprob", "ModelFileError", "RequestError",

@@ -12,7 +12,7 @@ a failed step). Every waiter gets it, and so does every later call.
 
 from __future__ import annotations
 
-from scheduler.errors import (CommitError, ConfigError, DuplicateRequestError, InputError,
+from scheduler.scheduler_errors import (CommitError, ConfigError, DuplicateRequestError, InputError,
                               RequestError, RequestTooLargeError, StepOrderError,
                               UnknownRequestError)
 

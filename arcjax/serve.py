@@ -1,4 +1,4 @@
-"""`python -m arcjax.serve [MODEL_DIR] [--flags]`: see `arcjax.entrypoints.serve` and
+"""`python -m arcjax.serve [MODEL_DIR] [--flags]`: see `arcjax.entrypoints.openai.api_server` and
 `arcjax.entrypoints.cli` (`arcjax serve` is the same command)."""
 
 from arcjax.entrypoints.cli import serve_main

@@ -9,7 +9,7 @@ here, `impl_unavailable` why an implementation cannot run here.
 
 from pallas_kernels.api import (IMPLS, impl_unavailable, ragged_paged_attention, resolve_call,
                                 resolve_impl)
-from pallas_kernels.errors import KernelArgumentError
+from pallas_kernels.kernel_errors import KernelArgumentError
 from pallas_kernels.kv import write_kv
 
 __all__ = ["IMPLS", "KernelArgumentError", "impl_unavailable", "ragged_paged_attention",

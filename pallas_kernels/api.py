@@ -10,7 +10,7 @@ from pallas_kernels import backends
 from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import pallas_gpu
 from pallas_kernels import plan as plan_lib
-from pallas_kernels.errors import KernelArgumentError
+from pallas_kernels.kernel_errors import KernelArgumentError
 from pallas_kernels.options import AttentionOptions
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.xla import ragged_paged_attention_xla

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.errors import KernelArgumentError
+from pallas_kernels.kernel_errors import KernelArgumentError
 
 
 def write_kv(

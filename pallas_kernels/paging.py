@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pallas_kernels.errors import KernelArgumentError
+from pallas_kernels.kernel_errors import KernelArgumentError
 
 
 @dataclasses.dataclass(frozen=True)

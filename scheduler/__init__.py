@@ -27,10 +27,10 @@ sequence's window return to the pool when a step is planned (scheduler/window.py
 from scheduler.arms import ARM_KEYS, KNOB_SHORT, Arm, parse_arm
 from scheduler.blocks import BlockPool, blocks_for
 from scheduler.commit import abandon, advance, commit, forget_prefix_cache
-from scheduler.config import POLICIES, SchedulerConfig
-from scheduler.errors import CommitError, ConfigError, DuplicateRequestError, InputError, RequestError
-from scheduler.errors import RequestTooLargeError, StepOrderError, UnknownRequestError
-from scheduler.plan import Chunk, Engaged, StepPlan
+from scheduler.scheduler_config import POLICIES, SchedulerConfig
+from scheduler.scheduler_errors import CommitError, ConfigError, DuplicateRequestError, InputError, RequestError
+from scheduler.scheduler_errors import RequestTooLargeError, StepOrderError, UnknownRequestError
+from scheduler.step_plan import Chunk, Engaged, StepPlan
 from scheduler.policies import schedule
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, Request, RequestId
 from scheduler.state import PLACEHOLDER, SchedulerState, abort, add_request, validate_request

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from scheduler.config import POLICIES, SchedulerConfig
-from scheduler.errors import ConfigError
+from scheduler.scheduler_config import POLICIES, SchedulerConfig
+from scheduler.scheduler_errors import ConfigError
 
 # Arm spec key -> SchedulerConfig field.
 ARM_KEYS = {

@@ -45,8 +45,8 @@ from operator import add, le
 
 from scheduler import spec
 from scheduler.blocks import BlockPool
-from scheduler.errors import CommitError, StepOrderError
-from scheduler.plan import StepPlan
+from scheduler.scheduler_errors import CommitError, StepOrderError
+from scheduler.step_plan import StepPlan
 from scheduler.prefix import ROOT_DIGEST, block_hash, chain_hashes
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId, Sequence
 from scheduler.state import PLACEHOLDER, DecodeRow, DecodeTable, Partial, SchedulerState

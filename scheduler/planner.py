@@ -39,8 +39,8 @@ from itertools import compress, repeat
 from operator import mod, not_
 
 from scheduler.blocks import BlockTable, blocks_for
-from scheduler.config import SchedulerConfig
-from scheduler.plan import Engaged, NOTHING_ENGAGED, StepPlan
+from scheduler.scheduler_config import SchedulerConfig
+from scheduler.step_plan import Engaged, NOTHING_ENGAGED, StepPlan
 from scheduler.prefix import ROOT_DIGEST, chain_hashes
 from scheduler.request import Sequence, SeqKey
 from scheduler.spec import Drafts, allocate_drafts

@@ -34,9 +34,9 @@ work, and a shared block is freed only when its last holder releases it.
 
 from __future__ import annotations
 
-from scheduler.config import SchedulerConfig
-from scheduler.errors import ConfigError, StepOrderError
-from scheduler.plan import StepPlan
+from scheduler.scheduler_config import SchedulerConfig
+from scheduler.scheduler_errors import ConfigError, StepOrderError
+from scheduler.step_plan import StepPlan
 from scheduler.planner import StepBuilder
 from scheduler.spec import Drafts, check_drafts
 from scheduler.state import SchedulerState

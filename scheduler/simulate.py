@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping
 from scheduler import metrics
 from scheduler.metrics import StepRecord
 from scheduler.commit import commit
-from scheduler.config import SchedulerConfig
-from scheduler.plan import StepPlan
+from scheduler.scheduler_config import SchedulerConfig
+from scheduler.step_plan import StepPlan
 from scheduler.policies import schedule
 from scheduler.request import Request, RequestId
 from scheduler.state import SchedulerState, add_request

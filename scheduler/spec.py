@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence as SequenceOf
 from itertools import chain
 
 from scheduler.blocks import BlockPool, BlockTable, blocks_for
-from scheduler.config import SchedulerConfig
-from scheduler.errors import CommitError, InputError
+from scheduler.scheduler_config import SchedulerConfig
+from scheduler.scheduler_errors import CommitError, InputError
 from scheduler.prefix import ROOT_DIGEST, block_hash
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId
 from scheduler.state import DecodeRow, DecodeTable, gen_chunk, last_tokens

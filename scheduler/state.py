@@ -30,10 +30,10 @@ from itertools import chain
 from typing import NamedTuple
 
 from scheduler.blocks import BlockPool, BlockTable
-from scheduler.config import SchedulerConfig
+from scheduler.scheduler_config import SchedulerConfig
 from scheduler.prefix import chain_hashes
-from scheduler.errors import DuplicateRequestError, RequestError, RequestTooLargeError
-from scheduler.errors import UnknownRequestError
+from scheduler.scheduler_errors import DuplicateRequestError, RequestError, RequestTooLargeError
+from scheduler.scheduler_errors import UnknownRequestError
 from scheduler.request import Finished, Request, RequestId, Sequence, SeqKey
 
 # The value of a token sampled by a step whose results have not been committed yet (overlapped

@@ -33,7 +33,7 @@ import numpy as np
 from absl import app, flags
 
 from arcjax.model import decoder
-from arcjax.model.config import ModelConfig
+from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import init_params, make_cache
 from arcjax.runtime.batching import build_batch
 from arcjax.runtime.buckets import Bucket

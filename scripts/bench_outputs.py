@@ -50,7 +50,7 @@ def _config() -> BenchConfig:
 
 def _copying_output(req):
     """The former build: the cumulative output with every per-token list copied."""
-    from arcjax.engine.output import request_output
+    from arcjax.engine.output_processor import request_output
 
     out = request_output(req)
     tuple(req.token_ids), tuple(req.token_times)
@@ -61,10 +61,10 @@ def _copying_output(req):
 
 def _measure(cfg: BenchConfig, tok, kind: str, length: int) -> float:
     """Mean µs per step building the step's output, at `length` tokens generated."""
-    from arcjax.engine.input import InputProcessor
-    from arcjax.engine.output import append_token, request_output
-    from arcjax.engine.outputs import Logprob
-    from arcjax.runtime.sampling_params import RequestOutputKind, SamplingParams
+    from arcjax.engine.input_processor import InputProcessor
+    from arcjax.engine.output_processor import append_token, request_output
+    from arcjax.outputs import Logprob
+    from arcjax.sampling_params import RequestOutputKind, SamplingParams
     import scheduler
 
     output_kind = (RequestOutputKind.DELTA if kind == "delta"

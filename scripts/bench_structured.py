@@ -135,7 +135,7 @@ def time_masks(cfg: MaskConfig) -> list[dict]:
     """Median host time per step to fill, and to accept, `rows` constrained rows."""
     import llguidance
 
-    from arcjax.runtime.structured_params import StructuredOutputsParams
+    from arcjax.sampling_params import StructuredOutputsParams
     from arcjax.structured.grammar import MaskFiller, RequestGrammar, grammar_text
 
     results = []

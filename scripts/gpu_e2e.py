@@ -26,11 +26,11 @@ import numpy as np
 import scheduler
 from arcjax.bench import burst
 from arcjax.engine.engine import Engine
-from arcjax.model.config import ModelConfig
+from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import init_params
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.runner import ExecutableCache, ModelRunner
-from arcjax.runtime.sampling import SamplingParams
+from arcjax.sampling_params import SamplingParams
 
 LLAMA3_8B = ModelConfig(vocab_size=128_256, hidden_size=4096, intermediate_size=14_336,
                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,

@@ -168,7 +168,8 @@ def test_fit_without_kv_read_and_save_load(tmp_path):
 
 
 def test_engine_trace_reads_as_calibration_rows(tmp_path):
-    from arcjax.engine.trace import StepRecord, write_jsonl
+    from scheduler.metrics import StepRecord
+    from arcjax.engine.trace import write_jsonl
 
     records, t = [], 0.0
     for i, (p, d) in enumerate([(512, 0), (0, 4), (256, 4), (0, 8), (128, 8)]):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from arcjax import model
-from arcjax.model import weights
+from arcjax.model.formats import hf_checkpoint
 from arcjax.engine.tokenizer import Tokenizer
 
 MODEL_DIR = Path(os.environ.get("ARCJAX_CHECK_MODEL_DIR")
@@ -64,7 +64,7 @@ def test_logits_match_transformers(tok):
     transformers = pytest.importorskip("transformers")
     hf = transformers.LlamaForCausalLM.from_pretrained(str(MODEL_DIR), torch_dtype=torch.float32)
     hf.eval()
-    cfg, params = weights.load_hf(MODEL_DIR, jnp.float32)
+    cfg, params = hf_checkpoint.load_hf(MODEL_DIR, jnp.float32)
     ids = [tok.encode(t) for t in SAMPLES]
     length = min(len(i) for i in ids)
     batch = np.asarray([i[:length] for i in ids], np.int32)  # [B, L]
@@ -90,7 +90,7 @@ def test_held_out_perplexity_matches_the_stated_figure(tok):
 
     from arcjax.train import training
 
-    cfg, params = weights.load_hf(MODEL_DIR, jnp.float32)
+    cfg, params = hf_checkpoint.load_hf(MODEL_DIR, jnp.float32)
     root = training.stdlib_dir()
     _, held = training.split_corpus(root, training.TrainConfig.held_out_fraction)
     raw = tokenizers.Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))

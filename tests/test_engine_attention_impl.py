@@ -16,10 +16,11 @@ import pytest
 
 import pallas_kernels
 from arcjax import LLM, EngineConfigError
-from arcjax.engine.config import ATTENTION_IMPLS, EngineConfig
-from arcjax.engine.trace import StepRecord, attention_report
+from arcjax.engine.engine_config import ATTENTION_IMPLS, EngineConfig
+from scheduler.metrics import StepRecord
+from arcjax.engine.trace import attention_report
 from arcjax.model import decoder
-from arcjax.model.config import ModelConfig
+from arcjax.model.model_config import ModelConfig
 from arcjax.runtime.buckets import BucketSet
 from pallas_kernels import backends
 from test_engine import GEOMETRY

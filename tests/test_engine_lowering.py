@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from arcjax.model.config import ModelConfig
+from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import cache_specs, is_spec, param_specs
 from arcjax.runtime import runner
 from arcjax.runtime.batching import empty_batch
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.sampling import SamplingBatch, bitmask_words
-from arcjax.runtime.spec_decode import SpecInputs
+from arcjax.spec_decode.verification import SpecInputs
 from pallas_kernels import backends, lowering
 
 _UNAVAILABLE = lowering.cuda_lowering_unavailable()

@@ -159,7 +159,7 @@ def test_abort_while_a_step_is_in_flight_frees_blocks_at_once():
 
 def test_option_is_validated_and_reported():
     from arcjax.errors import EngineConfigError
-    from arcjax.engine.config import EngineConfig
+    from arcjax.engine.engine_config import EngineConfig
 
     with pytest.raises(EngineConfigError) as err:
         EngineConfig.from_options(None, async_scheduling="yes")

@@ -195,7 +195,7 @@ def test_async_llm_and_metrics_counters():
 
     from prometheus_client import generate_latest
 
-    from arcjax.entrypoints.metrics import ServerMetrics
+    from arcjax.entrypoints.openai.server_metrics import ServerMetrics
 
     async def run(llm):
         last = None
@@ -275,7 +275,7 @@ def test_draft_model_that_cannot_work_is_refused_before_any_weights_load(tmp_pat
 
 
 def test_serve_flag_parses_json():
-    from arcjax.engine.config import EngineConfig
+    from arcjax.engine.engine_config import EngineConfig
     from arcjax.entrypoints.cli import parse_serve
 
     cmd = parse_serve(["serve", "--speculative-config",

@@ -13,12 +13,13 @@ import pytest
 
 import arcjax
 from arcjax.engine.tokenizer import Tokenizer
-from arcjax.entrypoints.chat import ChatTemplate
+from arcjax.entrypoints.chat_template import ChatTemplate
 from arcjax.errors import ModelConfigError, ModelFileError, WeightsError
-from arcjax.model.config import rope_inv_freq
-from arcjax.model.gguf import GGUFFile, gguf_config, load_gguf
-from arcjax.model.hub import gguf_in_distribution
-from arcjax.model.weights import read_config
+from arcjax.model.model_config import rope_inv_freq
+from arcjax.model.formats.gguf_file import GGUFFile, load_gguf
+from arcjax.model.formats.gguf_config import gguf_config
+from arcjax.model.formats.hub import gguf_in_distribution
+from arcjax.model.formats.hf_checkpoint import read_config
 from gguf_files import tiny_gguf_model_dir, write_gguf
 from hf_models import tiny_model_dir, tiny_model_with_chat_template
 
@@ -89,7 +90,7 @@ def test_qwen_architectures_greedy_equal_transformers(arch):
 def test_unpermuted_weights_equal_the_safetensors_ones():
     src = tiny_gguf_model_dir("LlamaForCausalLM")
     _, params = load_gguf(write_gguf(src, "F32"))
-    _, ref = arcjax.model.weights.load_hf(src)
+    _, ref = arcjax.model.formats.hf_checkpoint.load_hf(src)
     for key in ("wq", "wk", "wv", "w_down"):
         np.testing.assert_array_equal(np.asarray(params["layers"][key]),
                                       np.asarray(ref["layers"][key]))
@@ -132,11 +133,11 @@ def test_directory_holding_one_gguf_and_typed_errors(tmp_path):
     one = tmp_path / "one"
     one.mkdir()
     shutil.copy(path, one / "model.gguf")
-    source = arcjax.model.hub.resolve_model(one)
+    source = arcjax.model.formats.hub.resolve_model(one)
     assert source.is_gguf and source.path == one / "model.gguf"
     shutil.copy(path, one / "other.gguf")
     with pytest.raises(ModelFileError, match="2 GGUF files"):
-        arcjax.model.hub.resolve_model(one)
+        arcjax.model.formats.hub.resolve_model(one)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(WeightsError, match="bad magic"):

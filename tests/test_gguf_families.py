@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 
 from arcjax.errors import ModelConfigError
-from arcjax.model.gguf import GGUFFile, load_gguf
-from arcjax.model.gguf_config import gguf_config
-from arcjax.model.hub import resolve_model
-from arcjax.model.loader import load_model
+from arcjax.model.formats.gguf_file import GGUFFile, load_gguf
+from arcjax.model.formats.gguf_config import gguf_config
+from arcjax.model.formats.hub import resolve_model
+from arcjax.model.formats.loader import load_model
 from arcjax.model.quant import QuantizedWeight
-from arcjax.model.weights import load_hf, read_config
+from arcjax.model.formats.hf_checkpoint import load_hf, read_config
 from gguf_files import tiny_gguf_model_dir, write_gguf
 from hf_models import hf_greedy, tiny_model_dir
 from test_gguf import PROMPTS, _hf_greedy, dense_greedy

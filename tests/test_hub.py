@@ -11,7 +11,7 @@ import pytest
 import arcjax
 from arcjax.entrypoints.cli import parse_serve
 from arcjax.errors import ModelFileError
-from arcjax.model.hub import HubModelError, resolve_model
+from arcjax.model.formats.hub import HubModelError, resolve_model
 from gguf_files import tiny_gguf_model_dir
 from hf_models import hf_greedy
 from test_gguf import ENGINE, GREEDY, PROMPTS
@@ -69,7 +69,7 @@ def test_serve_takes_a_hub_id_and_revision(hub_cache):
     from fastapi.testclient import TestClient
 
     from arcjax.entrypoints.async_llm import AsyncLLM
-    from arcjax.entrypoints.serve import OpenAIServer
+    from arcjax.entrypoints.openai.api_server import OpenAIServer
 
     cmd = parse_serve(["serve", REPO, "--revision", COMMIT, "--quantization", "int8",
                        "--kv-cache-dtype", "fp8"])

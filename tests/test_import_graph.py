@@ -2,7 +2,13 @@
 inside a function: a lazy import is a dependency too), read with `ast`, checked against
 the layers entrypoints -> engine -> structured -> parallel -> runtime -> model ->
 pallas_kernels, with the scheduler importing only the standard library, and no cycle
-between modules."""
+between modules.
+
+A feature that spans layers has one package (`arcjax/spec_decode/`), and each of its
+modules sits at the layer of the code it extends (`FEATURE_LAYERS`). Two more rules keep
+the names honest: no two modules share a file name across packages, and a name is
+imported from the module that defines it, never through one that only imports it (package
+`__init__` files and the public error facade `arcjax.errors` are the exceptions)."""
 
 from __future__ import annotations
 
@@ -24,13 +30,27 @@ LAYERS = {
     "arcjax.runtime": 3,
     "arcjax.model": 2,
     "pallas_kernels": 1,
+    "arcjax.outputs": 0.7,  # public output types (vLLM's path)
+    "arcjax.sampling_params": 0.6,  # public request types (vLLM's path)
     "arcjax.errors": 0.5,  # the scheduler's errors, re-exported
     "scheduler": 0,
+}
+# Modules of feature packages, each at the layer of the code it extends.
+FEATURE_LAYERS = {
+    "arcjax.spec_decode.speculative_config": "arcjax.runtime",
+    "arcjax.spec_decode.ngram_proposer": "arcjax.runtime",
+    "arcjax.spec_decode.verification": "arcjax.runtime",
+    "arcjax.spec_decode.draft_model": "arcjax.runtime",
+    "arcjax.spec_decode.speculator": "arcjax.engine",
+    "arcjax.spec_decode": "arcjax.engine",  # the package itself
 }
 
 
 def _layer(module: str) -> str:
     parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in FEATURE_LAYERS:
+            return FEATURE_LAYERS[".".join(parts[:n])]
     for n in range(len(parts), 0, -1):
         if ".".join(parts[:n]) in LAYERS:
             return ".".join(parts[:n])
@@ -102,12 +122,12 @@ def test_dependencies_point_down_and_have_no_cycles():
 
 
 def test_the_check_sees_upward_imports_and_cycles():
-    edges = {("arcjax.model.weights", "arcjax.parallel.layout"),
+    edges = {("arcjax.model.formats.hf_checkpoint", "arcjax.parallel.layout"),
              ("arcjax.parallel.multihost", "arcjax.engine.build"),
              ("arcjax.engine.build", "arcjax.parallel.multihost"),
-             ("arcjax.engine.core", "arcjax.entrypoints.serve")}
+             ("arcjax.engine.core", "arcjax.entrypoints.openai.api_server")}
     found = violations(edges)
-    assert any("model.weights imports arcjax.parallel" in v for v in found)
+    assert any("formats.hf_checkpoint imports arcjax.parallel" in v for v in found)
     assert any("engine.core imports arcjax.entrypoints" in v for v in found)
     assert any(v.startswith("cycle:") and "multihost" in v for v in found)
 
@@ -122,3 +142,77 @@ def test_scheduler_imports_only_the_standard_library():
             for name in names:
                 top = name.split(".")[0]
                 assert top in stdlib or top == "scheduler", f"{path.name} imports {name}"
+
+
+def test_no_two_modules_share_a_name():
+    """One name per module: `config.py`, `errors.py`, `request.py` ... once each, so a file
+    name says which module it is (package `__init__` files aside)."""
+    seen: dict[str, list[str]] = {}
+    for name, path in _modules().items():
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(name)
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+
+
+FACADES = {"arcjax.errors"}  # the public error module: the scheduler's classes, re-exported
+
+
+def _top_level_names(tree: ast.Module) -> tuple[set[str], dict[str, tuple[str, str]]]:
+    """(names a module defines, {name: (module, original name)} it imports absolutely)."""
+    defined, imported = set(), {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported.update({a.asname or a.name: (node.module, a.name) for a in node.names})
+    return defined, {k: v for k, v in imported.items() if k not in defined}
+
+
+def reexports(sources: dict[Path, str]) -> list[str]:
+    """`from M import N` in `sources` ({path: text}) where M (not a package or a facade)
+    only imports N."""
+    modules = _modules()
+    names = {m: _top_level_names(ast.parse(p.read_text())) for m, p in modules.items()}
+    bad = []
+    for path, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if not (isinstance(node, ast.ImportFrom) and node.module in modules
+                    and not node.level and node.module not in FACADES
+                    and modules[node.module].name != "__init__.py"):
+                continue
+            for alias in node.names:
+                defined, imported = names[node.module]
+                if alias.name in imported and alias.name not in defined:
+                    home = imported[alias.name][0]
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports "
+                               f"{alias.name} from {node.module}, which takes it from {home}")
+    return bad
+
+
+def test_names_are_imported_from_their_home():
+    files = [p for d in (*PACKAGES, "tests", "scripts") for p in (ROOT / d).rglob("*.py")]
+    assert reexports({p: p.read_text() for p in files}) == []
+
+
+def test_the_reexport_check_sees_one():
+    probe = ROOT / "tests" / "probe.py"  # MAX_LOGPROBS lives in arcjax.sampling_params
+    found = reexports({probe: "from arcjax.runtime.sampling import MAX_LOGPROBS\n"})
+    assert len(found) == 1 and "arcjax.sampling_params" in found[0]
+
+
+RETIRED = ("arcjax.runtime.sampling_params", "arcjax.runtime.structured_params",
+           "arcjax.engine.outputs", "arcjax.engine.input", "arcjax.engine.output",
+           "arcjax.runtime.outputs", "arcjax.runtime.speculative", "arcjax.runtime.ngram",
+           "arcjax.runtime.draft_model", "arcjax.runtime.spec_decode", "arcjax.engine.spec",
+           "arcjax.model.gguf", "arcjax.model.weights", "arcjax.model.loader",
+           "arcjax.model.hub", "arcjax.entrypoints.serve", "arcjax.entrypoints.metrics",
+           "arcjax.entrypoints.openai_protocol", "arcjax.structured.tools")
+
+
+def test_the_old_paths_are_gone():
+    """Moved modules left no shim behind: one home per type, one path per module."""
+    assert sorted(set(RETIRED) & set(_modules())) == []

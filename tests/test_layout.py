@@ -5,7 +5,7 @@ import sys
 
 
 def test_import_arcjax_loads_no_bench_or_train_dependencies():
-    code = ("import sys, arcjax, arcjax.entrypoints.generate; "
+    code = ("import sys, arcjax, arcjax.entrypoints.generate_cli; "
             "heavy = {'scipy', 'matplotlib', 'optax', 'torch', 'transformers'} & set(sys.modules); "
             "assert not heavy, heavy; "
             "assert not any(m.startswith(('arcjax.bench', 'arcjax.train')) for m in sys.modules)")

@@ -15,7 +15,8 @@ from arcjax.errors import ModelConfigError, ModelFileError
 from arcjax.runtime.batching import build_batch
 from arcjax.runtime.buckets import Bucket
 from arcjax.model import forward, forward_dense, make_cache
-from arcjax.model.weights import WeightsError, load_hf, save_hf
+from arcjax.errors import WeightsError
+from arcjax.model.formats.hf_checkpoint import load_hf, save_hf
 from hf_models import ARCHS, hf_greedy, hf_logits, tiny_model_dir
 
 BLOCK = 4

@@ -16,9 +16,9 @@ import pytest
 
 from arcjax.errors import EngineConfigError, ModelConfigError
 from arcjax.model import decoder, moe
-from arcjax.model.config import GLOBAL_WINDOW, ModelConfig
+from arcjax.model.model_config import GLOBAL_WINDOW, ModelConfig
 from arcjax.model.specs import cache_specs, is_spec, param_specs
-from arcjax.model.weights import read_config
+from arcjax.model.formats.hf_checkpoint import read_config
 from arcjax.parallel import TensorParallel, logical_rules
 from hf_models import NEW_ARCHS, WINDOW, hf_logits, tiny_model_dir
 
@@ -214,7 +214,7 @@ def test_large_vocabulary_logits_only_at_the_rows_that_need_them():
     from arcjax.runtime import runner
     from arcjax.runtime.batching import empty_batch
     from arcjax.runtime.buckets import Bucket
-    from arcjax.runtime.outputs import PromptTargets
+    from arcjax.runtime.step_output import PromptTargets
     from arcjax.runtime.penalties import TokenCounts
     from arcjax.runtime.sampling import SamplingBatch
 
@@ -246,7 +246,7 @@ def test_dense_forward_matches_transformers_past_the_window():
     """The full-sequence forward (training, checks) with windows, soft-caps and experts."""
     ids = np.random.RandomState(4).randint(3, 384, 40).tolist()
     for arch in ("Gemma3ForCausalLM", "MixtralForCausalLM"):
-        from arcjax.model.weights import load_hf
+        from arcjax.model.formats.hf_checkpoint import load_hf
 
         cfg, params = load_hf(tiny_model_dir(arch))
         ref = hf_logits(tiny_model_dir(arch), ids)

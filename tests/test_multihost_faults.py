@@ -38,7 +38,7 @@ def _run(model: str, pid: int, port: int) -> None:
     import arcjax
     import scheduler
     from arcjax.engine.build import build_engine
-    from arcjax.engine.config import EngineConfig
+    from arcjax.engine.engine_config import EngineConfig
     from arcjax.parallel import CoordinatorTransport, StepSync, follow, initialize
 
     initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid, initialization_timeout=60)

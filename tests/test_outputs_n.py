@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from arcjax import LLM, SamplingParams
-from arcjax.entrypoints.chat import ChatTemplateError
+from arcjax.entrypoints.chat_template import ChatTemplateError
 from hf_models import tiny_model_dir, tiny_model_with_chat_template
 
 ARCH = "LlamaForCausalLM"

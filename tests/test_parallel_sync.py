@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from arcjax.errors import EngineConfigError, EngineDeadError
-from arcjax.model.config import ModelConfig
+from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import cache_specs, param_specs
 from arcjax.parallel import (FollowerStop, LocalTransport, PlanDivergenceError, StepSync,
                              TensorParallel, check_tensor_parallel, follow, kv_repeat,
@@ -129,7 +129,7 @@ def _engines(**follower_options):
     from hf_models import tiny_model_dir
 
     from arcjax.engine.build import build_engine
-    from arcjax.engine.config import EngineConfig
+    from arcjax.engine.engine_config import EngineConfig
 
     geometry = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=4,
                     attention_impl="xla", chunk_tile=16, max_num_batched_tokens=32,
@@ -183,7 +183,7 @@ def test_engines_with_different_configs_fail_loudly():
 def test_async_scheduling_is_refused_in_a_multi_process_run(monkeypatch):
     """Checked when the config is built, before anything loads (multi-host runs the serial
     step; a process that joined a run reports how many processes it has)."""
-    import arcjax.engine.config as config
+    import arcjax.engine.engine_config as config
 
     monkeypatch.setattr(config, "_joined_processes", lambda: 2)
     with pytest.raises(EngineConfigError) as err:

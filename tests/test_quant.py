@@ -21,10 +21,10 @@ import pytest
 
 import arcjax
 from arcjax.errors import EngineConfigError, ModelConfigError
-from arcjax.model.hub import resolve_model
-from arcjax.model.loader import _repeat_kv, load_model
+from arcjax.model.formats.hub import resolve_model
+from arcjax.model.formats.loader import _repeat_kv, load_model
 from arcjax.model.quant import QuantizedWeight, weight_dtype
-from arcjax.model.quant_checkpoint import _scale_layout
+from arcjax.model.formats.quantized_checkpoint import _scale_layout
 from gguf_files import tiny_gguf_model_dir
 from hf_models import hf_greedy
 from test_gguf import PROMPTS, dense_greedy
@@ -205,7 +205,7 @@ def test_engine_fp8_weights_then_fp8_kv_cache_with_checkpoint_scales():
 
 def test_fp8_kv_cache_doubles_the_blocks_memory_holds():
     from arcjax.engine.build import _default_num_blocks
-    from arcjax.model.weights import read_config
+    from arcjax.model.formats.hf_checkpoint import read_config
 
     cfg = read_config(tiny_gguf_model_dir("LlamaForCausalLM"))
     # Memory-bound (the CPU cap, 256 MiB): one byte a value holds twice the blocks.

@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arcjax.model.hub import resolve_model
-from arcjax.model.loader import load_model
+from arcjax.model.formats.hub import resolve_model
+from arcjax.model.formats.loader import load_model
 from arcjax.model.moe import moe_mlp
 from arcjax.model.quant import QuantizedWeight, param_bytes, quantized_specs
 from arcjax.model.specs import param_specs
-from arcjax.model.weights import save_hf
+from arcjax.model.formats.hf_checkpoint import save_hf
 from hf_models import hf_greedy, tiny_model_dir
 from test_gguf import PROMPTS, dense_greedy
 from test_quant import quantized_checkpoint

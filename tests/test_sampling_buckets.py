@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from arcjax.runtime.buckets import BucketSet, pad_to_bucket, seq_ladder, token_ladder
-from arcjax.runtime.sampling import SamplingBatch, SamplingParams, SamplingParamsError, sample
+from arcjax.runtime.sampling import SamplingBatch, sample
+from arcjax.sampling_params import SamplingParams
+from arcjax.errors import SamplingParamsError
 
 
 def _logits(rows=6, vocab=50, seed=0):

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from scheduler import PLACEHOLDER, Request, SchedulerConfig, SchedulerState
 from scheduler import abort, add_request, advance, commit, schedule
-from scheduler.errors import CommitError, StepOrderError, UnknownRequestError
+from scheduler.scheduler_errors import CommitError, StepOrderError, UnknownRequestError
 from test_scheduler_properties import _SETTINGS, GhostCache, _sampler, check_blocks
 from test_scheduler_properties import drive, verified, workloads
 

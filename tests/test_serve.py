@@ -33,7 +33,7 @@ class RunningServer:
     """`build_server(api)` run in a daemon thread; `.url`, `.stop()`."""
 
     def __init__(self, api):
-        from arcjax.entrypoints.serve import build_server
+        from arcjax.entrypoints.openai.http_server import build_server
 
         self.api = api
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -66,7 +66,7 @@ import pytest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from arcjax import LLM, AsyncLLM, SamplingParams  # noqa: E402
-from arcjax.entrypoints.serve import OpenAIServer, ServeConfig  # noqa: E402
+from arcjax.entrypoints.openai.api_server import OpenAIServer, ServeConfig  # noqa: E402
 
 MODEL = "tiny"
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Naïve café, 東京"]
@@ -199,7 +199,7 @@ def test_completions_streaming_sync_and_async(server, reference):
 
 # --- chat -----------------------------------------------------------------------------------
 def test_chat_equal_llm_generate(server, reference, llm):
-    from arcjax.entrypoints.chat import ChatTemplate
+    from arcjax.entrypoints.chat_template import ChatTemplate
 
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "def fibonacci(n):"}]
@@ -279,7 +279,7 @@ def test_chat_n_and_logprobs(server, reference):
                                        temperature=1, seed=1234, n=2, logprobs=True,
                                        top_logprobs=2)
     assert [c.index for c in r.choices] == [0, 1]
-    from arcjax.entrypoints.chat import ChatTemplate
+    from arcjax.entrypoints.chat_template import ChatTemplate
 
     ids = reference.tokenizer.encode(ChatTemplate.from_dir(chat_model_dir()).render(messages),
                                      add_special_tokens=False)
@@ -674,7 +674,7 @@ def test_unknown_fields_are_ignored_logged_once_and_listed(server, reference, ca
     assert not set(names) & server.api.ignored_logged
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
             **dict.fromkeys(names, 1)}
-    with caplog.at_level("WARNING", logger="arcjax.entrypoints.serve"):
+    with caplog.at_level("WARNING", logger="arcjax.entrypoints.openai.api_server"):
         for _ in range(2):
             r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
@@ -691,7 +691,7 @@ def test_unknown_fields_are_ignored_logged_once_and_listed(server, reference, ca
 
 
 def test_text_parts_and_the_developer_role(server, reference):
-    from arcjax.entrypoints.chat import ChatTemplate
+    from arcjax.entrypoints.chat_template import ChatTemplate
 
     system = [{"role": "system", "content": "Be\nbrief."},
               {"role": "user", "content": "def fibonacci(n):"}]
@@ -741,7 +741,7 @@ def test_max_queued_requests_is_exact_under_concurrency(llm):
 def test_hostile_bodies_are_refused_cheaply(llm):
     """413 before parsing (declared or counted), a text prompt too long to ever fit is
     refused without tokenizing it, and parsing and tokenizing run off the event loop."""
-    import arcjax.entrypoints.openai_protocol as proto
+    import arcjax.entrypoints.openai.protocol as proto
 
     running = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
                                                           max_request_bytes=4096)))

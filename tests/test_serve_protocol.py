@@ -3,8 +3,8 @@
 import pytest
 
 from arcjax import InputError, SamplingParams
-from arcjax.engine.outputs import RequestMetrics, RequestOutput
-from arcjax.entrypoints import openai_protocol as proto
+from arcjax.outputs import RequestMetrics, RequestOutput
+from arcjax.entrypoints.openai import protocol as proto
 
 
 def test_completion_defaults_and_prompt_forms():
@@ -107,7 +107,7 @@ def test_response_shapes():
 
 
 def test_cli_flags_mirror_engine_options(monkeypatch):
-    from arcjax.engine.config import EngineConfig
+    from arcjax.engine.engine_config import EngineConfig
     from arcjax.entrypoints.cli import parse_serve
 
     monkeypatch.setenv("ARCJAX_API_KEY", "from-env")
@@ -148,7 +148,7 @@ def test_n_and_logprobs_parsing():
 
 
 def test_choices_and_logprob_shapes():
-    from arcjax.engine.outputs import CompletionOutput, Logprob
+    from arcjax.outputs import CompletionOutput, Logprob
 
     # position 0: sampled 7 (rank 1) among top 2; position 1: sampled 9 outside the top 2
     e0 = {7: Logprob(-0.1, 1, "a"), 8: Logprob(-2.0, 2, "b")}
@@ -176,8 +176,8 @@ def test_choices_and_logprob_shapes():
 
 
 def test_choice_stream_deltas():
-    from arcjax.engine.outputs import CompletionOutput, Logprob
-    from arcjax.entrypoints.openai_logprobs import ChoiceStream
+    from arcjax.outputs import CompletionOutput, Logprob
+    from arcjax.entrypoints.openai.response_logprobs import ChoiceStream
 
     e = {t: {t: Logprob(-float(t), 1, s)} for t, s in [(1, "ab"), (2, "\ufffd"), (3, "é")]}
     s = ChoiceStream(0, chat=False)  # it reads DELTA outputs: what is new in each

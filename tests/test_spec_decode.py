@@ -1,4 +1,4 @@
-"""Draft verification in the jitted step (`arcjax.runtime.spec_decode`) and the n-gram proposer.
+"""Draft verification in the jitted step (`arcjax.spec_decode.verification`) and the n-gram proposer.
 
 Verification is checked against plain sampling position by position (greedy and seeded, with
 penalties, min_tokens and filters), and its rejection sampler against the target distribution
@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arcjax.runtime import spec_decode
+from arcjax.spec_decode import verification
 from arcjax.runtime.penalties import COUNT_SHIFT, apply_penalties, table_row
-from arcjax.runtime.sampling import SamplingBatch, SamplingParams, sample
+from arcjax.runtime.sampling import SamplingBatch, sample
+from arcjax.sampling_params import SamplingParams
 
 VOCAB = 24
 WIDTH = 4  # 3 drafts per row
@@ -22,7 +23,7 @@ WIDTH = 4  # 3 drafts per row
 
 @functools.partial(jax.jit, static_argnames=("width",))
 def _verify(logits, sp, spec, counts, width):
-    return spec_decode.verify(logits, sp, spec, counts, width)
+    return verification.verify(logits, sp, spec, counts, width)
 
 
 def _pack(drafts, rows, num_seqs):
@@ -30,7 +31,7 @@ def _pack(drafts, rows, num_seqs):
     cu = np.zeros(num_seqs + 1, np.int64)
     np.cumsum(counts, out=cu[1:len(counts) + 1])
     cu[len(counts) + 1:] = cu[len(counts)]
-    return spec_decode.pack(cu, counts, drafts, rows, num_seqs=num_seqs, width=WIDTH,
+    return verification.pack(cu, counts, drafts, rows, num_seqs=num_seqs, width=WIDTH,
                             spare_slot=num_seqs)
 
 
@@ -117,10 +118,10 @@ def test_rejection_sampler_keeps_the_target_distribution():
     rows = [(params, seed, 0, None) for seed in range(n)]
     counts = [1 + 1] * n
     cu = np.concatenate([[0], np.cumsum(counts)])
-    logits_rows, sp, spec = spec_decode.pack(cu, counts, [(draft,)] * n, rows, num_seqs=n,
+    logits_rows, sp, spec = verification.pack(cu, counts, [(draft,)] * n, rows, num_seqs=n,
                                              width=2, spare_slot=0)
     logits = jnp.asarray(np.tile(logit, (2 * n, 1)))
-    tokens, yielded, _, _ = jax.jit(spec_decode.verify, static_argnames=("width",))(
+    tokens, yielded, _, _ = jax.jit(verification.verify, static_argnames=("width",))(
         logits, sp, spec, jnp.zeros((1, vocab), jnp.int32), width=2)
     first = np.asarray(tokens).reshape(n, 2)[:, 0]
     observed = np.bincount(first, minlength=vocab)
@@ -138,7 +139,7 @@ def test_rejection_sampler_keeps_the_target_distribution():
 # ---- the n-gram proposer ------------------------------------------------------------------------
 
 def test_ngram_lookup_takes_the_longest_suffix_match():
-    from arcjax.runtime.ngram import lookup
+    from arcjax.spec_decode.ngram_proposer import lookup
 
     t = np.array([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4])
     # suffix (2, 3, 4) occurs at 1 and 6: the latest with 3 tokens after it wins
@@ -150,8 +151,8 @@ def test_ngram_lookup_takes_the_longest_suffix_match():
 
 
 def test_ngram_proposer_guesses_pending_tokens_first():
-    from arcjax.runtime.ngram import NgramProposer
-    from arcjax.runtime.speculative import ProposalRow
+    from arcjax.spec_decode.ngram_proposer import NgramProposer
+    from arcjax.spec_decode.speculative_config import ProposalRow
 
     prop = NgramProposer(1, 3)
     text = [10, 11, 12, 13, 14, 15, 10, 11]

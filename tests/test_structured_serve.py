@@ -21,9 +21,9 @@ import pydantic
 import pytest
 
 from arcjax import AsyncLLM
-from arcjax.entrypoints.chat import ChatTemplate
-from arcjax.entrypoints.serve import OpenAIServer, ServeConfig
-from arcjax.structured.tools import template_messages
+from arcjax.entrypoints.chat_template import ChatTemplate
+from arcjax.entrypoints.openai.api_server import OpenAIServer, ServeConfig
+from arcjax.entrypoints.openai.tool_calls import template_messages
 from hf_models import tiny_model_with_chat_template
 from test_serve import GEOMETRY, RunningServer
 

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from arcjax import SamplingParams, StructuredOutputsError, StructuredOutputsParams
 from arcjax.runtime.sampling import SamplingBatch, apply_bitmask, bitmask_words, sample_step
 from arcjax.structured import GrammarCompiler, MaskFiller
-from arcjax.structured.openai_fields import constraint_from_body
-from arcjax.structured.tool_parsers import (HermesToolParser, Llama3JsonToolParser, ToolCall,
+from arcjax.entrypoints.openai.structured_fields import constraint_from_body
+from arcjax.entrypoints.openai.tool_parsers import (HermesToolParser, Llama3JsonToolParser, ToolCall,
                                             guess_parser)
-from arcjax.structured.tools import (ToolCallStream, ToolsError, plan_tools,
+from arcjax.entrypoints.openai.tool_calls import (ToolCallStream, ToolsError, plan_tools,
                                      template_messages)
 from hf_models import tiny_model_with_tokenizer
 

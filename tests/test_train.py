@@ -12,7 +12,7 @@ import tokenizers
 
 from arcjax import model
 from arcjax.engine.tokenizer import Tokenizer
-from arcjax.model import weights
+from arcjax.model.formats import hf_checkpoint
 from arcjax.train import training
 
 SNIPPET = '''"""Module {i}: helpers."""
@@ -113,8 +113,8 @@ def test_train_resume_and_export(tmp_path, corpus):
                              log=lambda *_: None)
     assert resumed["resumed_from"] == 3
     assert resumed["held_out_perplexity"] == pytest.approx(metrics["held_out_perplexity"], rel=1e-5)
-    _, p1 = weights.load_hf(tmp_path / "model")
-    _, p2 = weights.load_hf(tmp_path / "m2")
+    _, p1 = hf_checkpoint.load_hf(tmp_path / "model")
+    _, p2 = hf_checkpoint.load_hf(tmp_path / "m2")
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p1, p2)
 
     # The export is a Hugging Face model dir our tokenizer loader understands.

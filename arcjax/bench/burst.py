@@ -25,7 +25,7 @@ import scheduler
 from arcjax.engine.engine import Engine
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.runtime.buckets import Bucket, BucketSet
-from arcjax.runtime.sampling import SamplingParams
+from arcjax.sampling_params import SamplingParams
 from scheduler import metrics
 from scheduler.arms import KNOB_SHORT, Arm
 from scheduler.metrics import engagement, knob_report, markdown_table

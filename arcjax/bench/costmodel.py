@@ -24,7 +24,8 @@ import numpy as np
 from scipy.optimize import nnls
 
 import scheduler
-from arcjax.bench.burst import Arm, BurstRun
+from scheduler.arms import Arm
+from arcjax.bench.burst import BurstRun
 from scheduler.metrics import step_kind
 from scheduler.simulate import COST_PRESETS, CostModel, simulate
 

@@ -9,18 +9,18 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from arcjax.engine.config import EngineConfig
+from arcjax.engine.engine_config import EngineConfig
 from arcjax.engine.engine import Engine
-from arcjax.engine.spec import Speculator
+from arcjax.spec_decode.speculator import Speculator
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import EngineConfigError
-from arcjax.model.gguf_tokenizer import has_tokenizer
-from arcjax.model.hub import ModelSource, resolve_model
-from arcjax.model.loader import load_model, model_config
+from arcjax.model.formats.gguf_tokenizer import has_tokenizer
+from arcjax.model.formats.hub import ModelSource, resolve_model
+from arcjax.model.formats.loader import load_model, model_config
 from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.runtime.buckets import BucketSet
-from arcjax.runtime.draft_model import DraftModelProposer
-from arcjax.runtime.ngram import NgramProposer
+from arcjax.spec_decode.draft_model import DraftModelProposer
+from arcjax.spec_decode.ngram_proposer import NgramProposer
 from arcjax.runtime.runner import SHARED_EXECUTABLES, ModelRunner
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"

@@ -46,11 +46,12 @@ import numpy as np
 import scheduler
 from arcjax.engine import logprobs
 from arcjax.engine.group import RequestGroup
-from arcjax.engine.input import Abort, NewGroup, NewRequest
-from arcjax.engine.output import append_token
-from arcjax.engine.request import FINISH_ERROR, RequestState
-from arcjax.engine.spec import SpecCounts, Speculator, row_tokens
-from arcjax.engine.trace import StepRecord, StepTrace
+from arcjax.engine.input_processor import Abort, NewGroup, NewRequest
+from arcjax.engine.output_processor import append_token
+from arcjax.engine.request_state import FINISH_ERROR, RequestState
+from arcjax.spec_decode.speculator import SpecCounts, Speculator, row_tokens
+from scheduler.metrics import StepRecord
+from arcjax.engine.trace import StepTrace
 from arcjax.errors import EngineDeadError
 from arcjax.parallel.multihost import plan_digest
 from arcjax.runtime.runner import ModelRunner, StepHandle

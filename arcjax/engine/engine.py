@@ -28,16 +28,16 @@ from collections.abc import Callable, Sequence
 import scheduler
 from arcjax.engine.core import EngineCore
 from arcjax.engine.group import CHILD_SEP
-from arcjax.engine.input import Abort, InputProcessor, NewGroup, NewRequest
-from arcjax.engine.output import OutputProcessor
-from arcjax.engine.outputs import RequestOutput
-from arcjax.engine.request import FINISH_ERROR
+from arcjax.engine.input_processor import Abort, InputProcessor, NewGroup, NewRequest
+from arcjax.engine.output_processor import OutputProcessor
+from arcjax.outputs import RequestOutput
+from arcjax.engine.request_state import FINISH_ERROR
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import (DuplicateRequestError, EngineConfigError, EngineDeadError,
                            RequestError, UnknownRequestError)
 from arcjax.parallel.multihost import FollowerStop
 from arcjax.runtime.runner import ModelRunner
-from arcjax.runtime.sampling import SamplingParams
+from arcjax.sampling_params import SamplingParams
 from arcjax.structured import StructuredOutputManager
 
 Sink = Callable[[RequestOutput], None]
@@ -53,7 +53,7 @@ class Engine:
       trace_capacity: steps the trace ring keeps.
       async_scheduling: the overlapped step (plan step N+1 while step N runs) or the serial
         one; chosen here, once.
-      speculator: speculative decoding (`arcjax.engine.spec.Speculator`), or None.
+      speculator: speculative decoding (`arcjax.spec_decode.speculator.Speculator`), or None.
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from arcjax.engine.request import RequestState
+from arcjax.engine.request_state import RequestState
 
 CHILD_SEP = "\x1fn"  # child ids: f"{parent}{CHILD_SEP}{index}" (no user id contains \x1f)
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from arcjax.engine.outputs import Logprob, PositionLogprobs
-from arcjax.engine.request import RequestState
+from arcjax.outputs import Logprob, PositionLogprobs
+from arcjax.engine.request_state import RequestState
 from arcjax.runtime.penalties import TokenCounts
 
 

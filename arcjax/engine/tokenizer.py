@@ -147,13 +147,13 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf_file) -> Tokenizer:
-        """The tokenizer a GGUF file carries (an `arcjax.model.gguf.GGUFFile`; see
-        `arcjax.model.gguf_tokenizer`).
+        """The tokenizer a GGUF file carries (an `arcjax.model.formats.gguf_file.GGUFFile`; see
+        `arcjax.model.formats.gguf_tokenizer`).
 
         Raises:
           ModelConfigError: the file has no tokenizer, or one of an unsupported kind.
         """
-        from arcjax.model.gguf_tokenizer import build_tokenizer
+        from arcjax.model.formats.gguf_tokenizer import build_tokenizer
 
         t = build_tokenizer(gguf_file)
         return cls(t.tokenizer, eos_token_ids=t.eos_token_ids, bos_token_id=t.bos_token_id,

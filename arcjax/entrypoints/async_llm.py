@@ -31,11 +31,11 @@ import time
 from collections.abc import AsyncIterator
 
 from arcjax.engine.build import build_engine
-from arcjax.engine.config import EngineConfig
-from arcjax.engine.outputs import CompletionOutput, RequestOutput
+from arcjax.engine.engine_config import EngineConfig
+from arcjax.outputs import CompletionOutput, RequestOutput
 from arcjax.errors import EngineDeadError, UnknownRequestError
-from arcjax.runtime.sampling import SamplingParams
-from arcjax.runtime.sampling_params import RequestOutputKind
+from arcjax.sampling_params import SamplingParams
+from arcjax.sampling_params import RequestOutputKind
 
 log = logging.getLogger(__name__)
 

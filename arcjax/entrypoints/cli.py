@@ -17,9 +17,9 @@ import os
 import sys
 import typing
 
-from arcjax.engine.config import (ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
+from arcjax.engine.engine_config import (ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
                                   EngineConfig)
-from arcjax.structured.tool_parsers import PARSERS
+from arcjax.entrypoints.openai.tool_parsers import PARSERS
 
 _CHOICES = {"dtype": DTYPES, "attention_impl": ATTENTION_IMPLS, "quantization": QUANTIZATIONS,
             "kv_cache_dtype": KV_CACHE_DTYPES,
@@ -98,7 +98,7 @@ class ServeCommand:
     """`arcjax serve` as parsed: what `serve()` is called with."""
 
     model_dir: str | None
-    config: "object"  # arcjax.entrypoints.serve.ServeConfig
+    config: "object"  # arcjax.entrypoints.openai.api_server.ServeConfig
     engine_options: dict
     warmup: bool
     compilation_cache_dir: str | None
@@ -108,7 +108,7 @@ def parse_serve(argv: list[str]) -> ServeCommand:
     """Parses `serve [MODEL_DIR] [--flags]` (argv without the program name). Engine flags
     not given are left out, so ARC_* variables and defaults apply; $ARCJAX_API_KEY fills
     --api-key."""
-    from arcjax.entrypoints.serve import ServeConfig
+    from arcjax.entrypoints.openai.api_server import ServeConfig
 
     parser, engine_names = build_parser()
     args = parser.parse_args(argv)
@@ -127,7 +127,7 @@ def parse_serve(argv: list[str]) -> ServeCommand:
 def main(argv: list[str] | None = None) -> int:
     """The `arcjax` console script."""
     cmd = parse_serve(sys.argv[1:] if argv is None else argv)
-    from arcjax.entrypoints.serve import serve
+    from arcjax.entrypoints.openai.api_server import serve
 
     if cmd.compilation_cache_dir:
         from arcjax.runtime.runner import enable_persistent_compilation_cache

@@ -18,14 +18,14 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 
 from arcjax.engine.build import build_engine
-from arcjax.engine.config import SCHEDULER_OPTIONS, EngineConfig
-from arcjax.engine.outputs import RequestOutput
+from arcjax.engine.engine_config import SCHEDULER_OPTIONS, EngineConfig
+from arcjax.outputs import RequestOutput
 from arcjax.engine.trace import attention_report, summarize, write_jsonl
-from arcjax.entrypoints.chat import ChatTemplate, ChatTemplateError
+from arcjax.entrypoints.chat_template import ChatTemplate, ChatTemplateError
 from arcjax.errors import EngineDeadError, RequestError
 from arcjax.model.quant import storage_dtypes
-from arcjax.runtime.sampling import SamplingParams
-from arcjax.runtime.sampling_params import RequestOutputKind
+from arcjax.sampling_params import SamplingParams
+from arcjax.sampling_params import RequestOutputKind
 
 
 class LLM:
@@ -34,7 +34,7 @@ class LLM:
     Args:
       model: a Hugging Face-format directory (config.json, *.safetensors, tokenizer.json),
         a GGUF file (or a directory holding one), or a Hub id "org/name" (`revision=`).
-      **options: engine options (see `arcjax.engine.config.EngineConfig`): revision,
+      **options: engine options (see `arcjax.engine.engine_config.EngineConfig`): revision,
         quantization ("fp8" | "int8"), kv_cache_dtype ("auto" | "fp8"), dtype,
         max_model_len, num_kv_blocks, kv_memory_fraction, block_size, attention_impl, seed,
         cache_dir, trace_capacity, and the scheduler knobs policy, max_num_batched_tokens,
@@ -161,7 +161,7 @@ class LLM:
 
         The model's chat template (tokenizer_config.json `chat_template`, or
         chat_template.jinja) is rendered in jinja2's sandbox as transformers'
-        `apply_chat_template` does (`arcjax.entrypoints.chat`), then tokenized without
+        `apply_chat_template` does (`arcjax.entrypoints.chat_template`), then tokenized without
         adding special tokens (the template prints them). `output.prompt` is the rendered text.
 
         Raises:

@@ -1,6 +1,6 @@
 """The model: config from config.json, parameter/cache specs, the decoder, weights I/O."""
 
-from arcjax.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from arcjax.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from arcjax.model.decoder import StepBatch, forward, forward_dense, forward_with_stats, lm_head
 from arcjax.model.specs import (Cache, ParamSpec, Params, cache_specs, init_params, make_cache,
                                 param_specs)

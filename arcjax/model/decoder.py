@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from arcjax.model import moe
-from arcjax.model.config import ModelConfig, rope_inv_freq
+from arcjax.model.model_config import ModelConfig, rope_inv_freq
 from arcjax.model.quant import dense
 from arcjax.model.specs import CACHE_AXES, Cache, Params
 

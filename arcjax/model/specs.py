@@ -18,7 +18,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from arcjax.model.config import ModelConfig
+from arcjax.model.model_config import ModelConfig
 
 Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"?}
 Cache = dict  # {"k": [L * num_blocks, block_size, Hkv, D], "v": same, FP8: "k_scale": [L], ...}

@@ -41,7 +41,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arcjax.errors import EngineConfigError
-from arcjax.model.config import ModelConfig
+from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import cache_specs, is_scaled, is_spec, make_cache, param_specs
 
 TP_AXIS = "tp"

@@ -41,12 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from arcjax.model import decoder
-from arcjax.model.config import ModelConfig
+from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import make_cache
 from arcjax.runtime.batching import build_batch, empty_batch
 from arcjax.runtime.buckets import Bucket, BucketSet
-from arcjax.runtime.outputs import PromptTargets, StepOutput, prompt_targets
-from arcjax.runtime import spec_decode
+from arcjax.runtime.step_output import PromptTargets, StepOutput, prompt_targets
+from arcjax.spec_decode import verification
 from arcjax.runtime.penalties import TokenCounts
 from arcjax.runtime.sampling import (SamplingBatch, TokenLogprobs, bitmask_words, sample_step,
                                      token_logprobs)
@@ -75,7 +75,7 @@ def _sampled(logits, sampling, counts, bitmask, spec, sample_width):
     if spec is None:
         tokens, logprobs, counts = sample_step(logits, sampling, counts, bitmask)
         return tokens, None, logprobs, counts
-    return spec_decode.verify(logits, sampling, spec, counts, sample_width, bitmask)
+    return verification.verify(logits, sampling, spec, counts, sample_width, bitmask)
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "sample_width"),
@@ -291,7 +291,7 @@ class ModelRunner:
 
         A plan whose decode rows carry draft tokens runs in a bucket of sample width
         1 + num_speculative_tokens: its sampling inputs are per position and a fifth item,
-        the `spec_decode.SpecInputs`, follows the prompt targets (None when not asked).
+        the `verification.SpecInputs`, follows the prompt targets (None when not asked).
         """
         drafts = plan.spec_token_ids
         if drafts:
@@ -303,7 +303,7 @@ class ModelRunner:
                             block_size=self.block_size, num_blocks=self.num_blocks)
         spec = None
         if drafts:
-            rows, sampling, spec = spec_decode.pack(
+            rows, sampling, spec = verification.pack(
                 batch.cu_seqlens_q, plan.sample_counts, drafts, list(sampling_rows),
                 num_seqs=bucket.seqs, width=bucket.sample_width, spare_slot=self.counts.spare)
             batch = dataclasses.replace(batch, logits_rows=rows)
@@ -388,7 +388,7 @@ class ModelRunner:
         return batch, sampling, prompt, spec, bitmask
 
     def run(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
-            spec: spec_decode.SpecInputs | None = None, bitmask: np.ndarray | None = None
+            spec: verification.SpecInputs | None = None, bitmask: np.ndarray | None = None
             ) -> StepOutput:
         """Runs the step; returns its `StepOutput`: `tokens` [R] (and `num_yielded` [S] in a
         verification step) on the host (after the device is done), log-probabilities
@@ -397,7 +397,7 @@ class ModelRunner:
                                         bitmask=bitmask))
 
     def launch(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
-               spec: spec_decode.SpecInputs | None = None,
+               spec: verification.SpecInputs | None = None,
                feed: tuple[StepHandle, np.ndarray] | None = None,
                bitmask: np.ndarray | None = None) -> StepHandle:
         """Dispatches the step and returns without waiting for the device.
@@ -435,7 +435,7 @@ class ModelRunner:
 
     def launch_sampling(self, handle: StepHandle, sampling,
                         bitmask: np.ndarray | None = None,
-                        spec: spec_decode.SpecInputs | None = None) -> StepHandle:
+                        spec: verification.SpecInputs | None = None) -> StepHandle:
         """Dispatches the sampling (and the verification of `spec`'s drafts) of a step
         launched by `launch_forward`; `handle` is then like one `launch` returned."""
         bucket, logits, prompt_lp, experts = handle._forward
@@ -498,7 +498,7 @@ class ModelRunner:
             if bucket.sample_width == 1:
                 self.run(bucket, batch, SamplingBatch.build([], bucket.seqs, self.counts.spare))
                 continue
-            rows, sampling, spec = spec_decode.pack(
+            rows, sampling, spec = verification.pack(
                 batch.cu_seqlens_q, (), (), (), num_seqs=bucket.seqs,
                 width=bucket.sample_width, spare_slot=self.counts.spare)
             self.run(bucket, dataclasses.replace(batch, logits_rows=rows), sampling, None, spec)

@@ -26,9 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arcjax.errors import SamplingParamsError  # noqa: F401  re-exported for callers
 from arcjax.runtime.penalties import apply_penalties, count_sampled
-from arcjax.runtime.sampling_params import INT32_MAX, MAX_LOGPROBS, SamplingParams  # noqa: F401
+from arcjax.sampling_params import MAX_LOGPROBS
 
 
 @jax.tree_util.register_dataclass

@@ -29,7 +29,7 @@ import numpy as np
 
 from arcjax.errors import StructuredOutputsError
 from arcjax.runtime.sampling import bitmask_words
-from arcjax.runtime.structured_params import StructuredOutputsParams
+from arcjax.sampling_params import StructuredOutputsParams
 
 CACHE_SIZE = 256  # compiled templates kept (each holds its lexer: KBs to a few MBs)
 # JSON whitespace between two tokens when the request does not say: at most one space or

@@ -35,8 +35,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from arcjax import model
-from arcjax.model import weights
-from arcjax.model.config import ModelConfig
+from arcjax.model.formats import hf_checkpoint
+from arcjax.model.model_config import ModelConfig
 
 EOT = "<|endoftext|>"
 _SKIP_DIRS = frozenset({"site-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -311,7 +311,7 @@ def train(cfg: TrainConfig, *, log=print) -> dict:
     }
     if cfg.export_dir:
         export_dtype = jnp.dtype(cfg.export_dtype)
-        weights.save_hf(params, mcfg, cfg.export_dir, dtype=export_dtype)
+        hf_checkpoint.save_hf(params, mcfg, cfg.export_dir, dtype=export_dtype)
         write_tokenizer_files(tok, cfg.export_dir, max_length=mcfg.max_position_embeddings)
         rounded = jax.tree.map(lambda p: p.astype(export_dtype).astype(jnp.float32), params)
         nll_x = held_out_nll(rounded, mcfg, held_stream, cfg.seq_len, cfg.eval_windows,

@@ -108,7 +108,7 @@ def has_tokenizer(f) -> bool:
 
 
 def build_tokenizer(f) -> GGUFTokenizer:
-    """The tokenizer of GGUF file `f` (an `arcjax.model.gguf.GGUFFile`).
+    """The tokenizer of GGUF file `f` (an `arcjax.model.formats.gguf_file.GGUFFile`).
 
     Raises:
       ModelConfigError: no tokenizer in the file, or a kind other than gpt2/llama.

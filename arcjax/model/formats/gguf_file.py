@@ -29,10 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from arcjax.errors import WeightsError
-from arcjax.model.config import ModelConfig
-from arcjax.model.gguf_config import ARCHITECTURES, gguf_config
+from arcjax.model.model_config import ModelConfig
+from arcjax.model.formats.gguf_config import ARCHITECTURES, gguf_config
 from arcjax.model.specs import Params
-from arcjax.model.weights import assemble_host
+from arcjax.model.formats.hf_checkpoint import assemble_host
 
 _LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",

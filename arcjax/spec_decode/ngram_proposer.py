@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from arcjax.runtime.speculative import ProposalRow
+from arcjax.spec_decode.speculative_config import ProposalRow
 
 
 def lookup(tokens: np.ndarray, n_min: int, n_max: int, count: int) -> np.ndarray:

@@ -23,10 +23,10 @@ import numpy as np
 
 import scheduler
 from arcjax.engine.group import RequestGroup, child_id, child_seed
-from arcjax.engine.request import RequestState
+from arcjax.engine.request_state import RequestState
 from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from arcjax.errors import RequestError, StructuredOutputsError
-from arcjax.runtime.sampling import SamplingParams
+from arcjax.sampling_params import SamplingParams
 from arcjax.structured import StructuredOutputManager
 
 

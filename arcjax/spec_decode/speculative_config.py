@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from arcjax.errors import EngineConfigError, ModelFileError
-from arcjax.model.hub import ModelSource, resolve_model
-from arcjax.model.loader import model_config
+from arcjax.model.formats.hub import ModelSource, resolve_model
+from arcjax.model.formats.loader import model_config
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32  # a verification row is 1 + k tokens; its bucket S * (1 + k)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 import scheduler
-from arcjax.runtime.speculative import ProposalRow, Proposer, SpeculativeConfig
+from arcjax.spec_decode.speculative_config import ProposalRow, Proposer, SpeculativeConfig
 
 
 @dataclasses.dataclass

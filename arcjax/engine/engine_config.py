@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import scheduler
 from arcjax.errors import ConfigError, EngineConfigError
-from arcjax.runtime.speculative import SpeculativeConfig
+from arcjax.spec_decode.speculative_config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 # "auto" resolves per bucket (`pallas_kernels.resolve_call`); the GPU kernels: Pallas-Triton
@@ -78,7 +78,7 @@ class EngineConfig:
       speculative_config: speculative decoding, vLLM's keys: {"method": "ngram",
         "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or
         {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}, optionally
-        "disable_by_batch_size" (`arcjax.runtime.speculative.SpeculativeConfig`; a dict or
+        "disable_by_batch_size" (`arcjax.spec_decode.speculative_config.SpeculativeConfig`; a dict or
         its JSON text is turned into one); None = off. Outputs are the same either way.
       policy ... enable_prefix_caching: the scheduler knobs (see scheduler.SchedulerConfig);
         max_num_seqs defaults to 64 here; prefix caching is on by default.
@@ -182,7 +182,7 @@ class EngineConfig:
             raise EngineConfigError(unknown[0], f"unknown engine option(s) {unknown}; options "
                                                 f"are {sorted(names - {'model'})}")
         env = {}
-        for var, field in scheduler.config.ENV_FIELDS.items():
+        for var, field in scheduler.scheduler_config.ENV_FIELDS.items():
             raw = os.environ.get(var, "").strip()
             if raw and field not in options:
                 try:

@@ -20,11 +20,11 @@ import dataclasses
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from arcjax.engine.outputs import RequestOutput
-from arcjax.engine.trace import StepRecord
-from scheduler.plan import Engaged
+from arcjax.outputs import RequestOutput
+from scheduler.metrics import StepRecord
+from scheduler.step_plan import Engaged
 
-# Scheduler `Engaged` fields (scheduler/plan.py) counted per step.
+# Scheduler `Engaged` fields (scheduler/step_plan.py) counted per step.
 KNOBS = tuple(f.name for f in dataclasses.fields(Engaged))
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,

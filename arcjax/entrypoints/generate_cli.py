@@ -39,7 +39,7 @@ _HELP = {
 def generate(cfg: GenerateConfig) -> list[str]:
     """Completions (generated text only) of cfg.prompt, num_prompts of them."""
     from arcjax.entrypoints.llm import LLM
-    from arcjax.runtime.sampling_params import SamplingParams
+    from arcjax.sampling_params import SamplingParams
 
     if cfg.num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {cfg.num_prompts}")

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from arcjax.errors import ModelConfigError
-from arcjax.model.config import ModelConfig
+from arcjax.model.model_config import ModelConfig
 from arcjax.model.families import GEMMA_ARCHITECTURES, MOE_ARCHITECTURES
 
 # general.architecture -> (our architecture, q/k permuted by llama.cpp's converter)
@@ -147,7 +147,7 @@ def _windows(f, arch: str, layers: int) -> dict:
 
 
 def gguf_config(f) -> ModelConfig:
-    """The model configuration of `f` (an `arcjax.model.gguf.GGUFFile`).
+    """The model configuration of `f` (an `arcjax.model.formats.gguf_file.GGUFFile`).
 
     Raises:
       ModelConfigError: an unsupported architecture, missing or inconsistent metadata.

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from arcjax.engine.outputs import (
+from arcjax.outputs import (
     CompletionOutput,
     Logprob,
     PositionLogprobs,

@@ -12,7 +12,7 @@ import json
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from arcjax.entrypoints import openai_protocol as proto
+from arcjax.entrypoints.openai import protocol as proto
 
 
 class HTTPError(Exception):

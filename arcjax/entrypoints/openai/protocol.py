@@ -30,12 +30,12 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
-from arcjax.engine.outputs import RequestOutput
-from arcjax.entrypoints import openai_logprobs as lp
+from arcjax.outputs import RequestOutput
+from arcjax.entrypoints.openai import response_logprobs as lp
 from arcjax.errors import RequestError, SamplingParamsError
-from arcjax.runtime.sampling import SamplingParams
-from arcjax.structured import openai_fields
-from arcjax.structured.tools import ToolPlan, plan_tools, template_messages, tool_calls_json
+from arcjax.sampling_params import SamplingParams
+from arcjax.entrypoints.openai import structured_fields
+from arcjax.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_messages, tool_calls_json
 
 
 class ProtocolError(RequestError):
@@ -58,7 +58,7 @@ _UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "suffix": (None, ""
                 "function_call": (None, "none"), "prompt_logprobs": (None,)}
 _IGNORED = {"user"}  # see the module NOTE
 _COMMON = {"model", "max_tokens", "stream", "stream_options", "logprobs", *_SAMPLING,
-           *_UNSUPPORTED, *_IGNORED, *openai_fields.FIELDS}
+           *_UNSUPPORTED, *_IGNORED, *structured_fields.FIELDS}
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "add_generation_prompt",
                           "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"}
@@ -83,7 +83,7 @@ class ParsedRequest:
     add_generation_prompt: bool = True
     ignored: tuple[str, ...] = ()  # unknown fields, accepted and ignored (sorted)
     tools: ToolPlan | None = None  # chat: how tools shape the output and the response
-    constraint: openai_fields.Constraint = openai_fields.Constraint(None, None)
+    constraint: structured_fields.Constraint = structured_fields.Constraint(None, None)
 
 
 def _is_int(x) -> bool:
@@ -126,7 +126,7 @@ def _chat_logprobs(body: dict) -> int | None:
 
 def _common(body: dict, max_field: str, default_max: int | None, logprobs: int | None,
             max_stop_strings: int,
-            constraint: openai_fields.Constraint = openai_fields.Constraint(None, None)):
+            constraint: structured_fields.Constraint = structured_fields.Constraint(None, None)):
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ProtocolError("model", f"must be a string, got {model!r}")
@@ -186,7 +186,7 @@ def parse_completion(body, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS) -> 
     else:
         raise ProtocolError("prompt", "must be a string, a list of strings, a list of token "
                                       "ids or a list of lists of token ids (non-empty)")
-    constraint = openai_fields.constraint_from_body(body)
+    constraint = structured_fields.constraint_from_body(body)
     model, params, stream, include_usage, given = _common(
         body, "max_tokens", 16, _completion_logprobs(body), max_stop_strings, constraint)
     return ParsedRequest(model, prompts, params, stream, include_usage, "max_tokens", given,
@@ -236,7 +236,7 @@ def parse_chat(body, max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
         raise ProtocolError("add_generation_prompt", "must be a boolean")
     tools = plan_tools(body.get("tools"), body.get("tool_choice"),
                        body.get("parallel_tool_calls"), tool_parser)
-    constraint = openai_fields.constraint_from_body(body, tools.constraint)
+    constraint = structured_fields.constraint_from_body(body, tools.constraint)
     model, params, stream, include_usage, given = _common(body, max_field, None,
                                                           _chat_logprobs(body), max_stop_strings,
                                                           constraint)

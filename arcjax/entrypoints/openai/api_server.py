@@ -50,23 +50,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from arcjax.engine.outputs import RequestOutput
+from arcjax.outputs import RequestOutput
 from arcjax.engine.trace import attention_report
-from arcjax.entrypoints import openai_protocol as proto
+from arcjax.entrypoints.openai import protocol as proto
 from arcjax.entrypoints.async_llm import AsyncLLM, RequestStream
-from arcjax.entrypoints.chat import ChatTemplate
-from arcjax.entrypoints.metrics import ServerMetrics
-from arcjax.entrypoints.openai_logprobs import ChoiceStream, completions_of
-from arcjax.entrypoints.serve_http import (EventStream, HTTPError, TraceFanout, build_server,
+from arcjax.entrypoints.chat_template import ChatTemplate
+from arcjax.entrypoints.openai.server_metrics import ServerMetrics
+from arcjax.entrypoints.openai.response_logprobs import ChoiceStream, completions_of
+from arcjax.entrypoints.openai.http_server import (EventStream, HTTPError, TraceFanout, build_server,
                                            close_outputs, error_response, parse_json,
                                            too_large, until_disconnect)
 from arcjax.errors import (EngineDeadError, InputError, RequestError, StructuredOutputsError,
                            UnknownRequestError)
 from arcjax.model.quant import storage_dtypes
-from arcjax.runtime.sampling_params import RequestOutputKind
-from arcjax.structured.openai_fields import rename_field
-from arcjax.structured.tool_parsers import PARSERS, guess_parser
-from arcjax.structured.tools import ToolCallStream
+from arcjax.sampling_params import RequestOutputKind
+from arcjax.entrypoints.openai.structured_fields import rename_field
+from arcjax.entrypoints.openai.tool_parsers import PARSERS, guess_parser
+from arcjax.entrypoints.openai.tool_calls import ToolCallStream
 
 log = logging.getLogger(__name__)
 

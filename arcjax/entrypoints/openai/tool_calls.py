@@ -25,8 +25,8 @@ import uuid
 from collections.abc import Sequence
 
 from arcjax.errors import RequestError
-from arcjax.runtime.structured_params import StructuredOutputsParams
-from arcjax.structured.tool_parsers import Parsed, ToolCall, get_parser
+from arcjax.sampling_params import StructuredOutputsParams
+from arcjax.entrypoints.openai.tool_parsers import Parsed, ToolCall, get_parser
 
 _NAME = re.compile(r"^[a-zA-Z0-9_.\-]{1,64}$")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}

@@ -91,8 +91,8 @@ class ChatTemplate:
         `tokenizer.chat_template` metadata); None if it has none."""
         model_dir = os.fspath(model_dir)
         if model_dir.lower().endswith(".gguf") and os.path.isfile(model_dir):
-            from arcjax.model.gguf import GGUFFile
-            from arcjax.model.gguf_tokenizer import chat_template
+            from arcjax.model.formats.gguf_file import GGUFFile
+            from arcjax.model.formats.gguf_tokenizer import chat_template
 
             return cls(*chat_template(GGUFFile(model_dir)))
         cfg = {}

@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from arcjax.errors import ModelConfigError, WeightsError
-from arcjax.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from arcjax.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from arcjax.model.specs import Params, is_spec, param_specs
 
 # arcjax name -> (Hugging Face name pattern, transpose). "{i}" is the layer index, "{e}" the

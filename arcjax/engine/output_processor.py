@@ -24,9 +24,9 @@ import dataclasses
 from collections.abc import Callable
 
 from arcjax.engine.group import RequestGroup
-from arcjax.engine.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
-from arcjax.engine.request import FINISH_STOP, RequestState
-from arcjax.runtime.sampling_params import RequestOutputKind
+from arcjax.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
+from arcjax.engine.request_state import FINISH_STOP, RequestState
+from arcjax.sampling_params import RequestOutputKind
 
 DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 

@@ -26,8 +26,9 @@ import numpy as np
 from arcjax.runtime.batching import build_batch
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.runner import ExecutableCache, ModelRunner
-from arcjax.runtime.sampling import SamplingBatch, SamplingParams
-from arcjax.runtime.speculative import ProposalRow
+from arcjax.runtime.sampling import SamplingBatch
+from arcjax.sampling_params import SamplingParams
+from arcjax.spec_decode.speculative_config import ProposalRow
 
 _GREEDY = SamplingParams(temperature=0.0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from scheduler.errors import ConfigError
+from scheduler.scheduler_errors import ConfigError
 
 POLICIES = ("prefill_first", "alternate", "token_budget")
 

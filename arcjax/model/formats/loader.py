@@ -26,15 +26,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from arcjax.errors import EngineConfigError, WeightsError
-from arcjax.model.config import ModelConfig
-from arcjax.model.gguf import GGUFFile, gguf_config, gguf_host
-from arcjax.model.hub import ModelSource
+from arcjax.model.model_config import ModelConfig
+from arcjax.model.formats.gguf_file import GGUFFile, gguf_host
+from arcjax.model.formats.gguf_config import gguf_config
+from arcjax.model.formats.hub import ModelSource
 from arcjax.model.quant import (LINEAR_WEIGHTS, QuantizedWeight, quantize, quantize_params,
                                 quantized_specs)
-from arcjax.model.quant_checkpoint import (checkpoint_quantization, open_raw, read_kv_scales,
+from arcjax.model.formats.quantized_checkpoint import (checkpoint_quantization, open_raw, read_kv_scales,
                                            read_quantized, stack_layer_weight)
 from arcjax.model.specs import Params, param_specs
-from arcjax.model.weights import assemble_host, hf_layer_name, load_hf, read_config
+from arcjax.model.formats.hf_checkpoint import assemble_host, hf_layer_name, load_hf, read_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ def load_model(source: ModelSource, *, dtype, cache_dir=None, parallel=None,
     """Loads `source` (see the module docstring).
 
     Args:
-      source: a resolved model (`arcjax.model.hub.resolve_model`).
+      source: a resolved model (`arcjax.model.formats.hub.resolve_model`).
       dtype: the compute dtype (float params are stored in it).
       cache_dir: the orbax cache of converted float safetensors params (else unused).
       parallel: an `arcjax.parallel.TensorParallel` (passed in: the model package never

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from arcjax.engine.outputs import PositionLogprobs
+from arcjax.outputs import PositionLogprobs
 from arcjax.engine.tokenizer import IncrementalDetokenizer
-from arcjax.runtime.sampling import SamplingParams
+from arcjax.sampling_params import SamplingParams
 from arcjax.structured import RequestGrammar
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"

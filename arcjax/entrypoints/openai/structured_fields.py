@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from arcjax.errors import RequestError, StructuredOutputsError
-from arcjax.runtime.structured_params import KINDS, StructuredOutputsParams
+from arcjax.sampling_params import KINDS, StructuredOutputsParams
 
 FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
           "guided_choice", "guided_grammar", "guided_whitespace_pattern",
