@@ -20,10 +20,11 @@ as `file:line: span: why`. Rules, applied to a span in this order:
     scheduler/, pallas_kernels/, tests/, scripts/, docs/, .ci/) must exist; a glob
     (`*`, `?`) must match at least one file. A relative path of a module (`engine/core.py`)
     or directory (`model/formats/`) not rooted there must be the tail of a path in the
-    repository. Paths starting with `/`, `~` or `.` (other than .ci/), URLs, and paths
-    whose first part is an external project (`EXTERNAL_ROOTS`: vllm/, jax/ ...) are not the
-    repository's and are skipped. A bare file name ending in .py, .md, .sh, .json or .toml
-    (`README.md`, `plan.py`) must name a file of the repository, at the root or below
+    repository. Paths starting with `/`, `~` or `.` (other than .ci/), URLs, paths whose
+    first part is an external project (`EXTERNAL_ROOTS`: vllm/, jax/ ...), and other
+    relative paths (a command's outputs such as runs/x.json, Hub ids such as org/name) are
+    not the repository's and are skipped. A bare file name ending in .py, .md, .sh, .json or
+    .toml (`README.md`, `plan.py`) must name a file of the repository, at the root or below
     (globs too). Other file names (.gguf, .safetensors, .jsonl, .png ...) are data files
     outside the repository and are skipped.
  7. Dotted names (`a.b.c`, a trailing `()` ignored). Rooted at arcjax, scheduler or
@@ -54,15 +55,18 @@ as `file:line: span: why`. Rules, applied to a span in this order:
     a top-level entry (`arcjax/bench/burst.py`, `docs/design/`, a glob) must exist, as in
     rule 6.
 
-Known names are collected with `ast` from every .py under arcjax/, scheduler/,
-pallas_kernels/, tests/ and scripts/ (this file excepted: its examples of stale citations are
-not names): definitions of functions and classes, their
-arguments, assigned and used variables (dataclass fields included), attribute names,
-keyword-argument names, imported names, module and package names, and the identifiers inside
-string constants without whitespace (environment variables such as ARC_PREFILL_MAX_SEQS,
-policy and metric names, checkpoint tensor names such as "rope_freqs.weight"). Docstrings and
-messages (strings with whitespace) are not split into words, so a name mentioned only in
-prose does not count. Nothing is imported; the whole check reads files only.
+The repository's files are git's view of the working tree (tracked files plus untracked ones
+.gitignore does not exclude; without git, a walk skipping hidden, build and output
+directories), so an ignored build copy never makes a stale path pass. Known names are
+collected with `ast` from every .py under arcjax/, scheduler/, pallas_kernels/, tests/ and
+scripts/ (this file excepted: its examples of stale citations are not names): definitions
+of functions and classes, their arguments, assigned and used variables (dataclass fields
+included), attribute names, keyword-argument names, imported names, module and package
+names, and the identifiers inside string constants without whitespace (environment
+variables such as ARC_PREFILL_MAX_SEQS, policy and metric names, checkpoint tensor names
+such as "rope_freqs.weight"). Docstrings and messages (strings with whitespace) are not
+split into words, so a name mentioned only in prose does not count. Nothing of the project
+is imported: the check reads files only.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ import ast
 import fnmatch
 import functools
 import re
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,14 +137,26 @@ _BARE_PATH = re.compile(r"(?<![\w/.~-])(?:%s)/[\w./*-]*[\w*/]"
 # What the repository holds: files, modules, names.
 
 
+_SKIPPED_DIRS = ("__pycache__", "build", "dist", "runs", "out")
+
+
 def _walk_files(root: Path) -> list[str]:
+    """The repository's files: git's view (tracked, plus untracked files .gitignore does not
+    exclude), or, without git, a walk that skips hidden, build and output directories."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=root,
+            capture_output=True, check=True, timeout=30).stdout.decode().split("\0")
+        return sorted(f for f in listed if f and (root / f).is_file())
+    except (OSError, subprocess.SubprocessError):
+        pass
     out = []
     for p in root.rglob("*"):
         rel = p.relative_to(root)
-        if any(part in ("__pycache__", ".git") or (part.startswith(".") and part != ".ci")
-               for part in rel.parts):
+        if any(part in _SKIPPED_DIRS or part.endswith(".egg-info")
+               or (part.startswith(".") and part != ".ci") for part in rel.parts[:-1]):
             continue
-        if p.is_file():
+        if p.is_file() and not rel.name.startswith("."):
             out.append(rel.as_posix())
     return sorted(out)
 
@@ -163,9 +180,8 @@ class _ClassInfo:
 @dataclass
 class _ModuleInfo:
     path: str
-    top: dict[str, tuple] = field(default_factory=dict)  # name -> ("def"|"class"|"value"|"import", ...)
-    classes: dict[str, ast.ClassDef] = field(default_factory=dict)  # every class, by name
-    lines: int = 0
+    # module-level name -> ("def",) | ("class", node) | ("value",) | ("import", module, name)
+    top: dict[str, tuple] = field(default_factory=dict)
 
 
 class Repo:
@@ -195,23 +211,20 @@ class Repo:
             except SyntaxError:
                 continue
             self._trees[rel] = tree
-            classes = self._collect_names(tree, rel)
+            self._collect_names(tree, rel)
             if top in PACKAGES:
                 parts = rel[:-3].split("/")
                 if parts[-1] == "__init__":
                     parts = parts[:-1]
-                info = self._module_info(tree, rel, text)
-                info.classes = classes
-                self.modules[".".join(parts)] = info
+                self.modules[".".join(parts)] = self._module_info(tree, rel)
 
     # -- names ----------------------------------------------------------------------------
 
-    def _collect_names(self, tree: ast.Module, rel: str) -> dict[str, ast.ClassDef]:
+    def _collect_names(self, tree: ast.Module, rel: str) -> None:
         """Adds the file's names to `names` and its classes to `classes`, in one traversal
         (`self.x` assignments are credited to the innermost enclosing class)."""
         names = self.names
         names.update(rel[:-3].split("/"))
-        found: dict[str, ast.ClassDef] = {}
         stack: list[tuple[ast.AST, _ClassInfo | None]] = [(tree, None)]
         while stack:
             node, owner = stack.pop()
@@ -220,7 +233,6 @@ class Repo:
                 owner = self._class_info(node)
                 self._class_nodes[id(node)] = owner
                 self.classes.setdefault(node.name, []).append(owner)
-                found.setdefault(node.name, node)
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 names.add(node.name)
             elif isinstance(node, ast.arg):
@@ -247,7 +259,6 @@ class Repo:
                     names.update(_IDENT.findall(node.value))
                 continue
             stack.extend((child, owner) for child in ast.iter_child_nodes(node))
-        return found
 
     @staticmethod
     def _class_info(node: ast.ClassDef) -> _ClassInfo:
@@ -272,8 +283,8 @@ class Repo:
                 info.attrs.update(_target_names(stmt.target))
         return info
 
-    def _module_info(self, tree: ast.Module, rel: str, text: str) -> _ModuleInfo:
-        info = _ModuleInfo(path=rel, lines=len(text.splitlines()))
+    def _module_info(self, tree: ast.Module, rel: str) -> _ModuleInfo:
+        info = _ModuleInfo(path=rel)
         package = rel[:-3].replace("/", ".")
         package = package.rpartition(".")[0] if not rel.endswith("__init__.py") else package[:-9]
 
@@ -525,11 +536,6 @@ def _spans(prose: str) -> list[tuple[int, str, int, int]]:
             pos = end.end()
         else:
             pos = m.end()
-
-
-def code_spans(prose: str) -> list[tuple[int, str]]:
-    """(line, content) of every inline code span."""
-    return [(line, content) for line, content, _, _ in _spans(prose)]
 
 
 def _blank(text: str, ranges) -> str:
