@@ -17,10 +17,12 @@ from arcjax import SamplingParams, StructuredOutputsError, StructuredOutputsPara
 from arcjax.runtime.sampling import SamplingBatch, apply_bitmask, bitmask_words, sample_step
 from arcjax.structured import GrammarCompiler, MaskFiller
 from arcjax.entrypoints.openai.structured_fields import constraint_from_body
-from arcjax.entrypoints.openai.tool_parsers import (HermesToolParser, Llama3JsonToolParser, ToolCall,
-                                            guess_parser)
 from arcjax.entrypoints.openai.tool_calls import (ToolCallStream, ToolsError, plan_tools,
-                                     template_messages)
+                                                  template_messages)
+from arcjax.entrypoints.openai.tool_parsers import guess_parser
+from arcjax.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolCall
+from arcjax.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from arcjax.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from hf_models import tiny_model_with_tokenizer
 
 VOCAB = 384
