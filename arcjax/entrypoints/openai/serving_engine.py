@@ -167,9 +167,10 @@ class StreamedChoices:
         n = self._served.parsed.params.n
         deltas = []
         for c in completions_of(out):
-            new = self._choices.delta(i * n + c.index, c)
+            index = i * n + c.index
+            new = self._choices.delta(index, c)
             if new is not None:
-                deltas.append(ChoiceDelta(i * n + c.index, *new))
+                deltas.append(ChoiceDelta(index, *new))
         failure = None
         if out.finished:
             self._finals[i] = out
