@@ -3,7 +3,8 @@
 `make_batch` builds one ragged paged-attention input from a list of
 `(q_len, kv_len)` pairs, the way the runner pads a step to its buckets:
 sequence rows past `num_seqs` and query rows past `cu_seqlens_q[num_seqs]`
-are padding. `make_device_batch`, `attention_work` and `time_ms` serve the
+are padding. `Batch.args()` gives its arrays in `ragged_paged_attention`'s
+order, `Batch.inputs(...)` the `AttentionInputs` the implementations take. `make_device_batch`, `attention_work` and `time_ms` serve the
 benchmarks (`scripts/bench_kernels.py`, `scripts/gpu_check.py`).
 """
 
