@@ -21,8 +21,10 @@ import pytest
 import arcjax.engine.core
 import scheduler
 from arcjax import AsyncLLM, EngineDeadError, SamplingParams
-from hf_models import tiny_model_dir
-from test_engine import GEOMETRY, _llm
+from support.device_caches import device_cache
+from support.engines import GEOMETRY
+from support.engines import tiny_llm as _llm
+from support.hf_models import tiny_model_dir
 
 RUNNING = 8  # GEOMETRY's max_num_seqs: a 9th request waits, untouched by the step
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -35,7 +37,7 @@ def _prompts(n=RUNNING + 2):
     return [rs.randint(3, 384, rs.randint(2, 20)).tolist() for _ in range(n)]
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache
 def _engine(overlapped: bool):
     return _llm(async_scheduling=overlapped)
 

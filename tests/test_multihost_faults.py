@@ -94,7 +94,7 @@ def _free_port() -> int:
 
 
 def test_a_failure_on_any_process_stops_every_process_with_the_same_error():
-    from hf_models import tiny_model_dir
+    from support.hf_models import tiny_model_dir
 
     model = tiny_model_dir("LlamaForCausalLM")
     env = dict(os.environ, JAX_PLATFORMS="cpu",

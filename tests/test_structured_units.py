@@ -21,7 +21,7 @@ from arcjax.entrypoints.openai.tool_parsers import (HermesToolParser, Llama3Json
                                             guess_parser)
 from arcjax.entrypoints.openai.tool_calls import (ToolCallStream, ToolsError, plan_tools,
                                      template_messages)
-from hf_models import tiny_model_with_tokenizer
+from support.hf_models import tiny_model_with_tokenizer
 
 VOCAB = 384
 EOS = 2
