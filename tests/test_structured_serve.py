@@ -25,7 +25,7 @@ from arcjax.entrypoints.chat_template import ChatTemplate
 from arcjax.entrypoints.openai.api_server import OpenAIServer, ServeConfig
 from arcjax.entrypoints.openai.tool_calls import template_messages
 from support.hf_models import tiny_model_with_chat_template
-from test_serve import GEOMETRY, RunningServer
+from support.running_server import GEOMETRY, RunningServer
 
 MODEL = "tiny-tools"
 TEMPLATE = (
