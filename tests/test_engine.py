@@ -68,7 +68,8 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     batch = llm.generate(engine_prompts()[:4] + [prompt], noisy + [p], use_tqdm=False)
     assert batch[-1].token_ids == alone
     top1 = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_k=1, ignore_eos=True)
-    assert [list(o.token_ids) for o in llm.generate(engine_prompts(), top1, use_tqdm=False)] == expected_greedy()
+    outs = llm.generate(engine_prompts(), top1, use_tqdm=False)
+    assert [list(o.token_ids) for o in outs] == expected_greedy()
 
 
 def test_stop_token_ids_and_stop_strings():

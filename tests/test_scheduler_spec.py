@@ -4,10 +4,10 @@ The property tests drive random workloads (every policy, chunked prefill, KV pre
 preemption, prefix caching, aborts, knobs changing between steps) with a proposer whose drafts
 are right with a random per-row probability, so every acceptance count 0 .. k occurs. The fake
 model is a function of (request, position), so the outputs are known: with speculation they
-must equal the outputs without it. `drive` (tests/support/scheduler_drivers.py) checks every plan and
-state as usual, plus: drafts take only what the rest of the step left (the plan without them
-is the same), a row never drafts past max_tokens, rows read exactly their own KV (drafts
-included), and only blocks full of verified tokens are ever cached.
+must equal the outputs without it. `drive` (tests/support/scheduler_drivers.py) checks every
+plan and state as usual, plus: drafts take only what the rest of the step left (the plan
+without them is the same), a row never drafts past max_tokens, rows read exactly their own KV
+(drafts included), and only blocks full of verified tokens are ever cached.
 """
 
 from __future__ import annotations
