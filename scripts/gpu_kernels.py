@@ -142,7 +142,7 @@ def correctness(cfg: CheckConfig) -> dict:
     from pallas_kernels import api, ragged_paged_attention
     from pallas_kernels.testing import make_batch
 
-    tolerances = {"bfloat16": 3e-2, "float32": 2e-5}  # tests/test_kernels_attention.py
+    tolerances = {"bfloat16": 3e-2, "float32": 2e-5}  # tests/support/attention_batches.py
     heads = (4, 2, 64) if cfg.cpu_smoke else LLAMA8B_HEADS
     seed = int(time.time()) % 2**16  # fresh inputs every run; recorded to replay
     rows = []

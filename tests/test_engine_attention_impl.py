@@ -23,8 +23,8 @@ from arcjax.model import decoder
 from arcjax.model.model_config import ModelConfig
 from arcjax.runtime.buckets import BucketSet
 from pallas_kernels import backends
-from test_engine import GEOMETRY
-from hf_models import tiny_model_dir
+from support.engines import GEOMETRY
+from support.hf_models import tiny_model_dir
 
 
 def _cfg(**changes) -> ModelConfig:

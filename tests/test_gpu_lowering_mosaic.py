@@ -12,7 +12,7 @@ import pytest
 
 from pallas_kernels import KernelArgumentError, backends, lowering, ragged_paged_attention
 from pallas_kernels.testing import make_batch
-from test_kernels_pallas_gpu import has_gpu
+from support.devices import has_gpu
 
 _UNAVAILABLE = backends.mosaic_gpu_unavailable()
 pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")

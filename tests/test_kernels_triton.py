@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from pallas_kernels import KernelArgumentError, backends, ragged_paged_attention, resolve_impl
 from pallas_kernels.testing import make_batch
-from test_kernels_attention import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
-from test_kernels_options import FP8, FP8_MAX, _nan_outside_windows
-from test_kernels_options import attention as attention_with_options
-from test_kernels_pallas_gpu import has_gpu
+from support.attention_batches import FP8, FP8_MAX, LAYOUT_IDS, LAYOUTS, TOLERANCES, attention
+from support.attention_batches import attention_with_options, draw_batch
+from support.attention_batches import nan_outside_windows as _nan_outside_windows
+from support.devices import has_gpu
 
 _MISSING = [m for m in ("triton", "torch") if importlib.util.find_spec(m) is None]
 needs_interpreter = pytest.mark.skipif(
