@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.backends import Choice
 from arcjax.model import moe
 from arcjax.model.model_config import ModelConfig, rope_inv_freq
 from arcjax.model.quant import dense
@@ -197,13 +198,19 @@ def _attention_options(cfg: ModelConfig, max_q_len: int | None, window, k_scale,
                 logit_softcap=cfg.attn_logit_softcap, k_scale=k_scale, v_scale=v_scale)
 
 
-def attention_impl(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: int,
-                   max_q_len: int | None, dtype, parallel=None,
-                   platform: str | None = None) -> str:
+def attention_impl(cache: Cache, **bucket) -> str:
+    """The attention implementation `forward_with_stats` runs for a bucket:
+    `attention_choice(cache, **bucket).impl`."""
+    return attention_choice(cache, **bucket).impl
+
+
+def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: int,
+                     max_q_len: int | None, dtype, parallel=None,
+                     platform: str | None = None) -> Choice:
     """The attention implementation `forward_with_stats` runs for a bucket of `tokens`
     rows whose chunks are at most `max_q_len` long: `attn_impl` itself, or what "auto"
-    resolves to for the same arguments (`pallas_kernels.resolve_call`), per device under
-    `parallel`.
+    resolves to for the same arguments, per device under `parallel`, and whether a
+    recorded GPU pass vouches for it (`pallas_kernels.choose_call`).
 
     Args:
       cache: the paged cache the step runs over (its page shape and dtype, its scales).
@@ -216,7 +223,7 @@ def attention_impl(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: in
     pages = jax.ShapeDtypeStruct((k.shape[0], k.shape[1], k.shape[2] // tp, k.shape[3]),
                                  k.dtype)
     scale = 1.0 if "k_scale" in cache else None  # stand-ins: only presence is read
-    return pallas_kernels.resolve_call(
+    return pallas_kernels.choose_call(
         attn_impl, q, pages, platform=platform,
         **_attention_options(cfg, max_q_len, 0, scale, scale))
 

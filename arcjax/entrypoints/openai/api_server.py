@@ -210,7 +210,8 @@ class OpenAIServer:
                 "owned_by": "arcjax", "max_model_len": self.llm.engine.max_model_len,
                 **storage_dtypes(runner.params, runner.cache),
                 # the buckets compiled so far (every bucket after a warm-up)
-                "attention": attention_report(runner.attn_impl, dict(runner.attention_impls))}
+                "attention": attention_report(runner.attn_impl, dict(runner.attention_impls),
+                                              verified=dict(runner.attention_verified))}
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
