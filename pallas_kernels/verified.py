@@ -31,6 +31,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from importlib import metadata
 
@@ -72,6 +73,18 @@ class ShapeClass:
         """e.g. "d128-p16-g4" or "d128-p16-g4-window-softcap"."""
         flags = [name for name in ("window", "softcap", "fp8") if getattr(self, name)]
         return "-".join([f"d{self.head_dim}", f"p{self.page_size}", f"g{self.gqa}", *flags])
+
+    @classmethod
+    def from_key(cls, key: str) -> "ShapeClass":
+        """The class `key` names (the inverse of `key`); ValueError if it names none."""
+        match = re.fullmatch(r"d(\d+)-p(\d+)-g(\d+)((?:-window)?)((?:-softcap)?)((?:-fp8)?)",
+                             key)
+        if match is None:
+            raise ValueError(f"shape_class: {key!r} is not like 'd128-p16-g4[-window]"
+                             f"[-softcap][-fp8]'")
+        d, p, g, window, softcap, fp8 = match.groups()
+        return cls(head_dim=int(d), page_size=int(p), gqa=int(g), window=bool(window),
+                   softcap=bool(softcap), fp8=bool(fp8))
 
 
 def local_path() -> str | None:

@@ -143,10 +143,14 @@ def test_auto_without_records_reports_unverified_and_the_command(monkeypatch, tm
     # Records for this shape class (D=64, 16-token pages, GQA 2) vouch for the Triton
     # kernel; a record of Mosaic GPU's decode pass moves the decode buckets to it.
     shape = backends.verified.ShapeClass(head_dim=64, page_size=16, gqa=2)
+    explicit = dict(head_dim=64, block_size=16, max_q_len=None, num_heads=4, num_kv_heads=2)
+    assert pallas_kernels.choose_impl("triton", **explicit).verified is False
+    assert pallas_kernels.choose_impl("xla", **explicit).verified is None  # nothing to verify
     backends.verified.record_pass("triton", "NVIDIA H200", {shape: 4})
     report = _report(_cfg(), _cache())
     assert report["verified"] is True and "verify_command" not in report
     assert report["decode"] == ["triton"]
+    assert pallas_kernels.choose_impl("triton", **explicit).verified is True  # named, too
     backends.verified.record_pass("mosaic_gpu", "NVIDIA H200", {shape: 2})
     report = _report(_cfg(), _cache())
     assert report["decode"] == ["mosaic_gpu"] and report["prefill"] == ["triton"]
