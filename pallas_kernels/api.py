@@ -109,8 +109,10 @@ def _validate_gpu_shapes(q, k_pages, impl: str):
 
 
 def resolve_impl(impl: str, **shapes) -> str:
-    """The implementation a call with these shapes runs: `choose_impl(impl, **shapes).impl`."""
-    return choose_impl(impl, **shapes).impl
+    """The implementation a call with these shapes runs: `impl` itself, or what "auto"
+    picks (`choose_impl(impl, **shapes).impl`)."""
+    _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    return impl if impl != "auto" else choose_impl(impl, **shapes).impl
 
 
 def choose_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
@@ -157,8 +159,10 @@ def choose_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | N
 
 
 def resolve_call(impl: str, q, k_pages, **call) -> str:
-    """The implementation a call runs: `choose_call(impl, q, k_pages, **call).impl`."""
-    return choose_call(impl, q, k_pages, **call).impl
+    """The implementation a call runs: `impl` itself, or what "auto" picks
+    (`choose_call(impl, q, k_pages, **call).impl`)."""
+    _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    return impl if impl != "auto" else choose_call(impl, q, k_pages, **call).impl
 
 
 def choose_call(impl: str, q, k_pages, *, max_q_len: int | None = None,

@@ -92,6 +92,7 @@ def local_path() -> str | None:
     return os.environ.get(ENV) or None
 
 
+@functools.cache
 def source_digest(impl: str) -> str:
     """sha256 over the source files of `impl` (see `SOURCES`)."""
     h = hashlib.sha256()

@@ -11,8 +11,8 @@
 #
 # It writes $OUT/gpu_check.json and .md after every task, $OUT/rows/*.jsonl (each task's
 # rows as they finish), $OUT/log (everything printed), $OUT/verified_kernels.json (the
-# GPU passes; commit them to pallas_kernels/verified_kernels.json) and
-# $OUT/pytest_gpu.xml. The last lines printed are the summary table. Exit 0: every
+# GPU passes: append its records to the list in pallas_kernels/verified_kernels.json and
+# commit them, so every installation trusts what passed) and $OUT/pytest_gpu.xml. The last lines printed are the summary table. Exit 0: every
 # section passed; 1: some failed; 124: the outer limit cut the run (what finished is
 # written).
 #
@@ -66,6 +66,7 @@ main() {
   mkdir -p "$out"
   out="$(cd "$out" && pwd)"
   exec > >(tee -a "$out/log") 2>&1
+  local tee_pid=$!
   export PYTHONUNBUFFERED=1
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   export ARCJAX_VERIFIED_KERNELS="${ARCJAX_VERIFIED_KERNELS:-$out/verified_kernels.json}"
@@ -94,7 +95,9 @@ main() {
   if [[ $rc -eq 124 || $rc -eq 137 ]]; then
     echo "gpu_check: cut by the ${limit} s limit; what finished is in $out/gpu_check.md"
   fi
-  exit $rc
+  exec > /dev/null 2>&1  # tee sees the end of its input: the log is complete on return
+  wait "$tee_pid" 2>/dev/null
+  return $rc
 }
 main "$@"
 exit $?
