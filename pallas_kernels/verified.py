@@ -45,9 +45,10 @@ VERIFY_COMMAND = "bash scripts/gpu_check.sh --out DIR"
 
 # The source files each implementation's numbers depend on (besides its libraries).
 SOURCES = {
-    "mosaic_gpu": ("mosaic_gpu.py", "gpu_plan.py", "plan.py"),
-    "triton": ("triton_kernel.py", "triton_gpu.py", "gpu_plan.py", "plan.py"),
-    "pallas_gpu": ("pallas_gpu.py", "gpu_plan.py", "plan.py"),
+    "mosaic_gpu": ("mosaic_gpu.py", "gpu_plan.py", "plan.py", "attention_inputs.py"),
+    "triton": ("triton_kernel.py", "triton_gpu.py", "gpu_plan.py", "plan.py",
+               "attention_inputs.py"),
+    "pallas_gpu": ("pallas_gpu.py", "gpu_plan.py", "plan.py", "attention_inputs.py"),
 }
 # Distributions each implementation runs on besides jax and jaxlib.
 LIBRARIES = {"mosaic_gpu": (), "pallas_gpu": (), "triton": ("jax-triton", "triton")}

@@ -61,7 +61,7 @@ def _mistralrs(model_dir, prompt):
 def main(argv):
     del argv
     import arcjax
-    from arcjax.model.formats.hf_checkpoint import read_config
+    from arcjax.model.formats.hf_layout import read_config
 
     model_dir = _MODEL.value or str(arcjax.default_model_path())
     vocab = read_config(model_dir).vocab_size

@@ -99,7 +99,8 @@ def run(task: Task, emit: Emitter) -> dict:
     from arcjax.engine.engine import Engine
     from arcjax.model.specs import init_params
     from arcjax.runtime.buckets import BucketSet
-    from arcjax.runtime.runner import ExecutableCache, ModelRunner
+    from arcjax.runtime.executable_cache import ExecutableCache
+    from arcjax.runtime.runner import ModelRunner
     from arcjax.sampling_params import SamplingParams
 
     cfg = E2EConfig.make(task.smoke, task.params.get("window_s"))

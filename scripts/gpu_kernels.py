@@ -105,12 +105,12 @@ def unavailable(impl: str, smoke: bool) -> str | None:
 
 
 def _inputs(case: CorrectnessCase, seed: int):
-    """(args, options, oracle output, real rows) of a case."""
+    """(the case's `AttentionInputs`, the oracle's output, real rows)."""
     import jax.numpy as jnp
     import ml_dtypes
     import numpy as np
 
-    from pallas_kernels import ragged_paged_attention
+    from pallas_kernels import paged_attention
     from pallas_kernels.testing import make_batch
 
     hq, hkv, d = case.heads
@@ -118,40 +118,28 @@ def _inputs(case: CorrectnessCase, seed: int):
                        block_size=case.block_size,
                        num_tokens=sum(q for q, _ in case.seqs) + 7, seq_bucket=len(case.seqs) + 2,
                        dtype=jnp.dtype(case.dtype), nan_fill=True, seed=seed)
-    args = batch.args()
-    options = {}
+    scales = {}
     if case.fp8:
         fp8, top = jnp.float8_e4m3fn, float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
         ks, vs = FP8_SCALES
-        pages = [jnp.clip(p.astype(jnp.float32) / s, -top, top).astype(fp8)
-                 for p, s in ((batch.k_pages, ks), (batch.v_pages, vs))]
-        args = (batch.q, *pages, *args[3:])
-        options |= dict(k_scale=ks, v_scale=vs)
-    if case.window is not None:
-        options["sliding_window"] = case.window
-    if case.softcap is not None:
-        options["logit_softcap"] = case.softcap
-    ref = ragged_paged_attention(*args, impl="reference", **options)
-    return args, options, np.asarray(ref, np.float32), int(batch.cu_seqlens_q[batch.num_seqs])
+        k_pages, v_pages = (jnp.clip(p.astype(jnp.float32) / s, -top, top).astype(fp8)
+                            for p, s in ((batch.k_pages, ks), (batch.v_pages, vs)))
+        batch = dataclasses.replace(batch, k_pages=k_pages, v_pages=v_pages)
+        scales = dict(k_scale=ks, v_scale=vs)
+    # The window and the scales are pytree leaves: traced under jit, as in the engine.
+    inputs = batch.inputs(sliding_window=case.window, logit_softcap=case.softcap,
+                          max_q_len=1 if case.decode else None, **scales)
+    ref = paged_attention(inputs, impl="reference")
+    return inputs, np.asarray(ref, np.float32), int(batch.cu_seqlens_q[batch.num_seqs])
 
 
-def _call(impl: str, case: CorrectnessCase, smoke: bool):
-    """The public entry point for `impl`, jitted; traced window and scales."""
+def _call(impl: str, smoke: bool):
+    """The dispatch for `impl` (`paged_attention`), jitted over the whole `AttentionInputs`."""
     import jax
-    import jax.numpy as jnp
 
-    from pallas_kernels import ragged_paged_attention
+    from pallas_kernels import paged_attention
 
-    fn = jax.jit(functools.partial(ragged_paged_attention, impl=impl, interpret=smoke,
-                                   max_q_len=1 if case.decode else None,
-                                   logit_softcap=case.softcap))
-
-    def call(args, options):
-        traced = {k: jnp.asarray(v, jnp.int32 if k == "sliding_window" else jnp.float32)
-                  for k, v in options.items() if k != "logit_softcap"}
-        return fn(*args, **traced)
-
-    return call
+    return jax.jit(functools.partial(paged_attention, impl=impl, interpret=smoke))
 
 
 def _compare(out, ref, real: int) -> dict:
@@ -185,8 +173,8 @@ def correctness(task: Task, emit: Emitter) -> dict:
         emit.start(case.name)
         start = time.perf_counter()
         try:
-            args, options, ref, real = _inputs(case, seed)
-            out = np.asarray(_call(impl, case, task.smoke)(args, options), np.float32)
+            inputs, ref, real = _inputs(case, seed)
+            out = np.asarray(_call(impl, task.smoke)(inputs), np.float32)
             row.update(_compare(out, ref, real))
             row["ok"] = (not row["nan"] and row["padding_exact_zero"]
                          and row["max_rel_err"] <= row["tolerance"])
@@ -239,27 +227,16 @@ def alternative_tilings(kind: str) -> dict[str, dict[str, int]]:
     return {"m64_stages2": {"block_m": 64, "num_stages": 2}, "nosplit": {"num_splits": 1}}
 
 
-def _plan(case: KernelCase, batch, tuning: dict):
-    from pallas_kernels import gpu_plan
-
-    hq, hkv, d = case.heads
-    return gpu_plan.make_gpu_plan(
-        num_tokens=batch.q.shape[0], num_seqs=batch.block_tables.shape[0], num_heads=hq,
-        num_kv_heads=hkv, head_dim=d, page_size=case.block_size,
-        max_blocks=batch.block_tables.shape[1], max_q_len=case.max_q_len or batch.q.shape[0],
-        itemsize=batch.q.dtype.itemsize, **tuning)
-
-
-def _tiled_fn(impl: str, plan, head_dim: int, smoke: bool):
-    """`impl`'s kernel with an explicit plan (the alternative tilings)."""
+def _tiled_fn(impl: str, plan, smoke: bool):
+    """`impl`'s kernel with an explicit plan (the alternative tilings), jitted; it takes
+    the batch's `AttentionInputs`."""
     import jax
 
     from pallas_kernels import pallas_gpu, triton_gpu
 
     kernel = (pallas_gpu.ragged_paged_attention_pallas_gpu if impl == "pallas_gpu"
               else triton_gpu.ragged_paged_attention_triton)
-    return jax.jit(functools.partial(kernel, sm_scale=head_dim**-0.5, plan=plan,
-                                     interpret=smoke))
+    return jax.jit(functools.partial(kernel, plan=plan, interpret=smoke))
 
 
 def _runs(impl: str, case: KernelCase, alternatives: bool, smoke: bool):
@@ -284,7 +261,7 @@ def table(task: Task, emit: Emitter) -> dict:
     import numpy as np
 
     from gpu_bench import time_call
-    from pallas_kernels import ragged_paged_attention, testing
+    from pallas_kernels import api, paged_attention, testing
 
     impl, alternatives = task.name, task.params.get("tilings") == "alternatives"
     why_not = unavailable(impl, task.smoke)
@@ -303,8 +280,8 @@ def table(task: Task, emit: Emitter) -> dict:
         default_out = None
         if alternatives:
             default_out = np.asarray(jax.jit(functools.partial(
-                ragged_paged_attention, impl=impl, interpret=task.smoke,
-                max_q_len=case.max_q_len))(*batch.args()), np.float32)
+                paged_attention, impl=impl, interpret=task.smoke))(
+                    batch.inputs(max_q_len=case.max_q_len)), np.float32)
         for tiling, tuning in runs:
             row = base | dict(tiling=tiling, tuning=tuning)
             if task.seconds_left() < 5:
@@ -312,13 +289,13 @@ def table(task: Task, emit: Emitter) -> dict:
                 continue
             emit.start(f"{case.name}/{tiling}")
             try:
-                plan = _plan(case, batch, tuning)
-                fn = (_tiled_fn(impl, plan, d, task.smoke) if alternatives else jax.jit(
-                    functools.partial(ragged_paged_attention, impl=impl,
-                                      interpret=task.smoke, max_q_len=case.max_q_len)))
-                timing = time_call(fn, batch.args(), smoke=task.smoke)
+                inputs = batch.inputs(max_q_len=case.max_q_len)
+                plan = api.gpu_plan_for(inputs, **tuning)
+                fn = (_tiled_fn(impl, plan, task.smoke) if alternatives else jax.jit(
+                    functools.partial(paged_attention, impl=impl, interpret=task.smoke)))
+                timing = time_call(fn, (inputs,), smoke=task.smoke)
                 if default_out is not None:
-                    out = np.asarray(fn(*batch.args()), np.float32)
+                    out = np.asarray(fn(inputs), np.float32)
                     row["max_diff_vs_default"] = float(np.nanmax(np.abs(out - default_out)))
             except Exception as e:  # noqa: BLE001 - a kernel or tiling that fails is a result
                 emit.row(row | dict(error=f"{type(e).__name__}: {str(e)[:300]}"))

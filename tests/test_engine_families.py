@@ -201,7 +201,7 @@ def _quantized_experts_split(model_dir: str) -> dict:
     from arcjax.model.formats.hub import resolve_model
     from arcjax.model.formats.loader import load_model
     from arcjax.model.moe import moe_mlp
-    from arcjax.model.formats.hf_checkpoint import read_config
+    from arcjax.model.formats.hf_layout import read_config
     from arcjax.parallel import TensorParallel
 
     cfg = read_config(model_dir)

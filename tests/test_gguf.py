@@ -19,7 +19,7 @@ from arcjax.model.model_config import rope_inv_freq
 from arcjax.model.formats.gguf_file import GGUFFile, load_gguf
 from arcjax.model.formats.gguf_config import gguf_config
 from arcjax.model.formats.hub import gguf_in_distribution
-from arcjax.model.formats.hf_checkpoint import read_config
+from arcjax.model.formats.hf_layout import read_config
 from gguf_files import tiny_gguf_model_dir, write_gguf
 from hf_models import tiny_model_dir, tiny_model_with_chat_template
 

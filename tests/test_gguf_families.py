@@ -28,7 +28,8 @@ from arcjax.model.formats.gguf_config import gguf_config
 from arcjax.model.formats.hub import resolve_model
 from arcjax.model.formats.loader import load_model
 from arcjax.model.quant import QuantizedWeight
-from arcjax.model.formats.hf_checkpoint import load_hf, read_config
+from arcjax.model.formats.hf_checkpoint import load_hf
+from arcjax.model.formats.hf_layout import read_config
 from gguf_files import tiny_gguf_model_dir, write_gguf
 from hf_models import hf_greedy, tiny_model_dir
 from test_gguf import PROMPTS, _hf_greedy, dense_greedy

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import (KernelArgumentError, backends, gpu_plan, lowering, mosaic_gpu,
-                            ragged_paged_attention)
+from pallas_kernels import (AttentionInputs, KernelArgumentError, backends, lowering,
+                            mosaic_gpu, ragged_paged_attention)
+from pallas_kernels.api import gpu_plan_for
 from pallas_kernels.testing import make_batch
 from test_kernels_pallas_gpu import has_gpu
 
@@ -58,18 +59,19 @@ def test_unsupported_shapes_are_refused_by_name():
 
 def _lowered_smem(*, head_dim, block_size) -> list[int]:
     """The shared memory of the kernel lowered directly (past `unsupported`'s gate)."""
-    args = _abstract_args(group=4, head_dim=head_dim, block_size=block_size)
-    plan = gpu_plan.make_gpu_plan(num_tokens=16, num_seqs=16, num_heads=8, num_kv_heads=2,
-                                  head_dim=head_dim, page_size=block_size, max_blocks=64,
-                                  max_q_len=1)
+    q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs = _abstract_args(
+        group=4, head_dim=head_dim, block_size=block_size)
+    inputs = AttentionInputs.create(q=q, k_pages=k_pages, v_pages=v_pages,
+                                    block_tables=block_tables, kv_lens=kv_lens,
+                                    cu_seqlens_q=cu_seqlens_q, num_seqs=num_seqs, max_q_len=1)
     with contextlib.ExitStack() as stack:
         try:
             sizes = stack.enter_context(lowering.capture_mosaic_smem())
         except RuntimeError as e:  # this jax moved the hook: say so, check the rest
             pytest.skip(str(e))
         try:
-            lowering.lower_for_cuda(mosaic_gpu.ragged_paged_attention_mosaic_gpu, *args,
-                                    sm_scale=head_dim**-0.5, plan=plan)
+            lowering.lower_for_cuda(mosaic_gpu.ragged_paged_attention_mosaic_gpu, inputs,
+                                    plan=gpu_plan_for(inputs))
         except Exception as e:  # noqa: BLE001 - over the limit: the lowering refuses it too
             assert "shared memory" in str(e), e
     return sizes

@@ -132,6 +132,48 @@ def test_the_check_sees_upward_imports_and_cycles():
     assert any(v.startswith("cycle:") and "multihost" in v for v in found)
 
 
+FORMATS = "arcjax.model.formats"
+# The modules that each read one format's files completely, for the loader to place.
+FORMAT_READERS = (f"{FORMATS}.hf_checkpoint", f"{FORMATS}.quantized_checkpoint",
+                  f"{FORMATS}.gguf_file")
+
+
+def format_violations(edges: set[tuple[str, str]]) -> list[str]:
+    """Imports against loading's one way down: loader -> a format's reader -> hf_layout.
+    The architectures (arcjax.model outside formats/) import no format, hf_layout imports
+    no format, and a reader imports neither the loader nor another format's reader."""
+    bad = []
+    for src, dst in sorted(edges):
+        if not dst.startswith(FORMATS + "."):
+            continue
+        if src.startswith("arcjax.model.") and not src.startswith(FORMATS):
+            bad.append(f"{src} imports {dst} (the architectures import no format)")
+        elif src == f"{FORMATS}.hf_layout":
+            bad.append(f"{src} imports {dst} (the shared layout imports no format)")
+        elif src in FORMAT_READERS and (dst in FORMAT_READERS or dst == f"{FORMATS}.loader"):
+            bad.append(f"{src} imports {dst} (a format reads its own files, for the loader)")
+    return bad
+
+
+def test_loading_is_one_way_down():
+    edges = import_edges()
+    for reader in FORMAT_READERS:
+        assert (f"{FORMATS}.loader", reader) in edges
+        assert (reader, f"{FORMATS}.hf_layout") in edges
+    assert format_violations(edges) == []
+
+
+def test_the_format_check_sees_a_bounce():
+    edges = {(f"{FORMATS}.gguf_file", f"{FORMATS}.hf_checkpoint"),
+             (f"{FORMATS}.quantized_checkpoint", f"{FORMATS}.loader"),
+             (f"{FORMATS}.hf_layout", f"{FORMATS}.hub"),
+             ("arcjax.model.specs", f"{FORMATS}.hf_layout"),
+             (f"{FORMATS}.loader", f"{FORMATS}.gguf_file")}
+    found = format_violations(edges)
+    assert len(found) == 4 and not any("imports arcjax.model.formats.gguf_file" in v
+                                       for v in found), found
+
+
 def test_scheduler_imports_only_the_standard_library():
     stdlib = set(sys.stdlib_module_names)
     for path in (ROOT / "scheduler").rglob("*.py"):
@@ -210,7 +252,8 @@ RETIRED = ("arcjax.runtime.sampling_params", "arcjax.runtime.structured_params",
            "arcjax.runtime.draft_model", "arcjax.runtime.spec_decode", "arcjax.engine.spec",
            "arcjax.model.gguf", "arcjax.model.weights", "arcjax.model.loader",
            "arcjax.model.hub", "arcjax.entrypoints.serve", "arcjax.entrypoints.metrics",
-           "arcjax.entrypoints.openai_protocol", "arcjax.structured.tools")
+           "arcjax.entrypoints.openai_protocol", "arcjax.structured.tools",
+           "pallas_kernels.options")
 
 
 def test_the_old_paths_are_gone():

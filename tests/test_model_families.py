@@ -18,7 +18,7 @@ from arcjax.errors import EngineConfigError, ModelConfigError
 from arcjax.model import decoder, moe
 from arcjax.model.model_config import GLOBAL_WINDOW, ModelConfig
 from arcjax.model.specs import cache_specs, is_spec, param_specs
-from arcjax.model.formats.hf_checkpoint import read_config
+from arcjax.model.formats.hf_layout import read_config
 from arcjax.parallel import TensorParallel, logical_rules
 from hf_models import NEW_ARCHS, WINDOW, hf_logits, tiny_model_dir
 

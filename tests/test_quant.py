@@ -205,7 +205,7 @@ def test_engine_fp8_weights_then_fp8_kv_cache_with_checkpoint_scales():
 
 def test_fp8_kv_cache_doubles_the_blocks_memory_holds():
     from arcjax.engine.build import _default_num_blocks
-    from arcjax.model.formats.hf_checkpoint import read_config
+    from arcjax.model.formats.hf_layout import read_config
 
     cfg = read_config(tiny_gguf_model_dir("LlamaForCausalLM"))
     # Memory-bound (the CPU cap, 256 MiB): one byte a value holds twice the blocks.

@@ -19,9 +19,10 @@ from arcjax.model.formats.hub import ModelSource, resolve_model
 from arcjax.model.formats.loader import load_model, model_config
 from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.runtime.buckets import BucketSet
+from arcjax.runtime.executable_cache import SHARED_EXECUTABLES
+from arcjax.runtime.runner import ModelRunner
 from arcjax.spec_decode.draft_model import DraftModelProposer
 from arcjax.spec_decode.ngram_proposer import NgramProposer
-from arcjax.runtime.runner import SHARED_EXECUTABLES, ModelRunner
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache cap on CPU
@@ -112,11 +113,11 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
         raise EngineConfigError("max_model_len", f"{max_model_len} exceeds the model's limit "
                                 f"{cfg.max_position_embeddings}",
                                 limit=cfg.max_position_embeddings)
-    max_blocks = -(-max_model_len // config.block_size)
+    max_blocks = -(-max_model_len // config.scheduler.block_size)
     # FP8 pages: one byte a value, so the same memory holds twice the blocks of bf16.
     kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.kv_cache_dtype == "fp8" else dtype
     num_blocks = config.num_kv_blocks or _default_num_blocks(
-        cfg, kv_dtype, config.block_size, max_blocks, config.max_num_seqs,
+        cfg, kv_dtype, config.scheduler.block_size, max_blocks, config.scheduler.max_num_seqs,
         config.kv_memory_fraction, config.tensor_parallel_size)
     sched = config.scheduler_config(num_blocks, cfg.sliding_window if cfg.all_sliding else None)
     step_tokens = max(sched.max_num_batched_tokens,
@@ -124,7 +125,7 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     buckets = BucketSet.create(tile=sched.chunk_tile, max_tokens=step_tokens,
                                max_seqs=sched.max_num_seqs,
                                spec_width=1 + (spec.num_speculative_tokens if spec else 0))
-    runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=config.block_size,
+    runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=sched.block_size,
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
                          parallel=parallel, kv_cache_dtype=kv_dtype,
@@ -155,7 +156,7 @@ def _speculator(config: EngineConfig, draft: ModelSource | None, sched, max_mode
     slots = min(sched.max_num_seqs, spec.disable_by_batch_size or sched.max_num_seqs)
     return Speculator(spec, DraftModelProposer(
         model.cfg, model.params, num_slots=slots, max_model_len=max_model_len,
-        max_drafts=spec.num_speculative_tokens, block_size=config.block_size,
+        max_drafts=spec.num_speculative_tokens, block_size=config.scheduler.block_size,
         token_budget=sched.max_num_batched_tokens, tile=sched.chunk_tile, dtype=dtype,
         attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES))
 

@@ -1,10 +1,14 @@
 """`EngineConfig`: every engine option, frozen and validated before anything is loaded.
 
 Built from keyword arguments (`EngineConfig.from_options(model, **options)`, what `LLM`,
-`AsyncLLM` and the server pass through) and from the environment: `ARC_PREFILL_MAX_SEQS`
-and `ARC_PREFILL_FLOOR_STEPS` fill the scheduler knobs of the same meaning, explicit
-arguments winning. Every bad option raises `EngineConfigError` (a `ConfigError`) whose
-`.field` names it. `arcjax.engine.build.build_engine` turns a config into an engine.
+`AsyncLLM` and the server pass through). The scheduling knobs are declared once, in
+`scheduler.SchedulerConfig`: the engine holds one (`EngineConfig.scheduler`), built by
+`SchedulerConfig.from_env` from the options of the same names, so `ARC_PREFILL_MAX_SEQS`
+and `ARC_PREFILL_FLOOR_STEPS` fill their knobs there, explicit options winning. Its cache
+geometry (`num_blocks`, `sliding_window`) is filled in by `build_engine` from the model and
+the memory (`EngineConfig.scheduler_config`). Every bad option raises `EngineConfigError`
+(a `ConfigError`) whose `.field` names it. `arcjax.engine.build.build_engine` turns a config
+into an engine.
 """
 
 from __future__ import annotations
@@ -20,17 +24,29 @@ from arcjax.errors import ConfigError, EngineConfigError
 from arcjax.spec_decode.speculative_config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
-# "auto" resolves per bucket (`pallas_kernels.resolve_call`); the GPU kernels: Pallas-Triton
+# "auto" resolves per bucket (`pallas_kernels.choose_inputs`); the GPU kernels: Pallas-Triton
 # and the Triton kernel through jax-triton. Not engine-wide: "mosaic_gpu" (decode-only
 # batches: "auto" runs it in decode buckets once verified) and "reference" (host numpy).
 ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu", "triton")
 QUANTIZATIONS = ("fp8", "int8")  # weight formats a float checkpoint is quantized to at load
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the compute dtype; "fp8": float8_e4m3fn pages
 
-# Scheduler knobs an engine option sets directly (SchedulerConfig field names).
-SCHEDULER_OPTIONS = ("policy", "max_num_batched_tokens", "max_num_seqs", "prefill_max_seqs",
-                     "prefill_floor_steps", "chunk_tile", "long_prefill_token_threshold",
-                     "max_num_partial_prefills", "watermark_blocks", "enable_prefix_caching")
+# The SchedulerConfig fields a caller sets as engine options; the rest (the cache's size
+# and the model's window) `build_engine` derives.
+DERIVED_SCHEDULER_FIELDS = ("num_blocks", "sliding_window")
+SCHEDULER_OPTIONS = tuple(f.name for f in dataclasses.fields(scheduler.SchedulerConfig)
+                          if f.name not in DERIVED_SCHEDULER_FIELDS)
+# The engine's one default that differs from the scheduler's (256, vLLM's): the step's
+# sequence buckets and the device-resident penalty table are sized by max_num_seqs, so 64
+# keeps warmup and memory small; a caller asks for more with max_num_seqs=.
+ENGINE_MAX_NUM_SEQS = 64
+_CHECK_NUM_BLOCKS = 1 << 30  # stands in for the cache size until it is known
+
+
+def default_scheduler() -> scheduler.SchedulerConfig:
+    """The scheduler knobs of an engine built without scheduling options."""
+    return scheduler.SchedulerConfig(max_num_seqs=ENGINE_MAX_NUM_SEQS,
+                                     num_blocks=_CHECK_NUM_BLOCKS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -55,7 +71,6 @@ class EngineConfig:
       num_kv_blocks: KV cache size in blocks; None = from kv_memory_fraction of the device's
         memory on GPU, room for max_num_seqs full sequences (at most 256 MiB) on CPU.
       kv_memory_fraction: share of free device memory the KV cache takes (GPU default).
-      block_size: tokens per KV block (a power of two).
       attention_impl: "auto" (per bucket, what this installation runs best: a GPU kernel
         on a GPU, xla elsewhere; the trace summary names it) | "xla" | "pallas_gpu"
         (Pallas-Triton) | "triton" (the Triton kernel through jax-triton). A GPU kernel
@@ -80,8 +95,12 @@ class EngineConfig:
         {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}, optionally
         "disable_by_batch_size" (`arcjax.spec_decode.speculative_config.SpeculativeConfig`; a dict or
         its JSON text is turned into one); None = off. Outputs are the same either way.
-      policy ... enable_prefix_caching: the scheduler knobs (see scheduler.SchedulerConfig);
-        max_num_seqs defaults to 64 here; prefix caching is on by default.
+      scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
+        policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
+        prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
+        max_num_partial_prefills, block_size (a power of two here), watermark_blocks,
+        enable_prefix_caching); `from_options` takes them as options of the same names.
+        max_num_seqs defaults to ENGINE_MAX_NUM_SEQS (64) here; prefix caching is on.
     """
 
     model: str | None = None
@@ -92,7 +111,6 @@ class EngineConfig:
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
     kv_memory_fraction: float = 0.5
-    block_size: int = 16
     attention_impl: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
@@ -101,16 +119,7 @@ class EngineConfig:
     expert_parallel_size: int = 1
     async_scheduling: bool | None = None
     speculative_config: SpeculativeConfig | Mapping | str | None = None
-    policy: str = "token_budget"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    prefill_max_seqs: int = 0
-    prefill_floor_steps: int = 0
-    chunk_tile: int = 128
-    long_prefill_token_threshold: int = 0
-    max_num_partial_prefills: int = 1
-    watermark_blocks: int = 0
-    enable_prefix_caching: bool = True
+    scheduler: scheduler.SchedulerConfig = dataclasses.field(default_factory=default_scheduler)
 
     def __post_init__(self):
         if self.model is not None and not isinstance(self.model, (str, os.PathLike)):
@@ -134,9 +143,12 @@ class EngineConfig:
             object.__setattr__(self, "dtype", str(self.dtype))
         _int("max_model_len", self.max_model_len, 1, optional=True)
         _int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
-        _int("block_size", self.block_size, 1)
-        if self.block_size & (self.block_size - 1):
-            raise EngineConfigError("block_size", f"must be a power of two, got {self.block_size}")
+        if not isinstance(self.scheduler, scheduler.SchedulerConfig):
+            raise EngineConfigError("scheduler", f"must be a scheduler.SchedulerConfig, got "
+                                                 f"{self.scheduler!r}")
+        block_size = self.scheduler.block_size
+        if block_size & (block_size - 1):  # the kernels' page walk
+            raise EngineConfigError("block_size", f"must be a power of two, got {block_size}")
         frac = self.kv_memory_fraction
         if (not isinstance(frac, (int, float)) or isinstance(frac, bool)
                 or not math.isfinite(frac) or not 0 < frac <= 1):
@@ -165,9 +177,13 @@ class EngineConfig:
                                     "processes yet")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
-        # The scheduler validates its own knobs (ConfigError naming the field); the cache
-        # size is not known yet, so check them against a generous stand-in.
-        self.scheduler_config(self.num_kv_blocks or 1 << 30)
+
+    def __getattr__(self, name: str):
+        """The scheduling knobs read through: `config.max_num_seqs` is
+        `config.scheduler.max_num_seqs` (declared once, in SchedulerConfig)."""
+        if name in SCHEDULER_OPTIONS:
+            return getattr(self.scheduler, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def from_options(cls, model=None, **options) -> "EngineConfig":
@@ -176,21 +192,21 @@ class EngineConfig:
         Raises:
           EngineConfigError: an unknown option, or a value of the wrong type or range.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
+        names = {f.name for f in dataclasses.fields(cls)} - {"model", "scheduler"}
+        unknown = sorted(set(options) - names - set(SCHEDULER_OPTIONS))
         if unknown:
             raise EngineConfigError(unknown[0], f"unknown engine option(s) {unknown}; options "
-                                                f"are {sorted(names - {'model'})}")
-        env = {}
-        for var, field in scheduler.scheduler_config.ENV_FIELDS.items():
-            raw = os.environ.get(var, "").strip()
-            if raw and field not in options:
-                try:
-                    env[field] = int(raw)
-                except ValueError:
-                    raise EngineConfigError(field, f"env {var}={raw!r} is not an integer") from None
+                                    f"are {sorted(names | set(SCHEDULER_OPTIONS))}")
+        knobs = {k: options.pop(k) for k in SCHEDULER_OPTIONS if k in options}
+        # The cache size is not known yet: the knobs are checked against a generous
+        # stand-in (or the size asked for), and `scheduler_config` fills in the real one.
+        num_blocks = options.get("num_kv_blocks")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            num_blocks = _CHECK_NUM_BLOCKS  # EngineConfig names a bad num_kv_blocks itself
         try:
-            return cls(model=model, **{**env, **options})
+            sched = scheduler.SchedulerConfig.from_env(
+                **{"max_num_seqs": ENGINE_MAX_NUM_SEQS, **knobs, "num_blocks": num_blocks})
+            return cls(model=model, scheduler=sched, **options)
         except EngineConfigError:
             raise
         except ConfigError as e:  # the scheduler's: same field, same limit
@@ -200,9 +216,8 @@ class EngineConfig:
                          sliding_window: int | None = None) -> scheduler.SchedulerConfig:
         """The scheduler's config for a cache of `num_blocks` blocks; `sliding_window`: the
         model's window when every layer slides (blocks behind it return to the pool)."""
-        return scheduler.SchedulerConfig(block_size=self.block_size, num_blocks=num_blocks,
-                                         sliding_window=sliding_window,
-                                         **{k: getattr(self, k) for k in SCHEDULER_OPTIONS})
+        return dataclasses.replace(self.scheduler, num_blocks=num_blocks,
+                                   sliding_window=sliding_window)
 
 
 def _joined_processes() -> int:

@@ -17,13 +17,14 @@ import os
 import sys
 import typing
 
+import scheduler
 from arcjax.engine.engine_config import (ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
-                                  EngineConfig)
+                                         SCHEDULER_OPTIONS, EngineConfig, default_scheduler)
 from arcjax.entrypoints.openai.tool_parsers import PARSERS
 
 _CHOICES = {"dtype": DTYPES, "attention_impl": ATTENTION_IMPLS, "quantization": QUANTIZATIONS,
             "kv_cache_dtype": KV_CACHE_DTYPES,
-            "policy": ("prefill_first", "alternate", "token_budget")}
+            "policy": scheduler.POLICIES}
 
 
 def _bool(text: str) -> bool:
@@ -41,19 +42,22 @@ def _flag(name: str) -> str:
 
 
 def _add_engine_flags(parser: argparse.ArgumentParser) -> list[str]:
-    group = parser.add_argument_group("engine options (arcjax.EngineConfig)")
-    hints = typing.get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine options (arcjax.EngineConfig and its "
+                                      "scheduler.SchedulerConfig)")
+    sched = default_scheduler()
+    options = [(f, typing.get_type_hints(EngineConfig)[f.name], f.default)
+               for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "scheduler")]
+    hints = typing.get_type_hints(scheduler.SchedulerConfig)
+    options += [(f, hints[f.name], getattr(sched, f.name))
+                for f in dataclasses.fields(scheduler.SchedulerConfig) if f.name in SCHEDULER_OPTIONS]
     names = []
-    for f in dataclasses.fields(EngineConfig):
-        if f.name == "model":
-            continue
-        kind = hints[f.name]
+    for f, kind, default in options:
         base = next((t for t in (bool, int, float, str) if t is kind or t in typing.get_args(kind)),
                     str)
         group.add_argument(_flag(f.name), dest=f.name, type=_bool if base is bool else base,
                            default=None,
                            choices=_CHOICES.get(f.name),
-                           help=f"default: {f.default!r}")
+                           help=f"default: {default!r}")
         names.append(f.name)
     return names
 

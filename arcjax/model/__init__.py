@@ -1,4 +1,4 @@
-"""The model: config from config.json, parameter/cache specs, the decoder, weights I/O."""
+"""The model: its config, parameter/cache specs, the decoder; checkpoint formats in `formats/`."""
 
 from arcjax.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from arcjax.model.decoder import StepBatch, forward, forward_dense, forward_with_stats, lm_head

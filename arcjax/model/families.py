@@ -1,6 +1,6 @@
 """What each architecture's config.json means beyond the Llama core, as `ModelConfig` fields.
 
-`config.ModelConfig.from_hf_dict` reads the shared fields and asks this module for the
+`model_config.ModelConfig.from_hf_dict` reads the shared fields and asks this module for the
 rest, family by family:
 
   windows   `sliding_window` and `layer_types` as transformers writes them (Mistral and

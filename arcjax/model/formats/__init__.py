@@ -1,10 +1,15 @@
 """Checkpoint formats, apart from the architectures: `loader.load_model` picks the format
-of a resolved `hub.ModelSource` and reads it into params.
+of a resolved `hub.ModelSource`, asks that format's module for the model, and places it.
+Imports point one way: loader -> the format modules -> hf_layout (which imports no format).
 
   hub.py                   local path / GGUF file / Hub id -> ModelSource
-  loader.py                any source -> (config, params on the devices)
-  hf_checkpoint.py         Hugging Face directories: config.json, safetensors, orbax cache
-  quantized_checkpoint.py  FP8/INT8 checkpoints (compressed-tensors, Hub FP8), KV scales
-  gguf_file.py             GGUF metadata and tensors; gguf_config.py its config;
-                           gguf_tokenizer.py its tokenizer and chat template
+  loader.py                any source -> (config, params on the devices): picks, places
+  hf_layout.py             config.json -> ModelConfig; Hugging Face tensor names <-> the
+                           params tree (name tables, assemble_host), shared by every format
+  hf_checkpoint.py         float safetensors directories onto the devices (sharded reads,
+                           orbax cache); save_hf
+  quantized_checkpoint.py  FP8/INT8 checkpoints (compressed-tensors, Hub FP8) and their
+                           KV scales, into host params
+  gguf_file.py             GGUF metadata and tensors, into host params; gguf_config.py its
+                           config; gguf_tokenizer.py its tokenizer and chat template
 """

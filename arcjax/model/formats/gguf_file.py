@@ -12,7 +12,8 @@
    `ffn_{gate,up,down}_exps` [E, out, in] into the stacked expert weights, takes 1 off
    Gemma's norm weights (llama.cpp stores 1 + w, as transformers' GGUF loader undoes too),
    and fills the params tree through the same assembly as safetensors checkpoints
-   (`weights.assemble_host`).
+   (`hf_layout.assemble_host`, by Hugging Face tensor name: `gguf_name` maps each to its
+   GGUF tensor). `gguf_host(f, dtype)` is the same in host memory, for the loader to place.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from arcjax.errors import WeightsError
-from arcjax.model.model_config import ModelConfig
 from arcjax.model.formats.gguf_config import ARCHITECTURES, gguf_config
+from arcjax.model.formats.hf_layout import HostModel, assemble_host
+from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import Params
-from arcjax.model.formats.hf_checkpoint import assemble_host
 
 _LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -215,8 +216,8 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_host(f: GGUFFile, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
-    """A GGUF model as (config, params in host memory), every tensor dequantized.
+def gguf_host(f: GGUFFile, dtype=jnp.float32) -> HostModel:
+    """A GGUF model in host memory, every tensor dequantized.
 
     Raises:
       ModelConfigError: unsupported or inconsistent metadata.
@@ -254,10 +255,10 @@ def gguf_host(f: GGUFFile, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
             w = w.reshape(1, -1)
         return w
 
-    return cfg, assemble_host(cfg, read, dtype, lambda _: f.path)
+    return HostModel(cfg, assemble_host(cfg, read, dtype, lambda _: f.path))
 
 
 def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Params]:
     """Loads a GGUF file into (config, params on the default device); see `gguf_host`."""
-    cfg, host = gguf_host(GGUFFile(path), dtype)
-    return cfg, jax.tree.map(jnp.asarray, host)
+    host = gguf_host(GGUFFile(path), dtype)
+    return host.cfg, jax.tree.map(jnp.asarray, host.params)

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints <-> the arcjax params pytree.
+"""Float Hugging Face safetensors checkpoints <-> the arcjax params pytree, on the devices.
+The config and the tensor names are `hf_layout.py`'s, shared with the other formats.
 
 1. `load_hf(model_dir, dtype)` reads config.json, then every tensor of
    model.safetensors (or the shards listed in model.safetensors.index.json) through
@@ -30,85 +31,11 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from arcjax.errors import ModelConfigError, WeightsError
-from arcjax.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
+from arcjax.errors import WeightsError
+from arcjax.model.formats.hf_layout import (TOP_NAMES, assemble_host, hf_entries, layer_names,
+                                            read_config, tree_at)
+from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import Params, is_spec, param_specs
-
-# arcjax name -> (Hugging Face name pattern, transpose). "{i}" is the layer index, "{e}" the
-# expert's (expert weights are stacked [L, E, ...] from one tensor per layer and expert).
-_LAYER_NAMES = {
-    "attn_norm": ("model.layers.{i}.input_layernorm.weight", False),
-    "wq": ("model.layers.{i}.self_attn.q_proj.weight", True),
-    "wk": ("model.layers.{i}.self_attn.k_proj.weight", True),
-    "wv": ("model.layers.{i}.self_attn.v_proj.weight", True),
-    "wo": ("model.layers.{i}.self_attn.o_proj.weight", True),
-    "bq": ("model.layers.{i}.self_attn.q_proj.bias", False),
-    "bk": ("model.layers.{i}.self_attn.k_proj.bias", False),
-    "bv": ("model.layers.{i}.self_attn.v_proj.bias", False),
-    "bo": ("model.layers.{i}.self_attn.o_proj.bias", False),
-    "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", False),
-    "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", False),
-    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
-    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
-    "w_up": ("model.layers.{i}.mlp.up_proj.weight", True),
-    "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
-    # Qwen2-MoE / Qwen3-MoE
-    "router": ("model.layers.{i}.mlp.gate.weight", True),
-    "we_gate": ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", True),
-    "we_up": ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", True),
-    "we_down": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", True),
-    "ws_gate": ("model.layers.{i}.mlp.shared_expert.gate_proj.weight", True),
-    "ws_up": ("model.layers.{i}.mlp.shared_expert.up_proj.weight", True),
-    "ws_down": ("model.layers.{i}.mlp.shared_expert.down_proj.weight", True),
-    "ws_router": ("model.layers.{i}.mlp.shared_expert_gate.weight", True),
-}
-# Where an architecture names a weight differently.
-_ARCH_LAYER_NAMES = {
-    "MixtralForCausalLM": {
-        "router": ("model.layers.{i}.block_sparse_moe.gate.weight", True),
-        "we_gate": ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", True),
-        "we_up": ("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", True),
-        "we_down": ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", True),
-    },
-    # Gemma: post_attention_layernorm normalizes the attention output; the MLP's input norm
-    # is pre_feedforward_layernorm.
-    **{arch: {
-        "mlp_norm": ("model.layers.{i}.pre_feedforward_layernorm.weight", False),
-        "post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
-        "post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", False),
-    } for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")},
-}
-_TOP_NAMES = {
-    "embed": ("model.embed_tokens.weight", False),
-    "final_norm": ("model.norm.weight", False),
-    "lm_head": ("lm_head.weight", True),
-}
-
-
-def read_config(model_dir: str | os.PathLike) -> ModelConfig:
-    """The model's config.json as a ModelConfig.
-
-    Raises:
-      ModelConfigError: missing, unparsable, not a JSON object, missing fields or unsupported.
-    """
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ModelConfigError(path, "config.json not found (supported architectures: "
-                                     f"{', '.join(SUPPORTED_ARCHITECTURES)})")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelConfigError(path, f"not valid JSON ({e})") from e
-    if not isinstance(data, dict):
-        raise ModelConfigError(path, f"expected a JSON object, got {type(data).__name__}")
-    try:
-        return ModelConfig.from_hf_dict(data)
-    except ModelConfigError as e:
-        raise ModelConfigError(path, e.reason) from e
-    except KeyError as e:
-        raise ModelConfigError(path, f"required field {e.args[0]!r} is missing") from e
-    except (TypeError, ValueError) as e:
-        raise ModelConfigError(path, f"a field has the wrong type ({e})") from e
 
 
 def _open(path: Path):
@@ -145,37 +72,6 @@ def _open_checkpoint(model_dir: Path) -> dict[str, tuple[Path, object]]:
         handle = _open(single)
         return {name: (single, handle) for name in handle.keys()}
     raise WeightsError(model_dir, "no model.safetensors or model.safetensors.index.json")
-
-
-def _layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
-    return {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(cfg.architecture, {})}
-
-
-def _hf_entries(cfg: ModelConfig):
-    """Yields (path in params tree, index into that array, HF name, transpose): index is
-    () for a top-level array, (layer,) or (layer, expert) for stacked ones."""
-    specs = param_specs(cfg)
-    names = _layer_names(cfg)
-    for key in specs:
-        if key == "layers":
-            for lkey, spec in specs["layers"].items():
-                pattern, t = names[lkey]
-                experts = spec.axes[1] == "expert"
-                for i in range(cfg.num_layers):
-                    if experts:
-                        for e in range(cfg.num_experts):
-                            yield ("layers", lkey), (i, e), pattern.format(i=i, e=e), t
-                    else:
-                        yield ("layers", lkey), (i,), pattern.format(i=i), t
-        else:
-            name, t = _TOP_NAMES[key]
-            yield (key,), (), name, t
-
-
-def _get(tree, path):
-    for p in path:
-        tree = tree[p]
-    return tree
 
 
 def _read_tensor(path: Path, handle, name: str) -> np.ndarray:
@@ -230,63 +126,18 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
     return cfg, params
 
 
-def hf_layer_name(cfg: ModelConfig, key: str, layer: int, expert: int = 0) -> str:
-    """The Hugging Face tensor name of layer weight `key` ("wq", "we_gate", ...) of one
-    layer (and expert, for stacked expert weights) of `cfg`'s architecture."""
-    return _layer_names(cfg)[key][0].format(i=layer, e=expert)
-
-
-def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = ()) -> Params:
-    """The params tree in host memory, one tensor at a time.
-
-    Args:
-      cfg: the model config.
-      read: `read(hf_name) -> np.ndarray | None`, a tensor in Hugging Face layout
-        (linear weights [out, in]); None when the checkpoint lacks it.
-      dtype: the params' dtype.
-      where: `where(hf_name)`: the file errors about that tensor name.
-      skip: layer weights ("wq", ...) left out of the tree (the caller fills them).
-
-    Raises:
-      WeightsError: a tensor is missing or its shape disagrees with the config.
-    """
-    np_dtype = np.dtype(jnp.dtype(dtype))
-    specs = param_specs(cfg)
-    specs["layers"] = {k: v for k, v in specs["layers"].items() if k not in skip}
-    host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), specs, is_leaf=is_spec)
-    for path, index, name, transpose in _hf_entries(cfg):
-        if path[0] == "layers" and path[1] in skip:
-            continue
-        arr = read(name)
-        if arr is None:
-            if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                continue
-            raise WeightsError(where(name), f"tensor {name} is missing from the checkpoint "
-                                       f"(architecture {cfg.architecture})")
-        arr = arr.T if transpose else arr
-        dst = _get(host, path)
-        want = dst.shape[len(index):]
-        if tuple(arr.shape) != tuple(want):
-            hf_shape = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
-            implied = tuple(want[::-1]) if transpose else tuple(want)
-            raise WeightsError(where(name), f"tensor {name} has shape {hf_shape}, the "
-                                            f"config implies {implied}")
-        dst[index] = arr
-    return host
-
-
 def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, shardings, repeat: int):
     tensors = _open_checkpoint(model_dir)
     np_dtype = np.dtype(jnp.dtype(dtype))
     scfg = cfg.with_kv_repeat(repeat)
     specs, orig_specs = param_specs(scfg), param_specs(cfg)
-    layer_names = _layer_names(cfg)
+    names_of = layer_names(cfg)
     out = {}
     for key in specs:
         if key == "layers":
             out["layers"] = {}
             for lkey, spec in specs["layers"].items():
-                pattern, t = layer_names[lkey]
+                pattern, t = names_of[lkey]
                 if spec.axes[1] == "expert":
                     names = np.array([[pattern.format(i=i, e=e) for e in range(cfg.num_experts)]
                                       for i in range(cfg.num_layers)], dtype=object)
@@ -297,7 +148,7 @@ def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, shardings, repeat: i
                     model_dir, tensors, names, t, spec, orig_specs["layers"][lkey],
                     shardings["layers"][lkey], np_dtype, repeat, cfg)
         else:
-            name, t = _TOP_NAMES[key]
+            name, t = TOP_NAMES[key]
             out[key] = _sharded_array(model_dir, tensors, np.array(name, dtype=object), t,
                                       specs[key], orig_specs[key], shardings[key], np_dtype,
                                       repeat, cfg)
@@ -395,7 +246,7 @@ def save_hf(params: Params, cfg: ModelConfig, out_dir: str | os.PathLike,
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
     np_dtype = np.dtype(jnp.dtype(dtype))
     tensors = {}
-    for path, index, name, transpose in _hf_entries(cfg):
-        arr = np.asarray(_get(params, path))[index]
+    for path, index, name, transpose in hf_entries(cfg):
+        arr = np.asarray(tree_at(params, path))[index]
         tensors[name] = np.ascontiguousarray((arr.T if transpose else arr).astype(np_dtype))
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

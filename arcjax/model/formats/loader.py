@@ -1,12 +1,17 @@
 """`load_model(source, ...)`: any supported checkpoint into (config, params on the devices).
 
-1. A GGUF file (`gguf.py`): dequantized on the host, then placed.
+The loader picks the format and asks that format's module for the model; each module reads
+its own files completely (the config.json and tensor-name layout they share is
+`hf_layout.py`'s, which imports no format):
+
+1. A GGUF file: `gguf_file.gguf_host` dequantizes it into host params, then `_place`.
 2. A Hugging Face directory whose config.json has a `quantization_config` (FP8 / INT8,
-   `quant_checkpoint.py`): linear weights (experts' too, one tensor per layer and expert,
-   stacked [L, E, ...]) read as stored (values + scales), the rest in the compute dtype,
-   then placed; KV-cache scales read when the checkpoint has them.
-3. Any other Hugging Face directory: `weights.load_hf` (its orbax cache and its sharded
-   reads with tensor parallelism).
+   `quantized_checkpoint.checkpoint_quantization`): `quantized_checkpoint.quantized_host`
+   reads linear weights (experts' too) as stored (values + scales) and the rest in the
+   compute dtype, with the KV-cache scales when the checkpoint has them; then `_place`.
+3. Any other Hugging Face directory: `hf_checkpoint.load_hf` returns params already on the
+   devices (its orbax cache, and its sharded reads with tensor parallelism: the shardings
+   come from `parallel` here).
 4. `quantization="fp8" | "int8"` then quantizes the float linear weights (experts' too,
    per expert and output channel) on the devices
    (`quant.quantize_params`), in their shardings.
@@ -19,23 +24,22 @@ too). The model package never imports the parallel one: the caller passes it.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arcjax.errors import EngineConfigError, WeightsError
-from arcjax.model.model_config import ModelConfig
-from arcjax.model.formats.gguf_file import GGUFFile, gguf_host
+from arcjax.errors import EngineConfigError
 from arcjax.model.formats.gguf_config import gguf_config
+from arcjax.model.formats.gguf_file import GGUFFile, gguf_host
+from arcjax.model.formats.hf_checkpoint import load_hf
+from arcjax.model.formats.hf_layout import HostModel, read_config
 from arcjax.model.formats.hub import ModelSource
+from arcjax.model.formats.quantized_checkpoint import checkpoint_quantization, quantized_host
+from arcjax.model.model_config import ModelConfig
 from arcjax.model.quant import (LINEAR_WEIGHTS, QuantizedWeight, quantize, quantize_params,
                                 quantized_specs)
-from arcjax.model.formats.quantized_checkpoint import (checkpoint_quantization, open_raw, read_kv_scales,
-                                           read_quantized, stack_layer_weight)
 from arcjax.model.specs import Params, param_specs
-from arcjax.model.formats.hf_checkpoint import assemble_host, hf_layer_name, load_hf, read_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,24 +85,18 @@ def load_model(source: ModelSource, *, dtype, cache_dir=None, parallel=None,
     kv_scales = gguf_file = None
     if source.is_gguf:
         gguf_file = GGUFFile(source.path)
-        cfg, host = gguf_host(gguf_file, dtype)
-        cfg, params = _place(cfg, host, parallel)
+        cfg, params = _place(gguf_host(gguf_file, dtype), parallel)
     else:
-        ckpt = checkpoint_quantization(_config_dict(source.path), source.path / "config.json")
+        ckpt = checkpoint_quantization(source.path)
         if ckpt is None:
-            shards = {}
-            if parallel is not None:
-                file_cfg = read_config(source.path)
-                repeat = parallel.kv_repeat(file_cfg)
-                shards = dict(kv_repeat=repeat,
-                              shardings=parallel.param_shardings(file_cfg.with_kv_repeat(repeat)))
-            cfg, params = load_hf(source.path, dtype=dtype, cache_dir=cache_dir, **shards)
+            cfg, params = _load_safetensors(source, dtype, cache_dir, parallel)
         else:
             if quantization is not None and quantization != ckpt.fmt:
                 raise EngineConfigError("quantization", f"the checkpoint is {ckpt.fmt}; "
                                         f"it cannot be loaded as {quantization}")
-            cfg, host, kv_scales = _quantized_hf_host(source, ckpt, dtype)
-            cfg, params = _place(cfg, host, parallel)
+            host = quantized_host(source.path, ckpt, dtype)
+            kv_scales = host.kv_scales
+            cfg, params = _place(host, parallel)
     if quantization is not None:
         shardings = None
         if parallel is not None:
@@ -117,41 +115,16 @@ def quantize_params_shapes(params: Params, fmt: str) -> Params:
     return {**params, "layers": layers}
 
 
-def _config_dict(model_dir) -> dict:
-    read_config(model_dir)  # the typed errors of a bad config.json
-    return json.loads((model_dir / "config.json").read_text())
-
-
-def _quantized_hf_host(source: ModelSource, ckpt, dtype):
-    cfg = read_config(source.path)
-    tensors = open_raw(source.path)
-    np_dtype = np.dtype(jnp.dtype(dtype))
-
-    def where(name):
-        return tensors[name].path if name in tensors else source.path
-
-    def read(name):
-        return tensors[name].get(name) if name in tensors else None
-
-    specs = param_specs(cfg)["layers"]
-    keys = tuple(k for k in LINEAR_WEIGHTS if k in specs)
-    host = assemble_host(cfg, read, dtype, where, skip=keys)
-    for key in keys:
-        lead = specs[key].shape[:2] if specs[key].axes[1] == "expert" else specs[key].shape[:1]
-        want = specs[key].shape[len(lead):]
-        reads = []
-        for index in np.ndindex(*lead):  # (layer,) or (layer, expert)
-            name = hf_layer_name(cfg, key, *index)
-            if name not in tensors:
-                raise WeightsError(source.path, f"tensor {name} is missing from the checkpoint")
-            r = read_quantized(tensors, name, ckpt)
-            shape = (r[0] if isinstance(r, tuple) else r).shape
-            if shape != want:
-                raise WeightsError(where(name), f"tensor {name} has shape {shape[::-1]}, the "
-                                                f"config implies {want[::-1]}")
-            reads.append(r)
-        host["layers"][key] = stack_layer_weight(reads, np_dtype, lead)
-    return cfg, host, read_kv_scales(tensors, cfg.num_layers)
+def _load_safetensors(source: ModelSource, dtype, cache_dir, parallel):
+    """A float safetensors directory straight onto the devices (in its shards with
+    `parallel`, each KV head stored as many times as `parallel` says)."""
+    shards = {}
+    if parallel is not None:
+        file_cfg = read_config(source.path)
+        repeat = parallel.kv_repeat(file_cfg)
+        shards = dict(kv_repeat=repeat,
+                      shardings=parallel.param_shardings(file_cfg.with_kv_repeat(repeat)))
+    return load_hf(source.path, dtype=dtype, cache_dir=cache_dir, **shards)
 
 
 def _repeat_kv(x, repeat: int, head_dim: int):
@@ -169,8 +142,9 @@ def _repeat_kv(x, repeat: int, head_dim: int):
         *x.shape[:-1], heads * repeat * head_dim)
 
 
-def _place(cfg: ModelConfig, host: Params, parallel) -> tuple[ModelConfig, Params]:
+def _place(model: HostModel, parallel) -> tuple[ModelConfig, Params]:
     """Host params onto one device, or into their shards over `parallel`'s mesh."""
+    cfg, host = model.cfg, model.params
     if parallel is None:
         return cfg, jax.tree.map(jnp.asarray, host)
     repeat = parallel.kv_repeat(cfg)

@@ -1,6 +1,13 @@
 """FP8 and INT8 checkpoints as the Hub publishes them, read into `QuantizedWeight`s.
 
-`checkpoint_quantization(config_dict)` reads `quantization_config`:
+1. `checkpoint_quantization(model_dir)` reads config.json's `quantization_config` (None
+   for a float checkpoint, which `hf_checkpoint.py` loads).
+2. `quantized_host(model_dir, quant, dtype)` reads the whole checkpoint into host memory:
+   linear weights (experts' too, one tensor per layer and expert, stacked [L, E, ...]) as
+   stored (values + scales, `stack_layer_weight`), the rest in the compute dtype through
+   `hf_layout.assemble_host`, and the KV-cache scales when the checkpoint has them.
+
+The methods and layouts read:
 
 - `quant_method: "fp8"` (transformers' fine-grained FP8: Qwen3-*-FP8, DeepSeek-V3):
   `weight` float8_e4m3fn [out, in] + `weight_scale_inv` (a multiplier, despite the name)
@@ -23,11 +30,15 @@ import json
 import struct
 from pathlib import Path
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
 from arcjax.errors import ModelConfigError, WeightsError
-from arcjax.model.quant import QuantizedWeight
+from arcjax.model.formats.hf_layout import (HostModel, assemble_host, hf_layer_name,
+                                            read_config, read_config_json)
+from arcjax.model.quant import LINEAR_WEIGHTS, QuantizedWeight
+from arcjax.model.specs import param_specs
 
 # safetensors dtype names -> numpy (ml_dtypes for the 8-bit floats numpy lacks).
 _DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
@@ -51,13 +62,16 @@ class CheckpointQuant:
     block: tuple[int, int] | None
 
 
-def checkpoint_quantization(config: dict, where) -> CheckpointQuant | None:
-    """The checkpoint's weight quantization, None for a float checkpoint.
+def checkpoint_quantization(model_dir: Path) -> CheckpointQuant | None:
+    """The weight quantization config.json declares, None for a float checkpoint.
 
     Raises:
-      ModelConfigError: a quantization method or scheme arcjax cannot load.
+      ModelConfigError: a bad config.json (`hf_layout.read_config`'s errors come first),
+        or a quantization method or scheme arcjax cannot load.
     """
-    q = config.get("quantization_config")
+    read_config(model_dir)  # the typed errors of a bad config.json
+    where = Path(model_dir) / "config.json"
+    q = read_config_json(model_dir).get("quantization_config")
     if not q:
         return None
     method = q.get("quant_method")
@@ -219,3 +233,40 @@ def read_kv_scales(tensors: dict, num_layers: int) -> np.ndarray | None:
             out[j, i] = float(np.asarray(tensors[name].get(name), np.float32).reshape(-1)[0])
     return out
 
+
+def quantized_host(model_dir: Path, quant: CheckpointQuant, dtype) -> HostModel:
+    """The quantized checkpoint in `model_dir` in host memory (see the module docstring).
+
+    Raises:
+      ModelConfigError: config.json is missing or malformed.
+      WeightsError: a tensor is missing, unreadable or of a shape the config disagrees with.
+    """
+    cfg = read_config(model_dir)
+    tensors = open_raw(model_dir)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+
+    def where(name):
+        return tensors[name].path if name in tensors else model_dir
+
+    def read(name):
+        return tensors[name].get(name) if name in tensors else None
+
+    specs = param_specs(cfg)["layers"]
+    keys = tuple(k for k in LINEAR_WEIGHTS if k in specs)
+    host = assemble_host(cfg, read, dtype, where, skip=keys)
+    for key in keys:
+        lead = specs[key].shape[:2] if specs[key].axes[1] == "expert" else specs[key].shape[:1]
+        want = specs[key].shape[len(lead):]
+        reads = []
+        for index in np.ndindex(*lead):  # (layer,) or (layer, expert)
+            name = hf_layer_name(cfg, key, *index)
+            if name not in tensors:
+                raise WeightsError(model_dir, f"tensor {name} is missing from the checkpoint")
+            r = read_quantized(tensors, name, quant)
+            shape = (r[0] if isinstance(r, tuple) else r).shape
+            if shape != want:
+                raise WeightsError(where(name), f"tensor {name} has shape {shape[::-1]}, the "
+                                                f"config implies {want[::-1]}")
+            reads.append(r)
+        host["layers"][key] = stack_layer_weight(reads, np_dtype, lead)
+    return HostModel(cfg, host, read_kv_scales(tensors, cfg.num_layers))
