@@ -199,6 +199,9 @@ def test_trace_metrics_summary_and_jsonl(tmp_path):
     assert {(b["tokens"], b["seqs"], b["max_q_len"]) for b in attention["buckets"]} == {
         r.bucket for r in trace}
     assert sum(b["steps"] for b in attention["buckets"]) == len(trace)
+    # xla on the CPU: nothing a GPU record would vouch for, nothing unverified
+    assert attention["verified"] is True and "verify_command" not in attention
+    assert all(b["verified"] is None for b in attention["buckets"])
     llm.export_trace(tmp_path / "trace.jsonl")
     rows = [json.loads(line) for line in open(tmp_path / "trace.jsonl")]
     assert len(rows) == len(trace) and rows[0]["engaged"].keys() == trace[0].engaged.keys()

@@ -102,6 +102,7 @@ def test_model_card_names_the_attention_its_buckets_run(server):
     assert attention["configured"] == "xla"
     assert attention["decode"] == ["xla"] and attention["prefill"] == ["xla"]
     assert all(b["impl"] == "xla" for b in attention["buckets"])
+    assert attention["verified"] is True  # no GPU kernel runs without a recorded pass
 
 
 # --- completions ----------------------------------------------------------------------------
