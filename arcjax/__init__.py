@@ -1,7 +1,8 @@
 """arcjax: a JAX/Pallas LLM inference engine with chunked, mixed prefill+decode scheduling.
 
 Public API: `LLM` (batch and online use), `AsyncLLM` (a background engine loop for servers),
-`SamplingParams` (with `RequestOutputKind` and `StructuredOutputsParams`), `RequestOutput`,
+`SamplingParams` (with `RequestOutputKind` and `StructuredOutputsParams`), `LoRARequest`
+(the LoRA adapter a request runs with), `RequestOutput`,
 the typed errors of `arcjax.errors` (`EngineDeadError` among them), and `EngineConfig` /
 `build_engine` for embedding the engine.
 """
@@ -14,12 +15,14 @@ from arcjax.entrypoints.llm import LLM
 from arcjax.errors import (ConfigError, EngineConfigError, EngineDeadError, InputError,
                            ModelFileError, RequestError, SamplingParamsError,
                            StructuredOutputsError, UnknownRequestError)
+from arcjax.lora.lora_request import LoRARequest
 from arcjax.sampling_params import SamplingParams
 from arcjax.sampling_params import RequestOutputKind
 from arcjax.sampling_params import StructuredOutputsParams
 
 __all__ = ["AsyncLLM", "CompletionOutput", "ConfigError", "EngineConfig", "EngineConfigError",
-           "EngineDeadError", "InputError", "LLM", "Logprob", "ModelFileError", "RequestError",
+           "EngineDeadError", "InputError", "LLM", "Logprob", "LoRARequest", "ModelFileError",
+           "RequestError",
            "RequestMetrics", "RequestOutput", "RequestOutputKind", "SamplingParams",
            "SamplingParamsError", "StructuredOutputsError", "StructuredOutputsParams",
            "UnknownRequestError", "build_engine", "default_model_path"]

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import scheduler
 from arcjax.errors import ConfigError, EngineConfigError
+from arcjax.lora.lora_config import LoRAConfig
 from arcjax.spec_decode.speculative_config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -95,6 +96,12 @@ class EngineConfig:
         {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}, optionally
         "disable_by_batch_size" (`arcjax.spec_decode.speculative_config.SpeculativeConfig`; a dict or
         its JSON text is turned into one); None = off. Outputs are the same either way.
+      enable_lora: serve LoRA adapters (`lora_request=` on each request; docs/design/lora.md):
+        `max_loras` (a scheduler knob: adapters running at once, one device slot each),
+        `max_lora_rank` (the largest rank, every slot's), `max_cpu_loras` (adapters kept
+        loaded on the host; None = max_loras) and `lora_impl` (the per-token delta:
+        "auto" | "ragged_dot" | "gather" | "masked") are read only with it
+        (`lora_config`).
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
         prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
@@ -119,6 +126,10 @@ class EngineConfig:
     expert_parallel_size: int = 1
     async_scheduling: bool | None = None
     speculative_config: SpeculativeConfig | Mapping | str | None = None
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_impl: str = "auto"
     scheduler: scheduler.SchedulerConfig = dataclasses.field(default_factory=default_scheduler)
 
     def __post_init__(self):
@@ -177,6 +188,25 @@ class EngineConfig:
                                     "processes yet")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        if not isinstance(self.enable_lora, bool):
+            raise EngineConfigError("enable_lora", f"must be a bool, got {self.enable_lora!r}")
+        if self.enable_lora:
+            self.lora_config()  # its fields checked now
+            for name, on in (("speculative_config", spec is not None),
+                             ("tensor_parallel_size", self.tensor_parallel_size > 1),
+                             ("expert_parallel_size", self.expert_parallel_size > 1)):
+                if on:
+                    raise EngineConfigError(name, "not supported with enable_lora yet")
+            if _joined_processes() > 1:
+                raise EngineConfigError("enable_lora", "not supported across several "
+                                        "processes yet")
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA options as one `LoRAConfig`, or None without enable_lora."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.scheduler.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras, lora_impl=self.lora_impl)
 
     def __getattr__(self, name: str):
         """The scheduling knobs read through: `config.max_num_seqs` is

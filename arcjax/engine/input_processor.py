@@ -5,6 +5,8 @@
    `RequestError` naming the field and the limit.
    A structured-output constraint is compiled here (or found in the grammar cache): one
    that cannot compile is a `StructuredOutputsError` naming its field.
+   A LoRA adapter (`lora_request`) is loaded and validated here too (the engine's
+   `AdapterCache`): a bad one is a `LoRAAdapterError` naming the adapter and the field.
 2. `build(...)`: the request's `RequestState` (with its incremental detokenizer and, for
    structured outputs, its own grammar matcher) and its
    `scheduler.Request`, or, for n > 1, the `RequestGroup` of its n children (child i has
@@ -25,7 +27,9 @@ import scheduler
 from arcjax.engine.group import RequestGroup, child_id, child_seed
 from arcjax.engine.request_state import RequestState
 from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from arcjax.errors import RequestError, StructuredOutputsError
+from arcjax.errors import LoRAAdapterError, RequestError, StructuredOutputsError
+from arcjax.lora.adapter_cache import AdapterCache
+from arcjax.lora.lora_request import LoRARequest
 from arcjax.sampling_params import SamplingParams
 from arcjax.structured import StructuredOutputManager
 
@@ -56,13 +60,30 @@ class InputProcessor:
       sched_config: the scheduler's config (its own request checks).
       seed: seeds requests whose SamplingParams have no seed (with the request id).
       structured: compiles structured-output constraints (None: they are refused).
+      adapters: the loaded LoRA adapters (None: LoRA is off, `lora_request` is refused).
     """
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
                  sched_config: scheduler.SchedulerConfig, seed: int = 0,
-                 structured: StructuredOutputManager | None = None):
+                 structured: StructuredOutputManager | None = None,
+                 adapters: AdapterCache | None = None):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.sched_config, self.seed, self.structured = sched_config, seed, structured
+        self.adapters = adapters
+
+    def check_adapter(self, lora_request: LoRARequest | None) -> None:
+        """Loads and validates a request's LoRA adapter (None: the base model).
+
+        Raises:
+          LoRAAdapterError: LoRA is off, or the adapter is refused (adapter and field named).
+        """
+        if lora_request is None:
+            return
+        if self.adapters is None:
+            name = getattr(lora_request, "lora_name", str(lora_request))
+            raise LoRAAdapterError(str(name), "lora_request", "LoRA is not enabled: build the "
+                                   "engine with enable_lora=True")
+        self.adapters.check(lora_request)
 
     def check(self, prompt, params: SamplingParams) -> tuple[str | None, tuple[int, ...]]:
         """Validates a request without queueing it. Returns (prompt text, token ids).
@@ -152,8 +173,10 @@ class InputProcessor:
             raise RequestError("priority", f"must be an int, got {priority!r}")
 
     def build(self, request_id: str, text, ids: tuple[int, ...], params: SamplingParams,
-              arrival: float, priority: int, sink) -> NewRequest | NewGroup:
-        """The inbox item of one validated request (its scheduler checks run here).
+              arrival: float, priority: int, sink,
+              lora_request: LoRARequest | None = None) -> NewRequest | NewGroup:
+        """The inbox item of one validated request (its scheduler checks run here; its
+        adapter, checked by `check_adapter`, is pinned once per sample).
 
         Raises:
           RequestError: the scheduler refuses the request (e.g. it can never fit).
@@ -162,11 +185,14 @@ class InputProcessor:
                                     max_tokens=params.max_tokens, arrival_time=arrival,
                                     priority=int(priority))
         scheduler.validate_request(request, self.sched_config)
+        refs = self._pin(lora_request, params.n)
+        if refs[0] is not None:
+            request = dataclasses.replace(request, adapter=refs[0].key)
         seed = params.seed if params.seed is not None else zlib.crc32(
             f"{self.seed}:{request_id}".encode())
         if params.n == 1:
             state = self.state(request_id, text, ids, params, seed, arrival)
-            state.sink = sink
+            state.sink, state.adapter = sink, refs[0]
             return NewRequest(state, request)
         pairs = []
         for i in range(params.n):
@@ -174,11 +200,26 @@ class InputProcessor:
             cp = dataclasses.replace(params, n=1, seed=child_seed(seed, i), prompt_logprobs=(
                 params.prompt_logprobs if i == 0 else None))  # the group reports child 0's
             state = self.state(cid, text, ids, cp, cp.seed, arrival)
-            state.index, state.parent_id = i, request_id
+            state.index, state.parent_id, state.adapter = i, request_id, refs[i]
             pairs.append((state, dataclasses.replace(request, request_id=cid)))
         hold = 1 if self.sched_config.enable_prefix_caching else params.n
         group = RequestGroup(request_id, [st for st, _ in pairs], pairs[hold:], sink)
         return NewGroup(group, pairs[:hold])
+
+    def _pin(self, lora_request: LoRARequest | None, n: int) -> list:
+        """n pins of the adapter (one per sample), or n Nones for the base model; all or
+        none (a failed load releases what it pinned)."""
+        if lora_request is None:
+            return [None] * n
+        refs = []
+        try:
+            for _ in range(n):
+                refs.append(self.adapters.acquire(lora_request))
+        except BaseException:
+            for ref in refs:
+                self.adapters.release(ref)
+            raise
+        return refs
 
     def state(self, rid: str, text, ids, params: SamplingParams, seed: int,
               arrival: float) -> RequestState:

@@ -12,6 +12,7 @@ import dataclasses
 
 from arcjax.outputs import PositionLogprobs
 from arcjax.engine.tokenizer import IncrementalDetokenizer
+from arcjax.lora.adapter_cache import AdapterRef
 from arcjax.sampling_params import SamplingParams
 from arcjax.structured import RequestGrammar
 
@@ -55,6 +56,7 @@ class RequestState:
     num_draft_tokens: int = 0  # speculative decoding: draft tokens its rows verified
     num_accepted_tokens: int = 0  # of them, accepted
     grammar: RequestGrammar | None = None  # structured outputs: advanced by each token
+    adapter: AdapterRef | None = None  # its LoRA adapter, pinned until it is released
 
     def __post_init__(self):
         if self.params.logprobs is not None:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels.backends import Choice
+from arcjax.lora.lora_delta import LayerLoRA, LoRAWeights
 from arcjax.model import moe
 from arcjax.model.model_config import ModelConfig, rope_inv_freq
 from arcjax.model.quant import dense
@@ -92,11 +93,15 @@ def layer_constants(cfg: ModelConfig) -> dict:
     return out
 
 
-def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_freq: jax.Array):
-    """Projections, q/k norm and rope. x: [..., T, H] -> q [..., T, Hq, D], k/v [..., T, Hkv, D]."""
+def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_freq: jax.Array,
+         lora: LayerLoRA | None = None):
+    """Projections, q/k norm and rope. x: [..., T, H] -> q [..., T, Hq, D], k/v [..., T, Hkv, D].
+    `lora`: the LoRA adapters' deltas (x is then [T, H])."""
     dt = x.dtype
     # dense(): a quantized weight (FP8/INT8) is dequantized here, inside the step.
     q, k, v = x @ dense(lp["wq"], dt), x @ dense(lp["wk"], dt), x @ dense(lp["wv"], dt)
+    if lora is not None:
+        q, k, v = lora.add("wq", x, q), lora.add("wk", x, k), lora.add("wv", x, v)
     if cfg.qkv_bias:
         q, k, v = q + lp["bq"].astype(dt), k + lp["bk"].astype(dt), v + lp["bv"].astype(dt)
     lead = x.shape[:-1]
@@ -109,7 +114,7 @@ def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_fre
 
 
 def feed_forward(lp: dict, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_impl: str,
-                 parallel, experts: dict, layer: jax.Array
+                 parallel, experts: dict, layer: jax.Array, lora: LayerLoRA | None = None
                  ) -> tuple[jax.Array, jax.Array | None]:
     """One layer's MLP: the dense gated MLP, or the mixture of experts.
 
@@ -117,7 +122,7 @@ def feed_forward(lp: dict, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe
       lp: the layer's params; h: [..., H] normalized hidden states; valid: [...] bool, real
         tokens (experts skip padding); moe_impl, parallel: see `forward_with_stats`;
       experts, layer: every layer's stacked expert weights (`split_experts`; {} for a dense
-        model) and this layer's index.
+        model) and this layer's index; lora: the LoRA adapters' deltas (dense MLPs only).
 
     Returns:
       (out [..., H], tokens per expert [E] int32, or None for a dense MLP).
@@ -130,8 +135,12 @@ def feed_forward(lp: dict, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe
                                   valid=valid.reshape(-1), impl=moe_impl, parallel=parallel)
         return out.reshape(*lead, -1), counts
     dt = h.dtype
-    h = moe.activation(h @ dense(lp["w_gate"], dt), cfg.hidden_act) * (h @ dense(lp["w_up"], dt))
-    return h @ dense(lp["w_down"], dt), None
+    gate, up = h @ dense(lp["w_gate"], dt), h @ dense(lp["w_up"], dt)
+    if lora is not None:
+        gate, up = lora.add("w_gate", h, gate), lora.add("w_up", h, up)
+    h = moe.activation(gate, cfg.hidden_act) * up
+    out = h @ dense(lp["w_down"], dt)
+    return (lora.add("w_down", h, out) if lora is not None else out), None
 
 
 def split_experts(layers: dict) -> tuple[dict, dict]:
@@ -142,16 +151,20 @@ def split_experts(layers: dict) -> tuple[dict, dict]:
 
 
 def _block(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, attend,
-           inv_freq: jax.Array, mlp):
+           inv_freq: jax.Array, mlp, lora: LayerLoRA | None = None):
     """One decoder layer. `attend(q, k, v) -> ([..., T, Hq, D], aux)` is the only difference
-    between the paged and dense modes; `mlp(lp, h) -> (out, stats)`."""
+    between the paged and dense modes; `mlp(lp, h) -> (out, stats)`; `lora`: the LoRA
+    adapters' deltas of the attention projections (the paged mode's)."""
     dt = x.dtype
     with jax.named_scope("qkv"):
-        q, k, v = _qkv(lp, _norm(x, lp["attn_norm"], cfg), positions, cfg, inv_freq)
+        q, k, v = _qkv(lp, _norm(x, lp["attn_norm"], cfg), positions, cfg, inv_freq, lora)
     with jax.named_scope("attention"):
         attn, aux = attend(q, k, v)
     with jax.named_scope("o_proj"):
-        out = attn.reshape(*attn.shape[:-2], -1) @ dense(lp["wo"], dt)
+        attn = attn.reshape(*attn.shape[:-2], -1)
+        out = attn @ dense(lp["wo"], dt)
+        if lora is not None:
+            out = lora.add("wo", attn, out)
         if cfg.o_bias:
             out = out + lp["bo"].astype(dt)
         if cfg.sandwich_norms:
@@ -263,7 +276,8 @@ def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
 def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
                        attn_impl: str = "auto", dtype=jnp.float32,
                        max_q_len: int | None = None, parallel=None, moe_impl: str = "auto",
-                       head: bool = True) -> tuple[jax.Array, Cache, jax.Array | None]:
+                       head: bool = True, lora: LoRAWeights | None = None,
+                       lora_impl: str = "masked") -> tuple[jax.Array, Cache, jax.Array | None]:
     """One ragged step over the paged cache.
 
     `max_q_len` (static) bounds every sequence's chunk length in this batch (1 for a
@@ -276,6 +290,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     `head` (static): False returns the last layer's hidden states at `batch.logits_rows`
     [S, H] instead of logits, for a caller that applies `lm_head` to a few rows at a time
     (prompt log-probabilities over a 256k vocabulary).
+    `lora`: the LoRA adapters' slots and each token's slot (`arcjax.lora.lora_delta`), or
+    None; `lora_impl` (static): their delta's implementation (`lora_delta.IMPLS`).
 
     Returns:
       logits [S, V] float32 at `batch.logits_rows` (or hidden states, see `head`), the
@@ -302,10 +318,12 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
 
     def layer(carry, xs):
         x, k_cache, v_cache = carry
-        lp, l, const = xs
+        lp, l, const, lora_ab = xs
+        layer_lora = None if lora is None else lora.layer(*lora_ab, lora_impl)
 
         def mlp(lp, h):
-            return feed_forward(lp, h, cfg, valid_slot, moe_impl, parallel, experts, l)
+            return feed_forward(lp, h, cfg, valid_slot, moe_impl, parallel, experts, l,
+                                layer_lora)
 
         slots = jnp.where(valid_slot, batch.slot_mapping + l * layer_slots,
                           cfg.num_layers * layer_slots)  # [T]; still out of range if padding
@@ -327,12 +345,13 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
             return out, (kc, vc)
 
         x, (k_cache, v_cache), stats = _block(lp, x, batch.positions, cfg, attend,
-                                              const["inv_freq"], mlp)
+                                              const["inv_freq"], mlp, layer_lora)
         return (x, k_cache, v_cache), stats
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    lora_ab = None if lora is None else (lora.a, lora.b)  # [L, S, ...]: one layer each
     (x, k_new, v_new), stats = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
-                                            (scanned, layer_ids, layer_constants(cfg)))
+                                            (scanned, layer_ids, layer_constants(cfg), lora_ab))
     x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
     out = lm_head(params, cfg, x, parallel) if head else x
     return out, {**cache, "k": k_new, "v": v_new}, stats

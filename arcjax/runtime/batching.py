@@ -42,6 +42,8 @@ class PreparedStep:
       prompt: a step with prompt_logprobs rows: each row's next prompt token (logits are
         then computed at every token row); else None.
       spec: a verification step (sample width > 1): the draft tokens to verify; else None.
+      lora_slots: with LoRA adapters, each token row's adapter slot [T] int32 (0: the base
+        model, and padding); else None.
     """
 
     bucket: Bucket
@@ -49,6 +51,7 @@ class PreparedStep:
     sampling: SamplingBatch
     prompt: PromptTargets | None = None
     spec: verification.SpecInputs | None = None
+    lora_slots: np.ndarray | None = None
 
 
 def prepare_step(plan, sampling_rows: Sequence[tuple], prompt_rows=None, *,

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arcjax.lora.slot_table import SlotTable, token_slots
 from arcjax.model import decoder
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import make_cache
@@ -54,15 +55,16 @@ from arcjax.spec_decode import verification
 
 log = logging.getLogger(__name__)
 
-_STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel")
+_STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel", "lora_impl")
 
 
-def _logits(params, cache, batch, prompt, *, cfg, attn_impl, dtype, max_q_len, parallel):
+def _logits(params, cache, batch, prompt, lora, *, cfg, attn_impl, dtype, max_q_len, parallel,
+            lora_impl):
     """The forward: (logits [R, V] at the sampled positions, prompt logprobs or None, the
-    cache, tokens per expert [L, E] or None)."""
+    cache, tokens per expert [L, E] or None). `lora`: the adapters' `LoRAWeights`, or None."""
     out, cache, expert_counts = decoder.forward_with_stats(
         params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
-        parallel=parallel, head=prompt is None)
+        parallel=parallel, head=prompt is None, lora=lora, lora_impl=lora_impl)
     prompt_lp = None
     if prompt is None:
         logits = out  # [R, V] at `batch.logits_rows`
@@ -82,17 +84,19 @@ def _sampled(logits, sampling, counts, bitmask, spec, sample_width):
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "sample_width"),
                    donate_argnames=("cache", "counts"))
-def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None, *, cfg,
-          attn_impl, dtype, max_q_len, parallel=None, sample_width=1):
+def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None, lora=None, *,
+          cfg, attn_impl, dtype, max_q_len, parallel=None, sample_width=1, lora_impl="masked"):
     # cfg/attn_impl/dtype/max_q_len/parallel/sample_width are static: one executable per
     # bucket, no recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt`
     # (prompt logprobs) is None or not: at most a second executable per bucket, built on
     # demand. `spec` (draft tokens to verify) is set exactly in buckets of sample_width > 1.
     # `bitmask` [R, ceil(V / 32)] int32 is always an input (all ones for unconstrained
-    # rows): structured outputs need no other executable.
-    logits, prompt_lp, cache, experts = _logits(params, cache, batch, prompt, cfg=cfg,
+    # rows): structured outputs need no other executable. `lora` (LoRA adapters' slots and
+    # each token's slot) is None, or an input of every step: adapters change no executable.
+    logits, prompt_lp, cache, experts = _logits(params, cache, batch, prompt, lora, cfg=cfg,
                                                 attn_impl=attn_impl, dtype=dtype,
-                                                max_q_len=max_q_len, parallel=parallel)
+                                                max_q_len=max_q_len, parallel=parallel,
+                                                lora_impl=lora_impl)
     tokens, yielded, logprobs, counts = _sampled(logits, sampling, counts, bitmask, spec,
                                                  sample_width)
     return (StepOutput(tokens, logprobs, prompt_lp, num_yielded=yielded,
@@ -100,11 +104,11 @@ def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=Non
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _forward(params, cache, batch, prompt=None, *, cfg, attn_impl, dtype, max_q_len,
-             parallel=None):
+def _forward(params, cache, batch, prompt=None, lora=None, *, cfg, attn_impl, dtype, max_q_len,
+             parallel=None, lora_impl="masked"):
     """`_step` without its sampling: for a step whose bitmask is not known at launch."""
-    return _logits(params, cache, batch, prompt, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
-                   max_q_len=max_q_len, parallel=parallel)
+    return _logits(params, cache, batch, prompt, lora, cfg=cfg, attn_impl=attn_impl,
+                   dtype=dtype, max_q_len=max_q_len, parallel=parallel, lora_impl=lora_impl)
 
 
 @functools.partial(jax.jit, static_argnames=("sample_width",), donate_argnames=("counts",))
@@ -143,12 +147,17 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_blocks: int, block_size: int,
                  max_blocks_per_seq: int, buckets: BucketSet, dtype, attn_impl: str,
                  executables: ExecutableCache | None = None, parallel=None,
-                 kv_cache_dtype=None, kv_scales=None):
+                 kv_cache_dtype=None, kv_scales=None, lora: SlotTable | None = None,
+                 lora_impl: str = "masked"):
         # parallel: an arcjax.parallel.TensorParallel (params already in its shardings,
         # cfg its sharded_config); the cache is created in its shards, inputs replicated.
         # kv_cache_dtype: the pages' dtype (None: dtype); float8_e4m3fn pages carry a K and
         # a V scale per layer: kv_scales [2, L] (from the checkpoint), else 1.0.
+        # lora: the LoRA adapters' device slots (every step then takes `LoRAWeights`; the
+        # engine fills the slots, `prepare` packs each row's slot), lora_impl their delta's
+        # implementation (`arcjax.lora.lora_delta.IMPLS`, resolved); None: no adapters.
         self.cfg, self.params, self.parallel = cfg, params, parallel
+        self.lora, self.lora_impl = lora, lora_impl
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_blocks = max_blocks_per_seq
         self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
@@ -188,7 +197,8 @@ class ModelRunner:
         """Buckets this runner has acquired an executable for (compiled or found)."""
         return len({key[0] for key in self._compiled})
 
-    def prepare(self, plan, sampling_rows: Sequence[tuple], prompt_rows=None) -> PreparedStep:
+    def prepare(self, plan, sampling_rows: Sequence[tuple], prompt_rows=None,
+                row_slots: Sequence[int] | None = None) -> PreparedStep:
         """Packs one step plan into its bucket's host arrays (`batching.prepare_step`).
 
         Args:
@@ -200,11 +210,16 @@ class ModelRunner:
 
         A plan whose decode rows carry draft tokens runs in a bucket of sample width
         1 + num_speculative_tokens: its sampling inputs are per position and it carries
-        the `verification.SpecInputs`.
+        the `verification.SpecInputs`. `row_slots`: with LoRA, each row's adapter slot
+        (0: the base model), repeated over the row's tokens (`PreparedStep.lora_slots`).
         """
-        return prepare_step(plan, sampling_rows, prompt_rows, buckets=self.buckets,
+        step = prepare_step(plan, sampling_rows, prompt_rows, buckets=self.buckets,
                             max_blocks=self.max_blocks, block_size=self.block_size,
                             num_blocks=self.num_blocks, spare_slot=self.counts.spare)
+        if row_slots is None:
+            return step
+        return dataclasses.replace(step, lora_slots=token_slots(row_slots, plan.lengths,
+                                                                step.bucket.tokens))
 
     def _executable(self, bucket: Bucket, variant: str, args: tuple, *, prompt_given: bool):
         """The compiled `variant` ("step", "forward" or "sample") of `bucket` for `args`
@@ -219,10 +234,12 @@ class ModelRunner:
             else:  # compiled with the implementation "auto" resolves to for this bucket
                 impl = self._attention_impl(bucket)
                 key = (variant, self.cfg, impl, str(self.dtype), bucket.max_q_len,
-                       bucket.sample_width, self.parallel, input_signature(args))
+                       bucket.sample_width, self.parallel, self.lora_impl,
+                       input_signature(args))
                 lower = functools.partial(fn.lower, *args, cfg=self.cfg, attn_impl=impl,
                                           dtype=self.dtype, max_q_len=bucket.max_q_len,
-                                          parallel=self.parallel, **width)
+                                          parallel=self.parallel, lora_impl=self.lora_impl,
+                                          **width)
             exe = self.executables.get_or_compile(key, lambda: lower().compile())
             self._compiled[(bucket, variant, prompt_given)] = exe
         return exe
@@ -279,6 +296,15 @@ class ModelRunner:
                 batch.token_ids, feed.source.out.tokens, rows, positions))
         return batch, prompt
 
+    def _lora(self, step: PreparedStep):
+        """The step's `LoRAWeights` (None without adapters); a step packed without row
+        slots (warm-up) runs every token on the base model (slot 0)."""
+        if self.lora is None:
+            return None
+        slots = step.lora_slots
+        return self.lora.step_weights(slots if slots is not None
+                                      else np.zeros(step.bucket.tokens, np.int32))
+
     def run(self, step: PreparedStep, *, bitmask: np.ndarray | None = None) -> StepOutput:
         """Runs the step; returns its `StepOutput`: `tokens` [R] (and `num_yielded` [S] in a
         verification step) on the host (after the device is done), log-probabilities
@@ -300,7 +326,7 @@ class ModelRunner:
         batch, prompt = self._device_batch(step, feed)
         sampling, spec = self._replicated((step.sampling, step.spec))
         args = (self.params, self.cache, batch, sampling, self.counts.table,
-                self._device_bitmask(step.bucket, bitmask), prompt, spec)
+                self._device_bitmask(step.bucket, bitmask), prompt, spec, self._lora(step))
         exe = self._executable(step.bucket, "step", args, prompt_given=prompt is not None)
         dispatched = time.perf_counter()
         out, self.cache, self.counts.table = exe(*args)
@@ -312,7 +338,7 @@ class ModelRunner:
         scheduling with structured outputs); `launch_sampling` completes it. Arguments as
         `launch`'s."""
         batch, prompt = self._device_batch(step, feed)
-        args = (self.params, self.cache, batch, prompt)
+        args = (self.params, self.cache, batch, prompt, self._lora(step))
         exe = self._executable(step.bucket, "forward", args, prompt_given=prompt is not None)
         dispatched = time.perf_counter()
         logits, prompt_lp, self.cache, experts = exe(*args)
@@ -365,6 +391,8 @@ class ModelRunner:
         """A fresh zeroed KV cache (every sequence's KV is gone)."""
         self.cache = self._new_cache()
         self.counts.reset()
+        if self.lora is not None:  # the slots are written again as steps need them
+            self.lora.reset()
 
     def _new_cache(self):
         if self.parallel is not None:
