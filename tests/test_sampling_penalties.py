@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from arcjax import LLM, SamplingParams
-from arcjax.runtime.penalties import TokenCounts, apply_penalties, table_row
+from arcjax.runtime.penalties import TokenCounts, TokenTables, apply_penalties, table_row
 from arcjax.runtime.sampling import SamplingBatch, sample_step
 from hf_models import hf_logits, tiny_model_dir
 
@@ -57,8 +57,8 @@ def test_device_penalties_equal_the_reference():
     for i, (p, (prompt, out, stop)) in enumerate(zip(params, hist)):
         np.testing.assert_allclose(got[i], reference_logits(logits[i], prompt, out, p, stop),
                                    rtol=1e-6, atol=1e-6)
-    tokens, _, new = jax.jit(sample_step)(logits, sp, table)
-    tokens, new = np.asarray(tokens), np.asarray(new)
+    tokens, _, new = jax.jit(sample_step)(logits, sp, TokenTables.unbiased(table))
+    tokens, new = np.asarray(tokens), np.asarray(new.counts)
     for i, (p, (prompt, out, stop)) in enumerate(zip(params, hist)):
         assert tokens[i] == np.argmax(reference_logits(logits[i], prompt, out, p, stop))
         if p.uses_penalty_state:  # the sampled token was counted into the row's slot
@@ -75,7 +75,7 @@ def test_slots_are_reused_and_rebuilt_after_eviction():
     c = counts.slot("c", {"c", "b"}, [5], [5], ())  # takes a's slot (a is not running)
     assert c == a and counts.writes == 3
     assert counts.slot("a", {"a", "c"}, [1, 2], [3], ()) == b  # a rebuilt in b's slot
-    np.testing.assert_array_equal(np.asarray(counts.table)[b], table_row(10, [1, 2], [3], ()))
+    np.testing.assert_array_equal(np.asarray(counts.table.counts)[b], table_row(10, [1, 2], [3], ()))
     counts.release("c")
     assert counts.slot("d", {"d"}, [], [], ()) == c
 

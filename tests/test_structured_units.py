@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from arcjax import RequestError, SamplingParams, StructuredOutputsError, StructuredOutputsParams
+from arcjax.runtime.penalties import TokenTables
 from arcjax.runtime.sampling import SamplingBatch, apply_bitmask, bitmask_words, sample_step
 from arcjax.structured import GrammarCompiler, MaskFiller
 from arcjax.entrypoints.openai.structured_fields import constraint_from_body
@@ -155,7 +156,8 @@ def test_device_mask_matches_numpy_and_masks_before_sampling():
     sp = SamplingBatch.build([(p, 0, 0) for p in params], rows)
     mask[2] = -1
     step = jax.jit(sample_step)
-    tokens, lp, _ = step(jnp.asarray(logits), sp, jnp.zeros((1, vocab), jnp.int32), mask)
+    tokens, lp, _ = step(jnp.asarray(logits), sp,
+                         TokenTables.unbiased(jnp.zeros((1, vocab), jnp.int32)), mask)
     tokens = np.asarray(tokens)
     assert allowed[0, tokens[0]] and allowed[1, tokens[1]]
     assert tokens[0] == np.argmax(np.where(allowed[0], logits[0], -np.inf))

@@ -18,6 +18,7 @@ from arcjax.model.formats.gguf_tokenizer import has_tokenizer
 from arcjax.model.formats.hub import ModelSource, resolve_model
 from arcjax.model.formats.loader import load_model, model_config
 from arcjax.parallel import StepSync, TensorParallel, follow
+from arcjax.reasoning.model_reasoning import ModelReasoning
 from arcjax.runtime.buckets import BucketSet
 from arcjax.spec_decode.draft_model import DraftModelProposer
 from arcjax.spec_decode.ngram_proposer import NgramProposer
@@ -137,7 +138,9 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                   else not multi_host and _overlap_pays())
     engine = Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
                     model_dir=model_dir, trace_capacity=config.trace_capacity,
-                    async_scheduling=overlapped, speculator=speculator, **options)
+                    async_scheduling=overlapped, speculator=speculator,
+                    reasoning=ModelReasoning.create(config.reasoning_parser, tokenizer),
+                    **options)
     if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
     return engine

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 
 import scheduler
 from arcjax.errors import ConfigError, EngineConfigError
+from arcjax.reasoning import NO_PARSER
+from arcjax.reasoning import PARSERS as REASONING_PARSERS
 from arcjax.spec_decode.speculative_config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -95,6 +97,12 @@ class EngineConfig:
         {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}, optionally
         "disable_by_batch_size" (`arcjax.spec_decode.speculative_config.SpeculativeConfig`; a dict or
         its JSON text is turned into one); None = off. Outputs are the same either way.
+      reasoning_parser: how outputs split into reasoning and content (`CompletionOutput.
+        reasoning` / `.content`) and where structured outputs start (after the reasoning):
+        "deepseek_r1", "qwen3", "openai_gptoss" (vLLM's names; the vocabulary must have
+        the format's markers), "none", or None: implied by each prompt (a request whose
+        prompt shows a `<think>` block is split as deepseek_r1 splits; see
+        `arcjax.reasoning.model_reasoning`).
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
         prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
@@ -119,6 +127,7 @@ class EngineConfig:
     expert_parallel_size: int = 1
     async_scheduling: bool | None = None
     speculative_config: SpeculativeConfig | Mapping | str | None = None
+    reasoning_parser: str | None = None
     scheduler: scheduler.SchedulerConfig = dataclasses.field(default_factory=default_scheduler)
 
     def __post_init__(self):
@@ -177,6 +186,10 @@ class EngineConfig:
                                     "processes yet")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        names = (*REASONING_PARSERS, NO_PARSER)
+        if self.reasoning_parser is not None and self.reasoning_parser not in names:
+            raise EngineConfigError("reasoning_parser", f"must be one of {names} or None, got "
+                                                        f"{self.reasoning_parser!r}")
 
     def __getattr__(self, name: str):
         """The scheduling knobs read through: `config.max_num_seqs` is
