@@ -168,3 +168,39 @@ def tiny_model_with_chat_template(template: str | None, arch: str = "LlamaForCau
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     return path
+
+
+# Marker tokens of reasoning and tool-calling formats, added to a test tokenizer as
+# ordinary (non-special) tokens, as Qwen3's and DeepSeek-R1's tokenizers have them.
+MARKER_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_reasoning_model(template: str, arch: str = "LlamaForCausalLM") -> str:
+    """`tiny_model_dir(arch)` with a byte-level BPE tokenizer whose last ids are
+    `MARKER_TOKENS` (within the model's 384) and `template` as its chat template."""
+    import json
+    import os
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    src = tiny_model_dir(arch)
+    path = tempfile.mkdtemp(prefix=f"arcjax-reasoning-{arch}-")
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_COMMON["vocab_size"] - len(MARKER_TOKENS),
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_TOKENIZER_TEXT], trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
+    assert tok.get_vocab_size() <= _COMMON["vocab_size"]  # the text holds fewer merges
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
+                   "chat_template": template}, f)
+    return path

@@ -86,7 +86,10 @@ class Tokenizer:
         # ourselves only when add_bos_token asks for it and the post-processor does not.
         post_adds_bos = bos_token_id is not None and tokenizer.encode("").ids[:1] == [bos_token_id]
         self._prepend_bos = add_bos_token and bos_token_id is not None and not post_adds_bos
-        self.added_token_ids = frozenset(tokenizer.get_added_tokens_decoder())
+        added = tokenizer.get_added_tokens_decoder()
+        self.added_token_ids = frozenset(added)
+        # the texts of special added tokens (skip_special_tokens drops them from outputs)
+        self.special_texts = frozenset(t.content for t in added.values() if t.special)
         self._token_text: dict[int, str] = {}
 
     def to_json(self) -> str:

@@ -217,11 +217,12 @@ class AsyncLLM:
 
     # --- requests (event-loop side) -------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> "RequestStream":
+               request_id: str | None = None, priority: int = 0) -> "RequestStream":
         """Queues a request now, synchronously (call it from the event loop), and returns
         the async iterator of its outputs (`async for out in stream`); `await
         stream.aclose()` before its final output aborts the request. A server decides
         admission and queues in one step with it (no other coroutine runs in between).
+        `priority`: smaller is served first (the scheduler's order, vLLM's convention).
 
         Raises:
           RequestError subclasses: a bad request. EngineDeadError: the engine is dead.
@@ -235,7 +236,8 @@ class AsyncLLM:
         try:
             if self._stopping:
                 raise EngineDeadError("AsyncLLM.shutdown() was called")
-            rid = self.engine.add_request(prompt, params, request_id, sink=collector.put)
+            rid = self.engine.add_request(prompt, params, request_id, sink=collector.put,
+                                          priority=priority)
             if not self._thread.is_alive():  # stopped between the check and the add
                 raise self.engine.dead or EngineDeadError("the engine thread has stopped")
         except BaseException:
@@ -245,7 +247,8 @@ class AsyncLLM:
         return RequestStream(self, rid, collector)
 
     async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields this request's outputs (as `params.output_kind` says; `delta_text` is the
         new text in each) until the final one. Leaving early aborts the request.
 
@@ -253,7 +256,7 @@ class AsyncLLM:
           RequestError subclasses: a bad request (at the first iteration).
           EngineDeadError: the engine is dead, or died while this request ran.
         """
-        stream = self.submit(prompt, params, request_id)
+        stream = self.submit(prompt, params, request_id, priority)
         try:
             async for out in stream:
                 yield out

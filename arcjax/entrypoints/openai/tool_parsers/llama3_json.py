@@ -17,6 +17,7 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
     template_markers = (PYTHON_TAG, "<|eom_id|>")
+    markers = (PYTHON_TAG,)
     _DECODER = json.JSONDecoder()
 
     def parse(self, text: str, final: bool = True) -> Parsed:
