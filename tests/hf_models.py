@@ -170,15 +170,16 @@ def tiny_model_with_chat_template(template: str | None, arch: str = "LlamaForCau
     return path
 
 
-# Marker tokens of reasoning and tool-calling formats, added to a test tokenizer as
-# ordinary (non-special) tokens, as Qwen3's and DeepSeek-R1's tokenizers have them.
-MARKER_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>")
+# The think block's markers, added to a test tokenizer as ordinary (non-special) tokens, as
+# Qwen3's and DeepSeek-R1's tokenizers have them.
+MARKER_TOKENS = ("<think>", "</think>")
 
 
 @functools.lru_cache(maxsize=None)
 def tiny_reasoning_model(template: str, arch: str = "LlamaForCausalLM") -> str:
     """`tiny_model_dir(arch)` with a byte-level BPE tokenizer whose last ids are
-    `MARKER_TOKENS` (within the model's 384) and `template` as its chat template."""
+    `MARKER_TOKENS` (within the model's 384), BOS added to text prompts, and `template` as
+    its chat template."""
     import json
     import os
     import shutil
@@ -201,6 +202,25 @@ def tiny_reasoning_model(template: str, arch: str = "LlamaForCausalLM") -> str:
     assert tok.get_vocab_size() <= _COMMON["vocab_size"]  # the text holds fewer merges
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": False,
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
                    "chat_template": template}, f)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def with_context(model_dir: str, max_position_embeddings: int) -> str:
+    """`model_dir` copied with a longer context in its config.json."""
+    import json
+    import os
+    import shutil
+
+    path = tempfile.mkdtemp(prefix="arcjax-context-")
+    for f in os.listdir(model_dir):
+        shutil.copy(os.path.join(model_dir, f), path)
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = max_position_embeddings
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
     return path

@@ -101,7 +101,7 @@ def test_sampling_fields_map_to_sampling_params():
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ({"prompt": "x", "stream_interval": 4}, "stream_interval"),
     ({"prompt": "x", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
-    ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
+    ({"prompt": "x", "cache_salt": "s3cret"}, "cache_salt"),
     ({"prompt": "x", "tools": [{"type": "function"}]}, "tools"),
 ])
 def test_completion_refusals_name_the_field(body, field):

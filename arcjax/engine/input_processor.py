@@ -26,7 +26,7 @@ import numpy as np
 import scheduler
 from arcjax.engine.group import RequestGroup, child_id, child_seed
 from arcjax.engine.request_state import RequestState
-from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from arcjax.engine.tokenizer import Tokenizer, make_detokenizer
 from arcjax.errors import RequestError, StructuredOutputsError
 from arcjax.reasoning.abstract_reasoning_parser import PROMPT_TAIL_TOKENS
 from arcjax.reasoning.model_reasoning import ModelReasoning
@@ -123,11 +123,8 @@ class InputProcessor:
         """
         if self.tokenizer is None:
             raise RequestError("prompt", "a string prompt needs a tokenizer; pass token ids")
-        chars = 2 * self.tokenizer.max_token_chars
-        if check_length and len(text) > chars * self.max_model_len:
-            raise RequestError("prompt", f"{len(text)} characters: more than {len(text) // chars}"
-                               f" tokens, more than max_model_len {self.max_model_len}",
-                               limit=self.max_model_len)
+        if check_length:
+            self.check_text_length(len(text))
         try:
             text.encode("utf-8")
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -137,9 +134,36 @@ class InputProcessor:
             raise RequestError("prompt", "must not be empty", limit=1)
         return ids
 
+    @property
+    def max_text_chars(self) -> int | None:
+        """Characters no prompt that fits max_model_len can exceed: no token covers more
+        than the vocabulary's longest entry (twice that, for normalizers that merge
+        characters); None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        return 2 * self.tokenizer.max_token_chars * self.max_model_len
+
+    def check_text_length(self, chars: int, field: str = "prompt") -> None:
+        """Refuses text of `chars` characters that cannot fit max_model_len, before it is
+        tokenized (or rendered).
+
+        Raises:
+          RequestError (`field`): too long whatever its tokens.
+        """
+        limit = self.max_text_chars
+        if limit is not None and chars > limit:
+            per_token = limit // self.max_model_len
+            raise RequestError(field, f"{chars} characters: more than {chars // per_token} "
+                               f"tokens, more than max_model_len {self.max_model_len}",
+                               limit=self.max_model_len)
+
     def _tokenize(self, prompt, check_length: bool = True) -> tuple[str | None, tuple[int, ...]]:
         if isinstance(prompt, str):
             return prompt, self.encode(prompt, check_length=check_length)
+        if check_length and isinstance(prompt, (list, tuple, np.ndarray)) and (
+                len(prompt) > self.max_model_len):  # refused before it is read token by token
+            raise RequestError("prompt", f"{len(prompt)} tokens, more than max_model_len "
+                               f"{self.max_model_len}", limit=self.max_model_len)
         if isinstance(prompt, np.ndarray):
             if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
                 raise RequestError("prompt", f"a token-id array must be 1-D integers, got "
@@ -201,7 +225,7 @@ class InputProcessor:
     def state(self, rid: str, text, ids, params: SamplingParams, seed: int,
               arrival: float) -> RequestState:
         """A fresh request state (with its detokenizer when there is a tokenizer)."""
-        detok = IncrementalDetokenizer(
+        detok = make_detokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         ) if self.tokenizer else None

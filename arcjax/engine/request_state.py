@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from arcjax.outputs import PositionLogprobs
-from arcjax.engine.tokenizer import IncrementalDetokenizer
+from arcjax.engine.tokenizer import IncrementalDetokenizer, StreamingDetokenizer
 from arcjax.reasoning.model_reasoning import RequestReasoning
 from arcjax.sampling_params import SamplingParams
 from arcjax.structured.mask_source import MaskSource
@@ -34,7 +34,7 @@ class RequestState:
     params: SamplingParams
     seed: int
     arrival: float
-    detok: IncrementalDetokenizer | None
+    detok: StreamingDetokenizer | IncrementalDetokenizer | None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     token_times: list[float] = dataclasses.field(default_factory=list)

@@ -48,7 +48,9 @@ class ReasoningGate(MaskSource):
         self.start_id = start_id
         self.initial = IN if inside else BEFORE
         self.tokens: list[int] = []
-        self.state, self.activated_at = self.initial, None  # tokens before the grammar's
+        self.state = self.initial
+        self.activated_at = None  # tokens before the grammar's first
+        self._after_from = None  # tokens from which the state is AFTER
 
     @property
     def num_tokens(self) -> int:
@@ -73,20 +75,22 @@ class ReasoningGate(MaskSource):
         self.tokens.append(token)
         if state == AFTER and self.state == BEFORE:  # the grammar's first token
             self.state, self.activated_at = AFTER, len(self.tokens) - 1
+            self._after_from = len(self.tokens)
             return self.grammar.accept(token)
         if state == AFTER:
-            self.activated_at = len(self.tokens)
+            self.activated_at = self._after_from = len(self.tokens)
         self.state = state
         return True
 
     def rewind_to(self, num_tokens: int) -> None:
-        if self.activated_at is not None and num_tokens >= self.activated_at:
+        if self._after_from is not None and num_tokens >= self._after_from:
             self.grammar.rewind_to(num_tokens - self.activated_at)
             del self.tokens[num_tokens:]
             return
         self.grammar.rewind_to(0)
         kept = self.tokens[:num_tokens]
-        self.tokens, self.state, self.activated_at = [], self.initial, None
+        self.tokens, self.state = [], self.initial
+        self.activated_at = self._after_from = None
         for t in kept:  # no grammar token among them: replays the states only
             self.accept(t)
 

@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from arcjax.errors import RequestError
 
 _NAME = re.compile(r"^[a-zA-Z0-9_.\-]{1,64}$")
+PROMPT_FORMS = ("must be a string, a list of strings, a list of token ids or a list of lists of "
+                "token ids (non-empty)")
 
 
 class ProtocolError(RequestError):
@@ -128,42 +130,32 @@ class ToolParam(OpenAIBaseModel):
     function: FunctionDefinition
 
 
+class ContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
-    """One message; `content` may be text parts (joined with newlines); keys the chat
-    template may read (name, tool_calls, tool_call_id, reasoning) pass through."""
+    """One message; `content` may be text parts (joined with newlines by `text`); keys the
+    chat template may read (name, tool_calls, tool_call_id, reasoning) pass through.
+
+    NOTE: typed, with no Python validator: pydantic-core checks a long conversation without
+    Python code per message (a body of 100k messages holds the GIL once, briefly)."""
 
     role: str
-    content: Any = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list | None = None
     function_call: Any = None
 
-    @model_validator(mode="before")
-    @classmethod
-    def _has_role(cls, data):
-        if not isinstance(data, dict) or not isinstance(data.get("role"), str):
-            raise ValueError("must be an object with a string role")
-        return data
-
-    @field_validator("content")
-    @classmethod
-    def _text(cls, v) -> str:
-        if v is None:
-            return ""
-        if isinstance(v, str):
-            return v
-        if isinstance(v, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                       and isinstance(p.get("text"), str) for p in v):
-            return "\n".join(p["text"] for p in v)
-        if isinstance(v, list):
-            raise ValueError("only text content parts are supported")
-        raise ValueError("must be a string or text parts")
-
-    @field_validator("function_call")
-    @classmethod
-    def _no_function_call(cls, v):
-        if v:
-            raise ValueError("not supported by this server (use tool_calls)")
-        return v
+    def text(self, where: str) -> str:
+        """The content as one string ("" for none). Raises ProtocolError (field `where`)
+        for parts that are not text."""
+        v = self.content
+        if v is None or isinstance(v, str):
+            return v or ""
+        if not all(p.type == "text" and p.text is not None for p in v):
+            raise ProtocolError(f"{where}.content", "only text content parts are supported")
+        return "\n".join(p.text for p in v)
 
 
 def _stop(v):
@@ -212,7 +204,6 @@ class SamplingFields(OpenAIBaseModel):
     return_token_ids: bool | None = None
     return_token_offsets: bool | None = None  # render endpoints only: ignored, as vLLM
     return_mm_kwargs: bool | None = None  # render endpoints only: ignored, as vLLM
-    cache_salt: str | None = None
     guided_json: dict | str | bool | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -229,6 +220,7 @@ class SamplingFields(OpenAIBaseModel):
     kv_transfer_params: Any = None
     ec_transfer_params: Any = None
     vllm_xargs: Any = None
+    cache_salt: Any = None  # the prefix cache is not salted here
     repetition_detection: Any = None
     thinking_token_budget: Any = None
     stream_interval: Any = None
@@ -241,13 +233,6 @@ class SamplingFields(OpenAIBaseModel):
     def _stop_strings(cls, v):
         return _stop(v)
 
-    @field_validator("cache_salt")
-    @classmethod
-    def _salt(cls, v):
-        if v is not None and not 1 <= len(v) <= 1024:
-            raise ValueError("must be 1 to 1024 characters")
-        return v
-
     @model_validator(mode="after")
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
@@ -258,7 +243,8 @@ class SamplingFields(OpenAIBaseModel):
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
-    prompt: Any = Field(None, validate_default=True)
+    # typed here so pydantic-core checks a long token list without Python code per token
+    prompt: str | list[int] | list[str | list[int]] | None = Field(None, validate_default=True)
     echo: bool | None = False
     logprobs: Any = None
     max_tokens: int | None = 16
@@ -274,17 +260,18 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
+        """The prompts, each text or a tuple of token ids."""
         if v is None:
             raise ValueError("is required")
         if isinstance(v, str):
             return (v,)
-        ids = lambda p: isinstance(p, list) and p and all(_is_int(t) for t in p)  # noqa: E731
-        if ids(v):
+        if not v:
+            raise ValueError(PROMPT_FORMS)
+        if isinstance(v[0], int):
             return (tuple(v),)
-        if isinstance(v, list) and v and all(isinstance(p, str) or ids(p) for p in v):
-            return tuple(p if isinstance(p, str) else tuple(p) for p in v)
-        raise ValueError("must be a string, a list of strings, a list of token ids or a list "
-                         "of lists of token ids (non-empty)")
+        if any(isinstance(p, list) and not p for p in v):
+            raise ValueError(PROMPT_FORMS)
+        return tuple(p if isinstance(p, str) else tuple(p) for p in v)
 
     @field_validator("logprobs")
     @classmethod
@@ -371,10 +358,18 @@ class _FieldError(ValueError):
         self.field = field
 
 
+# a union member's tag in an error location (pydantic names the member it tried): field
+# names are snake_case, tags are type names
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|dict\[.*\]|list\[.*\]|[A-Z]\w*)$")
+
+
 def _param(loc: tuple) -> str:
-    """A pydantic error location as the request names the field: messages[0].content."""
+    """A pydantic error location as the request names the field: messages[0].content (a
+    union member's tag and what follows it left out)."""
     out = ""
     for part in loc:
+        if isinstance(part, str) and _TYPE_TAG.match(part):
+            break
         out += f"[{part}]" if isinstance(part, int) else ("." if out else "") + str(part)
     return out or "body"
 
@@ -397,4 +392,9 @@ def parse_body(model: type[BaseModel], raw: bytes):
             raise ProtocolError("body", f"the body is not valid JSON ({message})") from None
         if err["type"] == "model_type" and not err["loc"]:
             raise ProtocolError("body", "must be a JSON object") from None
-        raise ProtocolError(_param(err["loc"]), message) from None
+        loc = err["loc"]
+        if loc[:1] == ("prompt",) and model is CompletionRequest:  # the union's members
+            raise ProtocolError("prompt", PROMPT_FORMS) from None
+        if len(loc) == 3 and loc[0] == "messages" and loc[2] == "role":
+            raise ProtocolError(_param(loc[:2]), "must be an object with a string role") from None
+        raise ProtocolError(_param(loc), message) from None

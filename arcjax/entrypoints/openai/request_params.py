@@ -12,21 +12,21 @@ the template, `tool_calls.ToolPlan`, template kwargs: `chat_template_kwargs`, `d
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from arcjax.entrypoints.openai import structured_fields
 from arcjax.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 ProtocolError, SamplingFields, parse_body)
 from arcjax.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_messages
 from arcjax.errors import SamplingParamsError
-from arcjax.sampling_params import SamplingParams
+from arcjax.sampling_params import INT32_MAX, SamplingParams
 
 DEFAULT_MAX_STOP_STRINGS = 16
 # vLLM request fields arcjax cannot honour, with the values that mean "not used".
 REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0, 1), "watermarking": (None, False),
            "truncation_side": (None, "left"), "logprob_token_ids": (None,),
            "routed_experts_prompt_start": (0,), "kv_transfer_params": (None,),
-           "ec_transfer_params": (None,), "vllm_xargs": (None, {}),
+           "ec_transfer_params": (None,), "vllm_xargs": (None, {}), "cache_salt": (None,),
            "repetition_detection": (None,), "thinking_token_budget": (None, -1),
            "stream_interval": (None, 1), "best_of": (None, 1), "functions": (None, []),
            "function_call": (None, "none"), "suffix": (None, ""), "prompt_embeds": (None,),
@@ -40,6 +40,9 @@ _SAMPLING = ("presence_penalty", "frequency_penalty", "seed", "stop", "stop_toke
              "spaces_between_special_tokens", "include_stop_str_in_output",
              "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "prompt_logprobs")
 DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# max_tokens of a request that leaves it to the server until its prompt's length is known
+# (the largest SamplingParams allows, so min_tokens is checked against the real value)
+UNTIL_FILLED = INT32_MAX
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +149,8 @@ def parse_completion(raw: bytes, defaults: GenerationDefaults = GenerationDefaul
     constraint = structured_fields.constraint_from_request(req)
     given = "max_tokens" in req.model_fields_set and req.max_tokens is not None
     fill = "max_tokens" in req.model_fields_set and req.max_tokens is None
-    max_tokens = 1 if req.max_tokens is None else req.max_tokens  # (fill: per prompt)
+    # (fill: set per prompt, from the context left)
+    max_tokens = UNTIL_FILLED if req.max_tokens is None else req.max_tokens
     if req.echo and max_tokens == 0:  # vLLM: echo the prompt, generate nothing
         max_tokens = 1
     logprobs = req.logprobs
@@ -178,20 +182,30 @@ def _template_kwargs(req: ChatCompletionRequest) -> dict:
 
 def parse_chat(raw: bytes, defaults: GenerationDefaults = GenerationDefaults(),
                max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS,
-               tool_parser: str | None = None) -> ParsedRequest:
+               tool_parser: str | None = None,
+               check_text_length: Callable[[int, str], None] | None = None) -> ParsedRequest:
     """A /v1/chat/completions body. Raises InputError naming the field. `developer`
     messages become `system` ones (templates know that role); an assistant's
     `reasoning_content` / `reasoning` is passed under both names; `tool_parser`: the
-    server's parser of the model's tool calls (None: "auto" refused)."""
+    server's parser of the model's tool calls (None: "auto" refused);
+    `check_text_length(chars, field)`: refuses a conversation whose text (contents and
+    roles) is too long to ever fit, before anything else is done with it."""
     req = parse_body(ChatCompletionRequest, raw)
+    if check_text_length is not None:
+        check_text_length(sum(len(m.role) + (len(m.content) if isinstance(m.content, str)
+                                             else sum(len(p.text or "") for p in m.content or ()))
+                              for m in req.messages), "messages")
     _refuse_unhonoured(req)
     # vLLM: max_completion_tokens wins when both are given (max_tokens is deprecated)
     max_field = ("max_completion_tokens" if req.max_completion_tokens is not None
                  else "max_tokens")
     given = getattr(req, max_field) is not None
     messages = []
-    for m in req.messages:
-        fields = {**m.model_dump(exclude_unset=True), "content": m.content}
+    for i, m in enumerate(req.messages):
+        if m.function_call:
+            raise ProtocolError(f"messages[{i}].function_call", "not supported by this server "
+                                                                "(use tool_calls)")
+        fields = {**m.model_dump(exclude_unset=True), "content": m.text(f"messages[{i}]")}
         fields.pop("function_call", None)
         if m.role == "developer":
             fields["role"] = "system"
@@ -201,7 +215,7 @@ def parse_chat(raw: bytes, defaults: GenerationDefaults = GenerationDefaults(),
         messages.append(fields)
     tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, tool_parser)
     constraint = structured_fields.constraint_from_request(req, tools.constraint)
-    params = _params(req, max_field, getattr(req, max_field) if given else 1,
+    params = _params(req, max_field, getattr(req, max_field) if given else UNTIL_FILLED,
                      _chat_logprobs(req), defaults, constraint, max_stop_strings, "top_logprobs")
     return ParsedRequest(req, params, (), max_field, given, not given, req.extra_fields(),
                          tuple(template_messages(messages)), tools, _template_kwargs(req),

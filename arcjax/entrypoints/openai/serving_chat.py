@@ -93,12 +93,27 @@ class OpenAIServingChat(OpenAIServing):
         return (tools is not None and tools.mode == "auto"
                 and any(m in specials for m in tools.parser.markers))
 
+    def check_size(self, raw: bytes) -> None:
+        """Refuses, before the body is validated, a conversation with more messages than
+        max_model_len (each message takes a token at least: its role's marker). Counted on
+        the raw JSON (a `"role"` key outside a message could only overcount), so a body of
+        a million messages never makes a million objects: validating those would hold the
+        GIL, and stall the event loop, for seconds."""
+        limit = self.llm.engine.max_model_len
+        count = raw.count(b'"role"')
+        if count > limit:
+            raise RequestError("messages", f"{count} messages: more than max_model_len "
+                                           f"{limit} tokens can hold", limit=limit)
+
     def _prepare(self, raw: bytes) -> ChatPrepared:
         """(worker pool) The parsed request, its params, and the rendered prompt's ids."""
-        parsed = parse_chat(raw, self.defaults, self.max_stop_strings, self.tool_parser)
+        self.check_size(raw)
+        self.check_body_values(raw)
+        engine = self.llm.engine
+        parsed = parse_chat(raw, self.defaults, self.max_stop_strings, self.tool_parser,
+                            engine.inputs.check_text_length)
         self.models.check_model(parsed.request.model)
         text = self.render(parsed)
-        engine = self.llm.engine
         params = parsed.params
         try:  # the template printed the special tokens
             prompt = engine.inputs.encode(text, add_special_tokens=parsed.request.

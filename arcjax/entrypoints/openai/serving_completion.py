@@ -41,23 +41,20 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _prepare(self, raw: bytes):
         """(worker pool) The parsed request, every prompt's token ids and params."""
+        self.check_body_values(raw)
         parsed = parse_completion(raw, self.defaults, self.max_stop_strings)
         self.models.check_model(parsed.request.model)
-        add_special = parsed.request.add_special_tokens
+        add_special, inputs = parsed.request.add_special_tokens, self.llm.engine.inputs
         ids, params = [], []
         for p in parsed.prompts:
-            if isinstance(p, str) and not add_special:
+            if isinstance(p, str):
                 try:
-                    p = self.llm.engine.inputs.encode(p, add_special_tokens=False,
-                                                      check_length=parsed.params.
-                                                      truncate_prompt_tokens is None)
+                    p = inputs.encode(p, add_special_tokens=add_special,
+                                      check_length=parsed.params.truncate_prompt_tokens is None)
                 except RequestError as e:
                     raise RequestError("prompt", e.message, limit=e.limit) from None
-            tokens = self._engine_check(p, parsed.params, parsed, "prompt")
-            sp = self.fill_max_tokens(parsed, parsed.params, tokens)
-            if sp is not parsed.params:
-                tokens = self._engine_check(tokens, sp, parsed, "prompt")
-            ids.append(tokens)
+            sp = self.fill_max_tokens(parsed, parsed.params, p)
+            ids.append(self._engine_check(p, sp, parsed, "prompt"))
             params.append(sp)
         return parsed, ids, params
 
@@ -65,8 +62,12 @@ class OpenAIServingCompletion(OpenAIServing):
     def _echo_only(self, parsed: ParsedRequest) -> bool:
         return bool(parsed.request.echo) and parsed.request.max_tokens == 0
 
-    def _prompt_text(self, prompt: Sequence[int]) -> str:
-        return self.llm.engine.tokenizer.decode(prompt, skip_special_tokens=False)
+    def _prompt_text(self, served: ServedRequest, i: int) -> str:
+        """Prompt i as echoed: its text as given, or its token ids decoded (as vLLM)."""
+        given = served.parsed.prompts[i]
+        if isinstance(given, str):
+            return given
+        return self.llm.engine.tokenizer.decode(served.prompts[i], skip_special_tokens=False)
 
     def _echo_logprobs(self, served: ServedRequest, prompt: Sequence[int],
                        entries: Sequence | None) -> dict:
@@ -78,6 +79,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _choice(self, served: ServedRequest, index: int, out: RequestOutput,
                 c: CompletionOutput) -> dict:
+        """One whole choice (`index`: prompt index * n + sample index)."""
         parsed, k = served.parsed, served.parsed.params.logprobs
         req = parsed.request
         echo_only = self._echo_only(parsed)
@@ -85,8 +87,7 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = None if echo_only else choice_logprobs(c, k, chat=False,
                                                           names=served.names)
         if req.echo:
-            prompt_text = out.prompt if out.prompt is not None else self._prompt_text(
-                out.prompt_token_ids)
+            prompt_text = self._prompt_text(served, index // parsed.params.n)
             if k is not None:
                 head = self._echo_logprobs(served, out.prompt_token_ids, out.prompt_logprobs)
                 tail = logprobs or {key: [] for key in head}
@@ -135,7 +136,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs = self._echo_logprobs(served, prompt,
                                                        prompt_entries.get(d.index // n))
                     yield self._chunk(served, choices, responses.completion_choice(
-                        d.index, self._prompt_text(prompt), logprobs, None), continuous)
+                        d.index, self._prompt_text(served, d.index // n), logprobs, None),
+                                      continuous)
                 text, logprobs = ("", None) if echo_only else (d.text, d.logprobs)
                 yield self._chunk(served, choices, responses.completion_choice(
                     d.index, text, logprobs, d.finish_reason,

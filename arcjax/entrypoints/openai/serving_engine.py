@@ -59,6 +59,15 @@ from arcjax.sampling_params import RequestOutputKind, SamplingParams
 log = logging.getLogger(__name__)
 
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"  # the unknown request fields that were ignored
+BODY_PROMPTS = 64  # prompts of max_model_len token ids `max_body_values` leaves room for
+
+
+def max_body_values(engine) -> int:
+    """The most JSON values a request body may hold: room for BODY_PROMPTS prompts of
+    max_model_len token ids, for every token id of the vocabulary twice (allowed_token_ids,
+    logit_bias), and for the longest text prompt if every character were a comma."""
+    return max(BODY_PROMPTS * engine.max_model_len, 2 * engine.runner.cfg.vocab_size,
+               engine.inputs.max_text_chars or 0)
 
 
 class RequestTracker:
@@ -246,6 +255,18 @@ class OpenAIServing(abc.ABC):
     async def _in_pool(self, fn: Callable[[bytes], object], raw: bytes):
         return await in_pool(self._pool, fn, raw)
 
+    def check_body_values(self, raw: bytes) -> None:
+        """Refuses, before it is parsed, a body with more JSON values than any request this
+        model can serve holds (`max_body_values`): counted as commas, in C, so a body of
+        millions of token ids never becomes millions of Python objects (validating those
+        holds the GIL, and so stalls the event loop, for a second or more)."""
+        count = raw.count(b",")
+        limit = max_body_values(self.llm.engine)
+        if count > limit:
+            raise RequestError("body", f"about {count} values: more than {limit}, what "
+                               f"{BODY_PROMPTS} prompts of max_model_len tokens, the vocabulary "
+                               f"or the longest text prompt need", limit=limit)
+
     def _engine_check(self, prompt, params, parsed: ParsedRequest,
                       prompt_field: str) -> tuple[int, ...]:
         """`Engine.check` with the request's own field names. Returns the prompt's ids."""
@@ -273,7 +294,10 @@ class OpenAIServing(abc.ABC):
         leaves it to the server (capped by generation_config's max_new_tokens)."""
         if not parsed.fill_max_tokens:
             return params
-        room = max(self.llm.engine.max_model_len - len(prompt), 1)
+        limit = self.llm.engine.max_model_len
+        keep = params.truncate_prompt_tokens
+        length = len(prompt) if keep is None else min(len(prompt), limit if keep == -1 else keep)
+        room = max(limit - length, 1)
         return dataclasses.replace(params, max_tokens=min(room, self.defaults.max_tokens
                                                           or room))
 

@@ -45,6 +45,8 @@ class OpenAIServingTokenization:
         return tokenizer
 
     def _tokenize(self, raw: bytes) -> dict:
+        self.chat.check_body_values(raw)
+        self.chat.check_size(raw)
         req = parse_body(TokenizeRequest, raw)
         self.models.check_model(req.model)
         tokenizer, engine = self._tokenizer(), self.llm.engine
@@ -52,8 +54,8 @@ class OpenAIServingTokenization:
             text = req.prompt
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
         else:
-            messages = [{**m.model_dump(exclude_unset=True), "content": m.content}
-                        for m in req.messages]
+            messages = [{**m.model_dump(exclude_unset=True), "content": m.text(f"messages[{i}]")}
+                        for i, m in enumerate(req.messages)]
             tools = plan_tools(req.tools, "none")
             parsed = ParsedRequest(req, SamplingParams(), messages=tuple(
                 template_messages(messages)), tools=tools,

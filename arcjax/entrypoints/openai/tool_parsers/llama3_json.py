@@ -24,6 +24,8 @@ class Llama3JsonToolParser(ToolParser):
         body = text.lstrip()
         if body.startswith(self.PYTHON_TAG):
             body = body[len(self.PYTHON_TAG):].lstrip()
+            if not body and not final:
+                return Parsed(None)  # the tag: a call comes next
         elif not body or self.PYTHON_TAG.startswith(body):
             return Parsed(text if final else None)  # undecided until more text comes
         if not body.startswith("{"):

@@ -83,6 +83,8 @@ class PythonicToolParser(ToolParser):
         body = text.strip()
         if body.startswith(self.START):
             body = body[len(self.START):].strip()
+            if not body and not final:
+                return Parsed(None)  # the tag: the list comes next
         elif not body or self.START.startswith(body):
             return Parsed(text if final else None)
         if body.endswith(self.END):
