@@ -74,6 +74,9 @@ _WARMUP_ALL = flags.DEFINE_bool("warmup_all", True, "--launch/--inprocess: compi
                                  "bucket first (`arcjax serve --warmup`, runner.warmup()), so "
                                  "no measured run compiles")
 _CACHE = flags.DEFINE_string("compilation_cache_dir", None, "JAX persistent compilation cache")
+_SERVER_ROOT = flags.DEFINE_string("server_root", None, "--launch: run the server of another "
+                                   "arcjax checkout (default: this one), e.g. to measure the "
+                                   "hostile bodies before a change")
 _HOSTILE_MB = flags.DEFINE_float("hostile_mb", 0.0, "servers: also time a small request "
                                   "alone and while another client sends a prompt of this "
                                   "many MB (0 = skip)")
@@ -347,7 +350,8 @@ class ServerProcess:
             cmd.append(f"--compilation-cache-dir={_CACHE.value}")
         if _WARMUP_ALL.value:
             cmd.append("--warmup")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = (os.path.abspath(_SERVER_ROOT.value) if _SERVER_ROOT.value
+                else os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(cmd, env=env, cwd=root)
         import httpx

@@ -741,7 +741,7 @@ def test_max_queued_requests_is_exact_under_concurrency(llm):
 def test_hostile_bodies_are_refused_cheaply(llm):
     """413 before parsing (declared or counted), a text prompt too long to ever fit is
     refused without tokenizing it, and parsing and tokenizing run off the event loop."""
-    import arcjax.entrypoints.openai.protocol as proto
+    import arcjax.entrypoints.openai.serving_completion as proto  # where the endpoint parses
 
     running = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
                                                           max_request_bytes=4096)))

@@ -29,8 +29,8 @@ from arcjax.entrypoints.openai.chat_output import ChatOutputStream, read_output
 from arcjax.entrypoints.openai.request_params import ParsedRequest, parse_chat
 from arcjax.entrypoints.openai.response_logprobs import (choice_logprobs, completions_of,
                                                          prompt_logprobs_json)
-from arcjax.entrypoints.openai.serving_engine import (OpenAIServing, ServedRequest,
-                                                      ServingContext, StreamedChoices)
+from arcjax.entrypoints.openai.serving_engine import OpenAIServing, ServingContext
+from arcjax.entrypoints.openai.streamed_choices import ServedRequest, StreamedChoices
 from arcjax.entrypoints.openai.tool_calls import tool_calls_json
 from arcjax.errors import RequestError
 from arcjax.outputs import RequestOutput

@@ -20,8 +20,8 @@ from arcjax.entrypoints.openai import responses
 from arcjax.entrypoints.openai.request_params import ParsedRequest, parse_completion
 from arcjax.entrypoints.openai.response_logprobs import (choice_logprobs, completion_logprobs,
                                                          completions_of, prompt_logprobs_json)
-from arcjax.entrypoints.openai.serving_engine import (OpenAIServing, ServedRequest,
-                                                      StreamedChoices)
+from arcjax.entrypoints.openai.serving_engine import OpenAIServing
+from arcjax.entrypoints.openai.streamed_choices import ServedRequest, StreamedChoices
 from arcjax.errors import RequestError
 from arcjax.outputs import CompletionOutput, RequestOutput
 
