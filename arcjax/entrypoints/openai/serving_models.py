@@ -73,7 +73,8 @@ class OpenAIServingModels:
 
     def model_card(self, name: str | None = None) -> dict:
         """A served name's card (vLLM's: root, parent, permission, max_model_len), with the
-        storage dtypes and the attention implementation of every bucket compiled so far."""
+        storage dtypes, the attention implementation of every bucket compiled so far (all
+        after a warm-up), and whether a recorded GPU pass vouches for each."""
         engine = self.llm.engine
         runner = engine.runner
         name = name or self.model_name
@@ -86,7 +87,8 @@ class OpenAIServingModels:
                                 "allow_fine_tuning": False, "organization": "*",
                                 "group": None, "is_blocking": False}],
                 **storage_dtypes(runner.params, runner.cache),
-                "attention": attention_report(runner.attn_impl, dict(runner.attention_impls))}
+                "attention": attention_report(runner.attn_impl, dict(runner.attention_impls),
+                                              verified=dict(runner.attention_verified))}
 
     def show_available_models(self) -> dict:
         """The body of `GET /v1/models`."""
