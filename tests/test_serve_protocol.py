@@ -264,3 +264,21 @@ def test_unknown_fields_are_listed_and_stop_strings_are_capped():
     with pytest.raises(InputError) as e:  # known but not supported: still refused by name
         proto.parse_completion({"prompt": "x", "use_beam_search": True, "unknown": 1})
     assert e.value.field == "use_beam_search"
+
+
+def test_generation_config_defaults(tmp_path):
+    from arcjax.entrypoints.openai.serving_models import generation_defaults
+    from arcjax.errors import EngineConfigError
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1, "max_new_tokens": 7,
+         "do_sample": True, "eos_token_id": 2}))
+    d = generation_defaults("auto", tmp_path)
+    assert dict(d.values) == {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1}
+    assert d.max_tokens == 7 and generation_defaults("vllm", tmp_path).values == {}
+    p = proto.parse_completion({"prompt": "x", "top_p": 0.5}, defaults=d)
+    assert (p.params.temperature, p.params.top_p, p.params.repetition_penalty) == (0.6, 0.5, 1.1)
+    assert generation_defaults("auto", tmp_path / "none").values == {}  # no file: OpenAI's
+    with pytest.raises(EngineConfigError) as e:
+        generation_defaults(str(tmp_path / "none"), None)
+    assert e.value.field == "generation_config"

@@ -307,3 +307,20 @@ def test_vllm_launch_line_starts_and_metrics_carry_vllm_names():
     finally:
         running.stop()
         llm.shutdown()
+
+
+def test_generation_config_defaults_apply_when_a_request_leaves_them_unset(llm, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.0, "top_k": 5, "max_new_tokens": 3, "do_sample": True}))
+    running = RunningServer(OpenAIServer(llm, ServeConfig(
+        served_model_name=MODEL, generation_config=str(tmp_path))))
+    try:
+        greedy = _complete(running, max_tokens=3)["choices"][0]["text"]
+        unset = _post(running, "/v1/completions", {"prompt": "def fibonacci(n):",
+                                                  "max_tokens": 3}).json()
+        assert unset["choices"][0]["text"] == greedy  # temperature 0 from the config
+        chat = _post(running, "/v1/chat/completions", {
+            "messages": USER, "chat_template_kwargs": {"enable_thinking": False}}).json()
+        assert chat["usage"]["completion_tokens"] <= 3  # max_new_tokens: the default
+    finally:
+        running.stop()

@@ -22,6 +22,7 @@ only the row's own table row, so they keep that property.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -224,14 +225,16 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 
 
 def adjust_logits(logits: jax.Array, sp: SamplingBatch, tables: TokenTables,
-                  pending: jax.Array | None = None) -> jax.Array:
+                  pending: Callable[[], jax.Array] | None = None) -> jax.Array:
     """The biases, then the penalties and min_tokens, each only when some row uses it.
-    `pending`: as `apply_penalties`' (speculative verification)."""
+    `pending`: builds `apply_penalties`' pending counts (speculative verification), inside
+    the penalties' branch only."""
     logits = jax.lax.cond(jnp.any(sp.biased), lambda: apply_bias(logits, tables.bias, sp),
                           lambda: logits)
-    return jax.lax.cond(jnp.any(sp.penalized),
-                        lambda: apply_penalties(logits, tables.counts, sp, pending),
-                        lambda: logits)
+    return jax.lax.cond(
+        jnp.any(sp.penalized),
+        lambda: apply_penalties(logits, tables.counts, sp, pending() if pending else None),
+        lambda: logits)
 
 
 def sample_step(logits: jax.Array, sp: SamplingBatch, tables: TokenTables,

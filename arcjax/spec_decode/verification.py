@@ -118,7 +118,7 @@ def verify(logits: jax.Array, sp: SamplingBatch, spec: SpecInputs, tables: Token
     if bitmask is not None:  # as plain sampling: before penalties and raw logprobs
         logits = jax.lax.cond(jnp.any(sp.constrained),
                               lambda: apply_bitmask(logits, bitmask), lambda: logits)
-    adjusted = adjust_logits(logits, sp, tables, _draft_counts(spec, width, vocab))
+    adjusted = adjust_logits(logits, sp, tables, lambda: _draft_counts(spec, width, vocab))
     tokens = sample(adjusted, sp)  # [R]
     match = (spec.has_draft & (tokens == spec.next_draft)).reshape(-1, width)  # [S, W]
     accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)  # [S]

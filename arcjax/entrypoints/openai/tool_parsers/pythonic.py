@@ -13,7 +13,8 @@ import ast
 import json
 
 from arcjax.entrypoints.openai.tool_parsers.abstract_tool_parser import (Parsed, ToolCall,
-                                                                         ToolParser)
+                                                                         ToolParser,
+                                                                         held_prefix)
 
 _OPEN, _CLOSE = "([{", ")]}"
 
@@ -89,6 +90,8 @@ class PythonicToolParser(ToolParser):
             return Parsed(text if final else None)
         if body.endswith(self.END):
             body = body[:-len(self.END)].rstrip()
+        elif not final:  # the end tag may be on its way
+            body = body[:len(body) - held_prefix(body, self.END)].rstrip()
         if not body.startswith("["):
             return Parsed(text)
         elements, closed, broken = _elements(body)
