@@ -21,8 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from arcjax import AsyncLLM, SamplingParams
 from arcjax.entrypoints.openai.api_server import OpenAIServer, ServeConfig
 from arcjax.entrypoints.openai.request_params import REFUSED
-from hf_models import tiny_reasoning_model, with_context
-from test_serve import GEOMETRY, RunningServer
+from support.hf_models import tiny_reasoning_model, with_context
+from support.running_server import GEOMETRY, RunningServer
 
 MODEL = "tiny-reasoner"
 THINKING_TEMPLATE = (
@@ -211,6 +211,15 @@ def test_prompt_fields_and_usage_on_every_chunk(server, client):
         model=MODEL, prompt="x", max_tokens=3, stream=True, temperature=0,
         stream_options={"include_usage": True, "continuous_usage_stats": True})]
     assert completions == sorted(completions) and completions[-1] == 3
+
+
+def test_special_token_fields(server, llm):
+    bos = str(llm.engine.tokenizer.bos_token_id)  # forced: every output token is <s>
+    texts = [_complete(server, max_tokens=3, logit_bias={bos: 100}, **kw)["choices"][0]["text"]
+             for kw in ({}, {"skip_special_tokens": False},
+                        {"skip_special_tokens": False, "spaces_between_special_tokens": False})]
+    assert texts[0] == "" and texts[2] == "<s><s><s>"
+    assert texts[1].split(" ") == ["<s>"] * 3 or texts[1].split(" ") == ["", *["<s>"] * 3]
 
 
 @pytest.mark.parametrize("field", sorted(REFUSED))

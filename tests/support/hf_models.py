@@ -188,7 +188,7 @@ def tiny_reasoning_model(template: str, arch: str = "LlamaForCausalLM") -> str:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     src = tiny_model_dir(arch)
-    path = tempfile.mkdtemp(prefix=f"arcjax-reasoning-{arch}-")
+    path = scratch_dir(f"arcjax-reasoning-{arch}-")
     for f in os.listdir(src):
         shutil.copy(os.path.join(src, f), path)
     tok = Tokenizer(models.BPE())
@@ -215,7 +215,7 @@ def with_context(model_dir: str, max_position_embeddings: int) -> str:
     import os
     import shutil
 
-    path = tempfile.mkdtemp(prefix="arcjax-context-")
+    path = scratch_dir("arcjax-context-")
     for f in os.listdir(model_dir):
         shutil.copy(os.path.join(model_dir, f), path)
     cfg_path = os.path.join(path, "config.json")
