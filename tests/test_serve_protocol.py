@@ -282,3 +282,33 @@ def test_generation_config_defaults(tmp_path):
     with pytest.raises(EngineConfigError) as e:
         generation_defaults(str(tmp_path / "none"), None)
     assert e.value.field == "generation_config"
+
+
+def test_vllm_flag_names_are_accepted_or_refused_by_name(capsys):
+    from arcjax.entrypoints.cli import parse_serve
+
+    cmd = parse_serve(["serve", "/m", "--gpu-memory-utilization", "0.9", "--max-model-len", "4k",
+                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                       "--enable-prefix-caching", "--trust-remote-code", "-tp", "1",
+                       "--dtype", "half", "-pp", "1", "--served-model-name", "a", "b",
+                       "--reasoning-parser", "qwen3", "--no-async-scheduling",
+                       "--generation-config", "vllm", "--enable-chunked-prefill",
+                       "--kv-cache-dtype", "fp8_e4m3", "--uvicorn-log-level", "info"])
+    assert cmd.model_dir == "/m" and cmd.engine_options == {
+        "max_model_len": 4000, "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1,
+        "dtype": "float16", "async_scheduling": False, "reasoning_parser": "qwen3",
+        "kv_cache_dtype": "fp8", "enable_prefix_caching": True}
+    c = cmd.config
+    assert c.served_model_names == ("a", "b") and c.enable_auto_tool_choice
+    assert (c.tool_call_parser, c.generation_config, c.log_level) == ("hermes", "vllm", "info")
+    assert parse_serve(["serve", "--model", "/x", "--max-model-len", "4K",
+                        "--dtype", "auto"]).engine_options == {"max_model_len": 4096}
+    for argv, name in ((["--swap-space", "4"], "--swap-space"),
+                       (["--pipeline-parallel-size=2"], "--pipeline-parallel-size"),
+                       (["--enable-lora"], "--enable-lora"),
+                       (["--enable-chunked-prefill", "false"], "--enable-chunked-prefill"),
+                       (["--no-such-flag"], "--no-such-flag"),
+                       (["--enable-prefix"], "--enable-prefix")):  # no abbreviations
+        with pytest.raises(SystemExit):
+            parse_serve(["serve", *argv])
+        assert name in capsys.readouterr().err
