@@ -46,7 +46,7 @@ from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.chat_template import ChatTemplate
 from arcjax.entrypoints.openai.http_server import (HTTPError, TraceFanout, build_server,
                                                    error_response, too_large)
-from arcjax.entrypoints.openai.openapi import document
+from arcjax.entrypoints.openai.openapi import document, install_schema
 from arcjax.entrypoints.openai.request_params import DEFAULT_MAX_STOP_STRINGS
 from arcjax.entrypoints.openai.server_metrics import ServerMetrics
 from arcjax.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -223,6 +223,7 @@ class OpenAIServer:
         document(app, "/v1/chat/completions", self.create_chat_completion)
         document(app, "/tokenize", self.tokenize)
         document(app, "/detokenize", self.detokenize)
+        install_schema(app)
         return app
 
     # --- routes -------------------------------------------------------------------------

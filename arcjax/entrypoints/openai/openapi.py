@@ -4,7 +4,8 @@
 Generation routes read their bodies themselves (under the size cap, parsed in the worker
 pool: `api_server._admit`), so FastAPI does not see the models; `document(app, path,
 endpoint)` registers such a route with its request body's schema and its response model,
-and the app's `openapi()` adds the request models' schemas to the components.
+and `install_schema(app)` makes the app's `openapi()` add the request models' schemas to
+the components.
 """
 
 from __future__ import annotations
@@ -50,9 +51,11 @@ def document(app: FastAPI, path: str, endpoint) -> None:
     app.post(path, summary=summary, response_model=None,
              responses={200: {"model": response}},
              openapi_extra={"requestBody": body})(endpoint)
-    if not getattr(app.state, "documented", None):
-        app.state.documented = True
-        app.openapi = lambda: _openapi(app)
+
+
+def install_schema(app: FastAPI) -> None:
+    """The app's `openapi()` (what /openapi.json and /docs serve) with the request models."""
+    app.openapi = lambda: _openapi(app)
 
 
 def _openapi(app: FastAPI) -> dict:
