@@ -12,7 +12,7 @@
 a `StreamingDetokenizer` (the `tokenizers` library's `decoders.DecodeStream`) wherever its
 options allow, else an `IncrementalDetokenizer` (a decoded window of recent tokens, for
 `spaces_between_special_tokens` with special tokens kept, which DecodeStream cannot do).
-Both give the same text and the same guarantees (decision records 0004 and 0013 in
+Both give the same text and the same guarantees (decision records 0004 and 0014 in
 docs/decisions/).
 """
 

@@ -20,7 +20,7 @@ for a large vocabulary) and one [S, V] gather per step that has a penalized row.
 
 NOTE: the bias table. A float32 table of the same shape holds each slot's bias row:
 logit_bias values, -inf outside allowed_token_ids and at one-token bad words (docs/decisions/
-0012-logit-bias-table.md). A row that uses it (`SamplingBatch.biased`) adds its slot's row to
+0013-logit-bias-table.md). A row that uses it (`SamplingBatch.biased`) adds its slot's row to
 its logits before penalties; like the counts, it is written from the host only when a
 request gets its slot. `TokenTables` carries both tables as one pytree through the step.
 """
