@@ -62,11 +62,11 @@ class ExpertWeight(nnx.Param):
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], init: str, axes: tuple[str | None, ...],
            kind: type[nnx.Param] = nnx.Param) -> nnx.Param:
-    """A parameter of one layer: `shape` drawn by `init`, each axis named by `axes`.
-    eager_sharding=False: the names are logical, mapped to a mesh by `arcjax.parallel`'s
-    rules when the params are placed, not when a module is built."""
-    value = nnx.with_partitioning(initializer(init), axes)(rngs.params(), shape, jnp.float32)
-    return kind(value, init=init, eager_sharding=False)
+    """A parameter (one layer's, for a layer): `shape` drawn by `init`, each axis named by
+    `axes`. eager_sharding=False: the names are logical, mapped to a mesh by
+    `arcjax.parallel`'s rules when the params are placed, not when a module is built."""
+    initial = nnx.with_partitioning(initializer(init), axes)(rngs.params(), shape, jnp.float32)
+    return kind(initial, init=init, eager_sharding=False)
 
 
 def value(param: nnx.Variable):
@@ -131,7 +131,8 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        H, q_dim, kv_dim = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        H = cfg.hidden_size
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.wq = _param(rngs, (H, q_dim), "normal", ("embed", "heads"))
         self.wk = _param(rngs, (H, kv_dim), "normal", ("embed", "kv_heads"))
         self.wv = _param(rngs, (H, kv_dim), "normal", ("embed", "kv_heads"))
@@ -162,11 +163,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rope(q, positions, cfg, inv_freq), rope(k, positions, cfg, inv_freq), v
 
-    def out(self, attn: jax.Array) -> jax.Array:
-        """attn [..., T, Hq, D] -> [..., T, H]."""
-        out = attn.reshape(*attn.shape[:-2], -1) @ dense(value(self.wo), attn.dtype)
+    def out(self, attn: jax.Array, dtype) -> jax.Array:
+        """attn [..., T, Hq, D] -> [..., T, H]; the weights in `dtype` (the layer input's)."""
+        out = attn.reshape(*attn.shape[:-2], -1) @ dense(value(self.wo), dtype)
         if self.bo is not None:
-            out = out + value(self.bo).astype(attn.dtype)
+            out = out + value(self.bo).astype(dtype)
         return out
 
 
@@ -252,7 +253,7 @@ class Block(nnx.Module):
         with jax.named_scope("attention"):
             attn, aux = attend(q, k, v)
         with jax.named_scope("o_proj"):
-            out = self.attn.out(attn)
+            out = self.attn.out(attn, x.dtype)
             if self.post_attn_norm is not None:
                 out = self.post_attn_norm(out)
             x = x + out
