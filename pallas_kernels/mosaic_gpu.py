@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_plan as gpu_plan_lib
+from pallas_kernels.attention_inputs import AttentionInputs
 
 ROWS = 64  # wgmma M per warpgroup: the packed query heads of one KV head, padded
 KEYS_PER_STEP = 64  # keys per step (whole pages): wgmma's K for p @ v is a multiple of 64
@@ -173,30 +174,21 @@ def _launch(q_packed, k_pages, v_pages, tables, lens, *, num_splits: int, sm_sca
     )(q_packed, k_pages, v_pages, tables, lens)
 
 
-def ragged_paged_attention_mosaic_gpu(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [num_blocks, page_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, page_size, Hkv, D]
-    block_tables: jax.Array,  # [S, max_blocks] int32
-    kv_lens: jax.Array,  # [S] int32
-    cu_seqlens_q: jax.Array,  # [S + 1] int32
-    num_seqs: jax.Array,  # scalar int32
-    sm_scale: float,
-    plan: gpu_plan_lib.GpuPlan,
-) -> jax.Array:  # [T, Hq, D]
-    """Decode-only batches (every chunk has at most one query row)."""
+def ragged_paged_attention_mosaic_gpu(inputs: AttentionInputs,
+                                      plan: gpu_plan_lib.GpuPlan) -> jax.Array:  # [T, Hq, D]
+    """Decode-only batches (every chunk has at most one query row), plain calls only."""
+    q, cu_seqlens_q, num_seqs = inputs.q, inputs.cu_seqlens_q, inputs.num_seqs
     t, hq, d = q.shape
-    s_bucket = block_tables.shape[0]
-    hkv = k_pages.shape[2]
+    s_bucket, hkv = inputs.seq_bucket, inputs.num_kv_heads
     g = hq // hkv
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [S]
     live = (jnp.arange(s_bucket) < num_seqs) & (q_lens == 1)
     rows = jnp.clip(cu_seqlens_q[:-1], 0, t - 1)  # [S] each sequence's query row
     q_seq = jnp.where(live[:, None, None], q[rows], 0).reshape(s_bucket, hkv, g, d)
     q_packed = jnp.pad(q_seq, ((0, 0), (0, 0), (0, ROWS - g), (0, 0)))  # [S, Hkv, 64, D]
-    lens = jnp.where(live, kv_lens, 0).astype(jnp.int32)
-    o, m, l = _launch(q_packed, k_pages, v_pages, block_tables.astype(jnp.int32), lens,
-                      num_splits=plan.num_splits, sm_scale=sm_scale)
+    lens = jnp.where(live, inputs.kv_lens, 0).astype(jnp.int32)
+    o, m, l = _launch(q_packed, inputs.k_pages, inputs.v_pages, inputs.block_tables, lens,
+                      num_splits=plan.num_splits, sm_scale=inputs.sm_scale)
     out = gpu_plan_lib.combine_splits(o, m, l)  # [Hkv, S, 64, D]
     out = out[:, :, :g].transpose(1, 0, 2, 3).reshape(s_bucket, hq, d).astype(q.dtype)
     full = jnp.zeros((t, hq, d), q.dtype).at[jnp.where(live, rows, t)].set(out, mode="drop")

@@ -34,9 +34,10 @@ ENV = "ARCJAX_VERIFIED_KERNELS"
 
 # The source files each implementation's numbers depend on (besides jax itself).
 SOURCES = {
-    "mosaic_gpu": ("mosaic_gpu.py", "gpu_plan.py", "plan.py"),
-    "triton": ("triton_kernel.py", "triton_gpu.py", "gpu_plan.py", "plan.py"),
-    "pallas_gpu": ("pallas_gpu.py", "gpu_plan.py", "plan.py"),
+    "mosaic_gpu": ("mosaic_gpu.py", "gpu_plan.py", "plan.py", "attention_inputs.py"),
+    "triton": ("triton_kernel.py", "triton_gpu.py", "gpu_plan.py", "plan.py",
+               "attention_inputs.py"),
+    "pallas_gpu": ("pallas_gpu.py", "gpu_plan.py", "plan.py", "attention_inputs.py"),
 }
 
 

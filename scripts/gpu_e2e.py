@@ -29,7 +29,8 @@ from arcjax.engine.engine import Engine
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import init_params
 from arcjax.runtime.buckets import BucketSet
-from arcjax.runtime.runner import ExecutableCache, ModelRunner
+from arcjax.runtime.executable_cache import ExecutableCache
+from arcjax.runtime.runner import ModelRunner
 from arcjax.sampling_params import SamplingParams
 
 LLAMA3_8B = ModelConfig(vocab_size=128_256, hidden_size=4096, intermediate_size=14_336,

@@ -82,27 +82,16 @@ def correctness_cases(smoke: bool) -> list[tuple[str, list[tuple[int, int]], str
 
 
 
-def _plan(*, heads, block_size, tuning, max_q_len, batch):
-    """The default plan of `batch` with `tuning` applied (make_gpu_plan overrides)."""
-    from pallas_kernels import gpu_plan
-
-    hq, hkv, d = heads
-    return gpu_plan.make_gpu_plan(
-        num_tokens=batch.q.shape[0], num_seqs=batch.block_tables.shape[0], num_heads=hq,
-        num_kv_heads=hkv, head_dim=d, page_size=block_size,
-        max_blocks=batch.block_tables.shape[1], max_q_len=max_q_len or batch.q.shape[0],
-        itemsize=batch.q.dtype.itemsize, **tuning)
-
-
-def _kernel(plan, head_dim: int, interpret: bool):
+def _kernel(plan, interpret: bool):
+    """The Pallas kernel with `plan`, jitted; it takes the batch's `AttentionInputs`."""
     import functools
 
     import jax
 
     from pallas_kernels import pallas_gpu
 
-    return jax.jit(functools.partial(pallas_gpu.ragged_paged_attention_pallas_gpu,
-                                     sm_scale=head_dim**-0.5, plan=plan, interpret=interpret))
+    return jax.jit(functools.partial(pallas_gpu.ragged_paged_attention_pallas_gpu, plan=plan,
+                                     interpret=interpret))
 
 
 def _runs(cfg: CheckConfig, tiling: str) -> bool:
@@ -150,7 +139,7 @@ def correctness(cfg: CheckConfig) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels import ragged_paged_attention
+    from pallas_kernels import api, ragged_paged_attention
     from pallas_kernels.testing import make_batch
 
     tolerances = {"bfloat16": 3e-2, "float32": 2e-5}  # tests/test_kernels_attention.py
@@ -164,14 +153,14 @@ def correctness(cfg: CheckConfig) -> dict:
                            seed=seed)
         ref = np.asarray(ragged_paged_attention(*batch.args(), impl="reference"), np.float32)
         real = int(batch.cu_seqlens_q[batch.num_seqs])
+        inputs = batch.inputs(max_q_len=1 if name.startswith("decode") else None)
         for tiling, tuning in tilings("mixed" if name.startswith("mixed") else "decode").items():
-            plan = _plan(heads=heads, block_size=16, tuning=tuning, batch=batch,
-                         max_q_len=1 if name.startswith("decode") else None)
+            plan = api.gpu_plan_for(inputs, **tuning)
             if not _runs(cfg, tiling):
                 continue
             if "pallas_gpu" not in cfg.impls:
                 break
-            out = np.asarray(_kernel(plan, heads[2], cfg.cpu_smoke)(*batch.args()), np.float32)
+            out = np.asarray(_kernel(plan, cfg.cpu_smoke)(inputs), np.float32)
             row = dict(impl="pallas_gpu", case=name, tiling=tiling, dtype=dtype, seed=seed,
                        num_splits=plan.num_splits, rows=plan.rows,
                        tolerance=tolerances[dtype], **_compare(out, ref, real))
@@ -222,7 +211,7 @@ def kernel_table(cfg: CheckConfig, report: Report) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import testing
+    from pallas_kernels import api, testing
 
     dtype = jnp.bfloat16
     rows = []
@@ -246,15 +235,17 @@ def kernel_table(cfg: CheckConfig, report: Report) -> dict:
                 rows.append(row | dict(skipped=skip))
                 continue
             try:
-                plan = _plan(heads=case.heads, block_size=case.block_size, tuning=tuning,
-                             max_q_len=case.max_q_len, batch=batch)
+                inputs = batch.inputs(max_q_len=case.max_q_len)
+                plan = api.gpu_plan_for(inputs, **tuning)
                 if not _runs(cfg, tiling):
                     rows.append(row | dict(skipped="cpu smoke: plan built, not run"))
                     continue
                 warmup, iters = (0, 1) if cfg.cpu_smoke else (2, 10)
-                fn = (_kernel(plan, d, cfg.cpu_smoke) if impl == "pallas_gpu"
-                      else _impl_fn(impl, cfg, case.max_q_len))
-                ms = testing.time_ms(fn, batch.args(), warmup=warmup, iters=iters)
+                if impl == "pallas_gpu":
+                    fn, args = _kernel(plan, cfg.cpu_smoke), (inputs,)
+                else:
+                    fn, args = _impl_fn(impl, cfg, case.max_q_len), batch.args()
+                ms = testing.time_ms(fn, args, warmup=warmup, iters=iters)
             except Exception as e:  # noqa: BLE001 - a tiling that fails is a result
                 rows.append(row | dict(error=f"{type(e).__name__}: {str(e)[:300]}"))
                 continue

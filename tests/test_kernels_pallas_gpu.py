@@ -74,8 +74,8 @@ def test_interpret_mixed_batch_split_k(num_splits):
                                   block_m=64, block_k=16, num_splits=num_splits)
     assert plan.tiles.block_q == 16 and plan.num_splits == num_splits
     out = jax.jit(pallas_gpu.ragged_paged_attention_pallas_gpu,
-                  static_argnames=("sm_scale", "plan", "interpret"))(
-        *batch.args(), sm_scale=0.125, plan=plan, interpret=True)
+                  static_argnames=("plan", "interpret"))(
+        batch.inputs(sm_scale=0.125), plan=plan, interpret=True)
     ref = ragged_paged_attention(*batch.args(), impl="reference", sm_scale=0.125)
     out = np.asarray(out)
     assert not np.isnan(out).any()

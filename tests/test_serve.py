@@ -671,10 +671,10 @@ def test_async_llm_merges_the_outputs_a_slow_reader_missed(llm):
 def test_unknown_fields_are_ignored_logged_once_and_listed(server, reference, caplog):
     want = reference.generate([PROMPTS[0]], _greedy(4), use_tqdm=False)[0].text
     names = ("frobnicate", "x_client_tag")
-    assert not set(names) & server.api.ignored_logged
+    assert not set(names) & server.api.tracker.ignored_logged
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
             **dict.fromkeys(names, 1)}
-    with caplog.at_level("WARNING", logger="arcjax.entrypoints.openai.api_server"):
+    with caplog.at_level("WARNING", logger="arcjax.entrypoints.openai.serving_engine"):
         for _ in range(2):
             r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want

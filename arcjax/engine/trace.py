@@ -1,5 +1,5 @@
 """Per-step trace: the engine's ring of `StepRecord`s with its sink and self-check
-(`StepTrace`), a run summary and JSONL export.
+(`StepTrace`: it builds each step's record too), a run summary and JSONL export.
 
 The record type is `scheduler.metrics.StepRecord`, the one step record of the project: the
 simulator writes the same type, so every metric reads real and simulated runs alike.
@@ -25,6 +25,11 @@ import json
 from collections import Counter
 from typing import Callable, Iterable, Mapping
 
+import scheduler
+from arcjax.runtime.buckets import Bucket
+from arcjax.runtime.step_handle import StepHandle
+from arcjax.runtime.step_output import StepOutput
+from arcjax.spec_decode.speculator import SpecCounts
 from scheduler.metrics import StepRecord, engagement, knob_report, spec_decode_summary
 
 __all__ = ["StepRecord", "StepTrace", "attention_report", "busy_time", "device_idle_gaps",
@@ -44,6 +49,32 @@ class StepTrace:
         self._sampled: dict[str, int] = {}  # per held request
         self._errors: list[str] = []
 
+    def step_record(self, plan: scheduler.StepPlan, *, start: float, end: float,
+                    bucket: Bucket, compiled: bool, handle: StepHandle, out: StepOutput,
+                    sampled: tuple[str, ...], spec: SpecCounts) -> StepRecord:
+        """The record of a step that ran: what it planned and ran in (`bucket`; `compiled`:
+        its launch acquired an executable), when it was dispatched and when the device
+        finished it (`handle`: waits for the completion watcher, when one watches), the
+        tokens each expert received, the requests it `sampled` for and its speculative
+        decoding counts."""
+        return StepRecord(
+            index=self.num_steps, start=start, end=end, prefill_tokens=plan.num_prefill_tokens,
+            decode_tokens=plan.num_decode_tokens, num_seqs=plan.num_seqs,
+            bucket=(bucket.tokens, bucket.seqs, bucket.max_q_len), compiled=compiled,
+            engaged=plan.engaged.as_dict(), sampled=sampled,
+            cached_tokens=plan.num_cached_tokens, dispatched=handle.dispatched,
+            ready=handle.wait_ready(), expert_tokens=out.expert_tokens(),
+            **spec.record_fields())
+
+    def failed_record(self, plan: scheduler.StepPlan | None, *, start: float, end: float,
+                      error: str) -> StepRecord:
+        """The record of a step that failed (`plan`: None when planning itself failed)."""
+        return StepRecord(
+            index=self.num_steps, start=start, end=end, prefill_tokens=0, decode_tokens=0,
+            num_seqs=plan.num_seqs if plan else 0, bucket=(0, 0, 0), compiled=False,
+            engaged=(plan.engaged if plan else scheduler.Engaged()).as_dict(), sampled=(),
+            error=error)
+
     def record(self, record: StepRecord, *, strict: bool) -> None:
         """Appends a record and hands it to the sink. A sink that raises is detached;
         `strict`: the error is raised too (the step fails) and nothing is appended."""
@@ -61,8 +92,14 @@ class StepTrace:
     def admit(self, request_id: str) -> None:
         self._sampled[request_id] = 0
 
-    def sampled(self, request_id: str, count: int = 1) -> None:
-        self._sampled[request_id] += count
+    def sampled(self, counts: Mapping[str, int]) -> None:
+        """Adds the tokens a step sampled per request (all of them or, when a request is
+        unknown, none: KeyError)."""
+        unknown = [rid for rid in counts if rid not in self._sampled]
+        if unknown:
+            raise KeyError(f"the trace admitted no request {unknown}")
+        for rid, count in counts.items():
+            self._sampled[rid] += count
 
     def release(self, request_id: str, num_tokens: int) -> None:
         traced = self._sampled.pop(request_id, 0)
