@@ -44,10 +44,10 @@ class Admissions:
                 break
             seq = waiting[i]
             hits = self._cache_hits(seq)
-            n = self._admission_chunk(seq, whole, hits)
+            waits = bool(hits.loads) or not self.loading_blocks.isdisjoint(hits.table)
+            n = self._admission_chunk(seq, whole, hits, runs=not waits)
             if not n:
                 break
-            waits = bool(hits.loads) or not self.loading_blocks.isdisjoint(hits.table)
             if waits and self.partials_after >= config.max_num_partial_prefills:
                 self._note("partial_limit")  # it stays mid-prefill while its blocks load
                 break
@@ -93,11 +93,12 @@ class Admissions:
         return find_hits(self.pool, seq.block_hashes[:limit], self.config.group_windows,
                          self.config.block_size)
 
-    def _admission_chunk(self, seq: Sequence, whole: bool, hits: Hits) -> int:
+    def _admission_chunk(self, seq: Sequence, whole: bool, hits: Hits, runs: bool = True) -> int:
         """First computed chunk of a waiting sequence after its cached blocks `hits`, or 0 if it
         cannot be admitted this step. Hits that no one holds, and blocks to load from the host,
         leave the usable pool; shared ones cost nothing, and no hit counts against the token
-        budget."""
+        budget. `runs`: False for an admission that waits for its loads (the chunk it would
+        run is only sized: the knobs that would shape it are not recorded, a refusal is)."""
         total = len(seq.tokens) - hits.num_blocks * self.config.block_size
         revived = sum(b is not None and self.pool.ref_count(b) == 0 for b in hits.table)
         usable = (self.pool.num_free - revived - len(hits.loads)
@@ -112,5 +113,6 @@ class Admissions:
         if n and n < total and self.partials_after >= self.config.max_num_partial_prefills:
             self._note("partial_limit")
             return 0
-        self._use(reasons)
+        if runs or not n:  # a refusal is recorded either way
+            self._use(reasons)
         return n

@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -87,3 +93,44 @@ def test_a_load_waits_for_a_store_of_its_slot_in_flight():
     np.testing.assert_array_equal(np.asarray(out["k"])[0, :, 0, 0], [6.0, 7.0])
     assert HostKVPool.slots_for(1 << 20, num_slots=4, page_shape=(16, 2, 64),
                                 dtype=np.float32) == (1 << 20) // (2 * 4 * 16 * 2 * 64 * 4)
+
+
+def _sharded_round_trip() -> dict:
+    """Blocks of a cache split by KV head over two devices, out to the host and back into
+    other blocks: each device's shard comes back to it."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    assert jax.device_count() == 2
+    sharding = NamedSharding(Mesh(np.array(jax.devices()), ("tp",)),
+                             PartitionSpec(None, None, "tp", None))
+    values = np.arange(8 * 2 * 2 * 3, dtype=np.float32).reshape(8, 2, 2, 3)  # 2 slots x 4
+    cache = {"k": jax.device_put(values, sharding), "v": jax.device_put(-values, sharding)}
+    pool = HostKVPool(4, num_slots=2, num_blocks=4, page_shape=(2, 2, 3), dtype=np.float32,
+                      cache_sharding=sharding)
+    pool.store(cache, [(1, 3)])
+    blank = {"k": jax.device_put(values * 0, sharding), "v": jax.device_put(values * 0, sharding)}
+    out = pool.load(blank, [(3, 2)])
+    k = np.asarray(out["k"])
+    return {"moved": k[[2, 6]].tolist(), "want": values[[1, 5]].tolist(),
+            "rest": float(np.abs(np.delete(k, [2, 6], axis=0)).sum()),
+            "spec": str(out["k"].sharding.spec),
+            "shards": [s.data.shape[2] for s in out["k"].addressable_shards]}
+
+
+def test_host_pool_under_tensor_parallelism_moves_each_devices_shard():
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               PYTHONPATH=os.pathsep.join([str(here.parent), str(here),
+                                           os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["moved"] == got["want"] and got["rest"] == 0
+    assert "tp" in got["spec"] and got["shards"] == [1, 1]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_sharded_round_trip()))

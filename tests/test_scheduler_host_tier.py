@@ -23,7 +23,7 @@ from scheduler import ConfigError, Request, SchedulerConfig, SchedulerState
 from scheduler import add_request, commit, forget_prefix_cache, schedule
 from scheduler.host_tier import HostTier
 from test_scheduler_kv_groups import GROUP_WINDOWS, drive_groups, group_workloads
-from test_scheduler_properties import _SETTINGS
+from test_scheduler_properties import _SETTINGS, _sampler, drafter
 
 ANY_GROUPS = GROUP_WINDOWS | st.just(())
 
@@ -38,11 +38,12 @@ def test_random_evictions_loads_and_aborts_move_every_block_right(workload):
 @settings(max_examples=25, **_SETTINGS)
 @given(group_workloads(host=True, tight=True, shared=True, groups=ANY_GROUPS),
        st.lists(st.booleans(), min_size=1, max_size=4), st.data())
-def test_host_tier_under_overlapped_steps_and_aborts(workload, overlap, data):
+def test_host_tier_under_overlapped_steps_drafts_and_aborts(workload, overlap, data):
     points = data.draw(st.lists(st.tuples(
         st.integers(0, 40), st.integers(0, len(workload.requests) - 1), st.integers(0, 2)),
         max_size=3))
-    drive_groups(workload, overlap=overlap, abort_points=points)
+    propose = drafter(data.draw(st.integers(0, 99)), _sampler) if data.draw(st.booleans()) else None
+    drive_groups(workload, overlap=overlap, abort_points=points, propose=propose)
 
 
 @settings(max_examples=20, **_SETTINGS)

@@ -2,6 +2,7 @@
 
   arcjax serve                                   # the packaged model on 127.0.0.1:8000
   arcjax serve PATH --port 8001 --policy prefill_first --prefill-max-seqs 4 --api-key KEY
+  arcjax serve PATH --kv-offloading-size 64      # 64 GiB of host memory for evicted KV blocks
 
 Engine flags mirror `EngineConfig` (every option, `--max-num-batched-tokens` for
 `max_num_batched_tokens`); a flag not given leaves the option to the environment
