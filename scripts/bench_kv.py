@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 
@@ -42,12 +43,16 @@ class KVBenchConfig:
     max_num_batched_tokens: int = 2048
     capacity_requests: int = 96  # offered at once (long outputs) to count how many fit
     chat: bool = True
+    model: str = ""  # "" = the packaged default model
     conversations: int = 64
     turns: int = 8
     turn_tokens: int = 48
     answer_tokens: int = 8
     device_fraction: float = 0.125  # of all histories' blocks the device cache holds
     host_gib: float = 1.0
+    chat_block_size: int = 16
+    max_num_seqs: int = 64
+    seed: int = 0
     out: str = ""
 
 
@@ -147,6 +152,70 @@ def hybrid_vs_single(cfg: KVBenchConfig) -> dict:
     return out
 
 
+def _percentile(xs, q):
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
+
+
+def chat_replay(cfg: KVBenchConfig) -> dict:
+    """Part (b): the same conversations through two engines, host tier off and on."""
+    import numpy as np
+
+    import arcjax
+
+    history_tokens = cfg.turns * (cfg.turn_tokens + cfg.answer_tokens)
+    per_history = -(-history_tokens // cfg.chat_block_size)
+    device_blocks = max(per_history * 2,
+                        int(cfg.conversations * per_history * cfg.device_fraction))
+    options = dict(max_model_len=history_tokens + cfg.answer_tokens,
+                   max_num_seqs=cfg.max_num_seqs, block_size=cfg.chat_block_size,
+                   num_kv_blocks=device_blocks)
+    engines = {"off": arcjax.LLM(cfg.model or None, **options),
+               "on": arcjax.LLM(cfg.model or None, kv_offloading_size=cfg.host_gib, **options)}
+    vocab = engines["on"].config.vocab_size
+    params = arcjax.SamplingParams(max_tokens=cfg.answer_tokens, temperature=0,
+                                   ignore_eos=True)
+    rs = np.random.RandomState(cfg.seed)
+    new_tokens = [[rs.randint(3, vocab, cfg.turn_tokens).tolist()
+                   for _ in range(cfg.conversations)] for _ in range(cfg.turns)]
+    warm = np.random.RandomState(cfg.seed + 1)  # tokens the replay never sends
+    for llm in engines.values():  # compile outside the measurement (shared executables)
+        llm.generate([warm.randint(3, vocab, n).tolist() for n in (cfg.turn_tokens,) * 4
+                      + (history_tokens,)], params, use_tqdm=False)
+    out = {"device_blocks": device_blocks, "history_blocks": per_history * cfg.conversations}
+    answers = {}
+    for mode, llm in engines.items():
+        histories = [[] for _ in range(cfg.conversations)]
+        turns, answers[mode] = [], []
+        for turn in range(cfg.turns):
+            prompts = [h + new for h, new in zip(histories, new_tokens[turn])]
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            prompt_tokens = sum(map(len, prompts))
+            cached = sum(o.num_cached_tokens for o in outs)
+            turns.append({"wall_s": wall, "prompt_tokens": prompt_tokens,
+                          "prefill_tokens": prompt_tokens - cached,
+                          "ttft_p50_s": _percentile([o.metrics.ttft for o in outs], 50)})
+            answers[mode].append([list(o.token_ids) for o in outs])
+            histories = [p + list(o.token_ids) for p, o in zip(prompts, outs)]
+        later = turns[1:]
+        stats = llm.engine.stats()
+        out[mode] = {"turns": turns,
+                     "ttft_p50_later_turns_s": statistics.median(t["ttft_p50_s"] for t in later),
+                     "prefill_tokens_later_turns": sum(t["prefill_tokens"] for t in later),
+                     "wall_s": sum(t["wall_s"] for t in turns),
+                     "host": {k: v for k, v in stats.items() if k.startswith("kv_")}}
+    out["identical_outputs"] = answers["on"] == answers["off"]
+    out["prefill_ratio_on_over_off"] = (out["on"]["prefill_tokens_later_turns"]
+                                        / out["off"]["prefill_tokens_later_turns"])
+    out["ttft_ratio_on_over_off"] = (out["on"]["ttft_p50_later_turns_s"]
+                                     / out["off"]["ttft_p50_later_turns_s"])
+    return out
+
+
 def main(argv):
     del argv
     cfg = config_from_flags(KVBenchConfig)
@@ -166,6 +235,19 @@ def main(argv):
         print(f"  budget {c['budget_layer_pages']} layer-pages, {name:9}: "
               f"{c[name]['running']} of {cfg.capacity_requests} requests at once "
               f"(until {c[name]['stopped_by']}, {c[name]['steps']} steps)")
+    if cfg.chat:
+        b = result["chat_replay"] = chat_replay(cfg)
+        print(f"(b) {cfg.conversations} conversations x {cfg.turns} turns of "
+              f"{cfg.turn_tokens} + {cfg.answer_tokens} tokens; device cache "
+              f"{b['device_blocks']} blocks of the histories' {b['history_blocks']}")
+        for mode in ("off", "on"):
+            m = b[mode]
+            print(f"  host tier {mode:3}: TTFT p50 (turns 2+) {m['ttft_p50_later_turns_s']:.3f} s,"
+                  f" prefill tokens (turns 2+) {m['prefill_tokens_later_turns']}, "
+                  f"{m['wall_s']:.1f} s in all")
+        print(f"  on / off: prefill tokens {b['prefill_ratio_on_over_off']:.3f}, TTFT p50 "
+              f"{b['ttft_ratio_on_over_off']:.3f}; identical outputs: {b['identical_outputs']}")
+        print(f"  host tier: {b['on']['host']}")
     if cfg.out:
         with open(cfg.out, "w") as f:
             json.dump(result, f, indent=1)
