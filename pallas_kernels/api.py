@@ -10,6 +10,7 @@ from pallas_kernels import backends
 from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import pallas_gpu
 from pallas_kernels import plan as plan_lib
+from pallas_kernels import verified
 from pallas_kernels.attention_inputs import OPTIONS, AttentionInputs
 from pallas_kernels.kernel_errors import require
 from pallas_kernels.reference import ragged_paged_attention_reference
@@ -50,12 +51,21 @@ def _validate_gpu_shapes(inputs: AttentionInputs, impl: str):
             f'impl="{impl}" needs a power-of-two block_size, got {page_size}')
 
 
-def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
-                 plain: bool = True, dtype=jnp.bfloat16, kv_dtype=None, num_heads: int = 1,
-                 num_kv_heads: int = 1, pallas_gpu_ok: bool | None = None,
-                 platform: str | None = None) -> str:
+def resolve_impl(impl: str, **shapes) -> str:
     """The implementation a call with these shapes runs: `impl` itself, or what "auto"
-    picks on this machine's default backend (see `backends.resolve`).
+    picks (`choose_impl(impl, **shapes).impl`)."""
+    _check_impl(impl)
+    return impl if impl != "auto" else choose_impl(impl, **shapes).impl
+
+
+def choose_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
+                plain: bool = True, dtype=jnp.bfloat16, kv_dtype=None, num_heads: int = 1,
+                num_kv_heads: int = 1, pallas_gpu_ok: bool | None = None,
+                platform: str | None = None,
+                options: frozenset[str] | None = None) -> backends.Choice:
+    """The implementation a call with these shapes runs, `impl` itself or what "auto"
+    picks on this machine's default backend (see `backends.choose`), and whether a
+    recorded GPU pass vouches for it (`pallas_kernels.verified`).
 
     Args:
         impl: one of `IMPLS`.
@@ -69,24 +79,42 @@ def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | 
             only when `plain`).
         platform: where the call runs ("cpu", "gpu", "cuda", ...); None = the default
             backend.
+        options: the names of the options the call gives (the shape class's flags); None:
+            none when `plain`, else unknown (no record vouches for an unknown class).
     """
     _check_impl(impl)
+    kv_dtype = kv_dtype or dtype
+    if options is None and plain:
+        options = frozenset()
+    shape = None if options is None else verified.ShapeClass(
+        head_dim=head_dim, page_size=block_size, gqa=max(1, num_heads // num_kv_heads),
+        window="sliding_window" in options, softcap="logit_softcap" in options,
+        fp8=jnp.dtype(kv_dtype).itemsize == 1)
     if impl != "auto":
-        return impl
+        return backends.verification(impl, shape)
     on_gpu = _is_gpu(platform or jax.default_backend())
     mosaic_ok = on_gpu and max_q_len == 1 and backends.mosaic_gpu_unsupported(
         head_dim=head_dim, block_size=block_size, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, dtype=dtype, kv_dtype=kv_dtype or dtype) is None
-    return backends.resolve(on_gpu=on_gpu, can_tile=_gpu_can_tile(head_dim, block_size),
-                            decode_only=mosaic_ok, plain=plain, pallas_gpu_ok=pallas_gpu_ok)
+        num_kv_heads=num_kv_heads, dtype=dtype, kv_dtype=kv_dtype) is None
+    return backends.choose(on_gpu=on_gpu, can_tile=_gpu_can_tile(head_dim, block_size),
+                           decode_only=mosaic_ok, plain=plain, pallas_gpu_ok=pallas_gpu_ok,
+                           shape=shape)
 
 
-def resolve_call(impl: str, q, k_pages, *, max_q_len: int | None = None,
-                 sliding_window=None, logit_softcap=None, k_scale=None, v_scale=None,
-                 platform: str | None = None) -> str:
+def resolve_call(impl: str, q, k_pages, **call) -> str:
+    """The implementation a call runs: `impl` itself, or what "auto" picks
+    (`choose_call(impl, q, k_pages, **call).impl`)."""
+    _check_impl(impl)
+    return impl if impl != "auto" else choose_call(impl, q, k_pages, **call).impl
+
+
+def choose_call(impl: str, q, k_pages, *, max_q_len: int | None = None,
+                sliding_window=None, logit_softcap=None, k_scale=None, v_scale=None,
+                platform: str | None = None) -> backends.Choice:
     """The implementation `ragged_paged_attention(q, k_pages, ..., impl=impl,
-    max_q_len=max_q_len, <options>)` runs on `platform`: what a caller reports without
-    tracing a call (the engine's trace summary, per bucket).
+    max_q_len=max_q_len, <options>)` runs on `platform`, and whether a recorded GPU pass
+    vouches for it: what a caller reports without tracing a call (the engine's trace
+    summary, per bucket).
 
     Args:
         impl: one of `IMPLS`.
@@ -98,35 +126,45 @@ def resolve_call(impl: str, q, k_pages, *, max_q_len: int | None = None,
         platform: where the call runs; None = the default backend.
 
     Returns:
-        One of `IMPLS` other than "auto".
+        A `backends.Choice` whose impl is one of `IMPLS` other than "auto".
     """
     values = (sliding_window, logit_softcap, k_scale, v_scale)  # in the order of OPTIONS
     given = frozenset(name for name, value in zip(OPTIONS, values, strict=True)
                       if value is not None)
     t = q.shape[0]
-    return _resolve(impl, q, k_pages, max_q_len=t if max_q_len is None else min(max_q_len, t),
-                    options=given, platform=platform)
+    return _choose(impl, q, k_pages, max_q_len=t if max_q_len is None else min(max_q_len, t),
+                   options=given, platform=platform)
 
 
 def resolve_inputs(impl: str, inputs: AttentionInputs, *, platform: str | None = None) -> str:
+    """The implementation `paged_attention(inputs, impl=impl)` runs on `platform`: `impl`
+    itself, or what "auto" picks (`choose_inputs(impl, inputs, platform=platform).impl`)."""
+    _check_impl(impl)
+    return impl if impl != "auto" else choose_inputs(impl, inputs, platform=platform).impl
+
+
+def choose_inputs(impl: str, inputs: AttentionInputs, *,
+                  platform: str | None = None) -> backends.Choice:
     """The implementation `paged_attention(inputs, impl=impl)` runs on `platform` (None:
-    the default backend); `inputs` may hold `jax.ShapeDtypeStruct`s (only shapes, dtypes,
-    the settings and which options are given are read).
+    the default backend), and whether a recorded GPU pass vouches for it; `inputs` may
+    hold `jax.ShapeDtypeStruct`s (only shapes, dtypes, the settings and which options are
+    given are read: the shape class is `inputs`' head dim, page size, GQA ratio, options
+    and page dtype).
 
     Returns:
-        One of `IMPLS` other than "auto".
+        A `backends.Choice` whose impl is one of `IMPLS` other than "auto".
     """
-    return _resolve(impl, inputs.q, inputs.k_pages, max_q_len=inputs.max_q_len,
-                    options=inputs.options(), platform=platform)
+    return _choose(impl, inputs.q, inputs.k_pages, max_q_len=inputs.max_q_len,
+                   options=inputs.options(), platform=platform)
 
 
-def _resolve(impl: str, q, k_pages, *, max_q_len: int, options: frozenset[str],
-             platform: str | None) -> str:
-    return resolve_impl(impl, head_dim=q.shape[2], block_size=k_pages.shape[1],
-                        max_q_len=max_q_len, plain=not options,
-                        pallas_gpu_ok=options <= set(PALLAS_GPU_OPTIONS), dtype=q.dtype,
-                        kv_dtype=k_pages.dtype, num_heads=q.shape[1],
-                        num_kv_heads=k_pages.shape[2], platform=platform)
+def _choose(impl: str, q, k_pages, *, max_q_len: int, options: frozenset[str],
+            platform: str | None) -> backends.Choice:
+    return choose_impl(impl, head_dim=q.shape[2], block_size=k_pages.shape[1],
+                       max_q_len=max_q_len, plain=not options,
+                       pallas_gpu_ok=options <= set(PALLAS_GPU_OPTIONS), dtype=q.dtype,
+                       kv_dtype=k_pages.dtype, num_heads=q.shape[1],
+                       num_kv_heads=k_pages.shape[2], platform=platform, options=options)
 
 
 def impl_unavailable(impl: str, *, interpret: bool = False,

@@ -45,6 +45,21 @@ KEYS_PER_STEP = 64  # keys per step (whole pages): wgmma's K for p @ v is a mult
 BUFFERS = 3  # key steps in flight per program
 LOG2E = math.log2(math.e)
 SWIZZLE = 128  # bytes
+# Shared memory: what one block may use on sm_90 (227 KB), what each mbarrier takes, and
+# what the lowering adds for the cross-warp row reductions (max, sum) beside our buffers
+# (297,016 bytes lowered at D=256 = 294,912 of buffers + 7 barriers + 2,048).
+SMEM_LIMIT = 232_448
+BARRIER_BYTES = 8
+REDUCTION_SMEM = 2_048
+
+
+def smem_bytes(*, head_dim: int, block_size: int, itemsize: int) -> int:
+    """Shared memory one program of the kernel takes: the query tile, `BUFFERS` K and V
+    steps, the float32 output tile, the barriers and the lowering's reduction scratch."""
+    keys = max(KEYS_PER_STEP, block_size)
+    buffers = (ROWS * head_dim * itemsize + 2 * BUFFERS * keys * head_dim * itemsize
+               + ROWS * head_dim * 4)
+    return buffers + (1 + 2 * BUFFERS) * BARRIER_BYTES + REDUCTION_SMEM
 
 
 def unsupported(*, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int,
@@ -61,6 +76,11 @@ def unsupported(*, head_dim: int, block_size: int, num_heads: int, num_kv_heads:
         return f"block_size must divide {KEYS_PER_STEP} or be a multiple of it, got {block_size}"
     if num_heads // num_kv_heads > ROWS:
         return f"at most {ROWS} query heads per KV head, got {num_heads // num_kv_heads}"
+    need = smem_bytes(head_dim=head_dim, block_size=block_size,
+                      itemsize=jnp.dtype(dtype).itemsize)
+    if need > SMEM_LIMIT:
+        return (f"head_dim {head_dim} with {block_size}-token pages needs {need:,} bytes of "
+                f"shared memory, over the {SMEM_LIMIT:,} a block may use")
     return None
 
 
@@ -111,7 +131,7 @@ def _launch(q_packed, k_pages, v_pages, tables, lens, *, num_splits: int, sm_sca
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
             scores = pl.run_scoped(qk, plgpu.ACC((ROWS, keys_per_step), jnp.float32))

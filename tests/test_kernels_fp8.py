@@ -13,7 +13,6 @@ Two kinds of check:
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -22,10 +21,7 @@ from hypothesis import strategies as st
 from pallas_kernels import (AttentionInputs, gpu_plan, lowering, pallas_gpu,
                             ragged_paged_attention, write_kv)
 from pallas_kernels.testing import make_batch
-from test_kernels_attention import LAYOUTS, TOLERANCES, attention, draw_batch
-
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+from support.attention_batches import FP8, FP8_MAX, LAYOUTS, TOLERANCES, attention, draw_batch
 
 
 def _quantized(batch, k_scale, v_scale):

@@ -14,14 +14,10 @@ from hypothesis import strategies as st
 
 from pallas_kernels import KernelArgumentError, gpu_plan, pallas_gpu, ragged_paged_attention
 from pallas_kernels.testing import make_batch
-from test_kernels_attention import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
-from test_kernels_options import _nan_outside_windows
-from test_kernels_options import attention as attention_with_options
-
-try:
-    has_gpu = bool(jax.devices("gpu"))
-except RuntimeError:
-    has_gpu = False
+from support.attention_batches import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
+from support.attention_batches import attention_with_options
+from support.attention_batches import nan_outside_windows as _nan_outside_windows
+from support.devices import has_gpu
 
 
 def _check(batch, dtype, *, interpret=True, **kwargs):

@@ -18,7 +18,7 @@ import pallas_kernels
 from arcjax import LLM, SamplingParams
 from arcjax.runtime.buckets import BucketSet
 from pallas_kernels import gpu_plan
-from hf_models import tiny_model_dir
+from support.hf_models import tiny_model_dir
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("triton", "torch")),

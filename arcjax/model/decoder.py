@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.backends import Choice
 from arcjax.model import moe
 from arcjax.model.kv_layout import KVLayout, kv_layout
 from arcjax.model.model_config import ModelConfig, rope_inv_freq
@@ -203,7 +204,7 @@ def _attention_inputs(cfg: ModelConfig, *, q: jax.Array, k_pages: jax.Array,
                      cu_seqlens_q: jax.Array, num_seqs: jax.Array, window: jax.Array | None,
                      k_scale: jax.Array | None, v_scale: jax.Array | None,
                      max_q_len: int | None) -> pallas_kernels.AttentionInputs:
-    """One layer's attention call as `forward_with_stats` makes it (and `attention_impl`
+    """One layer's attention call as `forward_with_stats` makes it (and `attention_choice`
     resolves it): the arrays as given, with the model's softmax scale and soft-cap.
 
     Args:
@@ -220,13 +221,19 @@ def _attention_inputs(cfg: ModelConfig, *, q: jax.Array, k_pages: jax.Array,
         v_scale=v_scale, max_q_len=max_q_len)
 
 
-def attention_impl(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: int,
-                   max_q_len: int | None, dtype, parallel=None,
-                   platform: str | None = None) -> str:
+def attention_impl(cache: Cache, **bucket) -> str:
+    """The attention implementation `forward_with_stats` runs for a bucket:
+    `attention_choice(cache, **bucket).impl`."""
+    return attention_choice(cache, **bucket).impl
+
+
+def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: int,
+                     max_q_len: int | None, dtype, parallel=None,
+                     platform: str | None = None) -> Choice:
     """The attention implementation `forward_with_stats` runs for a bucket of `tokens`
     rows whose chunks are at most `max_q_len` long: `attn_impl` itself, or what "auto"
-    resolves to for the same inputs (`pallas_kernels.resolve_inputs`), per device under
-    `parallel`.
+    resolves to for the same inputs, per device under `parallel`, and whether a recorded
+    GPU pass vouches for it (`pallas_kernels.choose_inputs`).
 
     Args:
       cache: the paged cache the step runs over (its page shape and dtype, its scales).
@@ -245,9 +252,8 @@ def attention_impl(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: in
         cfg, q=q, k_pages=pages, v_pages=pages, block_tables=sds((1, 1), i32),
         kv_lens=sds((1,), i32), cu_seqlens_q=sds((2,), i32), num_seqs=sds((), i32),
         window=sds((), i32) if cfg.layer_windows() is not None else None, k_scale=scale,
-        v_scale=scale,
-        max_q_len=max_q_len)
-    return pallas_kernels.resolve_inputs(attn_impl, inputs, platform=platform)
+        v_scale=scale, max_q_len=max_q_len)
+    return pallas_kernels.choose_inputs(attn_impl, inputs, platform=platform)
 
 
 def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
