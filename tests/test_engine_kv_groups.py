@@ -5,10 +5,11 @@ window: greedy tokens equal transformers' with one KV cache group per attention 
 (the default) and with one table (`disable_hybrid_kv_cache_manager`), overlapped on and off,
 under preemption with prefix caching, and the hybrid cache holds fewer layer-pages. The host
 tier (`kv_offloading_size`): conversations whose histories exceed the device cache give the
-tokens of an engine whose cache holds them all, prefix hits come back from the host, and
-`Engine.stats` counts what moved. The greedy tokens of every policy, of speculative decoding
-and of tensor parallelism with hybrid groups are checked by tests/test_engine_families.py
-(those models get groups by default).
+tokens of the same engine without the tier (the last turn's equal transformers', a model with
+no cache limit), prefix hits come back from the host, and
+`Engine.stats` and /metrics count what moved. The greedy tokens of every policy, of
+speculative decoding and of tensor parallelism with hybrid groups are checked by
+tests/test_engine_families.py (those models get groups by default).
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ import functools
 import numpy as np
 import pytest
 
+from prometheus_client import generate_latest
+
 from arcjax import LLM, SamplingParams
+from arcjax.entrypoints.openai.server_metrics import HOST_TIER_COUNTERS, ServerMetrics
 from arcjax.errors import EngineConfigError
-from hf_models import WINDOW, hf_greedy, tiny_model_dir
+from support.hf_models import WINDOW, hf_greedy, tiny_model_dir
 
 GEOMETRY = dict(block_size=8, num_kv_blocks=64, max_model_len=128, max_num_seqs=4,
                 attention_impl="xla", chunk_tile=32, max_num_batched_tokens=32)
@@ -113,6 +117,12 @@ def test_host_tier_serves_evicted_histories_with_transformers_tokens(arch, num_k
     assert stats["kv_loads_timed"] > 0 and stats["kv_load_seconds_sum"] >= 0
     assert tiered.engine.blocks_in_use() == 0
     tiered.engine.check_trace()
+    text = generate_latest(ServerMetrics(tiered.engine, "m").registry).decode()
+    for name, key, _ in HOST_TIER_COUNTERS:  # /metrics shows the same counters
+        assert f"{name}_total {float(stats[key])}" in text
+    assert f"arcjax_kv_host_blocks_total {float(stats['kv_host_blocks_total'])}" in text
+    assert "arcjax_kv_host" not in generate_latest(ServerMetrics(plain.engine, "m")
+                                                   .registry).decode()
 
 
 def test_host_tier_options_are_typed_errors():

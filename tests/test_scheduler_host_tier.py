@@ -3,7 +3,7 @@ to host slots instead of vanishing, and prefix hits on them are loaded back whil
 requests that need them wait one step.
 
 The property tests drive random workloads with shared prefixes, tight device pools, small host
-tiers, aborts and overlapped steps through `drive_groups` (test_scheduler_kv_groups.py), whose
+tiers, aborts and overlapped steps through `drive_groups` (tests/support/kv_group_drivers.py), whose
 ghost moves block contents exactly as the runner does (a plan's stores before its step, its
 loads after it): a block read before its load landed, a slot overwritten while a load of the
 same plan reads it, a stored block that does not hold its key's tokens, or a block shared
@@ -22,31 +22,32 @@ from hypothesis import strategies as st
 from scheduler import ConfigError, Request, SchedulerConfig, SchedulerState
 from scheduler import add_request, commit, forget_prefix_cache, schedule
 from scheduler.host_tier import HostTier
-from test_scheduler_kv_groups import GROUP_WINDOWS, drive_groups, group_workloads
-from test_scheduler_properties import _SETTINGS, _sampler, drafter
+from support.kv_group_drivers import GROUP_WINDOWS, drive_groups, group_workloads
+from support.scheduler_workloads import HYPOTHESIS_SETTINGS, drafter, fake_token
 
 ANY_GROUPS = GROUP_WINDOWS | st.just(())
 
 
-@settings(max_examples=40, **_SETTINGS)
+@settings(max_examples=40, **HYPOTHESIS_SETTINGS)
 @given(group_workloads(host=True, tight=True, shared=True, aborts=True, groups=ANY_GROUPS,
                        max_requests=12))
 def test_random_evictions_loads_and_aborts_move_every_block_right(workload):
     drive_groups(workload)
 
 
-@settings(max_examples=25, **_SETTINGS)
+@settings(max_examples=25, **HYPOTHESIS_SETTINGS)
 @given(group_workloads(host=True, tight=True, shared=True, groups=ANY_GROUPS),
        st.lists(st.booleans(), min_size=1, max_size=4), st.data())
 def test_host_tier_under_overlapped_steps_drafts_and_aborts(workload, overlap, data):
     points = data.draw(st.lists(st.tuples(
         st.integers(0, 40), st.integers(0, len(workload.requests) - 1), st.integers(0, 2)),
         max_size=3))
-    propose = drafter(data.draw(st.integers(0, 99)), _sampler) if data.draw(st.booleans()) else None
+    seed = data.draw(st.integers(0, 99))
+    propose = drafter(seed, fake_token) if data.draw(st.booleans()) else None
     drive_groups(workload, overlap=overlap, abort_points=points, propose=propose)
 
 
-@settings(max_examples=20, **_SETTINGS)
+@settings(max_examples=20, **HYPOTHESIS_SETTINGS)
 @given(group_workloads(host=True, tight=True, shared=True, groups=ANY_GROUPS))
 def test_outputs_with_the_host_tier_equal_outputs_without_it(workload):
     without = dataclasses.replace(workload.config, num_host_blocks=0)
