@@ -2,7 +2,8 @@
 
 `Admissions` is the part of `StepBuilder` (scheduler/planner.py) that admits waiting sequences
 in key order (FCFS within a priority), stopping at the first that cannot be admitted so nobody
-overtakes it. Admissions need blocks beyond the watermark, never preempt, and do not happen in
+overtakes it, except a LoRA sequence waiting for an adapter slot, which later ones may pass
+(scheduler/lora_slots.py: a drain keeps it from starving). Admissions need blocks beyond the watermark, never preempt, and do not happen in
 a step that preempted or held a partial back. With prefix caching a sequence first takes the
 longest cached prefix every KV cache group can reuse (`kv_groups.find_hits`: whole blocks, at
 most len(tokens) - 1 tokens, so its last token is computed and yields logits) and computes from
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from scheduler.blocks import BlockTable
 from scheduler.kv_groups import NO_HITS, Hits, find_hits, load_hits
+from scheduler.lora_slots import SlotGate
 from scheduler.request import Sequence
 from scheduler.state import Partial
 
@@ -33,6 +35,7 @@ class Admissions:
         config = self.config
         cap = config.prefill_max_seqs
         held = len(self.state.verifying)  # running, out of the table until their fill
+        gate = None  # built when the first sequence of an adapter is considered
         i = 0
         while i < len(waiting):
             if (len(self.dec) + len(self.partial) + len(self.admitted) + held
@@ -43,6 +46,12 @@ class Admissions:
                 self._note("cap_deferred", len(waiting) - i)
                 break
             seq = waiting[i]
+            if seq.request.adapter is not None or gate is not None:
+                gate = gate or self._slot_gate()
+                if not gate.admits(seq):  # waits for an adapter slot; others may pass it
+                    self.passed.append(seq)
+                    i += 1
+                    continue
             hits = self._cache_hits(seq)
             waits = bool(hits.loads) or not self.loading_blocks.isdisjoint(hits.table)
             n = self._admission_chunk(seq, whole, hits, runs=not waits)
@@ -51,6 +60,8 @@ class Admissions:
             if waits and self.partials_after >= config.max_num_partial_prefills:
                 self._note("partial_limit")  # it stays mid-prefill while its blocks load
                 break
+            if gate is not None:
+                gate.admitted(seq)
             cached = hits.num_blocks * config.block_size
             if seq.cached_tokens is None and self.pool.cache is not None:  # first admission
                 seq = Sequence(request=seq.request, key=seq.key, tokens=seq.tokens,
@@ -71,6 +82,16 @@ class Admissions:
                 self.partials_after += 1
             i += 1
         self.waiting_from = i
+        if gate is not None:
+            self.lora_drain = gate.drain
+            if gate.deferred:
+                self._note("lora_deferred", gate.deferred)
+
+    def _slot_gate(self) -> SlotGate:
+        """The adapter-slot gate of this step's admissions (phases 1 and 2 are done)."""
+        running = [*self.dec.seqs, *(p.seq for p in self.partial),
+                   *(p.seq for p in self.admitted), *(row.seq for row in self.state.verifying)]
+        return SlotGate(self.config.max_loras, running, self.state.waiting, self.lora_drain)
 
     def _load(self, hits: Hits) -> BlockTable:
         """`hits.table` with a fresh device block for each entry only the host holds: the

@@ -13,7 +13,9 @@ order and then assembles the plan:
      sequences are preempted, but only when that makes room. A partial is never preempted for
      itself: it waits, holding its blocks.
   3. admit (scheduler/admission.py): waiting sequences in key order, FCFS, after their
-     cached prefix (prefix caching), loading what only the host tier holds.
+     cached prefix (prefix caching), loading what only the host tier holds; a LoRA sequence
+     waiting for an adapter slot may be passed (scheduler/lora_slots.py: a drain keeps it
+     from starving).
   4. build: draft tokens on the decode rows with what is left (`spec.allocate_drafts`), then the
      plan's columns and the post-schedule state.
 
@@ -40,7 +42,7 @@ from scheduler.admission import Admissions
 from scheduler.kv_groups import slide_groups
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.step_plan import Engaged, NOTHING_ENGAGED, StepPlan
-from scheduler.prefix import ROOT_DIGEST, chain_hashes
+from scheduler.prefix import chain_hashes, root_digest
 from scheduler.request import Sequence, SeqKey
 from scheduler.spec import Drafts, allocate_drafts
 from scheduler.state import PLACEHOLDER, Partial, SchedulerState, gen_chunk
@@ -68,6 +70,8 @@ class StepBuilder(Admissions):
         self.cached: list[int] = []  # per prefill row: tokens served from the cache (admissions)
         self.admitted: list[Partial] = []
         self.waiting_from = 0  # state.waiting[waiting_from:] is still waiting
+        self.passed: list[Sequence] = []  # before waiting_from, passed over for an adapter slot
+        self.lora_drain = state.lora_drain
         self.preempted: list[Sequence] = []
         self.preempted_unfilled: list = []  # of them, ids whose newest token is a placeholder
         self.partials_after = len(state.partial)  # mid-prefill once this step commits
@@ -178,7 +182,7 @@ class StepBuilder(Admissions):
                 self.preempted_unfilled.append(seq.request_id)
             hashes = dec.hashes[-1]
             if self.pool.cache is not None:  # digests of the kept tokens' full blocks
-                parent = hashes[-1] if hashes else ROOT_DIGEST
+                parent = hashes[-1] if hashes else root_digest(seq.request.adapter)
                 hashes += chain_hashes(kept, self.config.block_size, parent, len(hashes))
             self.preempted.append(Sequence(request=seq.request, key=seq.key, tokens=kept,
                                            block_hashes=hashes, cached_tokens=seq.cached_tokens))
@@ -351,6 +355,8 @@ class StepBuilder(Admissions):
         else:  # no chunk ran, nobody was preempted: the partial prefills are unchanged
             partial = state.partial
         waiting = state.waiting[self.waiting_from:]
+        if self.passed:  # each passed sequence ranks before every one not reached
+            waiting = tuple(self.passed) + waiting
         if self.preempted:
             preempted = sorted(self.preempted, key=_key_of_seq)
             waiting = tuple(heapq.merge(preempted, waiting, key=_key_of_seq))
@@ -366,7 +372,7 @@ class StepBuilder(Admissions):
             config=state.config, waiting=waiting, partial=partial, decoding=dec, pool=pool,
             step=state.step + 1, decode_steps_since_prefill=since,
             next_ticket=state.next_ticket, in_flight=bool(k or rows or self.loads),
-            unfilled=unfilled, held=state.held)
+            unfilled=unfilled, held=state.held, lora_drain=self.lora_drain)
         preempted_ids = tuple(seq.request_id for seq in self.preempted)
         if preempted_ids:
             self._note("preempted", preempted_ids)

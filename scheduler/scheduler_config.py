@@ -29,6 +29,7 @@ _INT_MINIMUMS = (
     ("num_blocks", 1),
     ("watermark_blocks", 0),
     ("num_host_blocks", 0),
+    ("max_loras", 1),
 )
 
 # Cache groups are told apart by one byte in their prefix-cache keys (scheduler/prefix.py).
@@ -71,6 +72,8 @@ class SchedulerConfig:
       num_host_blocks: blocks of the host-memory tier (0 = off; needs prefix caching): a cached
         block the device evicts is copied there instead of being dropped, and a prefix hit on
         it is loaded back (scheduler/host_tier.py). Part of the cache geometry.
+      max_loras: LoRA adapters (`Request.adapter`) running at once: the device's adapter
+        slots (scheduler/lora_slots.py). Part of the cache geometry (the slots are).
     """
 
     policy: str = "token_budget"
@@ -88,6 +91,7 @@ class SchedulerConfig:
     sliding_window: int | None = None
     kv_cache_groups: tuple[int | None, ...] = ()
     num_host_blocks: int = 0
+    max_loras: int = 1
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -191,13 +195,15 @@ class SchedulerConfig:
         return max_request_tokens(self)
 
     def same_cache(self, other: "SchedulerConfig") -> bool:
-        """Whether `other` describes the same KV cache (knobs may differ between steps)."""
-        return all(getattr(self, f) == getattr(other, f) for f in CACHE_FIELDS)
+        """Whether `other` describes the same KV cache and adapter slots (knobs may differ
+        between steps)."""
+        return all(getattr(self, f) == getattr(other, f) for f in GEOMETRY_FIELDS)
 
 
-# The fields that fix the KV cache's geometry: equal in every config a state is scheduled with.
-CACHE_FIELDS = ("num_blocks", "block_size", "enable_prefix_caching", "sliding_window",
-                "kv_cache_groups", "num_host_blocks")
+# The fields that describe the device's KV cache and adapter slots: equal in every config a
+# state is scheduled with (`SchedulerConfig.same_cache`).
+GEOMETRY_FIELDS = ("num_blocks", "block_size", "enable_prefix_caching", "sliding_window",
+                   "kv_cache_groups", "num_host_blocks", "max_loras")
 
 
 def peak_blocks(config: SchedulerConfig, positions: int) -> int:
