@@ -6,9 +6,9 @@ Built from keyword arguments (`EngineConfig.from_options(model, **options)`, wha
 `SchedulerConfig.from_env` from the options of the same names, so `ARC_PREFILL_MAX_SEQS`
 and `ARC_PREFILL_FLOOR_STEPS` fill their knobs there, explicit options winning. Its cache
 geometry (`num_blocks`, `sliding_window`, `kv_cache_groups`, `num_host_blocks`) is filled in
-by `build_engine` from the model and the memory (`EngineConfig.scheduler_config`). Every bad option raises `EngineConfigError`
-(a `ConfigError`) whose `.field` names it. `arcjax.engine.build.build_engine` turns a config
-into an engine.
+by `build_engine` from the model and the memory (`EngineConfig.scheduler_config`). Every bad
+option raises `EngineConfigError` (a `ConfigError`) whose `.field` names it.
+`arcjax.engine.build.build_engine` turns a config into an engine.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from collections.abc import Mapping
 
 import scheduler
 from arcjax.errors import ConfigError, EngineConfigError
+from arcjax.reasoning import NO_PARSER
+from arcjax.reasoning import PARSERS as REASONING_PARSERS
 from arcjax.spec_decode.speculative_config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -69,8 +71,9 @@ class EngineConfig:
         them, else 1.0), about twice the tokens in the same memory.
       dtype: "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU.
       max_model_len: longest prompt + output; None = min(model's limit, 4096).
-      num_kv_blocks: KV cache size in blocks; None = from kv_memory_fraction of the device's
-        memory on GPU, room for max_num_seqs full sequences (at most 256 MiB) on CPU.
+      num_kv_blocks: KV cache size in blocks; None = from gpu_memory_utilization (or
+        kv_memory_fraction) of the device's memory on a device that reports it (GPU), room
+        for max_num_seqs full sequences (at most 256 MiB) on CPU.
       kv_memory_fraction: share of free device memory the KV cache takes (GPU default).
       kv_offloading_size: GiB of host memory for KV blocks the device's prefix cache evicts
         (the host tier, vLLM's option): they are copied there instead of being dropped, and
@@ -80,6 +83,12 @@ class EngineConfig:
         mixes sliding-window and full-attention layers (vLLM's option); by default such a
         model gets one KV cache group per attention type (arcjax/model/kv_layout.py), and
         its sliding layers free what fell out of their window.
+      gpu_memory_utilization: vLLM's: the share of the device's whole memory this engine
+        may use, weights and all; the KV cache gets what is left of it once the weights are
+        loaded (None: kv_memory_fraction decides). Devices that report no memory (CPU)
+        keep their default cache.
+      tokenizer: a directory with the tokenizer (tokenizer.json, its configs and chat
+        template) to use instead of the model's; None = the model's.
       attention_impl: "auto" (per bucket, what this installation runs best: a GPU kernel
         on a GPU, xla elsewhere; the trace summary names it) | "xla" | "pallas_gpu"
         (Pallas-Triton) | "triton" (the Triton kernel through jax-triton). A GPU kernel
@@ -104,6 +113,12 @@ class EngineConfig:
         {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}, optionally
         "disable_by_batch_size" (`arcjax.spec_decode.speculative_config.SpeculativeConfig`; a dict or
         its JSON text is turned into one); None = off. Outputs are the same either way.
+      reasoning_parser: how outputs split into reasoning and content (`CompletionOutput.
+        reasoning` / `.content`) and where structured outputs start (after the reasoning):
+        "deepseek_r1", "qwen3", "openai_gptoss" (vLLM's names; the vocabulary must have
+        the format's markers), "none", or None: implied by each prompt (a request whose
+        prompt shows a `<think>` block is split as deepseek_r1 splits; see
+        `arcjax.reasoning.model_reasoning`).
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
         prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
@@ -122,6 +137,8 @@ class EngineConfig:
     kv_memory_fraction: float = 0.5
     kv_offloading_size: float = 0.0
     disable_hybrid_kv_cache_manager: bool = False
+    gpu_memory_utilization: float | None = None
+    tokenizer: str | None = None
     attention_impl: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
@@ -130,6 +147,7 @@ class EngineConfig:
     expert_parallel_size: int = 1
     async_scheduling: bool | None = None
     speculative_config: SpeculativeConfig | Mapping | str | None = None
+    reasoning_parser: str | None = None
     scheduler: scheduler.SchedulerConfig = dataclasses.field(default_factory=default_scheduler)
 
     def __post_init__(self):
@@ -179,6 +197,17 @@ class EngineConfig:
         if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
             raise EngineConfigError("disable_hybrid_kv_cache_manager", f"must be a bool, got "
                                     f"{self.disable_hybrid_kv_cache_manager!r}")
+        util = self.gpu_memory_utilization
+        if util is not None and (not isinstance(util, (int, float)) or isinstance(util, bool)
+                                 or not math.isfinite(util) or not 0 < util <= 1):
+            raise EngineConfigError("gpu_memory_utilization", f"must be in (0, 1], got "
+                                                              f"{util!r}", limit=1)
+        if self.tokenizer is not None:
+            if not isinstance(self.tokenizer, (str, os.PathLike)) or not os.path.isfile(
+                    os.path.join(os.fspath(self.tokenizer), "tokenizer.json")):
+                raise EngineConfigError("tokenizer", f"must be a directory with a "
+                                                     f"tokenizer.json, got {self.tokenizer!r}")
+            object.__setattr__(self, "tokenizer", os.fspath(self.tokenizer))
         if self.attention_impl not in ATTENTION_IMPLS:
             raise EngineConfigError(
                 "attention_impl", f"must be one of {ATTENTION_IMPLS} (the 'reference' oracle "
@@ -202,6 +231,10 @@ class EngineConfig:
                                     "processes yet")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        names = (*REASONING_PARSERS, NO_PARSER)
+        if self.reasoning_parser is not None and self.reasoning_parser not in names:
+            raise EngineConfigError("reasoning_parser", f"must be one of {names} or None, got "
+                                                        f"{self.reasoning_parser!r}")
 
     def __getattr__(self, name: str):
         """The scheduling knobs read through: `config.max_num_seqs` is
