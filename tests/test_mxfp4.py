@@ -1,0 +1,55 @@
+"""MXFP4 as gpt-oss checkpoints store it: decoding bit-exact with transformers'
+`convert_moe_packed_tensors`, encoding round trips, and the typed refusals."""
+
+import numpy as np
+import pytest
+
+from arcjax.errors import WeightsError
+from arcjax.model.formats import mxfp4
+
+torch = pytest.importorskip("torch")
+
+
+def test_decode_is_transformers_bit_for_bit():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, size=(3, 10, 4, 16), dtype=np.uint8)  # [E, out, G, 16]
+    scales = rng.integers(110, 140, size=(3, 10, 4), dtype=np.uint8)
+    want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                      dtype=torch.float32).numpy()  # [E, in, out]
+    got = mxfp4.decode(blocks, scales)  # [E, out, in]
+    np.testing.assert_array_equal(got.transpose(0, 2, 1), want)
+
+
+def test_encode_round_trips_what_the_format_holds():
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, size=(5, 3, 16), dtype=np.uint8)
+    scales = rng.integers(100, 150, size=(5, 3), dtype=np.uint8)
+    values = mxfp4.decode(blocks, scales)
+    b2, s2 = mxfp4.encode(values)
+    np.testing.assert_array_equal(mxfp4.decode(b2, s2), values)
+    # an arbitrary weight: every value within half an FP4 step of its block's scale
+    w = rng.normal(size=(4, 64)).astype(np.float32)
+    b, s = mxfp4.encode(w)
+    step = np.ldexp(1.0, mxfp4.exponents(s))  # [4, 2] the spacing at the top is 2 * scale
+    err = np.abs(mxfp4.decode(b, s) - w).reshape(4, 2, 32)
+    assert np.all(err <= step[..., None] + 1e-7) and np.any(err > 0)
+
+
+def test_codes_unpack_low_nibble_first_and_split_interleaves():
+    blocks = np.zeros((1, 16), np.uint8)
+    blocks[0, 0] = 0x4A  # inputs 0 (0xA) and 1 (0x4)
+    assert mxfp4.codes(blocks)[:2].tolist() == [0xA, 0x4]
+    gate, up = mxfp4.split_gate_up(np.arange(12).reshape(2, 6), axis=1)
+    assert gate.tolist() == [[0, 2, 4], [6, 8, 10]] and up[0].tolist() == [1, 3, 5]
+
+
+@pytest.mark.parametrize("blocks, scales, match", [
+    (np.zeros((2, 16), np.int8), np.zeros((2,), np.uint8), "uint8"),
+    (np.zeros((2, 8), np.uint8), np.zeros((2,), np.uint8), "do not match"),
+    (np.zeros((2, 16), np.uint8), np.full((2,), 255, np.uint8), "NaN"),
+])
+def test_bad_blocks_are_refused(blocks, scales, match):
+    with pytest.raises(WeightsError, match=match):
+        mxfp4.decode(blocks, scales)
