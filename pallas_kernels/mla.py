@@ -9,7 +9,7 @@ scatters this step's latents and rope keys into their pages.
 The cache of an MLA layer holds `kv_lora_rank + qk_rope_head_dim` values per token (one
 latent and one rope key shared by every head), against `2 * Hkv * head_dim` for per-head
 keys and values: DeepSeek-V2-Lite's 512 + 64 = 576 values per token and layer, against
-2 * 16 * 192 = 6144 for its 16 heads expanded (10.7x less).
+16 * (192 + 128) = 5120 for its 16 heads' keys and values expanded (8.9x less).
 """
 
 from __future__ import annotations

@@ -53,3 +53,61 @@ def test_codes_unpack_low_nibble_first_and_split_interleaves():
 def test_bad_blocks_are_refused(blocks, scales, match):
     with pytest.raises(WeightsError, match=match):
         mxfp4.decode(blocks, scales)
+
+
+def _gpt_oss_experts():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GptOssConfig(hidden_size=64, intermediate_size=32, num_local_experts=3,
+                                    num_experts_per_tok=2, num_hidden_layers=1)
+    experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn_like(p))
+    return {f"model.layers.0.mlp.experts.{k}": v.detach().numpy()
+            for k, v in experts.state_dict().items()}
+
+
+def _names(key, e):
+    from arcjax.model.formats.fused_experts import LAYER_NAMES
+
+    return LAYER_NAMES[key][0].format(i=0, e=e)
+
+
+def test_fused_reader_splits_each_expert_out_of_the_float_tensors():
+    from arcjax.model.formats.fused_experts import reader
+
+    tensors = _gpt_oss_experts()
+    read = reader(tensors.get)
+    prefix = "model.layers.0.mlp.experts."
+    gate_up, bias = tensors[prefix + "gate_up_proj"], tensors[prefix + "gate_up_proj_bias"]
+    for e in range(3):
+        np.testing.assert_array_equal(read(_names("we_gate", e)), gate_up[e][:, 0::2])
+        np.testing.assert_array_equal(read(_names("we_up", e)), gate_up[e][:, 1::2])
+        np.testing.assert_array_equal(read(_names("be_up", e)), bias[e][1::2])
+        np.testing.assert_array_equal(read(_names("we_down", e)),
+                                      tensors[prefix + "down_proj"][e])
+        np.testing.assert_array_equal(read(_names("be_down", e)),
+                                      tensors[prefix + "down_proj_bias"][e])
+    assert read("model.layers.1.mlp.experts.down_proj@0") is None  # absent: None, not raised
+
+
+def test_fused_reader_decodes_the_published_mxfp4_layout_as_transformers_does():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from arcjax.model.formats.fused_experts import reader
+
+    tensors = _gpt_oss_experts()
+    prefix = "model.layers.0.mlp.experts."
+    for name in mxfp4.EXPERT_TENSORS:  # [E, in, out] -> the published [E, out, in / 32, 16]
+        blocks, scales = mxfp4.encode(np.swapaxes(tensors.pop(prefix + name), 1, 2))
+        tensors[prefix + name + "_blocks"], tensors[prefix + name + "_scales"] = blocks, scales
+    read = reader(tensors.get)
+    want = {name: convert_moe_packed_tensors(
+        torch.from_numpy(tensors[prefix + name + "_blocks"]),
+        torch.from_numpy(tensors[prefix + name + "_scales"]), dtype=torch.float32).numpy()
+        for name in mxfp4.EXPERT_TENSORS}  # [E, in, out]
+    for e in range(3):
+        np.testing.assert_array_equal(read(_names("we_gate", e)), want["gate_up_proj"][e][:, 0::2])
+        np.testing.assert_array_equal(read(_names("we_up", e)), want["gate_up_proj"][e][:, 1::2])
+        np.testing.assert_array_equal(read(_names("we_down", e)), want["down_proj"][e])

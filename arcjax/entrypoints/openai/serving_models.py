@@ -8,6 +8,7 @@ import time
 from arcjax.engine.trace import attention_report
 from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.openai.http_server import HTTPError
+from arcjax.model.kv_report import kv_cache_report
 from arcjax.model.quant import storage_dtypes
 
 DEFAULT_MODEL_NAME = "arcjax-default"  # the packaged model's id
@@ -28,14 +29,16 @@ class OpenAIServingModels:
         self.created = int(time.time())
 
     def model_card(self) -> dict:
-        """The served model's card, with its context length, storage dtypes and the
-        attention implementation of every bucket compiled so far (all after a warm-up),
-        and whether a recorded GPU pass vouches for each."""
+        """The served model's card, with its context length, storage dtypes, KV bytes per
+        token (`kv_cache_report`) and the attention implementation of every bucket
+        compiled so far (all after a warm-up), and whether a recorded GPU pass vouches for
+        each."""
         engine = self.llm.engine
         runner = engine.runner
         return {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "arcjax", "max_model_len": engine.max_model_len,
                 **storage_dtypes(runner.params, runner.cache),
+                **kv_cache_report(runner.cfg, runner.kv_cache_dtype),
                 "attention": attention_report(runner.attn_impl, dict(runner.attention_impls),
                                               verified=dict(runner.attention_verified))}
 

@@ -24,9 +24,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from arcjax.errors import ModelConfigError, WeightsError
+from arcjax.model.formats import fused_experts
 from arcjax.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from arcjax.model.specs import Params, is_spec, param_specs
 
+# Architectures whose config parses but whose layers the decoder does not assemble yet,
+# with what is missing: loading one is refused rather than run wrong.
+DECODER_PENDING = {
+    "GptOssForCausalLM": "attention sinks, router and expert biases, the clamped SwiGLU and "
+                         "YaRN's attention factor in the decoder's layers",
+    "DeepseekV2ForCausalLM": "multi-head latent attention over a latent paged cache in the "
+                             "decoder, and the dense-then-expert layer mix",
+    "DeepseekV3ForCausalLM": "multi-head latent attention over a latent paged cache in the "
+                             "decoder, and the dense-then-expert layer mix",
+}
 # arcjax name -> (Hugging Face name pattern, transpose). "{i}" is the layer index, "{e}" the
 # expert's (expert weights are stacked [L, E, ...] from one tensor per layer and expert).
 _LAYER_NAMES = {
@@ -70,6 +81,8 @@ _ARCH_LAYER_NAMES = {
         "post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
         "post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", False),
     } for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")},
+    # gpt-oss: sinks, a biased router, experts fused per layer (read per expert).
+    fused_experts.ARCHITECTURE: fused_experts.LAYER_NAMES,
 }
 # Top-level arrays: arcjax name -> (Hugging Face name, transpose).
 TOP_NAMES = {
@@ -118,18 +131,24 @@ def read_config(model_dir: str | os.PathLike) -> ModelConfig:
     """The model's config.json as a ModelConfig.
 
     Raises:
-      ModelConfigError: missing, unparsable, not a JSON object, missing fields or unsupported.
+      ModelConfigError: missing, unparsable, not a JSON object, missing fields, unsupported,
+        or an architecture the decoder does not run yet (`DECODER_PENDING`).
     """
     data = read_config_json(model_dir)
     path = Path(model_dir) / "config.json"
     try:
-        return ModelConfig.from_hf_dict(data)
+        cfg = ModelConfig.from_hf_dict(data)
     except ModelConfigError as e:
         raise ModelConfigError(path, e.reason) from e
     except KeyError as e:
         raise ModelConfigError(path, f"required field {e.args[0]!r} is missing") from e
     except (TypeError, ValueError) as e:
         raise ModelConfigError(path, f"a field has the wrong type ({e})") from e
+    if cfg.architecture in DECODER_PENDING:
+        raise ModelConfigError(path, f"architecture {cfg.architecture!r} is read (config, "
+                               "kernels, router, experts) but the decoder does not run it "
+                               f"yet: {DECODER_PENDING[cfg.architecture]}")
+    return cfg
 
 
 def layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
@@ -187,6 +206,8 @@ def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = 
       WeightsError: a tensor is missing or its shape disagrees with the config.
     """
     np_dtype = np.dtype(jnp.dtype(dtype))
+    if cfg.architecture == fused_experts.ARCHITECTURE:
+        read = fused_experts.reader(read)
     specs = param_specs(cfg)
     specs["layers"] = {k: v for k, v in specs["layers"].items() if k not in skip}
     host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), specs, is_leaf=is_spec)
@@ -197,6 +218,7 @@ def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = 
         if arr is None:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
+            name = fused_experts.fused_name(name)
             raise WeightsError(where(name), f"tensor {name} is missing from the checkpoint "
                                        f"(architecture {cfg.architecture})")
         arr = arr.T if transpose else arr
@@ -205,7 +227,8 @@ def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = 
         if tuple(arr.shape) != tuple(want):
             hf_shape = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
             implied = tuple(want[::-1]) if transpose else tuple(want)
-            raise WeightsError(where(name), f"tensor {name} has shape {hf_shape}, the "
-                                            f"config implies {implied}")
+            raise WeightsError(where(fused_experts.fused_name(name)),
+                               f"tensor {name} has shape {hf_shape}, the config implies "
+                               f"{implied}")
         dst[index] = arr
     return host
