@@ -69,9 +69,9 @@ def _gpt_oss_experts():
 
 
 def _names(key, e):
-    from arcjax.model.formats.fused_experts import LAYER_NAMES
+    from arcjax.model.formats.hf_layout import GPT_OSS_LAYER_NAMES
 
-    return LAYER_NAMES[key][0].format(i=0, e=e)
+    return GPT_OSS_LAYER_NAMES[key][0].format(i=0, e=e)
 
 
 def test_fused_reader_splits_each_expert_out_of_the_float_tensors():

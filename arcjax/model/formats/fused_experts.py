@@ -11,10 +11,11 @@ A gpt-oss layer stores all its experts in four tensors (`E` experts, hidden `H`,
 already `[in, out]`; the published checkpoints replace the two weights by MXFP4
 `*_blocks` / `*_scales` (`mxfp4`, `[E, out, in / 32, 16]`), decoded here at load.
 
-`LAYER_NAMES` gives each arcjax weight a name `"<fused tensor>@<part>"` (`gate.{e}`,
-`up.{e}` or `{e}`) that `reader(read)` answers from the fused tensor, so `hf_layout`'s
-per-(layer, expert) walk reads gpt-oss like any other family. The reader keeps the last
-fused tensor it decoded: the walk reads a layer's experts one after the other.
+`hf_layout.GPT_OSS_LAYER_NAMES` gives each arcjax weight a name `"<fused tensor>@<part>"`
+(`gate.{e}`, `up.{e}` or `{e}`) that `reader(read)` answers from the fused tensor, so
+`hf_layout.assemble_host`'s per-(layer, expert) walk reads gpt-oss like any other family.
+The reader keeps the last fused tensor it read: the walk reads a layer's experts one after
+the other.
 """
 
 from __future__ import annotations
@@ -22,25 +23,9 @@ from __future__ import annotations
 import numpy as np
 
 from arcjax.model.formats import mxfp4
+from arcjax.model.formats.hf_layout import FUSED
 
 ARCHITECTURE = "GptOssForCausalLM"
-_EXPERTS = "model.layers.{i}.mlp.experts."
-LAYER_NAMES = {
-    "sinks": ("model.layers.{i}.self_attn.sinks", False),
-    "router": ("model.layers.{i}.mlp.router.weight", True),
-    "router_bias": ("model.layers.{i}.mlp.router.bias", False),
-    "we_gate": (_EXPERTS + "gate_up_proj@gate.{e}", False),
-    "we_up": (_EXPERTS + "gate_up_proj@up.{e}", False),
-    "we_down": (_EXPERTS + "down_proj@{e}", False),
-    "be_gate": (_EXPERTS + "gate_up_proj_bias@gate.{e}", False),
-    "be_up": (_EXPERTS + "gate_up_proj_bias@up.{e}", False),
-    "be_down": (_EXPERTS + "down_proj_bias@{e}", False),
-}
-
-
-def fused_name(name: str) -> str:
-    """The checkpoint tensor a `LAYER_NAMES` name is read from (the name itself otherwise)."""
-    return name.split("@", 1)[0]
 
 
 def reader(read):
@@ -64,9 +49,9 @@ def reader(read):
         return last[base]
 
     def read_part(name: str) -> np.ndarray | None:
-        if "@" not in name:
+        if FUSED not in name:
             return read(name)
-        base, part = name.split("@", 1)
+        base, part = name.split(FUSED, 1)
         arr = fused(base)
         if arr is None:
             return None
