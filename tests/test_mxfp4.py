@@ -29,6 +29,9 @@ def test_encode_round_trips_what_the_format_holds():
     values = mxfp4.decode(blocks, scales)
     b2, s2 = mxfp4.encode(values)
     np.testing.assert_array_equal(mxfp4.decode(b2, s2), values)
+    # a transposed (strided) weight still encodes to C-order arrays, what files are written from
+    b3, s3 = mxfp4.encode(np.swapaxes(values.reshape(5, 3, 32), 0, 1))
+    assert b3.flags["C_CONTIGUOUS"] and s3.flags["C_CONTIGUOUS"]
     # an arbitrary weight: every value within half an FP4 step of its block's scale
     w = rng.normal(size=(4, 64)).astype(np.float32)
     b, s = mxfp4.encode(w)

@@ -88,7 +88,10 @@ def encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     nearest = np.argmin(np.abs(np.abs(scaled)[..., None] - magnitudes), axis=-1)  # first: even
     code = (nearest | np.where(np.signbit(scaled), 8, 0)).astype(np.uint8)  # [..., G, 32]
     packed = code[..., 0::2] | (code[..., 1::2] << 4)
-    return packed.astype(np.uint8), (exp + E8M0_BIAS).astype(np.uint8)
+    # C order: a strided view (of a transposed weight) would be written wrong by writers that
+    # take the buffer as it is (safetensors)
+    return (np.ascontiguousarray(packed, np.uint8),
+            np.ascontiguousarray(exp + E8M0_BIAS, np.uint8))
 
 
 def split_gate_up(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
