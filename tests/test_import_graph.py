@@ -43,6 +43,9 @@ FEATURE_LAYERS = {
     "arcjax.spec_decode.draft_model": "arcjax.runtime",
     "arcjax.spec_decode.speculator": "arcjax.engine",
     "arcjax.spec_decode": "arcjax.engine",  # the package itself
+    # reasoning formats and the gate that starts a grammar after the reasoning: used by the
+    # engine (outputs, grammars) and the server
+    "arcjax.reasoning": "arcjax.structured",
     "arcjax.lora.lora_request": "arcjax.sampling_params",  # a public request type
     "arcjax.lora.lora_delta": "arcjax.model",
     "arcjax.lora.peft_adapter": "arcjax.model",
