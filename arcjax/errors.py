@@ -18,7 +18,7 @@ from scheduler.scheduler_errors import (CommitError, ConfigError, DuplicateReque
 
 __all__ = ["CommitError", "ConfigError", "DuplicateRequestError", "EngineConfigError",
            "EngineDeadError",
-           "InputError", "ModelConfigError", "ModelFileError", "RequestError",
+           "InputError", "ModelConfigError", "ModelFileError", "PoolingParamsError", "RequestError",
            "RequestTooLargeError", "SamplingParamsError", "StepOrderError",
            "StructuredOutputsError", "UnknownRequestError", "WeightsError"]
 
@@ -41,6 +41,10 @@ class EngineDeadError(RuntimeError):
 
 class SamplingParamsError(RequestError):
     """An invalid sampling parameter (field: the parameter's name)."""
+
+
+class PoolingParamsError(RequestError):
+    """An invalid pooling parameter (field: the parameter's name)."""
 
 
 class StructuredOutputsError(SamplingParamsError):

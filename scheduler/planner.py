@@ -344,7 +344,7 @@ class StepBuilder:
         """Blocks of the longest cached prefix of `seq.tokens`: whole blocks, at most
         len(tokens) - 1 tokens (the last token is always computed, for its logits); under a
         sliding window, only the blocks its window still reads (`window_prefix`)."""
-        if self.pool.cache is None:
+        if self.pool.cache is None or seq.request.pooling:  # a pooled position is computed
             return ()
         limit = (len(seq.tokens) - 1) // self.config.block_size
         if self.config.sliding_window is not None:
@@ -420,9 +420,11 @@ class StepBuilder:
         engaged = self.engaged
         if "budget_full_at" in engaged:
             engaged["budget_full_at"] = self.num_tokens
-        # prefill rows as columns: ids, starts, lengths, samples, tables, token sources
+        # prefill rows as columns: ids, starts, lengths, samples, tables, token sources; a
+        # pooling sequence's final chunk samples nothing
         parts = [part for part, _ in rows]
-        finals = tuple(part.computed + n == len(part.seq.tokens) for part, n in rows)
+        finals = tuple(part.computed + n == len(part.seq.tokens) and not part.seq.request.pooling
+                       for part, n in rows)
         return StepPlan(
             state=new_state,
             request_ids=dec.ids[:k] + tuple(part.seq.request.request_id for part in parts),

@@ -25,6 +25,10 @@ class Request:
       max_tokens: tokens to generate at most.
       arrival_time: when it arrived (seconds on the caller's clock); orders FCFS.
       priority: smaller is served first (vLLM convention); equal priorities are FCFS.
+      pooling: a prefill-only request (an embedding): its chunks run like any prompt's, its
+        final chunk samples nothing, and it finishes ("stop", no output token) in the commit
+        of that chunk, its blocks freed; it never reads or fills the prefix cache (a pooled
+        position must be computed). Its max_tokens is 0.
     """
 
     request_id: RequestId
@@ -32,6 +36,7 @@ class Request:
     max_tokens: int
     arrival_time: float = 0.0
     priority: int = 0
+    pooling: bool = False
 
     def __post_init__(self):
         if not isinstance(self.prompt_token_ids, tuple):
@@ -80,8 +85,9 @@ class Finished:
 
     Attributes:
       request_id: the request.
-      output_token_ids: every generated token, in order.
-      reason: "length" (max_tokens reached) or "stop" (the engine saw EOS or a stop condition).
+      output_token_ids: every generated token, in order (() for a pooling request).
+      reason: "length" (max_tokens reached) or "stop" (the engine saw EOS or a stop condition;
+        a pooling request whose prompt is computed).
       finish_time: the `now` passed to the commit that finished it.
       num_cached_tokens: prompt tokens served from the prefix cache at its first admission.
     """

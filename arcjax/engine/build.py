@@ -17,6 +17,7 @@ from arcjax.errors import EngineConfigError
 from arcjax.model.formats.gguf_tokenizer import has_tokenizer
 from arcjax.model.formats.hub import ModelSource, resolve_model
 from arcjax.model.formats.loader import load_model, model_config
+from arcjax.model.formats.pooler_config import read_pooler_config
 from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.executable_cache import SHARED_EXECUTABLES
@@ -83,6 +84,9 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                                              platform=jax.default_backend())
     if reason is not None:  # a GPU kernel off the GPU, or without its packages
         raise EngineConfigError("attention_impl", reason)
+    # runner="pooling": how it pools, read (and refused) before any weights load
+    pooler = (read_pooler_config(None if source.is_gguf else model_dir)
+              if config.runner == "pooling" else None)
     spec, draft = config.speculative_config, None
     if spec is not None and spec.method == "draft_model":  # checked before any weights load
         limit = model_config(source).max_position_embeddings
@@ -138,7 +142,8 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                   else not multi_host and _overlap_pays())
     engine = Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
                     model_dir=model_dir, trace_capacity=config.trace_capacity,
-                    async_scheduling=overlapped, speculator=speculator, **options)
+                    async_scheduling=overlapped, speculator=speculator, pooler=pooler,
+                    **options)
     if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
     return engine

@@ -30,6 +30,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu", "triton")
 QUANTIZATIONS = ("fp8", "int8")  # weight formats a float checkpoint is quantized to at load
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the compute dtype; "fp8": float8_e4m3fn pages
+# "generate": generation only; "pooling": embeddings too (vLLM's name), prefill-only rows
+# beside generation in the same steps (a decoder LM can embed)
+RUNNERS = ("generate", "pooling")
 
 # The SchedulerConfig fields a caller sets as engine options; the rest (the cache's size
 # and the model's window) `build_engine` derives.
@@ -95,6 +98,10 @@ class EngineConfig:
         {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}, optionally
         "disable_by_batch_size" (`arcjax.spec_decode.speculative_config.SpeculativeConfig`; a dict or
         its JSON text is turned into one); None = off. Outputs are the same either way.
+      runner: "generate" (generation requests only) or "pooling": embedding requests
+        (`PoolingParams`, `LLM.embed`, /v1/embeddings) too, pooled as the model's
+        sentence-transformers files say (`arcjax.model.formats.pooler_config`), batched
+        with generation requests in the same steps.
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
         prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
@@ -119,6 +126,7 @@ class EngineConfig:
     expert_parallel_size: int = 1
     async_scheduling: bool | None = None
     speculative_config: SpeculativeConfig | Mapping | str | None = None
+    runner: str = "generate"
     scheduler: scheduler.SchedulerConfig = dataclasses.field(default_factory=default_scheduler)
 
     def __post_init__(self):
@@ -160,6 +168,8 @@ class EngineConfig:
                 f"is host-side numpy and cannot run in the jitted step; 'mosaic_gpu' serves "
                 f"decode-only batches, which 'auto' gives it on a GPU where it has passed "
                 f"scripts/gpu_check.sh), got {self.attention_impl!r}")
+        if self.runner not in RUNNERS:
+            raise EngineConfigError("runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _int("seed", self.seed, 0)
         _int("trace_capacity", self.trace_capacity, 1)
         _int("tensor_parallel_size", self.tensor_parallel_size, 1)
