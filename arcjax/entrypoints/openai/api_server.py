@@ -3,8 +3,12 @@
 1. `OpenAIServer(llm, ServeConfig)` builds the FastAPI app and one serving object per
    endpoint: `serving_completion.OpenAIServingCompletion` (/v1/completions),
    `serving_chat.OpenAIServingChat` (/v1/chat/completions, messages rendered by
-   `chat_template.ChatTemplate`), `serving_models.OpenAIServingModels` (/v1/models and
-   the `model` checks); they share a `serving_engine.ServingContext`.
+   `chat_template.ChatTemplate`), `serving_embedding.OpenAIServingEmbedding`
+   (/v1/embeddings, an engine built with runner="pooling"),
+   `serving_responses.OpenAIServingResponses` (/v1/responses: create, retrieve, delete,
+   cancel, input items; stored in a `responses_store.ResponseStore`; prepared by the chat
+   endpoint), `serving_models.OpenAIServingModels` (/v1/models and the `model` checks);
+   they share a `serving_engine.ServingContext`.
 2. A generation request is admitted here (`_admit`: the API key, draining, and the body
    read under a size cap: 413 before parsing), then handed to its endpoint, which prepares
    it in a worker pool (never on the event loop), queues it and answers, whole or streamed
@@ -45,6 +49,10 @@ from arcjax.entrypoints.openai.protocol import DEFAULT_MAX_STOP_STRINGS
 from arcjax.entrypoints.openai.server_metrics import ServerMetrics
 from arcjax.entrypoints.openai.serving_chat import OpenAIServingChat
 from arcjax.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from arcjax.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
+from arcjax.entrypoints.openai.responses_store import (DEFAULT_MAX_BYTES, DEFAULT_TTL,
+                                                       ResponseStore)
+from arcjax.entrypoints.openai.serving_responses import OpenAIServingResponses
 from arcjax.entrypoints.openai.serving_engine import RequestTracker, ServingContext
 from arcjax.entrypoints.openai.serving_models import OpenAIServingModels
 from arcjax.entrypoints.openai.tool_parsers import PARSERS, guess_parser
@@ -71,6 +79,8 @@ class ServeConfig:
       log_level: uvicorn's log level.
       tool_call_parser: how `tool_choice: "auto"` reads the model's tool calls ("hermes",
         "llama3_json"); None = the format the chat template shows, if it shows one.
+      responses_store_bytes, responses_store_ttl: the bounds of the responses
+        `/v1/responses` keeps (`store: true`): bytes in all, seconds after the last write.
     """
 
     host: str = "127.0.0.1"
@@ -83,6 +93,8 @@ class ServeConfig:
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
     tool_call_parser: str | None = None
+    responses_store_bytes: int = DEFAULT_MAX_BYTES
+    responses_store_ttl: float = DEFAULT_TTL
 
     def __post_init__(self):
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
@@ -96,6 +108,11 @@ class ServeConfig:
             raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.responses_store_bytes < 1:
+            raise ValueError(f"responses_store_bytes must be >= 1, got "
+                             f"{self.responses_store_bytes}")
+        if not self.responses_store_ttl > 0:
+            raise ValueError(f"responses_store_ttl must be > 0, got {self.responses_store_ttl}")
 
 
 PREPARE_WORKERS = 4  # threads that parse, render and tokenize requests
@@ -125,9 +142,13 @@ class OpenAIServer:
         chat_template = (ChatTemplate.from_dir(engine.model_dir)
                          if engine.model_dir is not None else ChatTemplate(None))
         self.completion = OpenAIServingCompletion(context)
+        self.embedding = OpenAIServingEmbedding(context)
         self.chat = OpenAIServingChat(
             context, chat_template,
             self.config.tool_call_parser or guess_parser(chat_template.source))
+        self.responses = OpenAIServingResponses(
+            context, self.chat, ResponseStore(self.config.responses_store_bytes,
+                                              self.config.responses_store_ttl))
         self.app = self._build_app()
 
     def close(self) -> None:
@@ -170,6 +191,12 @@ class OpenAIServer:
         app.get("/v1/models/{model:path}")(self.show_model)
         app.post("/v1/completions")(self.create_completion)
         app.post("/v1/chat/completions")(self.create_chat_completion)
+        app.post("/v1/embeddings")(self.create_embedding)
+        app.post("/v1/responses")(self.create_response)
+        app.get("/v1/responses/{response_id}")(self.retrieve_response)
+        app.delete("/v1/responses/{response_id}")(self.delete_response)
+        app.post("/v1/responses/{response_id}/cancel")(self.cancel_response)
+        app.get("/v1/responses/{response_id}/input_items")(self.response_input_items)
         return app
 
     # --- routes -------------------------------------------------------------------------
@@ -199,6 +226,29 @@ class OpenAIServer:
 
     async def create_chat_completion(self, request: Request) -> Response:
         return await self.chat.create_chat_completion(request, await self._admit(request))
+
+    async def create_embedding(self, request: Request) -> Response:
+        return await self.embedding.create_embedding(request, await self._admit(request))
+
+    async def create_response(self, request: Request) -> Response:
+        return await self.responses.create_response(request, await self._admit(request))
+
+    async def retrieve_response(self, response_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(self.responses.retrieve(response_id))
+
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(self.responses.delete(response_id))
+
+    async def cancel_response(self, response_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(await self.responses.cancel(response_id))
+
+    async def response_input_items(self, response_id: str, request: Request,
+                                   order: str = "desc", limit: int = 20) -> Response:
+        self._authorize(request)
+        return JSONResponse(self.responses.input_items(response_id, order, limit))
 
     # --- admission ----------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:

@@ -20,7 +20,7 @@ import dataclasses
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from arcjax.outputs import RequestOutput
+from arcjax.outputs import PoolingRequestOutput, RequestOutput
 from scheduler.metrics import StepRecord
 from scheduler.step_plan import Engaged
 
@@ -119,8 +119,12 @@ class ServerMetrics:
                 child.inc()
 
     # --- event loop -------------------------------------------------------------------
-    def on_finished(self, out: RequestOutput) -> None:
-        """Records one finished request."""
+    def on_finished(self, out: RequestOutput | PoolingRequestOutput) -> None:
+        """Records one finished request (an embedding: its prompt tokens and reason)."""
+        if isinstance(out, PoolingRequestOutput):
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.requests[out.finish_reason].inc()
+            return
         m = out.metrics
         if m.ttft is not None:
             self.ttft.observe(m.ttft)

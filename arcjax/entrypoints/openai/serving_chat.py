@@ -73,7 +73,12 @@ class OpenAIServingChat(OpenAIServing):
 
     def _prepare(self, raw: bytes) -> tuple[proto.ParsedRequest, list[tuple[int, ...]]]:
         """(worker pool) The parsed request, its params, and the rendered prompt's ids."""
-        parsed = proto.parse_chat(parse_json(raw), self.max_stop_strings, self.tool_parser)
+        return self.prepare_body(parse_json(raw))
+
+    def prepare_body(self, body) -> tuple[proto.ParsedRequest, list[tuple[int, ...]]]:
+        """(worker pool) `_prepare` of a decoded body (the Responses endpoint's requests
+        become chat bodies: `responses_protocol`)."""
+        parsed = proto.parse_chat(body, self.max_stop_strings, self.tool_parser)
         self.models.check_model(parsed.model)
         text = self.chat_template.render(parsed.messages,
                                          add_generation_prompt=parsed.add_generation_prompt,

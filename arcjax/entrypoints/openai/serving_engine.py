@@ -1,5 +1,7 @@
 """What the generation endpoints share (vLLM's `serving_engine.OpenAIServing`): preparing
 off the event loop, queueing under one admission step, collecting or streaming outputs.
+`OpenAIServingBase` holds what the embeddings endpoint shares with them (preparing,
+queueing, reading outputs); `OpenAIServing` adds the generation responses.
 
 1. An endpoint (`serving_completion`, `serving_chat`) gets the raw body from the app (auth,
    draining and the size cap are checked there) and prepares it in the worker pool
@@ -50,7 +52,7 @@ from arcjax.entrypoints.openai.serving_models import OpenAIServingModels
 from arcjax.entrypoints.openai.structured_fields import rename_field
 from arcjax.errors import EngineDeadError, InputError, RequestError, StructuredOutputsError
 from arcjax.outputs import RequestOutput
-from arcjax.sampling_params import RequestOutputKind
+from arcjax.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -201,13 +203,9 @@ async def event_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
             yield proto.sse(proto.error_body(str(e), "service_unavailable", code="engine_dead"))
 
 
-class OpenAIServing(abc.ABC):
-    """The base of the generation endpoints (see the module docstring). A subclass sets
-    `REQUEST_ID_PREFIX` and `CHAT` and builds its whole response (`_response`) and its
-    stream's chunks (`_chunks`)."""
-
-    REQUEST_ID_PREFIX: ClassVar[str]  # the response id's prefix ("cmpl", "chatcmpl")
-    CHAT: ClassVar[bool]  # log-probabilities in chat's shape (else completions')
+class OpenAIServingBase:
+    """What every endpoint that queues requests shares: preparing in the worker pool,
+    queueing under the admission step, reading the outputs (generation and embeddings)."""
 
     def __init__(self, context: ServingContext):
         self.llm = context.llm
@@ -235,64 +233,13 @@ class OpenAIServing(abc.ABC):
             field = {"prompt": prompt_field, "max_tokens": max_field}.get(e.field, e.field)
             raise RequestError(field, e.message, limit=e.limit) from None
 
-    # --- generation (event loop) ------------------------------------------------------------
-    @abc.abstractmethod
-    def _response(self, served: ServedRequest, finals: Sequence[RequestOutput]) -> dict:
-        """The whole response's body, from every prompt's final output."""
-
-    @abc.abstractmethod
-    def _chunks(self, served: ServedRequest, choices: StreamedChoices) -> AsyncIterator[dict]:
-        """The stream's chunks, in order (the SSE framing is `event_stream`'s)."""
-
-    async def _serve(self, request: Request, parsed: proto.ParsedRequest,
-                     prompts: Sequence[tuple[int, ...]]) -> Response:
-        """Queues the prompts and answers: the whole response, or its event stream."""
-        served = ServedRequest(parsed=parsed, request_id=f"{self.REQUEST_ID_PREFIX}-"
-                                                        f"{uuid.uuid4().hex}",
-                               created=int(time.time()), model=self.models.model_name,
-                               num_prompts=len(prompts))
-        headers = self.tracker.ignored_header(parsed)
-        # streams carry what is new in each step; a whole response needs the final only
-        kind = RequestOutputKind.DELTA if parsed.stream else RequestOutputKind.FINAL_ONLY
-        streams = self._submit(served.request_id, prompts,
-                               dataclasses.replace(parsed.params, output_kind=kind))
-        outputs = self._outputs(streams)
-        self.tracker.in_flight += 1
-        handed_over = False
-        try:
-            if not parsed.stream:
-                ok, finals = await until_disconnect(request, self._collect(outputs,
-                                                                           len(prompts)))
-                if not ok:
-                    return Response(status_code=499)  # nobody is listening
-                failed = next((o for o in finals if o.finish_reason == "error"), None)
-                if failed is not None:
-                    raise HTTPError(500, f"generation failed: {failed.error}", "internal_error")
-                return JSONResponse(self._response(served, finals), headers=headers)
-            ok, first = await until_disconnect(request, outputs.__anext__())
-            if not ok:
-                return Response(status_code=499)
-            body = event_stream(self._chunks(served, StreamedChoices(served, first, outputs,
-                                                                     chat=self.CHAT)))
-
-            async def on_close():
-                await close_outputs(outputs, streams)
-                self.tracker.in_flight -= 1
-
-            handed_over = True
-            return EventStream(body, on_close, media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", **headers})
-        finally:
-            if not handed_over:
-                await close_outputs(outputs, streams)
-                self.tracker.in_flight -= 1
-
+    # --- queueing and outputs (event loop) ----------------------------------------------------
     def _submit(self, rid: str, prompts, params) -> list[RequestStream]:
         """Checks the queue limit and queues every prompt in one step (no other request
         is admitted in between: exact under concurrency); all or nothing."""
         with self.llm.admission_lock:
             limit = self._max_queued
-            n = len(prompts) * params.n
+            n = len(prompts) * (params.n if isinstance(params, SamplingParams) else 1)
             if limit is not None and self.llm.engine.stats()["waiting"] + n > limit:
                 raise HTTPError(429, f"too many requests waiting (limit {limit}); retry later",
                                 "rate_limit_error", code="queue_full")
@@ -363,3 +310,64 @@ class OpenAIServing(abc.ABC):
             if out.finished:
                 finals[i] = out
         return finals
+
+
+class OpenAIServing(OpenAIServingBase, abc.ABC):
+    """The base of the generation endpoints (see the module docstring). A subclass sets
+    `REQUEST_ID_PREFIX` and `CHAT` and builds its whole response (`_response`) and its
+    stream's chunks (`_chunks`)."""
+
+    REQUEST_ID_PREFIX: ClassVar[str]  # the response id's prefix ("cmpl", "chatcmpl")
+    CHAT: ClassVar[bool]  # log-probabilities in chat's shape (else completions')
+
+    # --- generation (event loop) ------------------------------------------------------------
+    @abc.abstractmethod
+    def _response(self, served: ServedRequest, finals: Sequence[RequestOutput]) -> dict:
+        """The whole response's body, from every prompt's final output."""
+
+    @abc.abstractmethod
+    def _chunks(self, served: ServedRequest, choices: StreamedChoices) -> AsyncIterator[dict]:
+        """The stream's chunks, in order (the SSE framing is `event_stream`'s)."""
+
+    async def _serve(self, request: Request, parsed: proto.ParsedRequest,
+                     prompts: Sequence[tuple[int, ...]]) -> Response:
+        """Queues the prompts and answers: the whole response, or its event stream."""
+        served = ServedRequest(parsed=parsed, request_id=f"{self.REQUEST_ID_PREFIX}-"
+                                                        f"{uuid.uuid4().hex}",
+                               created=int(time.time()), model=self.models.model_name,
+                               num_prompts=len(prompts))
+        headers = self.tracker.ignored_header(parsed)
+        # streams carry what is new in each step; a whole response needs the final only
+        kind = RequestOutputKind.DELTA if parsed.stream else RequestOutputKind.FINAL_ONLY
+        streams = self._submit(served.request_id, prompts,
+                               dataclasses.replace(parsed.params, output_kind=kind))
+        outputs = self._outputs(streams)
+        self.tracker.in_flight += 1
+        handed_over = False
+        try:
+            if not parsed.stream:
+                ok, finals = await until_disconnect(request, self._collect(outputs,
+                                                                           len(prompts)))
+                if not ok:
+                    return Response(status_code=499)  # nobody is listening
+                failed = next((o for o in finals if o.finish_reason == "error"), None)
+                if failed is not None:
+                    raise HTTPError(500, f"generation failed: {failed.error}", "internal_error")
+                return JSONResponse(self._response(served, finals), headers=headers)
+            ok, first = await until_disconnect(request, outputs.__anext__())
+            if not ok:
+                return Response(status_code=499)
+            body = event_stream(self._chunks(served, StreamedChoices(served, first, outputs,
+                                                                     chat=self.CHAT)))
+
+            async def on_close():
+                await close_outputs(outputs, streams)
+                self.tracker.in_flight -= 1
+
+            handed_over = True
+            return EventStream(body, on_close, media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", **headers})
+        finally:
+            if not handed_over:
+                await close_outputs(outputs, streams)
+                self.tracker.in_flight -= 1
