@@ -133,7 +133,8 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
                          parallel=parallel, kv_cache_dtype=kv_dtype,
-                         kv_scales=model.kv_scales if config.kv_cache_dtype == "fp8" else None)
+                         kv_scales=model.kv_scales if config.kv_cache_dtype == "fp8" else None,
+                         pooling=config.runner == "pooling")
     speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
                   else None)
     options = {} if clock is None else {"clock": clock}

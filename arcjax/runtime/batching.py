@@ -123,13 +123,22 @@ def empty_batch(bucket: Bucket, *, max_blocks: int, block_size: int,
 
 
 def warmup_step(bucket: Bucket, *, max_blocks: int, block_size: int, num_blocks: int,
-                spare_slot: int) -> PreparedStep:
-    """An all-padding step of `bucket` (writes nothing, verifies no draft): for warm-up."""
+                spare_slot: int, pooling: bool = False) -> PreparedStep:
+    """An all-padding step of `bucket` (writes nothing, verifies no draft): for warm-up;
+    `pooling`: of its pooling executable (every weight 0)."""
     batch = empty_batch(bucket, max_blocks=max_blocks, block_size=block_size,
                         num_blocks=num_blocks)
+    pool = None
+    if pooling:
+        pool = pooling_inputs((), (), (), batch.logits_rows, bucket.tokens)
+        batch = dataclasses.replace(batch, logits_rows=np.arange(bucket.tokens, dtype=np.int32))
     if bucket.sample_width == 1:
-        return PreparedStep(bucket, batch, SamplingBatch.build([], bucket.seqs, spare_slot))
+        return PreparedStep(bucket, batch, SamplingBatch.build([], bucket.seqs, spare_slot),
+                            pooling=pool)
     rows, sampling, spec = verification.pack(batch.cu_seqlens_q, (), (), (), num_seqs=bucket.seqs,
                                              width=bucket.sample_width, spare_slot=spare_slot)
-    return PreparedStep(bucket, dataclasses.replace(batch, logits_rows=rows), sampling,
-                        spec=spec)
+    if pool is not None:  # the verification rows are where sampling reads
+        pool = dataclasses.replace(pool, sample_rows=rows)
+    return PreparedStep(bucket, dataclasses.replace(batch, logits_rows=rows if pool is None
+                                                    else batch.logits_rows), sampling,
+                        spec=spec, pooling=pool)

@@ -148,17 +148,20 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_blocks: int, block_size: int,
                  max_blocks_per_seq: int, buckets: BucketSet, dtype, attn_impl: str,
                  executables: ExecutableCache | None = None, parallel=None,
-                 kv_cache_dtype=None, kv_scales=None):
+                 kv_cache_dtype=None, kv_scales=None, pooling: bool = False):
         # parallel: an arcjax.parallel.TensorParallel (params already in its shardings,
         # cfg its sharded_config); the cache is created in its shards, inputs replicated.
         # kv_cache_dtype: the pages' dtype (None: dtype); float8_e4m3fn pages carry a K and
         # a V scale per layer: kv_scales [2, L] (from the checkpoint), else 1.0.
+        # pooling: steps may carry pooling rows (runner="pooling"): `warmup` prepares each
+        # bucket's pooling executable too.
         self.cfg, self.params, self.parallel = cfg, params, parallel
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_blocks = max_blocks_per_seq
         self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
         self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or dtype)
         self.kv_scales = kv_scales
+        self.pooling = pooling
         self.cache = self._new_cache()
         self.platform = next(iter(self.cache["k"].devices())).platform  # "cpu", "gpu", ...
         self.executables = executables if executables is not None else ExecutableCache()
@@ -377,20 +380,26 @@ class ModelRunner:
         return make_cache(self.cfg, self.num_blocks, self.block_size, self.kv_cache_dtype,
                           self.kv_scales)
 
-    def warm(self, buckets) -> float:
-        """Acquires (compiles, or finds) the executables of `buckets` and runs each once on
-        an all-padding step (which writes nothing). Returns seconds."""
+    def warm(self, buckets, pooling: bool = False) -> float:
+        """Acquires (compiles, or finds) the executables of `buckets` (their pooling ones
+        with `pooling`) and runs each once on an all-padding step (which writes nothing).
+        Returns seconds."""
         t0 = time.perf_counter()
         for bucket in sorted(buckets):
             self.run(warmup_step(bucket, max_blocks=self.max_blocks, block_size=self.block_size,
-                                 num_blocks=self.num_blocks, spare_slot=self.counts.spare))
+                                 num_blocks=self.num_blocks, spare_slot=self.counts.spare,
+                                 pooling=pooling))
         return time.perf_counter() - t0
 
     def warmup(self) -> float:
-        """Prepares every bucket not prepared yet (a second call runs nothing). Returns the
-        seconds it took."""
-        warm = {key[0] for key in self._compiled if key[1] == "step" and not any(key[2])}
-        return self.warm(b for b in self.buckets.all() if b not in warm)
+        """Prepares every bucket not prepared yet (and, when steps may pool, its pooling
+        executable; a second call runs nothing). Returns the seconds it took."""
+        seconds = 0.0
+        for every_row in [(False, False)] + ([(False, True)] if self.pooling else []):
+            warm = {key[0] for key in self._compiled if key[1] == "step" and key[2] == every_row}
+            seconds += self.warm((b for b in self.buckets.all() if b not in warm),
+                                 pooling=every_row[1])
+        return seconds
 
 
 def enable_persistent_compilation_cache(path) -> None:

@@ -22,7 +22,9 @@ template rendering, tool parsing and output processing serve both endpoints.
                          "name", "schema", "strict"}: response_format
   reasoning              {"effort", "summary"}: accepted (no reasoning items yet)
   store, background, metadata, stream, temperature, top_p, parallel_tool_calls, user,
-  truncation ("disabled"), include: as OpenAI's; unknown fields are ignored and listed.
+  truncation ("disabled"), include: as OpenAI's; vLLM's sampling extras (top_k, min_p,
+  seed, stop, ignore_eos, the penalties, min_tokens) go to the chat request as they are;
+  unknown fields are ignored and listed.
 
 Errors name the Responses field: a chat field in an error (`messages[3].content`,
 `max_completion_tokens`, `response_format...`, `tools[0].function.name`) is renamed
@@ -38,7 +40,9 @@ from arcjax.entrypoints.openai.protocol import ProtocolError
 from arcjax.errors import InputError
 
 # Responses fields -> what the chat body gets
-_PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "stream")
+_PASSED = ("model", "temperature", "top_p", "parallel_tool_calls", "stream", "top_k", "min_p",
+           "seed", "stop", "stop_token_ids", "ignore_eos", "presence_penalty",
+           "frequency_penalty", "repetition_penalty", "min_tokens")
 _OWN = {"input", "instructions", "previous_response_id", "max_output_tokens", "tools",
         "tool_choice", "text", "reasoning", "store", "background", "metadata", "user",
         "truncation", "include", "stream_options", *_PASSED}
