@@ -24,9 +24,7 @@ from arcjax.errors import ModelConfigError, PoolingParamsError, RequestError
 from arcjax.model.formats.pooler_config import PoolerConfig, read_pooler_config
 from arcjax.runtime.pooling_inputs import PoolingRow, pool_rows, pooling_inputs
 from hf_models import hf_greedy, hf_pooled, tiny_embedding_model_dir
-
-GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
-                attention_impl="xla", chunk_tile=16, max_num_batched_tokens=48)
+from test_serve import GEOMETRY  # the server tests' (a tiny Llama's steps are shared)
 
 
 # --- the planner ------------------------------------------------------------------------
@@ -199,7 +197,7 @@ def test_embeddings_equal_transformers_beside_generation(arch, mode, pooling, no
     gens = _prompts(1, (9, 30))
     gen_ids = [llm.add_request(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
                for p in gens]
-    prompts = _prompts(0, (5, 40, 77, 17))  # 40 and 77 span several chunks
+    prompts = _prompts(0, (5, 150, 200, 17))  # 150 and 200 span several chunks
     outs = llm.embed(prompts, use_tqdm=False)
     for p, out in zip(prompts, outs):
         assert out.finished and out.finish_reason == "stop"
