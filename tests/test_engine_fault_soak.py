@@ -19,8 +19,9 @@ import time
 
 import scheduler
 from arcjax import LLM, AsyncLLM, RequestError, SamplingParams
-from hf_models import tiny_model_dir
-from test_engine_soak import GEOMETRY, MAX_NEW, NUM_PROMPTS, _prompts, reference  # noqa: F401
+from support.hf_models import tiny_model_dir
+from support.soak_workload import GEOMETRY, MAX_NEW, NUM_PROMPTS, reference  # noqa: F401
+from support.soak_workload import soak_prompts as _prompts
 
 ARCH = "LlamaForCausalLM"
 PHASE_REQUESTS, PHASE_FAULTS = 1000, 25  # at least, per phase (serial, overlapped)

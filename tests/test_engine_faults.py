@@ -25,10 +25,12 @@ import arcjax.engine.output_processor
 import scheduler
 from arcjax import LLM, AsyncLLM, EngineDeadError, SamplingParams
 from arcjax.engine.request_state import RequestState
-from hf_models import tiny_model_dir, tiny_model_with_tokenizer
-from test_engine import GEOMETRY, _llm
-from test_structured_engine import GEOMETRY as STRUCTURED_GEOMETRY
+from support.device_caches import device_cache
+from support.engines import GEOMETRY, SCHEDULES
+from support.engines import tiny_llm as _llm
+from support.hf_models import tiny_model_dir, tiny_model_with_tokenizer
 
+STRUCTURED_GEOMETRY = {**GEOMETRY, **SCHEDULES[0]}  # tests/test_structured_engine.py's
 RUNNING = 8  # GEOMETRY's max_num_seqs: a 9th request waits, untouched by the step
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 STAGES = ["propose", "schedule", "pack", "launch", "collect", "append", "commit",
@@ -46,7 +48,7 @@ def _prompts(n=RUNNING + 2):
     return [rs.randint(3, 384, rs.randint(2, 20)).tolist() for _ in range(n)]
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache
 def _engine(overlapped: bool, speculative: bool = False):
     """The engine of a stage's test: with n-gram speculation for "propose" (exact: the same
     greedy tokens)."""
@@ -168,7 +170,7 @@ def test_a_failed_stage_ends_exactly_its_requests_and_the_engine_serves_on(
     _check_outcome(llm, stage, ids, final, _reference(), params)
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache
 def _structured_engine(overlapped: bool):
     return LLM(tiny_model_with_tokenizer(), **STRUCTURED_GEOMETRY, async_scheduling=overlapped)
 

@@ -142,7 +142,7 @@ def _pair(model: str, runs: tuple[str, ...]) -> tuple[list[tuple], dict]:
 
 
 def test_a_failure_on_any_process_stops_every_process_with_the_same_error():
-    from hf_models import tiny_model_dir
+    from support.hf_models import tiny_model_dir
 
     model = tiny_model_dir("LlamaForCausalLM")
     outs, reports = _pair(model, PAIRS[0])
@@ -172,7 +172,7 @@ def test_a_killed_leader_stops_the_follower_within_seconds():
     heartbeat stood still); jax 0.10's distributed client usually gets there first and
     terminates the process itself (SIGABRT, "JAX distributed service detected fatal
     errors": see arcjax/parallel/multihost.py's NOTE). Either way, within the bound."""
-    from hf_models import tiny_model_dir
+    from support.hf_models import tiny_model_dir
 
     outs, reports = _pair(tiny_model_dir("LlamaForCausalLM"), PAIRS[1])
     (_, leader_err, leader_rc, _), (_, err, rc, stopped_at) = outs

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 
 import numpy as np
 import pytest
@@ -23,8 +22,9 @@ from arcjax import LLM, PoolingParams, SamplingParams
 from arcjax.errors import ModelConfigError, PoolingParamsError, RequestError
 from arcjax.model.formats.pooler_config import PoolerConfig, read_pooler_config
 from arcjax.runtime.pooling_inputs import PoolingRow, pool_rows, pooling_inputs
-from hf_models import hf_greedy, hf_pooled, tiny_embedding_model_dir
-from test_serve import GEOMETRY  # the server tests' (a tiny Llama's steps are shared)
+from support.hf_models import hf_greedy, hf_pooled, tiny_embedding_model_dir
+from support.running_server import GEOMETRY  # the server tests' (a tiny Llama's steps are shared)
+from support.scratch import scratch_dir
 
 
 # --- the planner ------------------------------------------------------------------------
@@ -102,7 +102,7 @@ def test_pooling_requests_are_validated():
 
 # --- the sentence-transformers files ------------------------------------------------------
 def _st_dir(modules, pooling_cfg=None, model_cfg=None) -> str:
-    path = tempfile.mkdtemp(prefix="arcjax-st-")
+    path = scratch_dir("arcjax-st-")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(model_cfg or {}, f)
     with open(os.path.join(path, "modules.json"), "w") as f:
@@ -125,7 +125,7 @@ def test_pooler_config_from_sentence_transformers_files():
     assert cfg == PoolerConfig(pooling_type="MEAN", normalize=False,
                                matryoshka_dimensions=(16, 32), is_matryoshka=True)
     assert read_pooler_config(_st_dir(base, {"pooling_mode_cls_token": True})).pooling_type == "CLS"
-    bare = tempfile.mkdtemp()
+    bare = scratch_dir("arcjax-bare-")
     with open(os.path.join(bare, "config.json"), "w") as f:
         json.dump({"is_matryoshka": True}, f)
     assert read_pooler_config(bare) == PoolerConfig(is_matryoshka=True)  # LAST, normalized
@@ -227,7 +227,7 @@ def test_embeddings_equal_transformers_beside_generation(arch, mode, pooling, no
 
 def test_dimensions_truncate_before_normalizing_and_generate_runners_refuse():
     src = tiny_embedding_model_dir("Qwen3ForCausalLM", "lasttoken", True)
-    path = tempfile.mkdtemp(prefix="arcjax-matryoshka-")
+    path = scratch_dir("arcjax-matryoshka-")
     shutil.copytree(src, path, dirs_exist_ok=True)
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)

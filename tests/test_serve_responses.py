@@ -23,9 +23,9 @@ import pytest
 from arcjax import AsyncLLM
 from arcjax.entrypoints.openai.api_server import OpenAIServer, ServeConfig
 from arcjax.entrypoints.openai.responses_store import ResponseStore, StoredResponse
-from hf_models import hf_pooled, tiny_model_with_chat_template
-from test_serve import GEOMETRY, RunningServer
-from test_structured_serve import TEMPLATE, WEATHER
+from support.hf_models import hf_pooled, tiny_model_with_chat_template
+from support.running_server import GEOMETRY, RunningServer
+from support.tool_chat import TEMPLATE, WEATHER
 
 MODEL = "tiny-responses"
 QUESTION = "What is the weather in Oslo?"
@@ -54,7 +54,7 @@ def server(model_dir):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+                         timeout=600)  # a hang guard: a first request compiles, and the CPU is shared
 
 
 def _wait_free(server, timeout=60.0) -> int:
@@ -181,7 +181,7 @@ def test_bad_requests_name_the_responses_field(server):
              ({"input": "x", "background": True, "store": False}, "background"),
              ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id")]
     for body, field in cases:
-        r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, **body}, timeout=60)
+        r = httpx.post(server.url + "/v1/responses", json={"model": MODEL, **body}, timeout=600)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == field, (body, r.json())
 
@@ -242,7 +242,7 @@ def test_embeddings_float_and_base64_equal_transformers(client, server, model_di
     texts = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. " * 6]
     floats = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
     encoded = client.embeddings.create(model=MODEL, input=texts)  # the client asks base64
-    raw = httpx.post(server.url + "/v1/embeddings", timeout=60, json={
+    raw = httpx.post(server.url + "/v1/embeddings", timeout=600, json={
         "model": MODEL, "input": texts[0], "encoding_format": "base64"}).json()
     vector = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4")
     ids = [tokenizer.encode(t) for t in texts]
@@ -255,10 +255,10 @@ def test_embeddings_float_and_base64_equal_transformers(client, server, model_di
         np.testing.assert_allclose(encoded.data[i].embedding, got, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(by_ids.data[i].embedding, got, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(vector, floats.data[0].embedding, rtol=1e-6, atol=1e-7)
-    r = httpx.post(server.url + "/v1/embeddings", timeout=60,
+    r = httpx.post(server.url + "/v1/embeddings", timeout=600,
                    json={"model": MODEL, "input": "x", "dimensions": 8})
     assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
-    r = httpx.post(server.url + "/v1/embeddings", timeout=60,
+    r = httpx.post(server.url + "/v1/embeddings", timeout=600,
                    json={"model": MODEL, "input": [[]]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     assert _wait_free(server) == 0  # no KV kept once embedded

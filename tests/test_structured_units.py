@@ -23,7 +23,7 @@ from arcjax.entrypoints.openai.tool_parsers import PARSERS, get_parser, guess_pa
 from arcjax.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolCall, ToolParser
 from arcjax.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from arcjax.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
-from hf_models import tiny_model_with_tokenizer
+from support.hf_models import tiny_model_with_tokenizer
 
 VOCAB = 384
 EOS = 2

@@ -30,6 +30,7 @@ from arcjax.runtime.buckets import Bucket
 from arcjax.runtime.step_handle import StepHandle
 from arcjax.runtime.step_output import StepOutput
 from arcjax.spec_decode.speculator import SpecCounts
+from pallas_kernels.verified import VERIFY_COMMAND
 from scheduler.metrics import StepRecord, engagement, knob_report, spec_decode_summary
 
 __all__ = ["StepRecord", "StepTrace", "attention_report", "busy_time", "device_idle_gaps",
@@ -168,7 +169,8 @@ def summarize(records: list[StepRecord], wall_time: float,
 
 
 def attention_report(configured: str, impls: Mapping[tuple[int, int, int], str],
-                     records: Iterable[StepRecord] | None = None) -> dict:
+                     records: Iterable[StepRecord] | None = None,
+                     verified: Mapping[tuple[int, int, int], bool | None] | None = None) -> dict:
     """Which attention implementation the engine's steps run.
 
     Args:
@@ -177,12 +179,18 @@ def attention_report(configured: str, impls: Mapping[tuple[int, int, int], str],
         (`ModelRunner.attention_impls`).
       records: the steps to report on (only the buckets they ran in, with step counts);
         None = every bucket acquired so far.
+      verified: (T, S, max_q_len) -> whether a recorded GPU pass vouches for the bucket's
+        implementation (`ModelRunner.attention_verified`; None: nothing to verify);
+        None = not reported.
 
     Returns:
       {"configured", "decode": implementations of the decode-only buckets (max_q_len 1),
       "prefill": those of the buckets with prompt chunks (prefill, mixed, speculative
-      verification), "buckets": [{"tokens", "seqs", "max_q_len", "impl"[, "steps"]}]};
-      the lists are sorted and empty when no such bucket ran.
+      verification), "buckets": [{"tokens", "seqs", "max_q_len", "impl"[, "verified"]
+      [, "steps"]}]}; the lists are sorted and empty when no such bucket ran. With
+      `verified`: also "verified" (no reported bucket runs a GPU kernel without a
+      recorded pass) and, when false, "unverified" (those implementations) and
+      "verify_command" (what records a pass, on the GPU).
     """
     steps = None
     if records is not None:
@@ -192,10 +200,20 @@ def attention_report(configured: str, impls: Mapping[tuple[int, int, int], str],
     rows = []
     for b in buckets:
         kinds["decode" if b[2] == 1 else "prefill"].add(impls[b])
-        count = {} if steps is None else {"steps": steps[b]}
-        rows.append({"tokens": b[0], "seqs": b[1], "max_q_len": b[2], "impl": impls[b], **count})
-    return {"configured": configured, **{k: sorted(v) for k, v in kinds.items()},
-            "buckets": rows}
+        row = {"tokens": b[0], "seqs": b[1], "max_q_len": b[2], "impl": impls[b]}
+        if verified is not None:
+            row["verified"] = verified.get(b)
+        if steps is not None:
+            row["steps"] = steps[b]
+        rows.append(row)
+    report = {"configured": configured, **{k: sorted(v) for k, v in kinds.items()},
+              "buckets": rows}
+    if verified is not None:
+        unverified = sorted({r["impl"] for r in rows if r["verified"] is False})
+        report["verified"] = not unverified
+        if unverified:
+            report |= {"unverified": unverified, "verify_command": VERIFY_COMMAND}
+    return report
 
 
 def write_jsonl(records: Iterable[StepRecord], path) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Sequence
 
@@ -52,6 +53,7 @@ from arcjax.runtime.step_handle import CompletionWatcher, ForwardResult, StepHan
 from arcjax.runtime.step_output import StepOutput
 from arcjax.spec_decode import verification
 
+log = logging.getLogger(__name__)
 
 _STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel")
 
@@ -171,6 +173,9 @@ class ModelRunner:
         # steps run, what they were compiled with ("auto" resolved; see `_attention_impl`
         # and `arcjax.engine.trace.attention_report`)
         self.attention_impls: dict[tuple[int, int, int], str] = {}
+        # ... and whether a recorded GPU pass vouches for it (None: nothing to verify)
+        self.attention_verified: dict[tuple[int, int, int], bool | None] = {}
+        self._noted: set[tuple[str, str | None]] = set()  # unverified (impl, class) logged
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> all-ones bitmask (device)
         # penalties / min_tokens state: one slot per sequence a step can hold (penalties.py)
         self.counts = TokenCounts(buckets.seq_rungs[-1], cfg.vocab_size)
@@ -241,15 +246,21 @@ class ModelRunner:
 
     def _attention_impl(self, bucket: Bucket) -> str:
         """The attention implementation of `bucket`'s steps: `attn_impl`, "auto" resolved
-        (once per bucket) for this bucket's shapes, cache and platform."""
+        (once per bucket) for this bucket's shapes, cache and platform. A GPU kernel that
+        no recorded GPU pass vouches for is logged (once per implementation and class)."""
         key = (bucket.tokens, bucket.seqs, bucket.max_q_len)
         impl = self.attention_impls.get(key)
         if impl is None:
-            impl = decoder.attention_impl(self.cache, cfg=self.cfg, attn_impl=self.attn_impl,
-                                          tokens=bucket.tokens, max_q_len=bucket.max_q_len,
-                                          dtype=self.dtype, parallel=self.parallel,
-                                          platform=self.platform)
+            choice = decoder.attention_choice(
+                self.cache, cfg=self.cfg, attn_impl=self.attn_impl, tokens=bucket.tokens,
+                max_q_len=bucket.max_q_len, dtype=self.dtype, parallel=self.parallel,
+                platform=self.platform)
+            impl = choice.impl
+            if choice.note is not None and (impl, choice.shape_class) not in self._noted:
+                self._noted.add((impl, choice.shape_class))
+                log.warning("%s", choice.note)
             self.attention_impls[key] = impl
+            self.attention_verified[key] = choice.verified
         return impl
 
     def all_allowed(self, rows: int):

@@ -29,13 +29,15 @@ class OpenAIServingModels:
 
     def model_card(self) -> dict:
         """The served model's card, with its context length, storage dtypes and the
-        attention implementation of every bucket compiled so far (all after a warm-up)."""
+        attention implementation of every bucket compiled so far (all after a warm-up),
+        and whether a recorded GPU pass vouches for each."""
         engine = self.llm.engine
         runner = engine.runner
         return {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "arcjax", "max_model_len": engine.max_model_len,
                 **storage_dtypes(runner.params, runner.cache),
-                "attention": attention_report(runner.attn_impl, dict(runner.attention_impls))}
+                "attention": attention_report(runner.attn_impl, dict(runner.attention_impls),
+                                              verified=dict(runner.attention_verified))}
 
     def show_available_models(self) -> dict:
         """The body of `GET /v1/models`."""
