@@ -1,8 +1,7 @@
 """An in-process OpenAI-compatible server for the serving tests (tests/test_serve.py,
-tests/test_structured_serve.py, tests/test_serve_responses.py): `RunningServer(api)` runs
-`build_server(api)` on a free port of 127.0.0.1 in a daemon thread; the tiny byte-level-BPE
-Llama with a chat template, and the cache geometry its engines use (tests/test_pooling.py's
-too)."""
+tests/test_structured_serve.py): `RunningServer(api)` runs `build_server(api)` on a free
+port of 127.0.0.1 in a daemon thread; the tiny byte-level-BPE Llama with a chat template,
+and the cache geometry its engines use."""
 
 from __future__ import annotations
 
