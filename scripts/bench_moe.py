@@ -11,7 +11,7 @@
      (the per-expert loop: every expert over every token). Per case, every arm is compiled
      and warmed, then the arms run round-robin `--iters` times (each run synchronized) and
      each reports its median: load that drifts during the run hits every arm alike.
-  4. `--layer_mlp`: also one layer's MLP alone (`moe.moe_mlp` vs the dense gated MLP) at
+  4. `--layer_mlp`: also one layer's MLP alone (`layers.MoE` vs the dense gated `layers.MLP`) at
      each case's token count, to separate the grouped GEMM from the rest of the step.
 
 CPU (what RESULTS.md reports): taskset -c 0 python scripts/bench_moe.py --out=/tmp/moe.json
@@ -31,8 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from flax import nnx
 
-from arcjax.model import decoder
+from arcjax.model import binding, decoder
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import init_params, make_cache
 from arcjax.runtime.batching import build_batch
@@ -139,15 +140,20 @@ def _step_call(cfg: ModelConfig, params, impl: str, starts, lengths, num_blocks,
 
 def _mlp_call(c: BenchConfig, cfg: ModelConfig, params, impl: str, tokens: int):
     """One layer's MLP alone (layer 0) over `tokens` rows, as the step reads it."""
-    scanned, experts = decoder.split_experts(params["layers"])
-    lp = jax.tree.map(lambda w: w[0], scanned)
+    graphdef, state = nnx.split(binding.bind(cfg, params).block(0).mlp)
     h = jax.random.normal(jax.random.key(tokens), (tokens, c.hidden))
+    valid = jnp.ones(tokens, bool)
+
+    def mlp(state, h, layer):
+        module = nnx.merge(graphdef, state)
+        if not cfg.is_moe:
+            return module(h)
+        return module(h, valid=valid, layer=layer, impl=impl, parallel=None)[0]
+
     # the layer index is traced, as in the step (a constant one would slice out, i.e. copy,
     # that layer's every expert at compile time)
-    mlp = jax.jit(functools.partial(decoder.feed_forward, cfg=cfg, valid=jnp.ones(tokens, bool),
-                                    moe_impl=impl, parallel=None))
-    layer = jnp.int32(0)
-    return lambda: mlp(lp, h, experts=experts, layer=layer)[0]
+    step, layer = jax.jit(mlp), jnp.int32(0)
+    return lambda: step(state, h, layer)
 
 
 def run(c: BenchConfig) -> dict:

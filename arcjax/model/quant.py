@@ -30,7 +30,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from arcjax.model.specs import ParamSpec
 
 FP8 = jnp.float8_e4m3fn
 FORMATS = {"fp8": (FP8, 448.0), "int8": (jnp.int8, 127.0)}  # format -> (dtype, max |q|)
@@ -132,8 +131,11 @@ def quantized_specs(specs: dict, params: dict) -> dict:
         if not isinstance(w, QuantizedWeight):
             continue
         spec = layers[name]
-        layers[name] = QuantizedWeight(spec, ParamSpec(tuple(w.scale.shape), "ones",
-                                                       scale_axes(w, spec.axes)), w.block)
+        # NOTE: a spec made from the weight's own (dataclasses.replace), so quant does not
+        # import specs: specs reads the modules (layers), which import quant.
+        scale = dataclasses.replace(spec, shape=tuple(w.scale.shape), init="ones",
+                                    axes=scale_axes(w, spec.axes))
+        layers[name] = QuantizedWeight(spec, scale, w.block)
     return {**specs, "layers": layers}
 
 
