@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arcjax.model import decoder
+from arcjax.model.layers import rms_norm
 from arcjax.model.model_config import ModelConfig
 
 
@@ -79,7 +79,7 @@ def pool_rows(params, cfg: ModelConfig, hidden: jax.Array, pooling: PoolingInput
     Returns:
       [S, H] float32.
     """
-    h = decoder.rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps,
-                         cfg.norm_unit_offset).astype(jnp.float32)  # [T, H]
+    h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps,
+                 cfg.norm_unit_offset).astype(jnp.float32)  # [T, H]
     return jax.ops.segment_sum(h * pooling.weights[:, None], pooling.segments,
                                num_segments=num_seqs)  # [S, H]
