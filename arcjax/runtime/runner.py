@@ -41,11 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from arcjax.model import decoder
+from arcjax.model.kv_layout import KVLayout, kv_layout
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import make_cache
 from arcjax.runtime.batching import PreparedStep, prepare_step, warmup_step
 from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.executable_cache import ExecutableCache, input_signature
+from arcjax.runtime.kv_tiers import HostKVPool
 from arcjax.runtime.penalties import TokenCounts
 from arcjax.runtime.pooling_inputs import pool_rows
 from arcjax.runtime.sampling import TokenLogprobs, bitmask_words, sample_step, token_logprobs
@@ -55,17 +57,17 @@ from arcjax.spec_decode import verification
 
 log = logging.getLogger(__name__)
 
-_STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel")
+_STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel", "kv")
 
 
 def _logits(params, cache, batch, prompt, pooling, *, cfg, attn_impl, dtype, max_q_len,
-            parallel):
+            parallel, kv):
     """The forward: (logits [R, V] at the sampled positions, prompt logprobs or None, pooled
     sums [S, H] or None, the cache, tokens per expert [L, E] or None)."""
     every_row = prompt is not None or pooling is not None
     out, cache, expert_counts = decoder.forward_with_stats(
         params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
-        parallel=parallel, head=not every_row)
+        parallel=parallel, head=not every_row, kv=kv)
     if not every_row:  # [R, V] at `batch.logits_rows`
         return out, None, None, cache, expert_counts
     # hidden states at every token row [T, H]; sampling reads its rows
@@ -89,8 +91,9 @@ def _sampled(logits, sampling, counts, bitmask, spec, sample_width):
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "sample_width"),
                    donate_argnames=("cache", "counts"))
 def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None,
-          pooling=None, *, cfg, attn_impl, dtype, max_q_len, parallel=None, sample_width=1):
-    # cfg/attn_impl/dtype/max_q_len/parallel/sample_width are static: one executable per
+          pooling=None, *, cfg, attn_impl, dtype, max_q_len, parallel=None, kv=None,
+          sample_width=1):
+    # cfg/attn_impl/dtype/max_q_len/parallel/kv/sample_width are static: one executable per
     # bucket, no recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt`
     # (prompt logprobs) is None or not: at most a second executable per bucket, built on
     # demand; so is `pooling` (a step with pooling rows: the pooled sums of their hidden
@@ -99,7 +102,7 @@ def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=Non
     # rows): structured outputs need no other executable.
     logits, prompt_lp, pooled, cache, experts = _logits(
         params, cache, batch, prompt, pooling, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
-        max_q_len=max_q_len, parallel=parallel)
+        max_q_len=max_q_len, parallel=parallel, kv=kv)
     tokens, yielded, logprobs, counts = _sampled(logits, sampling, counts, bitmask, spec,
                                                  sample_width)
     return (StepOutput(tokens, logprobs, prompt_lp, num_yielded=yielded,
@@ -108,10 +111,10 @@ def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=Non
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
 def _forward(params, cache, batch, prompt=None, pooling=None, *, cfg, attn_impl, dtype,
-             max_q_len, parallel=None):
+             max_q_len, parallel=None, kv=None):
     """`_step` without its sampling: for a step whose bitmask is not known at launch."""
     return _logits(params, cache, batch, prompt, pooling, cfg=cfg, attn_impl=attn_impl,
-                   dtype=dtype, max_q_len=max_q_len, parallel=parallel)
+                   dtype=dtype, max_q_len=max_q_len, parallel=parallel, kv=kv)
 
 
 @functools.partial(jax.jit, static_argnames=("sample_width",), donate_argnames=("counts",))
@@ -150,14 +153,18 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_blocks: int, block_size: int,
                  max_blocks_per_seq: int, buckets: BucketSet, dtype, attn_impl: str,
                  executables: ExecutableCache | None = None, parallel=None,
-                 kv_cache_dtype=None, kv_scales=None, pooling: bool = False):
+                 kv_cache_dtype=None, kv_scales=None, kv: KVLayout | None = None,
+                 host_slots: int = 0, pooling: bool = False):
         # parallel: an arcjax.parallel.TensorParallel (params already in its shardings,
         # cfg its sharded_config); the cache is created in its shards, inputs replicated.
         # kv_cache_dtype: the pages' dtype (None: dtype); float8_e4m3fn pages carry a K and
         # a V scale per layer: kv_scales [2, L] (from the checkpoint), else 1.0.
+        # kv: the layers' KV cache groups and slots (None: one table for every layer);
+        # host_slots: blocks of the host tier (0: none; kv_tiers.py).
         # pooling: steps may carry pooling rows (runner="pooling"): `warmup` prepares each
         # bucket's pooling executable too.
         self.cfg, self.params, self.parallel = cfg, params, parallel
+        self.kv = kv if kv is not None else kv_layout(cfg, hybrid=False)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_blocks = max_blocks_per_seq
         self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
@@ -166,6 +173,11 @@ class ModelRunner:
         self.pooling = pooling
         self.cache = self._new_cache()
         self.platform = next(iter(self.cache["k"].devices())).platform  # "cpu", "gpu", ...
+        k = self.cache["k"]
+        self.host_pool = HostKVPool(
+            host_slots, num_slots=self.kv.num_slots, num_blocks=num_blocks,
+            page_shape=k.shape[1:], dtype=k.dtype, cache_sharding=k.sharding,
+        ) if host_slots else None
         self.executables = executables if executables is not None else ExecutableCache()
         # (bucket, variant, (prompt logprobs?, pooling?)) -> executable
         self._compiled: dict[tuple[Bucket, str, tuple[bool, bool]], object] = {}
@@ -219,7 +231,20 @@ class ModelRunner:
         """
         return prepare_step(plan, sampling_rows, prompt_rows, pooling_rows, buckets=self.buckets,
                             max_blocks=self.max_blocks, block_size=self.block_size,
-                            num_blocks=self.num_blocks, spare_slot=self.counts.spare)
+                            num_blocks=self.num_blocks, spare_slot=self.counts.spare,
+                            num_groups=self.kv.num_groups)
+
+    def store_blocks(self, plan) -> None:
+        """The host tier's stores of `plan` (`StepPlan.kv_stores`): copied out of the cache
+        before the step that may overwrite them is launched."""
+        if plan.kv_stores:
+            self.host_pool.store(self.cache, plan.kv_stores)
+
+    def load_blocks(self, plan) -> None:
+        """The host tier's loads of `plan` (`StepPlan.kv_loads`), dispatched after the step's
+        launch: the device writes them after that step and before the next one."""
+        if plan.kv_loads:
+            self.cache = self.host_pool.load(self.cache, plan.kv_loads)
 
     def _executable(self, bucket: Bucket, variant: str, args: tuple, *,
                     every_row: tuple[bool, bool] = (False, False)):
@@ -236,10 +261,10 @@ class ModelRunner:
             else:  # compiled with the implementation "auto" resolves to for this bucket
                 impl = self._attention_impl(bucket)
                 key = (variant, self.cfg, impl, str(self.dtype), bucket.max_q_len,
-                       bucket.sample_width, self.parallel, input_signature(args))
+                       bucket.sample_width, self.parallel, self.kv, input_signature(args))
                 lower = functools.partial(fn.lower, *args, cfg=self.cfg, attn_impl=impl,
                                           dtype=self.dtype, max_q_len=bucket.max_q_len,
-                                          parallel=self.parallel, **width)
+                                          parallel=self.parallel, kv=self.kv, **width)
             exe = self.executables.get_or_compile(key, lambda: lower().compile())
             self._compiled[(bucket, variant, every_row)] = exe
         return exe
@@ -367,6 +392,8 @@ class ModelRunner:
         (waits for the device); log-probabilities stay on the device (read them only if
         asked)."""
         out = handle.out
+        if self.host_pool is not None:
+            self.host_pool.poll()
         host = {"tokens": out.tokens, "num_yielded": out.num_yielded,
                 "expert_counts": out.expert_counts, "pooled": out.pooled}
         for name, value in host.items():
@@ -383,13 +410,16 @@ class ModelRunner:
         """A fresh zeroed KV cache (every sequence's KV is gone)."""
         self.cache = self._new_cache()
         self.counts.reset()
+        if self.host_pool is not None:  # the scheduler forgets the tier with the cache
+            self.host_pool.reset()
 
     def _new_cache(self):
         if self.parallel is not None:
             return self.parallel.make_cache(self.cfg, self.num_blocks, self.block_size,
-                                            self.kv_cache_dtype, self.kv_scales)
+                                            self.kv_cache_dtype, self.kv_scales,
+                                            self.kv.num_slots)
         return make_cache(self.cfg, self.num_blocks, self.block_size, self.kv_cache_dtype,
-                          self.kv_scales)
+                          self.kv_scales, self.kv.num_slots)
 
     def warm(self, buckets, pooling: bool = False) -> float:
         """Acquires (compiles, or finds) the executables of `buckets` (their pooling ones
@@ -399,7 +429,7 @@ class ModelRunner:
         for bucket in sorted(buckets):
             self.run(warmup_step(bucket, max_blocks=self.max_blocks, block_size=self.block_size,
                                  num_blocks=self.num_blocks, spare_slot=self.counts.spare,
-                                 pooling=pooling))
+                                 num_groups=self.kv.num_groups, pooling=pooling))
         return time.perf_counter() - t0
 
     def warmup(self) -> float:
