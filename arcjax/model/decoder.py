@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import pallas_kernels
 from arcjax.model import moe
 from arcjax.model.model_config import ModelConfig, rope_inv_freq
-from arcjax.model.quant import dense
+from arcjax.model.quant import dense, embedding_rows, float_dtype, tied_head
 from arcjax.model.specs import CACHE_AXES, Cache, Params
 
 
@@ -163,9 +163,10 @@ def _block(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, atten
 
 
 def _embed(params: Params, cfg: ModelConfig, token_ids: jax.Array, dtype) -> jax.Array:
-    x = params["embed"][token_ids].astype(dtype)
+    x = embedding_rows(params["embed"], token_ids, dtype)
     if cfg.scale_embeddings:  # Gemma: sqrt(hidden) rounded to the params' dtype, as HF does
-        x = x * jnp.asarray(cfg.hidden_size ** 0.5, params["embed"].dtype).astype(dtype)
+        x = x * jnp.asarray(cfg.hidden_size ** 0.5,
+                            float_dtype(params["embed"], dtype)).astype(dtype)
     return x
 
 
@@ -173,8 +174,9 @@ def lm_head(params: Params, cfg: ModelConfig, h: jax.Array, parallel=None) -> ja
     """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last
     layer's output) -> logits [..., V] float32, whole rows on every device."""
     h = _norm(h, params["final_norm"], cfg)
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = (h @ w.astype(h.dtype)).astype(jnp.float32)
+    w = (tied_head(params["embed"], h.dtype) if cfg.tie_word_embeddings
+         else dense(params["lm_head"], h.dtype))
+    logits = (h @ w).astype(jnp.float32)
     if cfg.final_logit_softcap is not None:
         cap = cfg.final_logit_softcap
         logits = cap * jnp.tanh(logits / cap)

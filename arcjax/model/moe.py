@@ -34,7 +34,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from arcjax.model.quant import QuantizedWeight, dense, dense_at, scale_axes
+from arcjax.model.packed import PackedWeight
+from arcjax.model.quant import QuantizedWeight, dense, dense_at, weight_axes
 
 IMPLS = ("auto", "ragged_dot", "tiled", "dense")
 # The stacked [L, E, ...] expert weights, read by (layer, expert) (see the NOTE above).
@@ -193,25 +194,23 @@ def dense_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.
     return jax.lax.fori_loop(0, num_experts, body, jnp.zeros(x.shape, jnp.float32))
 
 
-def _shardable(w, dtype, width_split: bool):
-    """An expert weight as `experts_map` may split it: a quantized one stays quantized
-    unless the experts' width is split (`width_split`) and its scales are blocks, which that
-    split would cut; those are dequantized first (GSPMD). Per-channel and per-tensor scales
-    split with their values (or are whole), and a split by expert alone keeps every
-    matrix whole."""
+def _shardable(w, dtype, axes: tuple, degree):
+    """An expert weight as `experts_map` may split it (`axes`: its logical axes;
+    `degree(axis)`: devices an axis splits over). A quantized one stays quantized unless
+    splitting each expert's width would cut its scales' blocks; a packed one unless
+    splitting its input axis (we_down's is the width) would cut rows from their groups'
+    scales (`PackedWeight.splits_rows`); those are dequantized first (GSPMD). Per-channel
+    and per-tensor scales split with their values (or are whole), and a split by expert
+    alone keeps every matrix whole."""
+    if isinstance(w, PackedWeight):
+        d = degree(axes[-2])
+        return w if d == 1 or w.splits_rows(d) else dense(w, dtype)
     if not isinstance(w, QuantizedWeight):
         return w
-    if not width_split or (w.scale.shape[-2] == 1 and (w.scale.shape[-1] == 1
-                                                       or w.block[1] == 1)):
+    if degree("moe_mlp") == 1 or (w.scale.shape[-2] == 1 and (w.scale.shape[-1] == 1
+                                                              or w.block[1] == 1)):
         return w
     return dense(w, dtype)
-
-
-def _axes(w, axes: tuple):
-    """The logical axes of an expert weight's leaves (values and scales when quantized)."""
-    if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(axes, scale_axes(w, axes), w.block)
-    return axes
 
 
 def resolve_impl(impl: str) -> str:
@@ -234,7 +233,8 @@ def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_expe
       lp: the layer's params: router [H, E]; optionally ws_gate/ws_up [H, Is], ws_down
         [Is, H], ws_router [H, 1].
       experts: every layer's expert weights (`EXPERT_WEIGHTS`): we_gate/we_up [L, E, H, I],
-        we_down [L, E, I, H]; arrays or `QuantizedWeight`s (scales [L, E, ...]).
+        we_down [L, E, I, H]; arrays, `QuantizedWeight`s or `PackedWeight`s (scales
+        [L, E, ...]).
       layer: scalar int32, this layer.
       num_experts, top_k, renormalize, act: from the model config.
       valid: [T] bool, real tokens.
@@ -261,10 +261,10 @@ def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_expe
             return experts_ffn(x, order_, sizes_, weights_, *w_local, layer=layer_,
                                first=first, act=act, impl=impl), sizes_
 
-        width_split = parallel.degree("moe_mlp") > 1
-        w = tuple(_shardable(x, h.dtype, width_split) for x in w)
-        axes = tuple(_axes(x, a) for x, a in zip(w, (("layers", "expert", "embed", "moe_mlp"),) * 2
-                                                 + (("layers", "expert", "moe_mlp", "embed"),)))
+        logical = (("layers", "expert", "embed", "moe_mlp"),) * 2 + (
+            ("layers", "expert", "moe_mlp", "embed"),)
+        w = tuple(_shardable(x, h.dtype, a, parallel.degree) for x, a in zip(w, logical))
+        axes = tuple(weight_axes(x, a, parallel.degree) for x, a in zip(w, logical))
         out, sizes = parallel.experts_map(local, axes)(h, (order, sizes, weights, layer), *w)
     if "ws_gate" in lp:  # Qwen2-MoE: sigmoid(h @ gate) * shared MLP(h)
         dt = h.dtype

@@ -18,6 +18,11 @@ per expert and output channel) are read by (layer, expert) through `dense_at`, i
 grouped GEMMs. Embeddings, norms, biases, routers and the LM head stay in the compute
 dtype (as FP8 checkpoints on the Hub keep them).
 
+Packed low-bit weights (`arcjax.model.packed.PackedWeight`: GGUF's quant types, AWQ, GPTQ,
+compressed-tensors W4A16) go through the same three functions (`dense`, `dense_at`, the
+specs); a GGUF file's embedding and LM head stay packed too (`embedding_rows` gathers
+the step's token rows, `tied_head` is the tied LM head).
+
 `quantize(w, "fp8" | "int8")` quantizes a float weight per output channel (symmetric,
 scale = max|w| / 448 for e4m3, / 127 for int8): what `quantization=` applies at load.
 """
@@ -30,6 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from arcjax.model.packed import PackedWeight
 from arcjax.model.specs import ParamSpec
 
 FP8 = jnp.float8_e4m3fn
@@ -71,19 +77,43 @@ class QuantizedWeight:
 
 
 def dense(w, dtype) -> jax.Array:
-    """A linear weight in `dtype`: cast, or dequantized when stored quantized."""
-    if isinstance(w, QuantizedWeight):
+    """A linear weight in `dtype`: cast, or dequantized when stored quantized or packed."""
+    if isinstance(w, (QuantizedWeight, PackedWeight)):
         return w.dequantize(dtype)
     return w.astype(dtype)
 
 
 def dense_at(w, index: tuple, dtype) -> jax.Array:
     """`w[index]` in `dtype`: one (layer, expert)'s matrix, or one layer's [E, in, out],
-    of a stacked weight; a quantized one indexes its values and scales alike (the scale
-    has the values' leading axes) and is dequantized here."""
+    of a stacked weight; a quantized or packed one indexes all its arrays alike (they
+    share the values' leading axes) and is dequantized here."""
     if isinstance(w, QuantizedWeight):
         return QuantizedWeight(w.values[index], w.scale[index], w.block).dequantize(dtype)
+    if isinstance(w, PackedWeight):
+        return w.map_arrays(lambda x: x[index]).dequantize(dtype)
     return w[index].astype(dtype)
+
+
+def embedding_rows(embed, ids: jax.Array, dtype) -> jax.Array:
+    """Rows `ids` [...] of the embedding table in `dtype`: [..., H]. A packed table
+    (stored transposed, [H, V]) unpacks only those tokens' columns."""
+    if isinstance(embed, PackedWeight):
+        return embed.columns(ids.reshape(-1), dtype).T.reshape(*ids.shape, -1)
+    return embed[ids].astype(dtype)
+
+
+def tied_head(embed, dtype) -> jax.Array:
+    """The tied LM head [H, V] in `dtype`: the embedding table transposed (a packed table
+    is stored that way)."""
+    if isinstance(embed, PackedWeight):
+        return embed.dequantize(dtype)
+    return embed.T.astype(dtype)
+
+
+def float_dtype(w, dtype):
+    """The float dtype `w` holds its values in: its own, or `dtype` (the compute dtype it
+    is dequantized into) for a packed weight."""
+    return dtype if isinstance(w, PackedWeight) else w.dtype
 
 
 def scale_axes(w: QuantizedWeight, axes: tuple) -> tuple:
@@ -92,6 +122,17 @@ def scale_axes(w: QuantizedWeight, axes: tuple) -> tuple:
     are not split within a matrix."""
     per_channel = w.block[1] == 1 and w.scale.shape[-2] == 1
     return (*axes[:-2], None, axes[-1] if per_channel else None)
+
+
+def weight_axes(w, axes: tuple, degree=None):
+    """The logical axes of a weight's arrays given its logical `axes`: `axes` itself for
+    a plain array, a tree like `w` for a quantized or packed one (`degree(axis)`: devices
+    an axis splits over, which decides whether a packed weight's rows split)."""
+    if isinstance(w, QuantizedWeight):
+        return QuantizedWeight(axes, scale_axes(w, axes), w.block)
+    if isinstance(w, PackedWeight):
+        return w.leaf_axes(axes, degree)
+    return axes
 
 
 def quantize(w: jax.Array, fmt: str) -> QuantizedWeight:
@@ -115,7 +156,7 @@ def quantize_params(params: dict, fmt: str, shardings=None) -> dict:
     layers = dict(params["layers"])
     for name in LINEAR_WEIGHTS:
         w = layers.get(name)
-        if w is None or isinstance(w, QuantizedWeight):
+        if w is None or isinstance(w, (QuantizedWeight, PackedWeight)):
             continue
         out = None if shardings is None else shardings["layers"][name]
         layers[name] = jax.jit(quantize, static_argnums=1, out_shardings=out)(w, fmt)
@@ -123,23 +164,35 @@ def quantize_params(params: dict, fmt: str, shardings=None) -> dict:
     return {**params, "layers": layers}
 
 
-def quantized_specs(specs: dict, params: dict) -> dict:
-    """The spec tree of `params` where a layer weight is quantized: values keep the
-    weight's axes; the scale's axes are `scale_axes` (an expert weight's scales split by
-    expert like its values)."""
+def quantized_specs(specs: dict, params: dict, degree=None) -> dict:
+    """The spec tree of `params` where a weight is quantized or packed: a tree like the
+    weight with one spec per array, axes from `weight_axes` (values keep the weight's
+    axes; scales per `scale_axes`; a packed weight's arrays per `PackedWeight.leaf_axes`
+    under `degree`). A packed embedding is stored transposed ([H, V]): its axes too."""
+
+    def spec_of(w, spec, axes):
+        tree = weight_axes(w, axes, degree)
+        return jax.tree.map(lambda x, a: ParamSpec(tuple(x.shape), "zeros", tuple(a)), w,
+                            tree)
+
     layers = dict(specs["layers"])
     for name, w in params["layers"].items():
-        if not isinstance(w, QuantizedWeight):
-            continue
-        spec = layers[name]
-        layers[name] = QuantizedWeight(spec, ParamSpec(tuple(w.scale.shape), "ones",
-                                                       scale_axes(w, spec.axes)), w.block)
-    return {**specs, "layers": layers}
+        if isinstance(w, (QuantizedWeight, PackedWeight)):
+            layers[name] = spec_of(w, layers[name], layers[name].axes)
+    out = {**specs, "layers": layers}
+    for name in ("embed", "lm_head"):
+        w = params.get(name)
+        if isinstance(w, PackedWeight):
+            axes = specs[name].axes[::-1] if name == "embed" else specs[name].axes
+            out[name] = spec_of(w, specs[name], axes)
+    return out
 
 
 def weight_dtype(params: dict) -> str:
-    """The storage dtype of the layer weights ("float8_e4m3fn", "int8", "bfloat16", ...)."""
-    return str(jnp.dtype(params["layers"]["wq"].dtype))
+    """The storage dtype of the layer weights ("float8_e4m3fn", "int8", "bfloat16", or a
+    packed format: "q4_1", "awq", ...)."""
+    w = params["layers"]["wq"]
+    return w.dtype if isinstance(w, PackedWeight) else str(jnp.dtype(w.dtype))
 
 
 def storage_dtypes(params: dict, cache: dict) -> dict[str, str]:
