@@ -161,16 +161,17 @@ def test_quantization_errors_are_typed():
     with pytest.raises(EngineConfigError) as err:
         arcjax.LLM(qdir, kv_cache_dtype="int4")
     assert err.value.field == "kv_cache_dtype"
-    gptq = tempfile.mkdtemp(prefix="arcjax-gptq-")
+    # (GPTQ loads since issue 37, packed: tests/test_quant4_checkpoints.py)
+    bnb = tempfile.mkdtemp(prefix="arcjax-bnb-")
     for f in os.listdir(qdir):
-        shutil.copy(os.path.join(qdir, f), gptq)
-    with open(os.path.join(gptq, "config.json")) as f:
+        shutil.copy(os.path.join(qdir, f), bnb)
+    with open(os.path.join(bnb, "config.json")) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
-    with open(os.path.join(gptq, "config.json"), "w") as f:
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with open(os.path.join(bnb, "config.json"), "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(ModelConfigError, match="'gptq' is not supported"):
-        load_model(resolve_model(gptq), dtype=jnp.float32)
+    with pytest.raises(ModelConfigError, match="'bitsandbytes' is not supported"):
+        load_model(resolve_model(bnb), dtype=jnp.float32)
 
 
 def test_engine_fp8_weights_then_fp8_kv_cache_with_checkpoint_scales():

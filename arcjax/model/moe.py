@@ -194,21 +194,20 @@ def dense_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.
     return jax.lax.fori_loop(0, num_experts, body, jnp.zeros(x.shape, jnp.float32))
 
 
-def _shardable(w, dtype, axes: tuple, degree):
-    """An expert weight as `experts_map` may split it (`axes`: its logical axes;
-    `degree(axis)`: devices an axis splits over). A quantized one stays quantized unless
-    splitting each expert's width would cut its scales' blocks; a packed one unless
-    splitting its input axis (we_down's is the width) would cut rows from their groups'
-    scales (`PackedWeight.splits_rows`); those are dequantized first (GSPMD). Per-channel
-    and per-tensor scales split with their values (or are whole), and a split by expert
-    alone keeps every matrix whole."""
+def _shardable(w, dtype, width_split: bool, row_split: int = 1):
+    """An expert weight as `experts_map` may split it: a quantized one stays quantized
+    unless the experts' width is split (`width_split`) and its scales are blocks, which that
+    split would cut; a packed one unless splitting its input axis over `row_split` devices
+    (we_down's input axis is the width) would cut rows from their groups' scales
+    (`PackedWeight.splits_rows`). Those are dequantized first (GSPMD). Per-channel and
+    per-tensor scales split with their values (or are whole), and a split by expert alone
+    keeps every matrix whole."""
     if isinstance(w, PackedWeight):
-        d = degree(axes[-2])
-        return w if d == 1 or w.splits_rows(d) else dense(w, dtype)
+        return w if row_split == 1 or w.splits_rows(row_split) else dense(w, dtype)
     if not isinstance(w, QuantizedWeight):
         return w
-    if degree("moe_mlp") == 1 or (w.scale.shape[-2] == 1 and (w.scale.shape[-1] == 1
-                                                              or w.block[1] == 1)):
+    if not width_split or (w.scale.shape[-2] == 1 and (w.scale.shape[-1] == 1
+                                                       or w.block[1] == 1)):
         return w
     return dense(w, dtype)
 
@@ -263,7 +262,9 @@ def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_expe
 
         logical = (("layers", "expert", "embed", "moe_mlp"),) * 2 + (
             ("layers", "expert", "moe_mlp", "embed"),)
-        w = tuple(_shardable(x, h.dtype, a, parallel.degree) for x, a in zip(w, logical))
+        width_split = parallel.degree("moe_mlp") > 1
+        w = tuple(_shardable(x, h.dtype, width_split, parallel.degree(a[-2]))
+                  for x, a in zip(w, logical))
         axes = tuple(weight_axes(x, a, parallel.degree) for x, a in zip(w, logical))
         out, sizes = parallel.experts_map(local, axes)(h, (order, sizes, weights, layer), *w)
     if "ws_gate" in lp:  # Qwen2-MoE: sigmoid(h @ gate) * shared MLP(h)
