@@ -176,6 +176,18 @@ class PackedWeight:
                                                    or self.g_idx is not None)
 
 
+def w4a16_operands(w: PackedWeight) -> dict | None:
+    """The operands of `pallas_kernels.w4a16.w4a16_matmul` for one matrix [in, out] with
+    one 4-bit plane in group order (no g_idx): qweight, scale, zero, offset, group,
+    shift; None for any other packed weight (those take `dequantize`)."""
+    lay = w.layout
+    if lay.bits != (4,) or w.g_idx is not None or len(w.shape) != 2 or (
+            w.planes[0].shape[0] * 8 != lay.rows):
+        return None
+    return dict(qweight=w.planes[0], scale=w.scale, zero=w.zero, offset=w.offset,
+                group=lay.group, shift=lay.shift)
+
+
 def unpack_plane(plane: jax.Array, bits: int) -> jax.Array:
     """Plane words [..., W, out] uint32 -> values [..., W * 32 / bits, out] uint32."""
     per = 32 // bits
