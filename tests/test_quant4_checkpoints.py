@@ -1,6 +1,6 @@
 """AWQ, GPTQ and compressed-tensors pack-quantized checkpoints (issue 37), kept packed.
 
-Checkpoints are written from the tiny models by tests/packed_checkpoints.py (a numpy
+Checkpoints are written from the tiny models by arcjax/bench/packed_checkpoints.py (a numpy
 reference of each published layout; its checkpoints dequantize exactly as AutoAWQ's
 `dequantize_gemm`, AutoGPTQ's `QuantLinear` and compressed-tensors' decompressor do, see
 RESULTS.md), and by compressed-tensors' own compressor. The reference is transformers on
@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import arcjax
+from arcjax.bench.packed_checkpoints import packed_checkpoint
 from arcjax.errors import EngineConfigError, QuantizationConfigError
 from arcjax.model.formats.hf_checkpoint import load_hf
 from arcjax.model.formats.hub import resolve_model
@@ -29,7 +30,6 @@ from arcjax.model.formats.packed_layouts import read_pack_quantized
 from arcjax.model.packed import PackedWeight
 from arcjax.model.quant import weight_dtype
 from hf_models import hf_greedy, tiny_model_dir
-from packed_checkpoints import packed_checkpoint
 from test_gguf import PROMPTS, dense_greedy
 
 LINEAR = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import arcjax
-from arcjax.model.formats.gguf_file import GGUFFile, load_gguf
+from arcjax.model.formats.gguf_file import load_gguf
 from arcjax.model.formats.gguf_packed import (BLOCKS, common_layout, decode_blocks,
                                               packed_tensor, to_common)
 from arcjax.model.formats.hub import gguf_in_distribution, resolve_model

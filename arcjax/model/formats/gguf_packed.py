@@ -104,7 +104,6 @@ def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def decode_blocks(raw: np.ndarray, type_name: str) -> BlockCodes:
     """A tensor's blocks `raw` [n, bytes per block] uint8 of GGML type `type_name` as
     integer codes and per-group floats (`PACKED_TYPES`)."""
-    n = raw.shape[0]
     if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         d = _f16(raw[:, :2])
         has_min = type_name.endswith("_1")

@@ -1,8 +1,10 @@
-"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints written from the tiny test
-models by a numpy reference of each published layout (see
+"""AWQ, GPTQ and compressed-tensors pack-quantized checkpoints written from a float
+checkpoint by a numpy reference of each published layout (see
 arcjax/model/formats/packed_layouts.py for the layouts and the tools they follow), beside a
-float checkpoint of the same weights dequantized in float32: transformers on that one is
-the reference the packed checkpoint must reproduce. Test-only.
+float checkpoint of the same weights dequantized in float32: the reference a packed
+checkpoint must reproduce (tests/test_quant4_*.py against transformers on it, and
+scripts/bench_quant.py's random mixture of experts with 4-bit experts). Round-to-nearest
+min-max quantization, not AWQ's or GPTQ's search: the layouts are what is under test.
 
 `packed_checkpoint(src, method, bits=4, group=32, symmetric=..., desc_act=...)` returns
 (packed dir, dequantized dir). Every linear projection is quantized (the experts' too); the
@@ -135,9 +137,7 @@ def packed_checkpoint(src: str, method: str, bits: int = 4, group: int | None = 
     """(packed checkpoint dir, float dir of the same weights dequantized) of the float
     model `src` in `method` ("awq" | "gptq" | "pack-quantized"); group None: one scale
     per output channel; desc_act: rows in a random group order (g_idx)."""
-    import torch
-    from safetensors.numpy import load_file
-    from safetensors.torch import save_file
+    from safetensors.numpy import load_file, save_file
 
     state = load_file(os.path.join(src, "model.safetensors"))
     qdir = tempfile.mkdtemp(prefix=f"arcjax-{method}-")
@@ -151,9 +151,9 @@ def packed_checkpoint(src: str, method: str, bits: int = 4, group: int | None = 
             dequantized[name] = deq
         else:
             packed[name] = dequantized[name] = w.astype(np.float32)
-    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in packed.items()},
+    save_file({k: np.ascontiguousarray(v) for k, v in packed.items()},
               os.path.join(qdir, "model.safetensors"))
-    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in dequantized.items()},
+    save_file({k: np.ascontiguousarray(v) for k, v in dequantized.items()},
               os.path.join(fdir, "model.safetensors"))
     with open(os.path.join(src, "config.json")) as f:
         cfg = json.load(f)
