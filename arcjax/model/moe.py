@@ -195,19 +195,19 @@ def dense_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.
 
 
 def _shardable(w, dtype, width_split: bool, row_split: int = 1):
-    """An expert weight as `experts_map` may split it: a quantized one stays quantized
-    unless the experts' width is split (`width_split`) and its scales are blocks, which that
-    split would cut; a packed one unless splitting its input axis over `row_split` devices
-    (we_down's input axis is the width) would cut rows from their groups' scales
-    (`PackedWeight.splits_rows`). Those are dequantized first (GSPMD). Per-channel and
-    per-tensor scales split with their values (or are whole), and a split by expert alone
-    keeps every matrix whole."""
+    """An expert weight as `experts_map` may split it. `width_split`: each expert's width
+    is split; `row_split`: devices the weight's input axis splits over (we_down's input
+    axis is the width; gate's and up's is not). A quantized weight stays quantized when its
+    scales split with its values: one scale per column (or per tensor) when only columns
+    split, one per channel (or per tensor) when rows split too; a packed one when each
+    device's rows keep their groups' scales (`PackedWeight.splits_rows`). Others are
+    dequantized first (GSPMD). A split by expert alone keeps every matrix whole."""
     if isinstance(w, PackedWeight):
         return w if row_split == 1 or w.splits_rows(row_split) else dense(w, dtype)
-    if not isinstance(w, QuantizedWeight):
+    if not isinstance(w, QuantizedWeight) or not width_split:
         return w
-    if not width_split or (w.scale.shape[-2] == 1 and (w.scale.shape[-1] == 1
-                                                       or w.block[1] == 1)):
+    per_column = w.scale.shape[-1] == 1 or w.block[1] == 1
+    if per_column and (row_split == 1 or w.scale.shape[-2] == 1):
         return w
     return dense(w, dtype)
 
