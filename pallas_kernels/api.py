@@ -1,6 +1,6 @@
-"""Public entry point: input validation and dispatch to an implementation."""
+"""Public entry points: the documented signature, the dispatch of one `AttentionInputs` to
+an implementation, and which implementation a call runs ("auto" resolved)."""
 
-import dataclasses
 import importlib.util
 
 import jax
@@ -10,8 +10,9 @@ from pallas_kernels import backends
 from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import pallas_gpu
 from pallas_kernels import plan as plan_lib
-from pallas_kernels.kernel_errors import KernelArgumentError
-from pallas_kernels.options import AttentionOptions
+from pallas_kernels import verified
+from pallas_kernels.attention_inputs import OPTIONS, AttentionInputs
+from pallas_kernels.kernel_errors import require
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.xla import ragged_paged_attention_xla
 
@@ -25,69 +26,12 @@ XLA_BLOCK_K = 512  # keys per online-softmax step on the xla path
 XLA_DECODE_BLOCK_K = 128
 
 
-def _require(ok: bool, argument: str, message: str) -> None:
-    if not ok:
-        raise KernelArgumentError(argument, message)
-
-
-def _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, impl):
-    _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
-    _require(q.ndim == 3, "q", f"expected rank 3 [T, Hq, D], got shape {q.shape}")
-    _require(k_pages.ndim == 4, "k_pages",
-             f"expected rank 4 [num_blocks, block_size, Hkv, D], got shape {k_pages.shape}")
-    _require(v_pages.shape == k_pages.shape, "v_pages",
-             f"shape {v_pages.shape} differs from k_pages {k_pages.shape}")
-    _, hq, d = q.shape
-    hkv = k_pages.shape[2]
-    _require(k_pages.shape[3] == d, "k_pages", f"head dim {k_pages.shape[3]} differs from q's {d}")
-    _require(hq % hkv == 0, "k_pages",
-             f"query heads Hq={hq} are not a multiple of KV heads Hkv={hkv}")
-    _require(block_tables.ndim == 2, "block_tables",
-             f"expected rank 2 [S, max_blocks], got shape {block_tables.shape}")
-    s = block_tables.shape[0]
-    _require(kv_lens.shape == (s,), "kv_lens", f"expected shape ({s},), got {kv_lens.shape}")
-    _require(cu_seqlens_q.shape == (s + 1,), "cu_seqlens_q",
-             f"expected shape ({s + 1},), got {cu_seqlens_q.shape}")
-    _require(jnp.ndim(num_seqs) == 0, "num_seqs",
-             f"expected a scalar, got shape {jnp.shape(num_seqs)}")
-    for name, x in (("block_tables", block_tables), ("kv_lens", kv_lens),
-                    ("cu_seqlens_q", cu_seqlens_q)):
-        _require(jnp.issubdtype(x.dtype, jnp.integer), name,
-                 f"expected an integer dtype, got {x.dtype}")
-
-
-def _options(sliding_window, logit_softcap, k_scale, v_scale) -> AttentionOptions:
-    """Validates the optional semantics and returns them as device scalars."""
-    if sliding_window is not None:
-        _require(jnp.ndim(sliding_window) == 0, "sliding_window",
-                 f"expected a scalar, got shape {jnp.shape(sliding_window)}")
-        _require(jnp.issubdtype(jnp.result_type(sliding_window), jnp.integer),
-                 "sliding_window", f"expected an integer, got {sliding_window!r}")
-        if isinstance(sliding_window, int):
-            _require(sliding_window >= 1, "sliding_window",
-                     f"expected a window of at least 1 key, got {sliding_window}")
-        sliding_window = jnp.asarray(sliding_window, jnp.int32)
-    if logit_softcap is not None:
-        _require(isinstance(logit_softcap, (int, float)) and logit_softcap > 0,
-                 "logit_softcap", f"expected a positive Python float, got {logit_softcap!r}")
-        logit_softcap = float(logit_softcap)
-    scales = []
-    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if scale is not None:
-            _require(jnp.ndim(scale) == 0, name, f"expected a scalar, got shape {jnp.shape(scale)}")
-            scale = jnp.asarray(scale, jnp.float32)
-        scales.append(scale)
-    return AttentionOptions(sliding_window=sliding_window, logit_softcap=logit_softcap,
-                            k_scale=scales[0], v_scale=scales[1])
+def _check_impl(impl: str) -> None:
+    require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
 
 
 # Options the Pallas GPU kernel implements (k/v scales: FP8 pages; windows; soft-caps).
 PALLAS_GPU_OPTIONS = ("k_scale", "v_scale", "sliding_window", "logit_softcap")
-
-
-def _given(opts: AttentionOptions) -> dict:
-    """The options as `resolve_call` takes them (each field by name)."""
-    return {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
 
 
 def _is_gpu(platform: str) -> bool:
@@ -99,20 +43,29 @@ def _gpu_can_tile(head_dim: int, block_size: int) -> bool:
             and plan_lib.is_pow2(block_size))
 
 
-def _validate_gpu_shapes(q, k_pages, impl: str):
-    d, page_size = q.shape[2], k_pages.shape[1]
-    _require(plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT, "q",
-             f'impl="{impl}" needs a power-of-two head dim >= 16, got {d}')
-    _require(plan_lib.is_pow2(page_size), "k_pages",
-             f'impl="{impl}" needs a power-of-two block_size, got {page_size}')
+def _validate_gpu_shapes(inputs: AttentionInputs, impl: str):
+    d, page_size = inputs.head_dim, inputs.block_size
+    require(plan_lib.is_pow2(d) and d >= gpu_plan_lib.MIN_DOT, "q",
+            f'impl="{impl}" needs a power-of-two head dim >= 16, got {d}')
+    require(plan_lib.is_pow2(page_size), "k_pages",
+            f'impl="{impl}" needs a power-of-two block_size, got {page_size}')
 
 
-def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
-                 plain: bool = True, dtype=jnp.bfloat16, kv_dtype=None, num_heads: int = 1,
-                 num_kv_heads: int = 1, pallas_gpu_ok: bool | None = None,
-                 platform: str | None = None) -> str:
+def resolve_impl(impl: str, **shapes) -> str:
     """The implementation a call with these shapes runs: `impl` itself, or what "auto"
-    picks on this machine's default backend (see `backends.resolve`).
+    picks (`choose_impl(impl, **shapes).impl`)."""
+    _check_impl(impl)
+    return impl if impl != "auto" else choose_impl(impl, **shapes).impl
+
+
+def choose_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
+                plain: bool = True, dtype=jnp.bfloat16, kv_dtype=None, num_heads: int = 1,
+                num_kv_heads: int = 1, pallas_gpu_ok: bool | None = None,
+                platform: str | None = None,
+                options: frozenset[str] | None = None) -> backends.Choice:
+    """The implementation a call with these shapes runs, `impl` itself or what "auto"
+    picks on this machine's default backend (see `backends.choose`), and whether a
+    recorded GPU pass vouches for it (`pallas_kernels.verified`).
 
     Args:
         impl: one of `IMPLS`.
@@ -126,24 +79,42 @@ def resolve_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | 
             only when `plain`).
         platform: where the call runs ("cpu", "gpu", "cuda", ...); None = the default
             backend.
+        options: the names of the options the call gives (the shape class's flags); None:
+            none when `plain`, else unknown (no record vouches for an unknown class).
     """
-    _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    _check_impl(impl)
+    kv_dtype = kv_dtype or dtype
+    if options is None and plain:
+        options = frozenset()
+    shape = None if options is None else verified.ShapeClass(
+        head_dim=head_dim, page_size=block_size, gqa=max(1, num_heads // num_kv_heads),
+        window="sliding_window" in options, softcap="logit_softcap" in options,
+        fp8=jnp.dtype(kv_dtype).itemsize == 1)
     if impl != "auto":
-        return impl
+        return backends.verification(impl, shape)
     on_gpu = _is_gpu(platform or jax.default_backend())
     mosaic_ok = on_gpu and max_q_len == 1 and backends.mosaic_gpu_unsupported(
         head_dim=head_dim, block_size=block_size, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, dtype=dtype, kv_dtype=kv_dtype or dtype) is None
-    return backends.resolve(on_gpu=on_gpu, can_tile=_gpu_can_tile(head_dim, block_size),
-                            decode_only=mosaic_ok, plain=plain, pallas_gpu_ok=pallas_gpu_ok)
+        num_kv_heads=num_kv_heads, dtype=dtype, kv_dtype=kv_dtype) is None
+    return backends.choose(on_gpu=on_gpu, can_tile=_gpu_can_tile(head_dim, block_size),
+                           decode_only=mosaic_ok, plain=plain, pallas_gpu_ok=pallas_gpu_ok,
+                           shape=shape)
 
 
-def resolve_call(impl: str, q, k_pages, *, max_q_len: int | None = None,
-                 sliding_window=None, logit_softcap=None, k_scale=None, v_scale=None,
-                 platform: str | None = None) -> str:
+def resolve_call(impl: str, q, k_pages, **call) -> str:
+    """The implementation a call runs: `impl` itself, or what "auto" picks
+    (`choose_call(impl, q, k_pages, **call).impl`)."""
+    _check_impl(impl)
+    return impl if impl != "auto" else choose_call(impl, q, k_pages, **call).impl
+
+
+def choose_call(impl: str, q, k_pages, *, max_q_len: int | None = None,
+                sliding_window=None, logit_softcap=None, k_scale=None, v_scale=None,
+                platform: str | None = None) -> backends.Choice:
     """The implementation `ragged_paged_attention(q, k_pages, ..., impl=impl,
-    max_q_len=max_q_len, <options>)` runs on `platform`: what a caller reports without
-    tracing a call (the engine's trace summary, per bucket).
+    max_q_len=max_q_len, <options>)` runs on `platform`, and whether a recorded GPU pass
+    vouches for it: what a caller reports without tracing a call (the engine's trace
+    summary, per bucket).
 
     Args:
         impl: one of `IMPLS`.
@@ -155,18 +126,45 @@ def resolve_call(impl: str, q, k_pages, *, max_q_len: int | None = None,
         platform: where the call runs; None = the default backend.
 
     Returns:
-        One of `IMPLS` other than "auto".
+        A `backends.Choice` whose impl is one of `IMPLS` other than "auto".
     """
-    given = {name for name, value in (("sliding_window", sliding_window),
-                                      ("logit_softcap", logit_softcap),
-                                      ("k_scale", k_scale), ("v_scale", v_scale))
-             if value is not None}
+    values = (sliding_window, logit_softcap, k_scale, v_scale)  # in the order of OPTIONS
+    given = frozenset(name for name, value in zip(OPTIONS, values, strict=True)
+                      if value is not None)
     t = q.shape[0]
-    return resolve_impl(impl, head_dim=q.shape[2], block_size=k_pages.shape[1],
-                        max_q_len=t if max_q_len is None else min(max_q_len, t),
-                        plain=not given, pallas_gpu_ok=given <= set(PALLAS_GPU_OPTIONS),
-                        dtype=q.dtype, kv_dtype=k_pages.dtype, num_heads=q.shape[1],
-                        num_kv_heads=k_pages.shape[2], platform=platform)
+    return _choose(impl, q, k_pages, max_q_len=t if max_q_len is None else min(max_q_len, t),
+                   options=given, platform=platform)
+
+
+def resolve_inputs(impl: str, inputs: AttentionInputs, *, platform: str | None = None) -> str:
+    """The implementation `paged_attention(inputs, impl=impl)` runs on `platform`: `impl`
+    itself, or what "auto" picks (`choose_inputs(impl, inputs, platform=platform).impl`)."""
+    _check_impl(impl)
+    return impl if impl != "auto" else choose_inputs(impl, inputs, platform=platform).impl
+
+
+def choose_inputs(impl: str, inputs: AttentionInputs, *,
+                  platform: str | None = None) -> backends.Choice:
+    """The implementation `paged_attention(inputs, impl=impl)` runs on `platform` (None:
+    the default backend), and whether a recorded GPU pass vouches for it; `inputs` may
+    hold `jax.ShapeDtypeStruct`s (only shapes, dtypes, the settings and which options are
+    given are read: the shape class is `inputs`' head dim, page size, GQA ratio, options
+    and page dtype).
+
+    Returns:
+        A `backends.Choice` whose impl is one of `IMPLS` other than "auto".
+    """
+    return _choose(impl, inputs.q, inputs.k_pages, max_q_len=inputs.max_q_len,
+                   options=inputs.options(), platform=platform)
+
+
+def _choose(impl: str, q, k_pages, *, max_q_len: int, options: frozenset[str],
+            platform: str | None) -> backends.Choice:
+    return choose_impl(impl, head_dim=q.shape[2], block_size=k_pages.shape[1],
+                       max_q_len=max_q_len, plain=not options,
+                       pallas_gpu_ok=options <= set(PALLAS_GPU_OPTIONS), dtype=q.dtype,
+                       kv_dtype=k_pages.dtype, num_heads=q.shape[1],
+                       num_kv_heads=k_pages.shape[2], platform=platform, options=options)
 
 
 def impl_unavailable(impl: str, *, interpret: bool = False,
@@ -181,7 +179,7 @@ def impl_unavailable(impl: str, *, interpret: bool = False,
         platform: where the call runs ("cpu", "gpu", ...); None: not checked (lowering
             for CUDA on a CPU host, `lowering.lower_for_cuda`, needs no GPU).
     """
-    _require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
+    _check_impl(impl)
     if impl not in GPU_IMPLS:
         return None
     if interpret:
@@ -207,33 +205,76 @@ def impl_unavailable(impl: str, *, interpret: bool = False,
     return f'impl="{impl}" {verb} here: {reason}'
 
 
-def _triton(*args, opts: AttentionOptions, interpret: bool):
+def _pallas_gpu(inputs: AttentionInputs, plan: gpu_plan_lib.GpuPlan, interpret: bool):
+    return pallas_gpu.ragged_paged_attention_pallas_gpu(inputs, plan, interpret=interpret)
+
+
+def _triton(inputs: AttentionInputs, plan: gpu_plan_lib.GpuPlan, interpret: bool):
     reason = impl_unavailable("triton", interpret=interpret)
-    _require(reason is None, "interpret" if interpret else "impl", reason)
+    require(reason is None, "interpret" if interpret else "impl", reason)
     from pallas_kernels import triton_gpu
 
-    return triton_gpu.ragged_paged_attention_triton(
-        *args, sliding_window=opts.sliding_window, logit_softcap=opts.logit_softcap,
-        k_scale=opts.k_scale, v_scale=opts.v_scale, interpret=interpret)
+    return triton_gpu.ragged_paged_attention_triton(inputs, plan, interpret=interpret)
 
 
-def _mosaic_gpu(*args, opts: AttentionOptions, interpret: bool, max_q_len: int):
+def _mosaic_gpu(inputs: AttentionInputs, plan: gpu_plan_lib.GpuPlan, interpret: bool):
     reason = impl_unavailable("mosaic_gpu", interpret=interpret)
-    _require(not interpret, "interpret", reason)
-    _require(max_q_len == 1, "max_q_len",
-             f'impl="mosaic_gpu" serves decode-only batches (max_q_len=1), got {max_q_len}')
-    _require(not any(v is not None for v in _given(opts).values()), "impl",
-             'impl="mosaic_gpu" does not support sliding_window, '
-             'logit_softcap or k_scale/v_scale; use impl="triton"')
-    _require(reason is None, "impl", reason)
-    q, k_pages = args[0], args[1]
+    require(not interpret, "interpret", reason)
+    require(inputs.max_q_len == 1, "max_q_len",
+            f'impl="mosaic_gpu" serves decode-only batches (max_q_len=1), got {inputs.max_q_len}')
+    require(not inputs.options(), "impl",
+            'impl="mosaic_gpu" does not support sliding_window, '
+            'logit_softcap or k_scale/v_scale; use impl="triton"')
+    require(reason is None, "impl", reason)
+    q, k_pages = inputs.q, inputs.k_pages
     reason = backends.mosaic_gpu_unsupported(
-        head_dim=q.shape[2], block_size=k_pages.shape[1], num_heads=q.shape[1],
-        num_kv_heads=k_pages.shape[2], dtype=q.dtype, kv_dtype=k_pages.dtype)
-    _require(reason is None, "q", f'impl="mosaic_gpu": {reason}')
+        head_dim=inputs.head_dim, block_size=inputs.block_size, num_heads=inputs.num_heads,
+        num_kv_heads=inputs.num_kv_heads, dtype=q.dtype, kv_dtype=k_pages.dtype)
+    require(reason is None, "q", f'impl="mosaic_gpu": {reason}')
     from pallas_kernels import mosaic_gpu
 
-    return mosaic_gpu.ragged_paged_attention_mosaic_gpu(*args)
+    return mosaic_gpu.ragged_paged_attention_mosaic_gpu(inputs, plan)
+
+
+def gpu_plan_for(inputs: AttentionInputs, **tuning) -> gpu_plan_lib.GpuPlan:
+    """The GPU kernels' launch plan for `inputs`' shapes (`gpu_plan.make_gpu_plan`;
+    `tuning`: its overrides, e.g. block_m, num_splits)."""
+    return gpu_plan_lib.make_gpu_plan(
+        num_tokens=inputs.num_tokens, num_seqs=inputs.seq_bucket, num_heads=inputs.num_heads,
+        num_kv_heads=inputs.num_kv_heads, head_dim=inputs.head_dim,
+        page_size=inputs.block_size, max_blocks=inputs.max_blocks, max_q_len=inputs.max_q_len,
+        itemsize=inputs.q.dtype.itemsize, **tuning)
+
+
+_GPU_LAUNCH = {"pallas_gpu": _pallas_gpu, "triton": _triton, "mosaic_gpu": _mosaic_gpu}
+
+
+def paged_attention(inputs: AttentionInputs, *, impl: str = "auto",
+                    interpret: bool = False) -> jax.Array:  # [T, Hq, D]
+    """Ragged paged attention of `inputs` (from `AttentionInputs.create`), by `impl`.
+
+    The one dispatch: `ragged_paged_attention` builds its inputs and calls this; the
+    decoder calls it with each layer's inputs.
+
+    Args:
+        inputs: the call (arrays, options, static settings).
+        impl: one of `IMPLS` (see `ragged_paged_attention`). Static.
+        interpret: run a GPU kernel on the CPU (see `ragged_paged_attention`). Static.
+
+    Returns:
+        The attention output `[T, Hq, D]` in q's dtype.
+    """
+    impl = resolve_inputs(impl, inputs)
+    if impl == "reference":
+        return ragged_paged_attention_reference(inputs)
+    if impl in GPU_IMPLS:
+        _validate_gpu_shapes(inputs, impl)
+        return _GPU_LAUNCH[impl](inputs, gpu_plan_for(inputs), interpret)
+    tiles = plan_lib.make_plan(
+        num_tokens=inputs.num_tokens, num_seqs=inputs.seq_bucket, page_size=inputs.block_size,
+        max_blocks=inputs.max_blocks, max_q_len=inputs.max_q_len, block_q=XLA_BLOCK_Q,
+        block_k=XLA_DECODE_BLOCK_K if inputs.max_q_len == 1 else XLA_BLOCK_K)
+    return ragged_paged_attention_xla(inputs, tiles)
 
 
 def ragged_paged_attention(
@@ -291,46 +332,10 @@ def ragged_paged_attention(
     Returns:
         The attention output `[T, Hq, D]` in q's dtype.
     """
-    _validate(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, impl)
-    opts = _options(sliding_window, logit_softcap, k_scale, v_scale)
-    t, _, d = q.shape
-    if sm_scale is None:
-        sm_scale = d**-0.5
-    if max_q_len is None:
-        max_q_len = t
-    if not isinstance(max_q_len, int) or max_q_len < 1:
-        raise KernelArgumentError("max_q_len",
-                                  f"expected a positive int, got {max_q_len!r}")
-    max_q_len = min(max_q_len, t)
-    impl = resolve_call(impl, q, k_pages, max_q_len=max_q_len, **_given(opts))
-    if impl == "reference":
-        return ragged_paged_attention_reference(
-            q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,
-            sliding_window=sliding_window, logit_softcap=opts.logit_softcap,
-            k_scale=k_scale, v_scale=v_scale)
-    num_seqs = jnp.asarray(num_seqs, jnp.int32)
-    block_tables = block_tables.astype(jnp.int32)
-    kv_lens = kv_lens.astype(jnp.int32)
-    cu_seqlens_q = cu_seqlens_q.astype(jnp.int32)
-    if impl in GPU_IMPLS:
-        _validate_gpu_shapes(q, k_pages, impl)
-        plan = gpu_plan_lib.make_gpu_plan(
-            num_tokens=t, num_seqs=block_tables.shape[0], num_heads=q.shape[1],
-            num_kv_heads=k_pages.shape[2], head_dim=d, page_size=k_pages.shape[1],
-            max_blocks=block_tables.shape[1], max_q_len=max_q_len, itemsize=q.dtype.itemsize)
-        args = (q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale,
-                plan)
-        if impl == "triton":
-            return _triton(*args, opts=opts, interpret=interpret)
-        if impl == "mosaic_gpu":
-            return _mosaic_gpu(*args, opts=opts, interpret=interpret, max_q_len=max_q_len)
-        return pallas_gpu.ragged_paged_attention_pallas_gpu(
-            *args, interpret=interpret, k_scale=opts.k_scale, v_scale=opts.v_scale,
-            sliding_window=opts.sliding_window, logit_softcap=opts.logit_softcap)
-    tiles = plan_lib.make_plan(
-        num_tokens=t, num_seqs=block_tables.shape[0], page_size=k_pages.shape[1],
-        max_blocks=block_tables.shape[1], max_q_len=max_q_len, block_q=XLA_BLOCK_Q,
-        block_k=XLA_DECODE_BLOCK_K if max_q_len == 1 else XLA_BLOCK_K)
-    return ragged_paged_attention_xla(
-        q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, sm_scale, tiles,
-        opts)
+    _check_impl(impl)
+    inputs = AttentionInputs.create(
+        q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables, kv_lens=kv_lens,
+        cu_seqlens_q=cu_seqlens_q, num_seqs=num_seqs, sm_scale=sm_scale,
+        sliding_window=sliding_window, logit_softcap=logit_softcap, k_scale=k_scale,
+        v_scale=v_scale, max_q_len=max_q_len)
+    return paged_attention(inputs, impl=impl, interpret=interpret)

@@ -11,13 +11,17 @@ The GPU implementations and what each needs:
 - "mosaic_gpu": `jax.experimental.pallas.mosaic_gpu`; decode-only bf16/f16 batches. On the
   CPU: the CUDA lowering only; its numbers are trusted once a GPU run has passed.
 
-"auto" on a GPU (`resolve`), for shapes the GPU kernels tile:
-1. a plain decode-only batch takes "mosaic_gpu" once a GPU run of this very kernel
-   passed the oracle on this kind of device and jax (`verified.has_passed`);
-2. a batch takes "pallas_gpu" while Pallas' Triton backend exists and is not
-   deprecated, for every option the caller says it takes (`pallas_gpu_ok`; by default
-   plain batches only: no sliding window, soft-cap or k/v scales);
-3. "triton" (every option) when triton and jax_triton can launch;
+"auto" on a GPU (`choose`), for shapes the GPU kernels tile, one rule for all three:
+1. the implementations that implement the call and can run here, in this order:
+   "mosaic_gpu" (a plain decode-only batch of the shapes it takes), "pallas_gpu" (while
+   Pallas' Triton backend exists and is not deprecated, for every option the caller
+   says it takes: `pallas_gpu_ok`, by default plain batches only), "triton" (every
+   option, when triton and jax_triton can launch);
+2. the first of them with a recorded GPU pass for this device kind, these library
+   versions and this shape class (`verified.has_passed`) runs, verified;
+3. with none recorded, the first that may run unverified does, and the choice says so
+   (`Choice.verified` False: the engine logs it and reports it with the command that
+   verifies it); "mosaic_gpu" is never chosen unverified (nothing on the CPU runs it);
 4. otherwise "xla". "auto" never selects a deprecated backend, so our call sites never
    emit the `jax-pallas-triton` warning (an explicit `impl="pallas_gpu"` still may).
 Off the GPU, "auto" is "xla".
@@ -25,6 +29,7 @@ Off the GPU, "auto" is "xla".
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 
@@ -33,6 +38,29 @@ import jax
 from pallas_kernels import verified
 
 PALLAS_TRITON_DEPRECATION = "jax-pallas-triton"
+GPU_KERNELS = ("mosaic_gpu", "pallas_gpu", "triton")  # "auto"'s order of preference
+NEEDS_RECORD = ("mosaic_gpu",)  # chosen by "auto" only with a recorded GPU pass
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Choice:
+    """The implementation a call runs, and whether a GPU pass vouches for it."""
+
+    impl: str
+    # True: a recorded GPU pass vouches for it; False: a GPU kernel runs without one;
+    # None: not a GPU kernel ("xla", "reference"), nothing to record.
+    verified: bool | None
+    shape_class: str | None = None  # `verified.ShapeClass.key`, when known
+
+    @property
+    def note(self) -> str | None:
+        """What the engine logs when a GPU kernel runs unverified, else None."""
+        if self.verified is not False:
+            return None
+        return (f'attention impl="{self.impl}" runs without a recorded GPU pass for shape '
+                f"class {self.shape_class or 'unknown'} on this device and jax "
+                f"{jax.__version__} (verified: false); to verify it, on the GPU: "
+                f"{verified.VERIFY_COMMAND}")
 
 
 @functools.cache
@@ -92,9 +120,19 @@ def device_kind() -> str:
     return jax.devices()[0].device_kind
 
 
-def resolve(*, on_gpu: bool, can_tile: bool, decode_only: bool, plain: bool = True,
-            kind: str | None = None, pallas_gpu_ok: bool | None = None) -> str:
-    """The implementation "auto" runs.
+def verification(impl: str, shape: verified.ShapeClass | None,
+                 kind: str | None = None) -> Choice:
+    """`impl` (an explicit choice) as a `Choice`: verified when a GPU kernel has a record."""
+    if impl not in GPU_KERNELS:
+        return Choice(impl=impl, verified=None, shape_class=shape.key if shape else None)
+    return Choice(impl=impl, verified=verified.has_passed(impl, kind or device_kind(), shape),
+                  shape_class=shape.key if shape else None)
+
+
+def choose(*, on_gpu: bool, can_tile: bool, decode_only: bool, plain: bool = True,
+           kind: str | None = None, pallas_gpu_ok: bool | None = None,
+           shape: verified.ShapeClass | None = None) -> Choice:
+    """The implementation "auto" runs (the rule in the module docstring).
 
     Args:
         on_gpu: the default backend is a GPU.
@@ -102,18 +140,32 @@ def resolve(*, on_gpu: bool, can_tile: bool, decode_only: bool, plain: bool = Tr
         decode_only: the batch is decode-only (`max_q_len == 1`) in shapes and dtypes the
             Mosaic GPU kernel takes.
         plain: no sliding window, soft-cap or k/v scales.
-        kind: the device kind, for the Mosaic GPU record (defaults to the device's).
+        kind: the device kind, for the records (defaults to the device's).
         pallas_gpu_ok: the Pallas GPU kernel implements every option of this call (None:
             only when `plain`).
+        shape: the call's shape class, for the records (None: unknown, none vouches).
     """
     if not (on_gpu and can_tile):
-        return "xla"
-    if plain and decode_only and mosaic_gpu_unavailable() is None and verified.has_passed(
-            "mosaic_gpu", kind or device_kind()):
-        return "mosaic_gpu"
+        return Choice(impl="xla", verified=None, shape_class=shape.key if shape else None)
+    eligible = []
+    if plain and decode_only and mosaic_gpu_unavailable() is None:
+        eligible.append("mosaic_gpu")
     if (plain if pallas_gpu_ok is None else pallas_gpu_ok) and (
             pallas_triton_state() == "current"):
-        return "pallas_gpu"
+        eligible.append("pallas_gpu")
     if triton_unavailable() is None:
-        return "triton"
-    return "xla"
+        eligible.append("triton")
+    kind = kind or device_kind()
+    key = shape.key if shape else None
+    for impl in eligible:
+        if verified.has_passed(impl, kind, shape):
+            return Choice(impl=impl, verified=True, shape_class=key)
+    unverified = [impl for impl in eligible if impl not in NEEDS_RECORD]
+    if unverified:
+        return Choice(impl=unverified[0], verified=False, shape_class=key)
+    return Choice(impl="xla", verified=None, shape_class=key)
+
+
+def resolve(**kwargs) -> str:
+    """The implementation "auto" runs: `choose(**kwargs).impl`."""
+    return choose(**kwargs).impl

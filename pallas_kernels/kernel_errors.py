@@ -11,3 +11,9 @@ class KernelArgumentError(ValueError):
     def __init__(self, argument: str, message: str):
         super().__init__(f"{argument}: {message}")
         self.argument = argument
+
+
+def require(ok: bool, argument: str, message: str) -> None:
+    """Raises `KernelArgumentError(argument, message)` unless `ok`."""
+    if not ok:
+        raise KernelArgumentError(argument, message)

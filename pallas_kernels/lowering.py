@@ -9,6 +9,11 @@ type-checks. Compiling the Triton IR to PTX is a separate step
 
 NOTE: nothing here imports triton; `capture_triton_ir` reads the Triton module
 text through a jax-internal hook and is for tools, not for the engine.
+
+NOTE: from jax 0.11 the Pallas Triton lowering asks which GPU it lowers for
+(`get_gpu_info`) and, with no GPU attached, refuses unless an abstract GPU device
+is in context; `lower_for_cuda` lowers inside one (`TARGET_DEVICE_KIND`, the
+H200 the kernels are tuned for) wherever this jax offers it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,25 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+
+
+TARGET_DEVICE_KIND = "NVIDIA H200"  # what a CPU host lowers for (sm_90a)
+TARGET_CORES = 132  # its SMs
+
+
+def _target_device():
+    """A context naming an abstract `TARGET_DEVICE_KIND` GPU for the lowering, or a null
+    context on a jax without abstract devices (<= 0.10 lowers without asking)."""
+    device_cls = getattr(jax.sharding, "AbstractDevice", None)
+    if device_cls is None or jax.default_backend() == "gpu":
+        return contextlib.nullcontext()
+    device = device_cls(device_kind=TARGET_DEVICE_KIND, num_cores=TARGET_CORES,
+                        platform="gpu")
+    try:
+        mesh = jax.sharding.AbstractMesh((1,), ("target",), abstract_device=device)
+    except TypeError:  # an AbstractMesh without devices: nothing to name
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh)
 
 
 def lower_for_cuda(fn: Callable, *args, **static) -> str:
@@ -37,7 +61,8 @@ def lower_for_cuda(fn: Callable, *args, **static) -> str:
         custom call whose target names triton.
     """
     jitted = jax.jit(functools.partial(fn, **static))
-    return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with _target_device():
+        return jitted.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # Custom-call targets of a Pallas Triton kernel in lowered text: jaxlib <= 0.10.2 carries
@@ -117,3 +142,34 @@ def capture_triton_ir() -> Iterator[list[TritonModule]]:
         yield modules
     finally:
         triton_lowering.lower_jaxpr_to_triton_module = original
+
+
+@contextlib.contextmanager
+def capture_mosaic_smem() -> Iterator[list[int]]:
+    """Collects the shared memory (bytes) of every Mosaic GPU kernel lowered inside the
+    block, as the lowering sizes it (a kernel over the limit is refused after its size
+    is collected).
+
+    Wraps jax's (internal) Mosaic GPU shared-memory sizing; raises RuntimeError if this
+    jax has no such function.
+    """
+    try:
+        from jax.experimental.mosaic.gpu import core as mosaic_core
+    except ImportError as e:
+        raise RuntimeError(f"jax {jax.__version__} has no Mosaic GPU: {e}") from e
+    original = getattr(mosaic_core, "_smem_tree_size", None)
+    if original is None:
+        raise RuntimeError(f"jax {jax.__version__}: Mosaic GPU shared-memory sizing moved")
+    sizes: list[int] = []
+
+    @functools.wraps(original)
+    def capturing(tree):
+        size = original(tree)
+        sizes.append(int(size))
+        return size
+
+    mosaic_core._smem_tree_size = capturing
+    try:
+        yield sizes
+    finally:
+        mosaic_core._smem_tree_size = original

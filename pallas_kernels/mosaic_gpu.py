@@ -38,12 +38,28 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import gpu_plan as gpu_plan_lib
+from pallas_kernels.attention_inputs import AttentionInputs
 
 ROWS = 64  # wgmma M per warpgroup: the packed query heads of one KV head, padded
 KEYS_PER_STEP = 64  # keys per step (whole pages): wgmma's K for p @ v is a multiple of 64
 BUFFERS = 3  # key steps in flight per program
 LOG2E = math.log2(math.e)
 SWIZZLE = 128  # bytes
+# Shared memory: what one block may use on sm_90 (227 KB), what each mbarrier takes, and
+# what the lowering adds for the cross-warp row reductions (max, sum) beside our buffers
+# (297,016 bytes lowered at D=256 = 294,912 of buffers + 7 barriers + 2,048).
+SMEM_LIMIT = 232_448
+BARRIER_BYTES = 8
+REDUCTION_SMEM = 2_048
+
+
+def smem_bytes(*, head_dim: int, block_size: int, itemsize: int) -> int:
+    """Shared memory one program of the kernel takes: the query tile, `BUFFERS` K and V
+    steps, the float32 output tile, the barriers and the lowering's reduction scratch."""
+    keys = max(KEYS_PER_STEP, block_size)
+    buffers = (ROWS * head_dim * itemsize + 2 * BUFFERS * keys * head_dim * itemsize
+               + ROWS * head_dim * 4)
+    return buffers + (1 + 2 * BUFFERS) * BARRIER_BYTES + REDUCTION_SMEM
 
 
 def unsupported(*, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int,
@@ -60,6 +76,11 @@ def unsupported(*, head_dim: int, block_size: int, num_heads: int, num_kv_heads:
         return f"block_size must divide {KEYS_PER_STEP} or be a multiple of it, got {block_size}"
     if num_heads // num_kv_heads > ROWS:
         return f"at most {ROWS} query heads per KV head, got {num_heads // num_kv_heads}"
+    need = smem_bytes(head_dim=head_dim, block_size=block_size,
+                      itemsize=jnp.dtype(dtype).itemsize)
+    if need > SMEM_LIMIT:
+        return (f"head_dim {head_dim} with {block_size}-token pages needs {need:,} bytes of "
+                f"shared memory, over the {SMEM_LIMIT:,} a block may use")
     return None
 
 
@@ -110,7 +131,7 @@ def _launch(q_packed, k_pages, v_pages, tables, lens, *, num_splits: int, sm_sca
             plgpu.barrier_wait(k_bar.at[slot])
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
             scores = pl.run_scoped(qk, plgpu.ACC((ROWS, keys_per_step), jnp.float32))
@@ -173,30 +194,21 @@ def _launch(q_packed, k_pages, v_pages, tables, lens, *, num_splits: int, sm_sca
     )(q_packed, k_pages, v_pages, tables, lens)
 
 
-def ragged_paged_attention_mosaic_gpu(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [num_blocks, page_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, page_size, Hkv, D]
-    block_tables: jax.Array,  # [S, max_blocks] int32
-    kv_lens: jax.Array,  # [S] int32
-    cu_seqlens_q: jax.Array,  # [S + 1] int32
-    num_seqs: jax.Array,  # scalar int32
-    sm_scale: float,
-    plan: gpu_plan_lib.GpuPlan,
-) -> jax.Array:  # [T, Hq, D]
-    """Decode-only batches (every chunk has at most one query row)."""
+def ragged_paged_attention_mosaic_gpu(inputs: AttentionInputs,
+                                      plan: gpu_plan_lib.GpuPlan) -> jax.Array:  # [T, Hq, D]
+    """Decode-only batches (every chunk has at most one query row), plain calls only."""
+    q, cu_seqlens_q, num_seqs = inputs.q, inputs.cu_seqlens_q, inputs.num_seqs
     t, hq, d = q.shape
-    s_bucket = block_tables.shape[0]
-    hkv = k_pages.shape[2]
+    s_bucket, hkv = inputs.seq_bucket, inputs.num_kv_heads
     g = hq // hkv
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]  # [S]
     live = (jnp.arange(s_bucket) < num_seqs) & (q_lens == 1)
     rows = jnp.clip(cu_seqlens_q[:-1], 0, t - 1)  # [S] each sequence's query row
     q_seq = jnp.where(live[:, None, None], q[rows], 0).reshape(s_bucket, hkv, g, d)
     q_packed = jnp.pad(q_seq, ((0, 0), (0, 0), (0, ROWS - g), (0, 0)))  # [S, Hkv, 64, D]
-    lens = jnp.where(live, kv_lens, 0).astype(jnp.int32)
-    o, m, l = _launch(q_packed, k_pages, v_pages, block_tables.astype(jnp.int32), lens,
-                      num_splits=plan.num_splits, sm_scale=sm_scale)
+    lens = jnp.where(live, inputs.kv_lens, 0).astype(jnp.int32)
+    o, m, l = _launch(q_packed, inputs.k_pages, inputs.v_pages, inputs.block_tables, lens,
+                      num_splits=plan.num_splits, sm_scale=inputs.sm_scale)
     out = gpu_plan_lib.combine_splits(o, m, l)  # [Hkv, S, 64, D]
     out = out[:, :, :g].transpose(1, 0, 2, 3).reshape(s_bucket, hq, d).astype(q.dtype)
     full = jnp.zeros((t, hq, d), q.dtype).at[jnp.where(live, rows, t)].set(out, mode="drop")

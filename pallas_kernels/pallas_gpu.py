@@ -42,6 +42,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import plan as plan_lib
+from pallas_kernels.attention_inputs import AttentionInputs
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: masked-row max stays finite
 LOG2E = math.log2(math.e)
@@ -218,40 +219,28 @@ def _launch(meta, is_split, window, tables, scales, q_packed, k_pages, v_pages, 
     )(*metadata, tables, scales, q_packed, k_pages, v_pages)
 
 
-def ragged_paged_attention_pallas_gpu(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [num_blocks, page_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, page_size, Hkv, D]
-    block_tables: jax.Array,  # [S, max_blocks] int32
-    kv_lens: jax.Array,  # [S] int32
-    cu_seqlens_q: jax.Array,  # [S + 1] int32
-    num_seqs: jax.Array,  # scalar int32
-    sm_scale: float,
-    plan: gpu_plan_lib.GpuPlan,
-    *,
-    sliding_window: jax.Array | None = None,  # [] int32, may be traced
-    logit_softcap: float | None = None,  # static
-    interpret: bool = False,
-    k_scale: jax.Array | None = None,  # [] float32; pages hold k / k_scale
-    v_scale: jax.Array | None = None,  # [] float32
-) -> jax.Array:  # [T, Hq, D]
+def ragged_paged_attention_pallas_gpu(inputs: AttentionInputs, plan: gpu_plan_lib.GpuPlan, *,
+                                      interpret: bool = False) -> jax.Array:  # [T, Hq, D]
+    """See `pallas_kernels.ragged_paged_attention`; `plan` from `gpu_plan.make_gpu_plan`.
+    Pages may be float8_e4m3fn with `inputs.k_scale` / `v_scale` (pages hold k / k_scale)."""
+    q, k_pages, v_pages = inputs.q, inputs.k_pages, inputs.v_pages
+    cu_seqlens_q, num_seqs, window = inputs.cu_seqlens_q, inputs.num_seqs, inputs.sliding_window
     t, hq, _ = q.shape
     num_blocks, _, hkv, _ = k_pages.shape
-    max_blocks = block_tables.shape[1]
-    window = None if sliding_window is None else jnp.asarray(sliding_window, jnp.int32)
-    meta = plan_lib.tile_metadata(plan.tiles, kv_lens, cu_seqlens_q, num_seqs)
+    meta = plan_lib.tile_metadata(plan.tiles, inputs.kv_lens, cu_seqlens_q, num_seqs)
     meta = plan_lib.longest_first(plan.tiles, meta, window)
     split = gpu_plan_lib.split_sequences(plan, cu_seqlens_q, num_seqs)  # [S]
     is_split = split[meta.seq] & (jnp.arange(plan.tiles.num_tiles) < meta.num_live)  # [W]
-    pad = (-max_blocks) % plan.tiles.pages_per_step
+    pad = (-inputs.max_blocks) % plan.tiles.pages_per_step
     # Entries past a sequence's pages may hold anything: clip them in bounds.
-    tables = jnp.pad(jnp.clip(block_tables, 0, num_blocks - 1), ((0, 0), (0, pad)))
+    tables = jnp.pad(jnp.clip(inputs.block_tables, 0, num_blocks - 1), ((0, 0), (0, pad)))
     q_packed = gpu_plan_lib.pack_queries(q, plan, hkv)  # [Hkv, rows_total, D]
     one = jnp.float32(1.0)
-    scales = jnp.stack([jnp.asarray(one if k_scale is None else k_scale, jnp.float32),
-                        jnp.asarray(one if v_scale is None else v_scale, jnp.float32)])  # [2]
+    scales = jnp.stack([one if inputs.k_scale is None else inputs.k_scale,
+                        one if inputs.v_scale is None else inputs.v_scale])  # [2] float32
     outs = _launch(meta, is_split, window, tables, scales, q_packed, k_pages, v_pages,
-                   plan=plan, sm_scale=sm_scale, softcap=logit_softcap, interpret=interpret)
+                   plan=plan, sm_scale=inputs.sm_scale, softcap=inputs.logit_softcap,
+                   interpret=interpret)
     out = gpu_plan_lib.unpack_output(outs[0], t, hq)  # [T, Hq, D]
     if plan.num_splits > 1:
         combined = gpu_plan_lib.combine_splits(*outs[1:])  # [Hkv, split_total, D]

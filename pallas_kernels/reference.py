@@ -10,41 +10,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.attention_inputs import AttentionInputs
 
-def ragged_paged_attention_reference(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
-    block_tables: jax.Array,  # [S, max_blocks] int32
-    kv_lens: jax.Array,  # [S] int32
-    cu_seqlens_q: jax.Array,  # [S + 1] int32
-    num_seqs: jax.Array | int,  # scalar int32
-    sm_scale: float,
-    *,
-    sliding_window: jax.Array | int | None = None,  # scalar
-    logit_softcap: float | None = None,
-    k_scale: jax.Array | float | None = None,  # scalar
-    v_scale: jax.Array | float | None = None,  # scalar
-) -> jax.Array:  # [T, Hq, D]
-    if any(isinstance(x, jax.core.Tracer)
-           for x in (q, num_seqs, sliding_window, k_scale, v_scale)):
+
+def ragged_paged_attention_reference(inputs: AttentionInputs) -> jax.Array:  # [T, Hq, D]
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(inputs)):
         raise TypeError('impl="reference" reads concrete values on the host; '
                         "it cannot run under jit")
+    q, sliding_window, logit_softcap = inputs.q, inputs.sliding_window, inputs.logit_softcap
+    k_scale, v_scale, sm_scale = inputs.k_scale, inputs.v_scale, np.float32(inputs.sm_scale)
     t, hq, d = q.shape
-    block_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    block_size, hkv = inputs.block_size, inputs.num_kv_heads
     group = hq // hkv
     q_host = np.asarray(q.astype(jnp.float32))
-    k_host = np.asarray(k_pages.astype(jnp.float32))
-    v_host = np.asarray(v_pages.astype(jnp.float32))
+    k_host = np.asarray(inputs.k_pages.astype(jnp.float32))
+    v_host = np.asarray(inputs.v_pages.astype(jnp.float32))
     if k_scale is not None:  # quantized pages hold value / scale
         k_host = k_host * np.float32(k_scale)
     if v_scale is not None:
         v_host = v_host * np.float32(v_scale)
-    block_tables = np.asarray(block_tables)
-    kv_lens = np.asarray(kv_lens)
-    cu = np.asarray(cu_seqlens_q)
+    block_tables = np.asarray(inputs.block_tables)
+    kv_lens = np.asarray(inputs.kv_lens)
+    cu = np.asarray(inputs.cu_seqlens_q)
     out = np.zeros((t, hq, d), np.float32)
-    for s in range(int(num_seqs)):
+    for s in range(int(inputs.num_seqs)):
         q_start, q_end = int(cu[s]), int(cu[s + 1])
         q_len, kv_len = q_end - q_start, int(kv_lens[s])
         if q_len == 0:
@@ -55,7 +44,7 @@ def ragged_paged_attention_reference(
         pages = block_tables[s, keys // block_size]
         k = np.repeat(k_host[pages, keys % block_size], group, axis=1)  # [K, Hq, D]
         v = np.repeat(v_host[pages, keys % block_size], group, axis=1)  # [K, Hq, D]
-        scores = np.einsum("qhd,khd->hqk", q_host[q_start:q_end], k) * np.float32(sm_scale)
+        scores = np.einsum("qhd,khd->hqk", q_host[q_start:q_end], k) * sm_scale
         if logit_softcap is not None:
             scores = np.float32(logit_softcap) * np.tanh(scores / np.float32(logit_softcap))
         # Bottom-right causal: row i sits at absolute position kv_len - q_len + i.

@@ -3,7 +3,8 @@
 `make_batch` builds one ragged paged-attention input from a list of
 `(q_len, kv_len)` pairs, the way the runner pads a step to its buckets:
 sequence rows past `num_seqs` and query rows past `cu_seqlens_q[num_seqs]`
-are padding. `make_device_batch`, `attention_work` and `time_ms` serve the
+are padding. `Batch.args()` gives its arrays in `ragged_paged_attention`'s
+order, `Batch.inputs(...)` the `AttentionInputs` the implementations take. `make_device_batch`, `attention_work` and `time_ms` serve the
 benchmarks (`scripts/bench_kernels.py`, `scripts/gpu_check.py`).
 """
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import paging, plan
+from pallas_kernels.attention_inputs import AttentionInputs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,8 +31,17 @@ class Batch:
     num_seqs: jax.Array  # scalar int32
 
     def args(self) -> tuple[jax.Array, ...]:
+        """The arrays in `ragged_paged_attention`'s order."""
         return (self.q, self.k_pages, self.v_pages, self.block_tables, self.kv_lens,
                 self.cu_seqlens_q, self.num_seqs)
+
+    def inputs(self, **settings) -> AttentionInputs:
+        """The batch as one call's inputs; `settings` are `AttentionInputs.create`'s
+        (sm_scale, sliding_window, logit_softcap, k_scale, v_scale, max_q_len)."""
+        return AttentionInputs.create(
+            q=self.q, k_pages=self.k_pages, v_pages=self.v_pages, block_tables=self.block_tables,
+            kv_lens=self.kv_lens, cu_seqlens_q=self.cu_seqlens_q, num_seqs=self.num_seqs,
+            **settings)
 
 
 def make_batch(

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import plan as plan_lib
-from pallas_kernels.options import AttentionOptions
+from pallas_kernels.attention_inputs import AttentionInputs
 
 ROW_WIDTHS = (1, 8, 32, 128)  # static tile widths a tile may shrink to
 
@@ -35,29 +35,26 @@ ROW_WIDTHS = (1, 8, 32, 128)  # static tile widths a tile may shrink to
 def _tile_attention(
     rows: int,  # static width of this branch
     tiles: plan_lib.TilePlan,
+    inputs: AttentionInputs,  # the pages, the options and sm_scale
     q: jax.Array,  # [T + block_q, Hq, D] padded
-    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
     table: jax.Array,  # [max_blocks_padded] this sequence's pages
     q_start: jax.Array,  # scalar: first flat row
     first_pos: jax.Array,  # scalar: absolute position of the first row
     kv_len: jax.Array,  # scalar
     n_rows: jax.Array,  # scalar: real rows, <= rows
-    sm_scale: float,
-    opts: AttentionOptions,
 ) -> jax.Array:  # [rows, Hq, D] float32
     _, hq, d = q.shape
-    hkv = k_pages.shape[2]
+    hkv = inputs.num_kv_heads
     group = hq // hkv
     bk, pps = tiles.block_k, tiles.pages_per_step
     r = jnp.arange(rows)
     pos = jnp.where(r < n_rows, first_pos + r, -1)  # [rows]; idle rows see no key
-    qt = jax.lax.dynamic_slice_in_dim(q, q_start, rows).astype(jnp.float32) * sm_scale
+    qt = jax.lax.dynamic_slice_in_dim(q, q_start, rows).astype(jnp.float32) * inputs.sm_scale
     qt = jnp.where((r < n_rows)[:, None, None], qt, 0)  # [rows, Hq, D], NaN-free
     qt = qt.reshape(rows, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, rows * group, d)
     pos_m = jnp.repeat(pos, group)  # [M] with M = rows * G, row-major (row, g)
     _, total = plan_lib.kv_steps(tiles, first_pos, n_rows)
-    start = jnp.minimum(plan_lib.window_start(tiles, first_pos, opts.sliding_window), total)
+    start = jnp.minimum(plan_lib.window_start(tiles, first_pos, inputs.sliding_window), total)
 
     def step(i, carry):
         m, l, acc = carry  # [Hkv, M], [Hkv, M], [Hkv, M, D]
@@ -65,13 +62,13 @@ def _tile_attention(
         keys = i * bk + jnp.arange(bk)  # [bk]
         # Keys the tile may read: below kv_len and not older than row 0's window (later
         # rows' windows start later). Others may hold anything, NaN included.
-        key_ok = (keys < kv_len) & opts.in_window(keys, first_pos)
-        k = k_pages[pages].reshape(bk, hkv, d).transpose(1, 0, 2)  # [Hkv, bk, D]
-        v = v_pages[pages].reshape(bk, hkv, d).transpose(1, 0, 2)  # [Hkv, bk, D]
-        k, v = opts.dequantize(k, v)  # float32
+        key_ok = (keys < kv_len) & inputs.in_window(keys, first_pos)
+        k = inputs.k_pages[pages].reshape(bk, hkv, d).transpose(1, 0, 2)  # [Hkv, bk, D]
+        v = inputs.v_pages[pages].reshape(bk, hkv, d).transpose(1, 0, 2)  # [Hkv, bk, D]
+        k, v = inputs.dequantize(k, v)  # float32
         v = jnp.where(key_ok[None, :, None], v, 0)
-        s = opts.softcap(jnp.einsum("hmd,hkd->hmk", qt, k))  # [Hkv, M, bk]
-        ok = key_ok[None, :] & opts.visible(keys[None, :], pos_m[:, None])  # [M, bk]
+        s = inputs.softcap(jnp.einsum("hmd,hkd->hmk", qt, k))  # [Hkv, M, bk]
+        ok = key_ok[None, :] & inputs.visible(keys[None, :], pos_m[:, None])  # [M, bk]
         s = jnp.where(ok, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)
@@ -89,26 +86,16 @@ def _tile_attention(
     return o.reshape(hkv, rows, group, d).transpose(1, 0, 2, 3).reshape(rows, hq, d)
 
 
-def ragged_paged_attention_xla(
-    q: jax.Array,  # [T, Hq, D]
-    k_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
-    v_pages: jax.Array,  # [num_blocks, block_size, Hkv, D]
-    block_tables: jax.Array,  # [S, max_blocks] int32
-    kv_lens: jax.Array,  # [S] int32
-    cu_seqlens_q: jax.Array,  # [S + 1] int32
-    num_seqs: jax.Array,  # scalar int32
-    sm_scale: float,
-    tiles: plan_lib.TilePlan,
-    opts: AttentionOptions,
-) -> jax.Array:  # [T, Hq, D]
+def ragged_paged_attention_xla(inputs: AttentionInputs,
+                               tiles: plan_lib.TilePlan) -> jax.Array:  # [T, Hq, D]
+    q = inputs.q  # [T, Hq, D]
     t, hq, d = q.shape
-    max_blocks = block_tables.shape[1]
-    num_blocks = k_pages.shape[0]
     bq = tiles.block_q
-    meta = plan_lib.tile_metadata(tiles, kv_lens, cu_seqlens_q, num_seqs)
-    pad = (-max_blocks) % tiles.pages_per_step
+    meta = plan_lib.tile_metadata(tiles, inputs.kv_lens, inputs.cu_seqlens_q, inputs.num_seqs)
+    pad = (-inputs.max_blocks) % tiles.pages_per_step
     # Clipping keeps table entries past kv_len (whatever they hold) in bounds.
-    tables = jnp.pad(jnp.clip(block_tables, 0, num_blocks - 1), ((0, 0), (0, pad)))
+    tables = jnp.pad(jnp.clip(inputs.block_tables, 0, inputs.k_pages.shape[0] - 1),
+                     ((0, 0), (0, pad)))
     q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))  # [T + bq, Hq, D]
     widths = tuple(w for w in ROW_WIDTHS if w < bq) + (bq,)
 
@@ -117,9 +104,8 @@ def ragged_paged_attention_xla(
         n_rows = jnp.minimum(meta.q_end[w] - q_start, bq)
 
         def attend_and_write(width, out):
-            o = _tile_attention(width, tiles, q_pad, k_pages, v_pages, tables[meta.seq[w]],
-                                q_start, meta.first_pos[w], meta.kv_len[w], n_rows, sm_scale,
-                                opts)
+            o = _tile_attention(width, tiles, inputs, q_pad, tables[meta.seq[w]], q_start,
+                                meta.first_pos[w], meta.kv_len[w], n_rows)
             old = jax.lax.dynamic_slice_in_dim(out, q_start, width)
             new = jnp.where((jnp.arange(width) < n_rows)[:, None, None], o.astype(out.dtype), old)
             return jax.lax.dynamic_update_slice_in_dim(out, new, q_start, 0)

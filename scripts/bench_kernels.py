@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 import pallas_kernels
-from pallas_kernels import gpu_plan, pallas_gpu, testing
+from pallas_kernels import api, pallas_gpu, testing
 
 _IMPL = flags.DEFINE_enum("impl", "auto", ["auto", "xla", "pallas_gpu"],
                           "implementation to time (auto: pallas_gpu on GPU, xla elsewhere)")
@@ -110,12 +110,11 @@ def case_work(case: Case, itemsize: int) -> tuple[float, float]:
                                   itemsize=itemsize)
 
 
-def make_paged_batch(case: Case, block_size: int, dtype, key) -> tuple[tuple, jax.Array]:
-    """Device-side paged inputs (bucket-padded like the runner) and the dense K/V source."""
-    batch = testing.make_device_batch(list(case.seqs), num_heads=case.num_heads,
-                                      num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
-                                      block_size=block_size, dtype=dtype, key=key)
-    return batch.args(), batch.block_tables[:len(case.seqs)]
+def make_paged_batch(case: Case, block_size: int, dtype, key) -> testing.Batch:
+    """Device-side paged inputs, bucket-padded like the runner."""
+    return testing.make_device_batch(list(case.seqs), num_heads=case.num_heads,
+                                     num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
+                                     block_size=block_size, dtype=dtype, key=key)
 
 
 def time_fn(fn, args, warmup: int, iters: int) -> float:
@@ -123,14 +122,15 @@ def time_fn(fn, args, warmup: int, iters: int) -> float:
     return testing.time_ms(fn, args, warmup=warmup, iters=iters)
 
 
-def dense_inputs(case: Case, paged_args: tuple, tables: jax.Array, block_size: int):
+def dense_inputs(case: Case, batch: testing.Batch, block_size: int):
     """Comparable dense tensors: one `[B, L, H, D]` batch per case kind.
 
     Prefill: the chunk's queries over all its keys (bottom-right causal mask). Decode: one
     query per sequence over equal-length keys. Mixed: the prefill and decode parts are
     timed as two dense calls.
     """
-    q, k_pages, v_pages = paged_args[:3]
+    q, k_pages, v_pages = batch.q, batch.k_pages, batch.v_pages
+    tables = batch.block_tables[:len(case.seqs)]
 
     def keys_of(s, kv_len):  # [kv_len, Hkv, D] gathered once, outside the timing
         idx = jnp.arange(kv_len)
@@ -161,28 +161,24 @@ def dense_attention(q, k, v, *, q_len: int, kv_len: int):
     return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None])
 
 
-def kernel_fn(case: Case, cfg: BenchConfig, args: tuple):
-    """The jitted attention call of one case, with the tuned GPU plan if asked for."""
+def kernel_fn(case: Case, cfg: BenchConfig, batch: testing.Batch):
+    """The jitted attention call of one case (with the tuned GPU plan if asked for) and its
+    arguments."""
     if not cfg.gpu_tuning:
         return jax.jit(functools.partial(pallas_kernels.ragged_paged_attention,
                                          impl=cfg.impl, max_q_len=case.max_q_len,
-                                         interpret=cfg.interpret))
+                                         interpret=cfg.interpret)), batch.args()
     if cfg.impl != "pallas_gpu":
         raise app.UsageError("--gpu_* tuning flags need --impl=pallas_gpu")
-    q, k_pages, _, tables = args[:4]
-    plan = gpu_plan.make_gpu_plan(
-        num_tokens=q.shape[0], num_seqs=tables.shape[0], num_heads=q.shape[1],
-        num_kv_heads=k_pages.shape[2], head_dim=q.shape[2], page_size=k_pages.shape[1],
-        max_blocks=tables.shape[1], max_q_len=case.max_q_len or q.shape[0],
-        itemsize=q.dtype.itemsize, **dict(cfg.gpu_tuning))
-    return jax.jit(functools.partial(pallas_gpu.ragged_paged_attention_pallas_gpu,
-                                     sm_scale=q.shape[2]**-0.5, plan=plan,
-                                     interpret=cfg.interpret))
+    inputs = batch.inputs(max_q_len=case.max_q_len)
+    plan = api.gpu_plan_for(inputs, **dict(cfg.gpu_tuning))
+    return jax.jit(functools.partial(pallas_gpu.ragged_paged_attention_pallas_gpu, plan=plan,
+                                     interpret=cfg.interpret)), (inputs,)
 
 
 def run_case(case: Case, cfg: BenchConfig, dtype, key) -> dict:
-    args, tables = make_paged_batch(case, cfg.block_size, dtype, key)
-    attention = kernel_fn(case, cfg, args)
+    batch = make_paged_batch(case, cfg.block_size, dtype, key)
+    attention, args = kernel_fn(case, cfg, batch)
     ms = time_fn(attention, args, cfg.warmup, cfg.iters)
     flops, kv_bytes = case_work(case, jnp.dtype(dtype).itemsize)
     floor_s = max(flops / (cfg.peak_tflops * 1e12), kv_bytes / (cfg.peak_tbps * 1e12))
@@ -195,11 +191,11 @@ def run_case(case: Case, cfg: BenchConfig, dtype, key) -> dict:
                    cfg.peak_tbps * 1e12) else "memory")
     if cfg.dense:
         dense_ms = 0.0
-        for q, k, v, q_len, kv_len in dense_inputs(case, args, tables, cfg.block_size):
+        for q, k, v, q_len, kv_len in dense_inputs(case, batch, cfg.block_size):
             fn = jax.jit(functools.partial(dense_attention, q_len=q_len, kv_len=kv_len))
             dense_ms += time_fn(fn, (q, k, v), cfg.warmup, cfg.iters)
         row.update(dense_ms=dense_ms, dense_tflops=flops / dense_ms / 1e9)
-    del args, tables
+    del args, batch
     return row
 
 

@@ -25,7 +25,7 @@ import arcjax
 from arcjax import SamplingParams
 
 _MODEL = flags.DEFINE_string("model", None, "model directory (default: the tiny GQA Llama "
-                             "of tests/hf_models.py)")
+                             "of tests/support/hf_models.py)")
 _SIZES = flags.DEFINE_list("sizes", ["1", "2", "4"], "tensor_parallel_size values")
 _REPEATS = flags.DEFINE_integer("repeats", 4, "interleaved rounds")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 24, "tokens generated per prompt and round")
@@ -43,7 +43,7 @@ def main(_):
         from pathlib import Path
 
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        from hf_models import tiny_model_dir
+        from support.hf_models import tiny_model_dir
 
         model = tiny_model_dir("LlamaForCausalLM")
     sizes = [int(s) for s in _SIZES.value]

@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags
 
-from pallas_kernels import gpu_plan, lowering, pallas_gpu, triton_gpu
+from pallas_kernels import api, gpu_plan, lowering, pallas_gpu, triton_gpu
+from pallas_kernels.attention_inputs import AttentionInputs
 
 _ONLY = flags.DEFINE_list("only", [], "only variants whose name starts with one of these")
 _OUT = flags.DEFINE_string("out", None, "write the table as JSON here")
@@ -104,8 +105,8 @@ def variants() -> list[Variant]:
     return out
 
 
-def plan_and_args(v: Variant):
-    """The GPU plan and abstract kernel inputs of a variant."""
+def plan_and_inputs(v: Variant) -> tuple[gpu_plan.GpuPlan, AttentionInputs]:
+    """The GPU plan and abstract kernel inputs (`jax.ShapeDtypeStruct` fields) of a variant."""
     if v.decode_only:
         num_tokens, num_seqs, max_kv = 256, 256, 2048
     else:
@@ -114,28 +115,24 @@ def plan_and_args(v: Variant):
     max_blocks = max_kv // v.page_size
     num_blocks = num_seqs * max_blocks // 4
     dtype = jnp.dtype(v.dtype)
-    plan = gpu_plan.make_gpu_plan(
-        num_tokens=num_tokens, num_seqs=num_seqs, num_heads=hq, num_kv_heads=hkv, head_dim=d,
-        page_size=v.page_size, max_blocks=max_blocks,
-        max_q_len=1 if v.decode_only else num_tokens, itemsize=dtype.itemsize,
-        **dict(v.tuning))
-    i32 = jnp.int32
+    sds, i32, f32 = jax.ShapeDtypeStruct, jnp.int32, jnp.float32
     kv_dtype = jnp.dtype(v.kv_dtype or v.dtype)
-    args = (jax.ShapeDtypeStruct((num_tokens, hq, d), dtype),
-            jax.ShapeDtypeStruct((num_blocks, v.page_size, hkv, d), kv_dtype),
-            jax.ShapeDtypeStruct((num_blocks, v.page_size, hkv, d), kv_dtype),
-            jax.ShapeDtypeStruct((num_seqs, max_blocks), i32),
-            jax.ShapeDtypeStruct((num_seqs,), i32),
-            jax.ShapeDtypeStruct((num_seqs + 1,), i32),
-            jax.ShapeDtypeStruct((), i32))
-    return plan, args
+    scale = sds((), f32) if v.kv_dtype else None  # quantized pages carry their scales
+    pages = sds((num_blocks, v.page_size, hkv, d), kv_dtype)
+    inputs = AttentionInputs.create(
+        q=sds((num_tokens, hq, d), dtype), k_pages=pages, v_pages=pages,
+        block_tables=sds((num_seqs, max_blocks), i32), kv_lens=sds((num_seqs,), i32),
+        cu_seqlens_q=sds((num_seqs + 1,), i32), num_seqs=sds((), i32),
+        sliding_window=sds((), i32) if v.window else None,
+        logit_softcap=50.0 if v.softcap else None, k_scale=scale, v_scale=scale,
+        max_q_len=1 if v.decode_only else num_tokens)
+    return api.gpu_plan_for(inputs, **dict(v.tuning)), inputs
 
 
 def triton_ir(v: Variant) -> tuple[gpu_plan.GpuPlan, str]:
-    plan, args = plan_and_args(v)
+    plan, inputs = plan_and_inputs(v)
     with lowering.capture_triton_ir() as modules:
-        lowering.lower_for_cuda(pallas_gpu.ragged_paged_attention_pallas_gpu, *args,
-                                sm_scale=v.head_dim**-0.5, plan=plan)
+        lowering.lower_for_cuda(pallas_gpu.ragged_paged_attention_pallas_gpu, inputs, plan=plan)
     if len(modules) != 1:
         raise RuntimeError(f"{v.name}: expected one Triton kernel, lowered {len(modules)}")
     return plan, modules[0].ir
@@ -152,13 +149,10 @@ def triton_source(v: Variant, triton):
 
     from pallas_kernels import triton_kernel
 
-    plan, args = plan_and_args(v)
-    q, k_pages, v_pages, block_tables = args[:4]
-    params = triton_gpu.launch_params(
-        q, k_pages, block_tables, plan, sm_scale=v.head_dim**-0.5,
-        sliding_window=4096 if v.window else None, logit_softcap=50.0 if v.softcap else None,
-        interpret=False)
-    outs = triton_gpu.output_shapes(q, k_pages, block_tables, plan)
+    plan, inputs = plan_and_inputs(v)
+    q, k_pages, v_pages = inputs.q, inputs.k_pages, inputs.v_pages
+    params = triton_gpu.launch_params(inputs, plan, interpret=False)
+    outs = triton_gpu.output_shapes(inputs, plan)
     arrays = dict(meta_ptr=jnp.int32, scalars_ptr=jnp.int32, scales_ptr=jnp.float32,
                   tables_ptr=jnp.int32, q_ptr=q.dtype, k_ptr=k_pages.dtype, v_ptr=v_pages.dtype,
                   o_ptr=outs[0].dtype, op_ptr=outs[1].dtype, mp_ptr=outs[2].dtype,

@@ -1,28 +1,191 @@
-"""Kernel sections of `scripts/gpu_check.py`: every GPU attention implementation against
-the oracle, then timed.
+"""Kernel tasks of `scripts/gpu_check.py` (each runs in its own process, gpu_child.py).
 
-  - correctness: fresh random ragged batches (NaN-poisoned unowned pages, padding rows
-    that must come out as exact zeros) through the Pallas kernel (default tiling and two
-    alternatives), the Triton kernel and the Mosaic GPU kernel (decode cases); an
-    implementation whose every case passed on the GPU is recorded as verified.
-  - kernel_table: prefill TFLOP/s, decode TB/s (and the fraction of the 4.8 TB/s
-    datasheet), a mixed batch; Llama-8B heads.
+  - `correctness` (one implementation per task): fresh random ragged batches against the
+    oracle: ragged prefill, mixed prefill+decode (a decode row long enough to split),
+    decode-only, sliding windows, soft-caps, float8 pages with k/v scales, GQA 4 and 8,
+    pages of 16 and 32 tokens; bf16, and f32 for the precision rule. Unowned pages and
+    slots past kv_len are NaN, padding rows must come out as exact zeros. Each case
+    belongs to a shape class (`pallas_kernels.verified.ShapeClass`): what a passing run
+    records.
+  - `table` (one implementation per task): the kernel table on Llama-8B heads (32:8,
+    D=128, 16-token pages): prefill chunks of 2,048 and 8,192 tokens (TFLOP/s), decode
+    256 x 2k, 64 x 8k and 128 x 450 (one layer of the burst: 128 users, 450 tokens
+    each), a mixed batch (bytes/s); `params["tilings"] == "alternatives"` times the
+    alternative tilings of the Pallas and Triton kernels instead (and checks each
+    against the default tiling's output).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gpu_check import CheckConfig, Report
+    from gpu_child import Emitter, Task
 
-DATASHEET_TBPS = 4.8  # H200 HBM3e
+LLAMA8B_HEADS = (32, 8, 128)  # Hq, Hkv, D: GQA 4
+GQA8_HEADS = (32, 4, 128)
+SMOKE_HEADS = (4, 2, 64)
+TOLERANCES = {"bfloat16": 3e-2, "float32": 2e-5}  # tests/support/attention_batches.py
+FP8_SCALES = (0.05, 0.25)  # k, v
 
-LLAMA8B_HEADS = (32, 8, 128)  # Hq, Hkv, D
-TARGETS = dict(prefill_tflops=430.0, decode_tbps_fraction=0.8)  # issue 16, H200
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CorrectnessCase:
+    name: str
+    seqs: tuple[tuple[int, int], ...]  # (q_len, kv_len)
+    heads: tuple[int, int, int] = LLAMA8B_HEADS
+    block_size: int = 16
+    dtype: str = "bfloat16"
+    decode: bool = False  # a decode-only batch (max_q_len=1)
+    window: int | None = None
+    softcap: float | None = None
+    fp8: bool = False
+    quick: bool = False  # runs in every implementation's interpreter in the CPU smoke
+
+    @property
+    def plain(self) -> bool:
+        return self.window is None and self.softcap is None and not self.fp8
+
+    @property
+    def shape(self):
+        from pallas_kernels.verified import ShapeClass
+
+        hq, hkv, d = self.heads
+        return ShapeClass(head_dim=d, page_size=self.block_size, gqa=hq // hkv,
+                          window=self.window is not None, softcap=self.softcap is not None,
+                          fp8=self.fp8)
+
+
+def correctness_cases(smoke: bool) -> list[CorrectnessCase]:
+    if smoke:
+        mixed = ((9, 30), (1, 70), (0, 5), (1, 3), (1, 4100))
+        h = SMOKE_HEADS
+        return [CorrectnessCase(name="mixed_bf16", seqs=mixed, heads=h, quick=True),
+                CorrectnessCase(name="mixed_f32", seqs=mixed, heads=h, dtype="float32"),
+                CorrectnessCase(name="decode_bf16", seqs=((1, 90), (1, 17), (1, 1)), heads=h,
+                                decode=True),
+                CorrectnessCase(name="fp8_window_softcap", seqs=((9, 30), (1, 70), (1, 40)),
+                                heads=h, window=16, softcap=30.0, fp8=True, quick=True)]
+    prefill = ((300, 300), (129, 129), (37, 37), (0, 9), (512, 512), (1, 1))
+    mixed = ((300, 700), (1, 513), (37, 37), (0, 9), (1, 9000), (129, 1000))
+    decode = ((1, 900), (1, 17), (1, 3000), (1, 1), (0, 5), (1, 4500))
+    return [
+        CorrectnessCase(name="prefill_g4_p16", seqs=prefill),
+        CorrectnessCase(name="mixed_g4_p16", seqs=mixed),
+        CorrectnessCase(name="mixed_g4_p16_f32", seqs=mixed, dtype="float32"),
+        CorrectnessCase(name="decode_g4_p16", seqs=decode, decode=True),
+        CorrectnessCase(name="mixed_g8_p32", seqs=mixed, heads=GQA8_HEADS, block_size=32),
+        CorrectnessCase(name="decode_g8_p32", seqs=decode, heads=GQA8_HEADS, block_size=32,
+                        decode=True),
+        CorrectnessCase(name="window_softcap_mixed", seqs=mixed, window=200, softcap=30.0),
+        CorrectnessCase(name="window_decode", seqs=decode, window=500, decode=True),
+        CorrectnessCase(name="fp8_mixed", seqs=mixed, fp8=True),
+        CorrectnessCase(name="fp8_decode", seqs=decode, fp8=True, decode=True),
+    ]
+
+
+def unsupported(impl: str, case: CorrectnessCase) -> str | None:
+    """Why `impl` does not implement `case` (a skip that does not block its record)."""
+    if impl == "mosaic_gpu":
+        if not case.decode:
+            return "mosaic_gpu serves decode-only batches"
+        if not case.plain or case.dtype != "bfloat16":
+            return "mosaic_gpu: plain bf16/f16 batches only"
+    return None
+
+
+def unavailable(impl: str, smoke: bool) -> str | None:
+    """Why `impl` cannot run here at all (nothing runs, nothing is recorded)."""
+    from pallas_kernels import impl_unavailable
+
+    return impl_unavailable(impl, interpret=smoke, platform=None if smoke else "gpu")
+
+
+def _inputs(case: CorrectnessCase, seed: int):
+    """(the case's `AttentionInputs`, the oracle's output, real rows)."""
+    import jax.numpy as jnp
+    import ml_dtypes
+    import numpy as np
+
+    from pallas_kernels import paged_attention
+    from pallas_kernels.testing import make_batch
+
+    hq, hkv, d = case.heads
+    batch = make_batch(list(case.seqs), num_heads=hq, num_kv_heads=hkv, head_dim=d,
+                       block_size=case.block_size,
+                       num_tokens=sum(q for q, _ in case.seqs) + 7, seq_bucket=len(case.seqs) + 2,
+                       dtype=jnp.dtype(case.dtype), nan_fill=True, seed=seed)
+    scales = {}
+    if case.fp8:
+        fp8, top = jnp.float8_e4m3fn, float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+        ks, vs = FP8_SCALES
+        k_pages, v_pages = (jnp.clip(p.astype(jnp.float32) / s, -top, top).astype(fp8)
+                            for p, s in ((batch.k_pages, ks), (batch.v_pages, vs)))
+        batch = dataclasses.replace(batch, k_pages=k_pages, v_pages=v_pages)
+        scales = dict(k_scale=ks, v_scale=vs)
+    # The window and the scales are pytree leaves: traced under jit, as in the engine.
+    inputs = batch.inputs(sliding_window=case.window, logit_softcap=case.softcap,
+                          max_q_len=1 if case.decode else None, **scales)
+    ref = paged_attention(inputs, impl="reference")
+    return inputs, np.asarray(ref, np.float32), int(batch.cu_seqlens_q[batch.num_seqs])
+
+
+def _call(impl: str, smoke: bool):
+    """The dispatch for `impl` (`paged_attention`), jitted over the whole `AttentionInputs`."""
+    import jax
+
+    from pallas_kernels import paged_attention
+
+    return jax.jit(functools.partial(paged_attention, impl=impl, interpret=smoke))
+
+
+def _compare(out, ref, real: int) -> dict:
+    import numpy as np
+
+    err = np.abs(out[:real] - ref[:real]) / (1 + np.abs(ref[:real]))
+    return dict(nan=bool(np.isnan(out).any()), padding_exact_zero=bool((out[real:] == 0).all()),
+                max_rel_err=float(np.nanmax(err)) if err.size else 0.0)
+
+
+def correctness(task: Task, emit: Emitter) -> dict:
+    import jax
+    import numpy as np
+
+    impl = task.name
+    seed = int(time.time()) % 2**16  # fresh inputs every run; recorded to replay
+    why_not = unavailable(impl, task.smoke)
+    for case in correctness_cases(task.smoke):
+        row = dict(impl=impl, case=case.name, shape_class=case.shape.key, dtype=case.dtype,
+                   decode=case.decode, tolerance=TOLERANCES[case.dtype], seed=seed)
+        if unsupported(impl, case) is not None:
+            emit.row(row | dict(skipped=unsupported(impl, case), blocks_record=False))
+            continue
+        if why_not is not None or task.seconds_left() < 5:
+            emit.row(row | dict(skipped=why_not or "time budget spent", blocks_record=True))
+            continue
+        if task.smoke and impl != "pallas_gpu" and not case.quick:
+            emit.row(row | dict(skipped="cpu smoke: the interpreter runs the quick cases only",
+                                blocks_record=False))
+            continue
+        emit.start(case.name)
+        start = time.perf_counter()
+        try:
+            inputs, ref, real = _inputs(case, seed)
+            out = np.asarray(_call(impl, task.smoke)(inputs), np.float32)
+            row.update(_compare(out, ref, real))
+            row["ok"] = (not row["nan"] and row["padding_exact_zero"]
+                         and row["max_rel_err"] <= row["tolerance"])
+        except Exception as e:  # noqa: BLE001 - a kernel that fails is a result
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:400]}")
+        emit.row(row | dict(seconds=round(time.perf_counter() - start, 2)))
+    return dict(device_kind=jax.devices()[0].device_kind, backend=jax.default_backend(),
+                seed=seed)
+
+
+# --- the kernel table -----------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelCase:
@@ -39,241 +202,112 @@ class KernelCase:
 
 def kernel_cases(smoke: bool) -> list[KernelCase]:
     if smoke:
-        heads = (4, 2, 64)
-        return [KernelCase(name="prefill_c64", kind="prefill", seqs=((64, 64),), heads=heads),
-                KernelCase(name="decode_4x96", kind="decode", seqs=((1, 96),) * 4, heads=heads),
+        h = SMOKE_HEADS
+        return [KernelCase(name="prefill_c64", kind="prefill", seqs=((64, 64),), heads=h),
+                KernelCase(name="decode_4x96", kind="decode", seqs=((1, 96),) * 4, heads=h),
                 KernelCase(name="mixed_c40_plus3", kind="mixed",
-                           seqs=((40, 72),) + ((1, 50),) * 2 + ((1, 4100),), heads=heads)]
+                           seqs=((40, 72),) + ((1, 50),) * 2 + ((1, 4100),), heads=h)]
     return [KernelCase(name="prefill_c2048", kind="prefill", seqs=((2048, 2048),)),
             KernelCase(name="prefill_c8192", kind="prefill", seqs=((8192, 8192),)),
             KernelCase(name="decode_256x2k", kind="decode", seqs=((1, 2048),) * 256),
             KernelCase(name="decode_64x8k", kind="decode", seqs=((1, 8192),) * 64),
-            # A later 2k chunk, 62 decodes at 2k and one long (32k) decode row.
+            # one layer of the burst's decode steps: 128 users, 380-token prompts + 64 new
+            KernelCase(name="decode_128x450", kind="decode", seqs=((1, 450),) * 128),
+            # a later 2k chunk, 62 decodes at 2k and one long (32k) decode row
             KernelCase(name="mixed_c2048_plus63", kind="mixed",
                        seqs=((2048, 6144),) + ((1, 2048),) * 62 + ((1, 32768),))]
 
 
-def tilings(kind: str) -> dict[str, dict[str, int]]:
-    """make_gpu_plan overrides: the default and two alternatives per kind.
-
-    `m64_stages2` / `stages2` is the tiling before issue 16 (64-row tiles, 2 stages)
-    on today's kernel, so every table shows what the new defaults buy.
-    """
+def alternative_tilings(kind: str) -> dict[str, dict[str, int]]:
+    """make_gpu_plan overrides beside the default. `m64_stages2` / `stages2` is the tiling
+    before issue 16 (64-row tiles, 2 stages); `nosplit`: what split-K costs a prefill and
+    buys a mixed batch with a long decode row."""
     if kind == "decode":
-        return {"default": {}, "stages2": {"num_stages": 2}, "k128": {"block_k": 128}}
-    # nosplit: what the decode rows' split-K costs a prefill (its extra programs exit at
-    # once) and buys a mixed batch with a long decode row.
-    return {"default": {}, "m64_stages2": {"block_m": 64, "num_stages": 2},
-            "nosplit": {"num_splits": 1}}
+        return {"stages2": {"num_stages": 2}, "k128": {"block_k": 128}}
+    return {"m64_stages2": {"block_m": 64, "num_stages": 2}, "nosplit": {"num_splits": 1}}
 
 
-def correctness_cases(smoke: bool) -> list[tuple[str, list[tuple[int, int]], str]]:
-    """(name, seqs, dtype): ragged mixes with decode rows, later chunks and an idle row.
-
-    Each mixed batch has a decode row long enough (> 2 * MIXED_SPLIT_STEPS key steps)
-    for the default plan to split it.
-    """
-    if smoke:
-        mixed = [(9, 30), (1, 70), (0, 5), (1, 3), (1, 4100)]
-        return [("mixed_bf16", mixed, "bfloat16"), ("mixed_f32", mixed, "float32")]
-    mixed = [(300, 700), (1, 513), (37, 37), (0, 9), (1, 9000), (129, 1000)]
-    return [("mixed_bf16", mixed, "bfloat16"), ("mixed_f32", mixed, "float32"),
-            ("decode_bf16", [(1, 900), (1, 17), (1, 3000), (1, 1)], "bfloat16")]
-
-
-
-def _plan(*, heads, block_size, tuning, max_q_len, batch):
-    """The default plan of `batch` with `tuning` applied (make_gpu_plan overrides)."""
-    from pallas_kernels import gpu_plan
-
-    hq, hkv, d = heads
-    return gpu_plan.make_gpu_plan(
-        num_tokens=batch.q.shape[0], num_seqs=batch.block_tables.shape[0], num_heads=hq,
-        num_kv_heads=hkv, head_dim=d, page_size=block_size,
-        max_blocks=batch.block_tables.shape[1], max_q_len=max_q_len or batch.q.shape[0],
-        itemsize=batch.q.dtype.itemsize, **tuning)
-
-
-def _kernel(plan, head_dim: int, interpret: bool):
-    import functools
-
+def _tiled_fn(impl: str, plan, smoke: bool):
+    """`impl`'s kernel with an explicit plan (the alternative tilings), jitted; it takes
+    the batch's `AttentionInputs`."""
     import jax
 
-    from pallas_kernels import pallas_gpu
+    from pallas_kernels import pallas_gpu, triton_gpu
 
-    return jax.jit(functools.partial(pallas_gpu.ragged_paged_attention_pallas_gpu,
-                                     sm_scale=head_dim**-0.5, plan=plan, interpret=interpret))
-
-
-def _runs(cfg: CheckConfig, tiling: str) -> bool:
-    """The CPU smoke runs only the default tiling (interpret mode compiles slowly);
-    the alternatives' plans are still built, so a bad override fails there too."""
-    return not cfg.cpu_smoke or tiling == "default"
+    kernel = (pallas_gpu.ragged_paged_attention_pallas_gpu if impl == "pallas_gpu"
+              else triton_gpu.ragged_paged_attention_triton)
+    return jax.jit(functools.partial(kernel, plan=plan, interpret=smoke))
 
 
-def _impl_fn(impl: str, cfg: CheckConfig, max_q_len: int | None):
-    """The public entry point for `impl`, jitted (its default plan)."""
-    import functools
-
-    import jax
-
-    from pallas_kernels import ragged_paged_attention
-
-    return jax.jit(functools.partial(ragged_paged_attention, impl=impl,
-                                     interpret=cfg.cpu_smoke, max_q_len=max_q_len))
-
-
-def _impl_skip(impl: str, cfg: CheckConfig, kind: str) -> str | None:
-    """Why `impl` does not run a `kind` case here, or None."""
-    if impl == "mosaic_gpu" and kind != "decode":
+def _runs(impl: str, case: KernelCase, alternatives: bool, smoke: bool):
+    """[(tiling, tuning)] this task times for `case`, or a reason it times none."""
+    if impl == "mosaic_gpu" and case.kind != "decode":
         return "mosaic_gpu serves decode-only batches"
-    if impl == "mosaic_gpu" and cfg.cpu_smoke:
-        return "mosaic_gpu has no interpret mode (GPU only)"
-    from pallas_kernels import backends
-
-    if impl == "triton" and not cfg.cpu_smoke and backends.triton_unavailable():
-        return backends.triton_unavailable()
-    if impl == "mosaic_gpu" and backends.mosaic_gpu_unavailable():
-        return backends.mosaic_gpu_unavailable()
-    return None
-
-
-def _compare(out, ref, real: int) -> dict:
-    import numpy as np
-
-    err = np.abs(out[:real] - ref[:real]) / (1 + np.abs(ref[:real]))
-    return dict(nan=bool(np.isnan(out).any()), padding_exact_zero=bool((out[real:] == 0).all()),
-                max_rel_err=float(np.nanmax(err)) if err.size else 0.0)
+    if alternatives:
+        if impl == "mosaic_gpu":
+            return "mosaic_gpu has one tiling"
+        if smoke and case.kind != "decode":
+            return "cpu smoke: one alternative tiling of the decode case only"
+        tilings = list(alternative_tilings(case.kind).items())
+        return tilings[:1] if smoke else tilings
+    if smoke and impl != "pallas_gpu" and case.kind != "decode":
+        return "cpu smoke: the interpreter times the decode case only"
+    return [("default", {})]
 
 
-def correctness(cfg: CheckConfig) -> dict:
-    import jax.numpy as jnp
-    import numpy as np
-
-    from pallas_kernels import ragged_paged_attention
-    from pallas_kernels.testing import make_batch
-
-    tolerances = {"bfloat16": 3e-2, "float32": 2e-5}  # tests/test_kernels_attention.py
-    heads = (4, 2, 64) if cfg.cpu_smoke else LLAMA8B_HEADS
-    seed = int(time.time()) % 2**16  # fresh inputs every run; recorded to replay
-    rows = []
-    for name, seqs, dtype in correctness_cases(cfg.cpu_smoke):
-        batch = make_batch(seqs, num_heads=heads[0], num_kv_heads=heads[1], head_dim=heads[2],
-                           block_size=16, num_tokens=sum(q for q, _ in seqs) + 7,
-                           seq_bucket=len(seqs) + 2, dtype=jnp.dtype(dtype), nan_fill=True,
-                           seed=seed)
-        ref = np.asarray(ragged_paged_attention(*batch.args(), impl="reference"), np.float32)
-        real = int(batch.cu_seqlens_q[batch.num_seqs])
-        for tiling, tuning in tilings("mixed" if name.startswith("mixed") else "decode").items():
-            plan = _plan(heads=heads, block_size=16, tuning=tuning, batch=batch,
-                         max_q_len=1 if name.startswith("decode") else None)
-            if not _runs(cfg, tiling):
-                continue
-            if "pallas_gpu" not in cfg.impls:
-                break
-            out = np.asarray(_kernel(plan, heads[2], cfg.cpu_smoke)(*batch.args()), np.float32)
-            row = dict(impl="pallas_gpu", case=name, tiling=tiling, dtype=dtype, seed=seed,
-                       num_splits=plan.num_splits, rows=plan.rows,
-                       tolerance=tolerances[dtype], **_compare(out, ref, real))
-            row["ok"] = (not row["nan"] and row["padding_exact_zero"]
-                         and row["max_rel_err"] <= row["tolerance"])
-            rows.append(row)
-        kind = "decode" if name.startswith("decode") else "mixed"
-        for impl in (i for i in cfg.impls if i != "pallas_gpu"):
-            row = dict(impl=impl, case=name, tiling="default", dtype=dtype, seed=seed,
-                       tolerance=tolerances[dtype])
-            skip = _impl_skip(impl, cfg, kind)
-            if cfg.cpu_smoke and dtype == "float32":  # Triton's interpreter is slow: one case
-                skip = skip or "cpu smoke: the bfloat16 case only"
-            if skip:
-                rows.append(row | dict(skipped=skip))
-                continue
-            try:
-                fn = _impl_fn(impl, cfg, 1 if kind == "decode" else None)
-                out = np.asarray(fn(*batch.args()), np.float32)
-            except Exception as e:  # noqa: BLE001 - a kernel that fails is a result
-                rows.append(row | dict(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}"))
-                continue
-            row.update(_compare(out, ref, real))
-            row["ok"] = (not row["nan"] and row["padding_exact_zero"]
-                         and row["max_rel_err"] <= row["tolerance"])
-            rows.append(row)
-    ran = [r for r in rows if "skipped" not in r]
-    section = dict(ok=all(r["ok"] for r in ran), rows=rows)
-    if not cfg.cpu_smoke:
-        section["recorded"] = record_verified(cfg, ran)
-    return section
-
-
-def record_verified(cfg: CheckConfig, rows: list[dict]) -> list[dict]:
-    """Records every implementation whose cases all passed on this GPU (`verified`)."""
-    from pallas_kernels import backends, verified
-
-    done = []
-    for impl in sorted({r["impl"] for r in rows}):
-        mine = [r for r in rows if r["impl"] == impl]
-        if mine and all(r["ok"] for r in mine):
-            done.append(verified.record_pass(impl, backends.device_kind(), cases=len(mine),
-                                             path=cfg.record))
-    return done
-
-
-def kernel_table(cfg: CheckConfig, report: Report) -> dict:
+def table(task: Task, emit: Emitter) -> dict:
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
-    from pallas_kernels import testing
+    from gpu_bench import time_call
+    from pallas_kernels import api, paged_attention, testing
 
-    dtype = jnp.bfloat16
-    rows = []
-    for i, case in enumerate(kernel_cases(cfg.cpu_smoke)):
+    impl, alternatives = task.name, task.params.get("tilings") == "alternatives"
+    why_not = unavailable(impl, task.smoke)
+    for i, case in enumerate(kernel_cases(task.smoke)):
+        runs = _runs(impl, case, alternatives, task.smoke)
+        base = dict(impl=impl, case=case.name, kind=case.kind)
+        if isinstance(runs, str) or why_not is not None:
+            emit.row(base | dict(tiling="default", skipped=why_not or runs))
+            continue
         hq, hkv, d = case.heads
         batch = testing.make_device_batch(list(case.seqs), num_heads=hq, num_kv_heads=hkv,
-                                          head_dim=d, block_size=case.block_size, dtype=dtype,
-                                          key=jax.random.key(i))
+                                          head_dim=d, block_size=case.block_size,
+                                          dtype=jnp.bfloat16, key=jax.random.key(i))
         flops, kv_bytes = testing.attention_work(list(case.seqs), num_heads=hq,
                                                  num_kv_heads=hkv, head_dim=d, itemsize=2)
-        runs = [("pallas_gpu", t, tuning) for t, tuning in tilings(case.kind).items()
-                if "pallas_gpu" in cfg.impls]
-        runs += [(impl, "default", {}) for impl in cfg.impls if impl != "pallas_gpu"]
-        for impl, tiling, tuning in runs:
-            row = dict(impl=impl, case=case.name, kind=case.kind, tiling=tiling, tuning=tuning)
-            skip = "time budget spent" if report.elapsed() > cfg.budget_s else None
-            skip = skip or (None if impl == "pallas_gpu" else _impl_skip(impl, cfg, case.kind))
-            if cfg.cpu_smoke and impl != "pallas_gpu" and case.kind != "decode":
-                skip = skip or "cpu smoke: the decode case only"  # the interpreter is slow
-            if skip:
-                rows.append(row | dict(skipped=skip))
+        default_out = None
+        if alternatives:
+            default_out = np.asarray(jax.jit(functools.partial(
+                paged_attention, impl=impl, interpret=task.smoke))(
+                    batch.inputs(max_q_len=case.max_q_len)), np.float32)
+        for tiling, tuning in runs:
+            row = base | dict(tiling=tiling, tuning=tuning)
+            if task.seconds_left() < 5:
+                emit.row(row | dict(skipped="time budget spent"))
                 continue
+            emit.start(f"{case.name}/{tiling}")
             try:
-                plan = _plan(heads=case.heads, block_size=case.block_size, tuning=tuning,
-                             max_q_len=case.max_q_len, batch=batch)
-                if not _runs(cfg, tiling):
-                    rows.append(row | dict(skipped="cpu smoke: plan built, not run"))
-                    continue
-                warmup, iters = (0, 1) if cfg.cpu_smoke else (2, 10)
-                fn = (_kernel(plan, d, cfg.cpu_smoke) if impl == "pallas_gpu"
-                      else _impl_fn(impl, cfg, case.max_q_len))
-                ms = testing.time_ms(fn, batch.args(), warmup=warmup, iters=iters)
-            except Exception as e:  # noqa: BLE001 - a tiling that fails is a result
-                rows.append(row | dict(error=f"{type(e).__name__}: {str(e)[:300]}"))
+                inputs = batch.inputs(max_q_len=case.max_q_len)
+                plan = api.gpu_plan_for(inputs, **tuning)
+                fn = (_tiled_fn(impl, plan, task.smoke) if alternatives else jax.jit(
+                    functools.partial(paged_attention, impl=impl, interpret=task.smoke)))
+                timing = time_call(fn, (inputs,), smoke=task.smoke)
+                if default_out is not None:
+                    out = np.asarray(fn(inputs), np.float32)
+                    row["max_diff_vs_default"] = float(np.nanmax(np.abs(out - default_out)))
+            except Exception as e:  # noqa: BLE001 - a kernel or tiling that fails is a result
+                emit.row(row | dict(error=f"{type(e).__name__}: {str(e)[:300]}"))
                 continue
-            row.update(ms=ms, tflops=flops / ms / 1e9, tbps=kv_bytes / ms / 1e9,
-                       of_datasheet_bw=kv_bytes / ms / 1e9 / DATASHEET_TBPS,
-                       rows=plan.rows, block_k=plan.tiles.block_k, num_splits=plan.num_splits,
-                       num_warps=plan.num_warps, num_stages=plan.num_stages)
-            if case.kind == "prefill":
-                row["target"] = f">= {TARGETS['prefill_tflops']:.0f} TFLOP/s"
-                row["meets_target"] = row["tflops"] >= TARGETS["prefill_tflops"]
-            elif case.kind == "decode":
-                goal = TARGETS["decode_tbps_fraction"] * cfg.peak_tbps
-                row["target"] = f">= {goal:.2f} TB/s"
-                row["meets_target"] = row["tbps"] >= goal
-            rows.append(row)
-            print(f"  {case.name:22s} {impl:11s} {tiling:12s} {ms:9.3f} ms", flush=True)
-            # Written row by row: a run cut short by the time limit keeps what it measured.
-            report.add("kernel_table", dict(ok=True, partial=True, rows=rows))
+            row |= timing | dict(tflops=flops / timing["ms"] / 1e9,
+                                 tbps=kv_bytes / timing["ms"] / 1e9)
+            if impl != "mosaic_gpu":
+                row |= dict(rows=plan.rows, block_k=plan.tiles.block_k,
+                            num_splits=plan.num_splits, num_warps=plan.num_warps,
+                            num_stages=plan.num_stages)
+            emit.row(row)
+            print(f"  {case.name:22s} {impl:11s} {tiling:12s} {timing['ms']:9.3f} ms",
+                  flush=True)
         del batch
-    errors = [r for r in rows if "error" in r]
-    # Targets are recorded, not enforced: missing one is a finding, not a broken run.
-    return dict(ok=not errors, dtype="bfloat16", rows=rows)
+    return dict(backend=jax.default_backend())

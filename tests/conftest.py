@@ -5,16 +5,15 @@ NOTE: every XLA:CPU executable maps its code and data in hundreds of small regio
 engine step of a tiny test model: ~600), and Linux refuses a process more than
 `vm.max_map_count` (65,530 by default) mappings: past that, the next compile dies with a
 segmentation fault inside XLA. Engines built by `build_engine` share their compiled steps
-through `runner.SHARED_EXECUTABLES`, and test modules keep engines in module-level caches,
-so nothing compiled in the suite was ever freed: it crossed the limit about half-way. After
-each test module, when the process holds more than MAX_MAPPINGS regions, the shared
-executables, the test modules' cached engines and JAX's caches are dropped (later modules
-compile what they need again).
+through `executable_cache.SHARED_EXECUTABLES`, and test modules keep engines in caches that outlive
+them, so nothing compiled in the suite was ever freed: it crossed the limit about half-way.
+After each test module, when the process holds more than MAX_MAPPINGS regions, the shared
+executables, every cache registered with `support.device_caches` (the cached engines and
+loaded params) and JAX's caches are dropped (later modules compile what they need again).
 """
 
 import gc
 import os
-import sys
 
 import pytest
 
@@ -39,14 +38,11 @@ def _mappings() -> int | None:
 def _free_compiled_steps() -> None:
     import jax
 
-    from arcjax.runtime import runner
+    from arcjax.runtime import executable_cache
+    from support.device_caches import clear_device_caches
 
-    for name, module in list(sys.modules.items()):
-        if name.startswith("test_") and module is not None:
-            for value in list(vars(module).values()):
-                if callable(getattr(value, "cache_clear", None)):
-                    value.cache_clear()
-    runner.SHARED_EXECUTABLES.clear()
+    clear_device_caches()
+    executable_cache.SHARED_EXECUTABLES.clear()
     jax.clear_caches()
     gc.collect()
 

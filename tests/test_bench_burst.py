@@ -18,7 +18,7 @@ import scheduler
 from arcjax.bench import burst, costmodel
 from arcjax.engine.tokenizer import Tokenizer
 from scheduler.simulate import CostModel, RequestRecord, simulate
-from hf_models import tiny_model_with_tokenizer
+from support.hf_models import tiny_model_with_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "bench_burst.py")

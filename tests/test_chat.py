@@ -5,7 +5,7 @@ import pytest
 
 from arcjax.engine.build import default_model_path
 from arcjax.entrypoints.chat_template import ChatTemplate, ChatTemplateError
-from hf_models import tiny_model_with_tokenizer, tiny_model_with_chat_template
+from support.hf_models import tiny_model_with_tokenizer, tiny_model_with_chat_template
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
           "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"

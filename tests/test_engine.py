@@ -1,7 +1,6 @@
 """The engine end to end on tiny random-weight models: exactness across schedules (and
 against transformers), sampling, stop conditions, warm-up, bad input, abort, trace."""
 
-import functools
 import json
 
 import numpy as np
@@ -12,33 +11,13 @@ from hypothesis import strategies as st
 import arcjax
 from arcjax import LLM, RequestError, SamplingParams, UnknownRequestError
 from arcjax.errors import RequestTooLargeError
-from hf_models import hf_greedy, tiny_model_dir, tiny_model_with_tokenizer
-
-ARCH = "LlamaForCausalLM"
-PROMPT_LENS = (3, 17, 40, 9, 66, 1, 25)
-MAX_TOKENS = 8
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-# One cache geometry for every engine here, so compiled steps are shared between them.
-GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
-                attention_impl="xla")
-
-
-def _prompts():
-    rs = np.random.RandomState(11)
-    return [rs.randint(3, 384, n).tolist() for n in PROMPT_LENS]
-
-
-@functools.lru_cache(maxsize=None)
-def _expected(arch=ARCH):
-    return [hf_greedy(tiny_model_dir(arch), p, MAX_TOKENS) for p in _prompts()]
-
-
-def _llm(arch=ARCH, **options):
-    return LLM(tiny_model_dir(arch), **{**GEOMETRY, **options})
+from support.engines import ARCH, GEOMETRY, GREEDY, MAX_TOKENS, PROMPT_LENS, engine_prompts
+from support.engines import expected_greedy, tiny_llm
+from support.hf_models import tiny_model_dir, tiny_model_with_tokenizer
 
 
 def _run_greedy(llm):
-    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    outs = llm.generate(engine_prompts(), GREEDY, use_tqdm=False)
     assert llm.engine.blocks_in_use() == 0
     llm.engine.check_trace()
     return [list(o.token_ids) for o in outs]
@@ -60,36 +39,37 @@ def test_greedy_is_identical_under_every_schedule_and_equals_transformers(schedu
     options, tile, budget = schedule
     if options.get("long_prefill_token_threshold", 0) and options["long_prefill_token_threshold"] < tile:
         options = {**options, "long_prefill_token_threshold": tile}
-    llm = _llm(chunk_tile=tile, max_num_batched_tokens=budget, **options)
-    assert _run_greedy(llm) == _expected()
+    llm = tiny_llm(chunk_tile=tile, max_num_batched_tokens=budget, **options)
+    assert _run_greedy(llm) == expected_greedy()
 
 
 @pytest.mark.parametrize("policy", ["prefill_first", "token_budget"])
 def test_tiny_kv_cache_forces_preemption_and_keeps_outputs(policy):
     # 12 blocks of 8 tokens: the 66+8-token prompt alone needs 10, so sequences must
     # be preempted and recomputed.
-    llm = _llm(num_kv_blocks=12, chunk_tile=16, max_num_batched_tokens=128, policy=policy)
-    assert _run_greedy(llm) == _expected()
+    llm = tiny_llm(num_kv_blocks=12, chunk_tile=16, max_num_batched_tokens=128, policy=policy)
+    assert _run_greedy(llm) == expected_greedy()
     preempted = sum(len(r.engaged["preempted"]) for r in llm.engine.trace)
     assert preempted > 0
 
 
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen2ForCausalLM"])
 def test_other_architectures_match_transformers(arch):
-    llm = _llm(arch, chunk_tile=16, max_num_batched_tokens=64)
-    assert _run_greedy(llm) == _expected(arch)
+    llm = tiny_llm(arch, chunk_tile=16, max_num_batched_tokens=64)
+    assert _run_greedy(llm) == expected_greedy(arch)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():
-    llm = _llm(chunk_tile=16, max_num_batched_tokens=128)
+    llm = tiny_llm(chunk_tile=16, max_num_batched_tokens=128)
     p = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
-    prompt = _prompts()[2]
+    prompt = engine_prompts()[2]
     alone = llm.generate([prompt], p, use_tqdm=False)[0].token_ids
     noisy = [SamplingParams(max_tokens=5 + i, temperature=0.7, ignore_eos=True) for i in range(4)]
-    batch = llm.generate(_prompts()[:4] + [prompt], noisy + [p], use_tqdm=False)
+    batch = llm.generate(engine_prompts()[:4] + [prompt], noisy + [p], use_tqdm=False)
     assert batch[-1].token_ids == alone
     top1 = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_k=1, ignore_eos=True)
-    assert [list(o.token_ids) for o in llm.generate(_prompts(), top1, use_tqdm=False)] == _expected()
+    outs = llm.generate(engine_prompts(), top1, use_tqdm=False)
+    assert [list(o.token_ids) for o in outs] == expected_greedy()
 
 
 def test_stop_token_ids_and_stop_strings():
@@ -119,7 +99,7 @@ def test_stop_token_ids_and_stop_strings():
 
 def test_no_compile_after_warmup_on_a_varied_workload():
     # A cache geometry no other test uses, so every executable is compiled here.
-    llm = _llm(chunk_tile=32, max_num_batched_tokens=128, max_num_seqs=8, num_kv_blocks=97)
+    llm = tiny_llm(chunk_tile=32, max_num_batched_tokens=128, max_num_seqs=8, num_kv_blocks=97)
     llm.warmup()
     runner = llm.engine.runner
     assert runner.num_executables == len(runner.buckets.all()) == 7  # 4 decode, 3 mixed
@@ -140,8 +120,8 @@ def test_no_compile_after_warmup_on_a_varied_workload():
 
 
 def test_bad_input_is_rejected_with_typed_errors_and_others_continue():
-    llm = _llm(chunk_tile=16, max_num_batched_tokens=128)
-    llm.add_request(_prompts()[1], GREEDY, request_id="good")
+    llm = tiny_llm(chunk_tile=16, max_num_batched_tokens=128)
+    llm.add_request(engine_prompts()[1], GREEDY, request_id="good")
     cases = [
         ([], GREEDY, "empty"),
         ([5] * 300, GREEDY, "max_model_len"),
@@ -157,7 +137,7 @@ def test_bad_input_is_rejected_with_typed_errors_and_others_continue():
         llm.add_request([5, 6], GREEDY, request_id="good")
     with pytest.raises(UnknownRequestError, match="nope"):
         llm.abort("nope")
-    small = _llm(num_kv_blocks=4, chunk_tile=16, max_num_batched_tokens=128)
+    small = tiny_llm(num_kv_blocks=4, chunk_tile=16, max_num_batched_tokens=128)
     with pytest.raises(RequestTooLargeError, match="can never fit") as err:
         small.add_request([5] * 30, SamplingParams(max_tokens=10))
     assert err.value.field == "max_tokens" and err.value.limit == 4 * 8 + 1
@@ -165,18 +145,18 @@ def test_bad_input_is_rejected_with_typed_errors_and_others_continue():
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
     with pytest.raises(RequestError):  # a batch with one bad prompt queues nothing
-        llm.generate([_prompts()[0], []], GREEDY, use_tqdm=False)
+        llm.generate([engine_prompts()[0], []], GREEDY, use_tqdm=False)
     outs = []
     while llm.has_unfinished():
         outs += [o for o in llm.step() if o.finished]
     assert [o.request_id for o in outs] == ["good"]
-    assert list(outs[0].token_ids) == _expected()[1]
+    assert list(outs[0].token_ids) == expected_greedy()[1]
     assert llm.engine.blocks_in_use() == 0
 
 
 def test_abort_frees_blocks_at_once():
-    llm = _llm(chunk_tile=16, max_num_batched_tokens=64)
-    ids = [llm.add_request(p, GREEDY) for p in _prompts()]
+    llm = tiny_llm(chunk_tile=16, max_num_batched_tokens=64)
+    ids = [llm.add_request(p, GREEDY) for p in engine_prompts()]
     llm.step()
     llm.step()
     assert llm.engine.blocks_in_use() > 0
@@ -190,16 +170,16 @@ def test_abort_frees_blocks_at_once():
     aborted = {rid for rid, o in finished.items() if o.finish_reason == "abort"}
     assert aborted == set(ids[::2])
     for i in range(1, len(ids), 2):
-        assert list(finished[ids[i]].token_ids) == _expected()[i]
+        assert list(finished[ids[i]].token_ids) == expected_greedy()[i]
     assert llm.engine.blocks_in_use() == 0
     with pytest.raises(UnknownRequestError):
         llm.abort(ids[1])
 
 
 def test_trace_metrics_summary_and_jsonl(tmp_path):
-    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, prefill_max_seqs=2,
+    llm = tiny_llm(chunk_tile=16, max_num_batched_tokens=64, prefill_max_seqs=2,
                long_prefill_token_threshold=32, attention_impl="auto")  # xla's executables
-    outs = llm.generate(_prompts(), GREEDY, use_tqdm=False)
+    outs = llm.generate(engine_prompts(), GREEDY, use_tqdm=False)
     for o in outs:
         m = o.metrics
         assert m.ttft > 0 and m.queue_time >= 0 and m.e2e_latency >= m.ttft
@@ -219,6 +199,9 @@ def test_trace_metrics_summary_and_jsonl(tmp_path):
     assert {(b["tokens"], b["seqs"], b["max_q_len"]) for b in attention["buckets"]} == {
         r.bucket for r in trace}
     assert sum(b["steps"] for b in attention["buckets"]) == len(trace)
+    # xla on the CPU: nothing a GPU record would vouch for, nothing unverified
+    assert attention["verified"] is True and "verify_command" not in attention
+    assert all(b["verified"] is None for b in attention["buckets"])
     llm.export_trace(tmp_path / "trace.jsonl")
     rows = [json.loads(line) for line in open(tmp_path / "trace.jsonl")]
     assert len(rows) == len(trace) and rows[0]["engaged"].keys() == trace[0].engaged.keys()
@@ -236,14 +219,14 @@ def test_engine_options_are_validated():
     from arcjax import EngineConfigError
 
     with pytest.raises(EngineConfigError, match="unknown engine option") as err:
-        _llm(max_batch_tokens=64)
+        tiny_llm(max_batch_tokens=64)
     assert err.value.field == "max_batch_tokens"
     with pytest.raises(EngineConfigError, match="attention_impl"):
-        _llm(attention_impl="reference")
+        tiny_llm(attention_impl="reference")
     with pytest.raises(EngineConfigError, match="max_model_len"):
         LLM(tiny_model_dir(ARCH), max_model_len=100_000)
     with pytest.raises(ValueError, match="chunk_tile"):  # the scheduler's own ConfigError
-        _llm(chunk_tile=256, max_num_batched_tokens=128)
+        tiny_llm(chunk_tile=256, max_num_batched_tokens=128)
 
 
 def test_persistent_compilation_cache_is_written_then_hit(tmp_path):

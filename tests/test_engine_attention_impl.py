@@ -23,8 +23,8 @@ from arcjax.model import decoder
 from arcjax.model.model_config import ModelConfig
 from arcjax.runtime.buckets import BucketSet
 from pallas_kernels import backends
-from test_engine import GEOMETRY
-from hf_models import tiny_model_dir
+from support.engines import GEOMETRY
+from support.hf_models import tiny_model_dir
 
 
 def _cfg(**changes) -> ModelConfig:
@@ -49,8 +49,8 @@ def _gpu(monkeypatch, *, pallas: str, triton: str | None, mosaic_verified: bool)
     monkeypatch.setattr(backends, "triton_unavailable", lambda: triton)
     monkeypatch.setattr(backends, "mosaic_gpu_unavailable", lambda: None)
     monkeypatch.setattr(backends, "device_kind", lambda: "NVIDIA H200")
-    monkeypatch.setattr(backends.verified, "has_passed",
-                        lambda impl, kind, path=None: mosaic_verified and impl == "mosaic_gpu")
+    monkeypatch.setattr(backends.verified, "has_passed", lambda impl, kind, shape=None, path=None:
+                        mosaic_verified and impl == "mosaic_gpu")
 
 
 def _summary(cfg, cache, *, dtype=jnp.bfloat16, impl="auto", platform="gpu") -> dict:
@@ -108,6 +108,87 @@ def test_explicit_and_cpu_resolution(monkeypatch):
     assert _summary(_cfg(), _cache(), platform="cpu") == {"decode": ["xla"], "prefill": ["xla"]}
     for impl in ("xla", "pallas_gpu", "triton"):
         assert _summary(_cfg(), _cache(), impl=impl) == {"decode": [impl], "prefill": [impl]}
+
+
+def _report(cfg, cache, *, dtype=jnp.bfloat16) -> dict:
+    """The attention report of every bucket of a small ladder on a simulated GPU, each
+    bucket resolved and checked against the records as the runner does."""
+    buckets = BucketSet.create(tile=16, max_tokens=32, max_seqs=8).all()
+    choices = {(b.tokens, b.seqs, b.max_q_len): decoder.attention_choice(
+        cache, cfg=cfg, attn_impl="auto", tokens=b.tokens, max_q_len=b.max_q_len, dtype=dtype,
+        platform="gpu") for b in buckets}
+    return attention_report("auto", {k: c.impl for k, c in choices.items()},
+                            verified={k: c.verified for k, c in choices.items()})
+
+
+def _simulated_gpu_with_records(monkeypatch, tmp_path) -> str:
+    """A GPU host where jax_triton launches, Pallas-Triton is deprecated, the Mosaic GPU
+    backend exists, and the GPU passes are the (real) records of a fresh file."""
+    monkeypatch.setattr(backends, "pallas_triton_state", lambda: "deprecated")
+    monkeypatch.setattr(backends, "triton_unavailable", lambda: None)
+    monkeypatch.setattr(backends, "mosaic_gpu_unavailable", lambda: None)
+    monkeypatch.setattr(backends, "device_kind", lambda: "NVIDIA H200")
+    path = str(tmp_path / "verified_kernels.json")
+    monkeypatch.setenv(backends.verified.ENV, path)
+    return path
+
+
+def test_auto_without_records_reports_unverified_and_the_command(monkeypatch, tmp_path):
+    _simulated_gpu_with_records(monkeypatch, tmp_path)
+    report = _report(_cfg(), _cache())
+    assert report["decode"] == ["triton"] and report["prefill"] == ["triton"]
+    assert report["verified"] is False and report["unverified"] == ["triton"]
+    assert report["verify_command"] == backends.verified.VERIFY_COMMAND
+    assert all(b["verified"] is False for b in report["buckets"])
+    # Records for this shape class (D=64, 16-token pages, GQA 2) vouch for the Triton
+    # kernel; a record of Mosaic GPU's decode pass moves the decode buckets to it.
+    shape = backends.verified.ShapeClass(head_dim=64, page_size=16, gqa=2)
+    explicit = dict(head_dim=64, block_size=16, max_q_len=None, num_heads=4, num_kv_heads=2)
+    assert pallas_kernels.choose_impl("triton", **explicit).verified is False
+    assert pallas_kernels.choose_impl("xla", **explicit).verified is None  # nothing to verify
+    backends.verified.record_pass("triton", "NVIDIA H200", {shape: 4})
+    report = _report(_cfg(), _cache())
+    assert report["verified"] is True and "verify_command" not in report
+    assert report["decode"] == ["triton"]
+    assert pallas_kernels.choose_impl("triton", **explicit).verified is True  # named, too
+    backends.verified.record_pass("mosaic_gpu", "NVIDIA H200", {shape: 2})
+    report = _report(_cfg(), _cache())
+    assert report["decode"] == ["mosaic_gpu"] and report["prefill"] == ["triton"]
+    assert report["verified"] is True
+    # Another shape class (a windowed model; FP8 pages) is not vouched for by them.
+    for cfg, cache in [(_cfg(**WINDOWED), _cache()),
+                       (_cfg(), _cache(kv_dtype=jnp.float8_e4m3fn, scaled=True))]:
+        report = _report(cfg, cache)
+        assert report["decode"] == ["triton"] and report["verified"] is False
+
+
+def test_auto_prefers_a_verified_kernel_over_an_unverified_one(monkeypatch, tmp_path):
+    _simulated_gpu_with_records(monkeypatch, tmp_path)
+    monkeypatch.setattr(backends, "pallas_triton_state", lambda: "current")
+    assert _report(_cfg(), _cache())["prefill"] == ["pallas_gpu"]  # today's first choice
+    shape = backends.verified.ShapeClass(head_dim=64, page_size=16, gqa=2)
+    backends.verified.record_pass("triton", "NVIDIA H200", {shape: 4})
+    report = _report(_cfg(), _cache())
+    assert report["prefill"] == ["triton"] and report["verified"] is True
+
+
+def test_runner_logs_an_unverified_kernel_once(monkeypatch, tmp_path, caplog):
+    _simulated_gpu_with_records(monkeypatch, tmp_path)
+    llm = LLM(tiny_model_dir("LlamaForCausalLM"), **{**GEOMETRY, "attention_impl": "xla"})
+    runner = llm.engine.runner
+    runner.attn_impl, runner.platform = "auto", "gpu"  # resolved as on a GPU host
+    runner.attention_impls.clear()
+    runner.attention_verified.clear()
+    with caplog.at_level("WARNING", logger="arcjax.runtime.runner"):
+        for bucket in runner.buckets.all():
+            runner._attention_impl(bucket)
+    notes = [r.getMessage() for r in caplog.records if "verified: false" in r.getMessage()]
+    assert len(notes) == 1 and backends.verified.VERIFY_COMMAND in notes[0], notes
+    assert 'impl="triton"' in notes[0]
+    report = attention_report(runner.attn_impl, dict(runner.attention_impls),
+                              verified=dict(runner.attention_verified))
+    assert report["verified"] is False and report["unverified"] == ["triton"]
+    assert len(report["buckets"]) == len(runner.buckets.all())
 
 
 def test_report_without_records_lists_every_compiled_bucket():

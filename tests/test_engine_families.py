@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from arcjax import LLM, SamplingParams
-from hf_models import NEW_ARCHS, WINDOW, hf_greedy, hf_logits, tiny_model_dir
-from hf_models import tiny_model_with_chat_template
+from support.device_caches import device_cache
+from support.hf_models import NEW_ARCHS, WINDOW, hf_greedy, hf_logits, tiny_model_dir
+from support.hf_models import tiny_model_with_chat_template
 
 HERE = Path(__file__).resolve().parent
 # One token bucket (32) for every chunk: each engine compiles few steps.
@@ -42,7 +43,7 @@ def _expected(arch: str, index: int) -> list[int]:
     return hf_greedy(tiny_model_dir(arch), _prompts()[index], MAX_TOKENS)
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache
 def _llm(arch: str, **options) -> LLM:
     return LLM(tiny_model_dir(arch), **{**GEOMETRY, **options})
 

@@ -1,7 +1,9 @@
 """A bounded fault soak: thousands of short requests, serial (threads stepping an `LLM`
-engine) then overlapped (`AsyncLLM` tasks), with faults injected at random into every stage
-of the step (planning, advancing, packing, launch, collect, commit, detokenization, the
-trace sink, request sinks), aborts, and a KV cache small enough to force preemption.
+engine with n-gram speculation) then overlapped (`AsyncLLM` tasks), with faults injected at
+random into every stage of the step (proposing drafts, planning, advancing, packing,
+launch, collect, appending tokens, commit, building the trace record, the trace sink,
+applying the finishes, detokenization, request sinks), aborts, and a KV cache small
+enough to force preemption.
 
 Every wait is bounded (no hung request), no KV block or request is left at the end, the
 engine stays alive, and every request a fault did not end equals the greedy reference.
@@ -17,14 +19,19 @@ import time
 
 import scheduler
 from arcjax import LLM, AsyncLLM, RequestError, SamplingParams
-from hf_models import tiny_model_dir
-from test_engine_soak import GEOMETRY, MAX_NEW, NUM_PROMPTS, _prompts, reference  # noqa: F401
+from support.hf_models import tiny_model_dir
+from support.soak_workload import GEOMETRY, MAX_NEW, NUM_PROMPTS, reference  # noqa: F401
+from support.soak_workload import soak_prompts as _prompts
 
 ARCH = "LlamaForCausalLM"
 PHASE_REQUESTS, PHASE_FAULTS = 1000, 25  # at least, per phase (serial, overlapped)
 PHASE_TIME_S = 150  # each phase stops submitting after this long (then the check fails)
 STEP_RATE, TOKEN_RATE, ABORT_RATE = 0.012, 0.0015, 0.05
 SUBMITTERS, TASKS = 4, 48
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 2, "disable_by_batch_size": None}  # exact: greedy unchanged
+STAGES = {"schedule", "pack", "launch", "collect", "append", "commit", "trace record",
+          "trace sink", "finish", "detokenize", "sink"}  # both phases
 
 
 class Faults:
@@ -49,15 +56,22 @@ class Faults:
         return faulty
 
     def install(self, monkeypatch, engine) -> None:
-        import arcjax.engine.core as core
+        import arcjax.engine.output_processor as output_processor
 
         for name in ("schedule", "advance", "commit"):
             monkeypatch.setattr(scheduler, name, self.wrap(name, getattr(scheduler, name)))
-        runner = engine.runner
-        for stage, name in (("pack", "prepare"), ("launch", "launch"), ("collect", "collect")):
-            monkeypatch.setattr(runner, name, self.wrap(stage, getattr(runner, name)))
-        monkeypatch.setattr(core, "append_token", self.wrap("detokenize", core.append_token,
-                                                            TOKEN_RATE))
+        core, runner = engine.core, engine.runner
+        for stage, obj, name in (("pack", runner, "prepare"), ("launch", runner, "launch"),
+                                 ("collect", runner, "collect"),
+                                 ("append", core.outputs, "append"),
+                                 ("trace record", core.trace, "step_record"),
+                                 ("finish", core.trace, "sampled")):
+            monkeypatch.setattr(obj, name, self.wrap(stage, getattr(obj, name)))
+        if core.speculator is not None:
+            monkeypatch.setattr(core.speculator, "drafts", self.wrap(
+                "propose", core.speculator.drafts))
+        monkeypatch.setattr(output_processor, "append_token", self.wrap(
+            "detokenize", output_processor.append_token, TOKEN_RATE))
         engine.trace_sink = self.wrap("trace sink", lambda record: None)
         real_add = engine.add_request
 
@@ -100,7 +114,8 @@ def test_fault_soak_serial_threads_then_overlapped_tasks(monkeypatch, reference)
     report = {}
 
     # --- serial: 4 threads submit, one thread steps ---------------------------------------
-    llm = LLM(tiny_model_dir(ARCH), **GEOMETRY, async_scheduling=False)
+    llm = LLM(tiny_model_dir(ARCH), **GEOMETRY, async_scheduling=False,
+              speculative_config=NGRAM)
     faults = Faults(1)
     faults.install(monkeypatch, llm.engine)
     finals, lock, errors = {}, threading.Lock(), []
@@ -161,6 +176,7 @@ def test_fault_soak_serial_threads_then_overlapped_tasks(monkeypatch, reference)
     assert not errors, errors[:5]
     assert len(finals) == submitted["requests"] >= PHASE_REQUESTS  # none hung
     assert sum(faults.fired.values()) >= PHASE_FAULTS
+    assert set(faults.fired) >= STAGES | {"propose"}, faults.fired
     _clean(llm.engine)
     report["serial"] = dict(requests=len(finals), faults=dict(faults.fired), **touched)
     monkeypatch.undo()
@@ -217,6 +233,4 @@ def test_fault_soak_serial_threads_then_overlapped_tasks(monkeypatch, reference)
     report["overlapped"] = dict(requests=count["requests"], faults=dict(faults.fired),
                                 **touched)
     print(f"\nfault soak: {report}; wall {time.perf_counter() - t0:.1f} s")
-    stages = set(report["serial"]["faults"]) | set(report["overlapped"]["faults"])
-    assert stages >= {"schedule", "pack", "launch", "collect", "commit", "trace sink",
-                      "detokenize", "sink", "advance"}, stages
+    assert set(report["overlapped"]["faults"]) >= STAGES | {"advance"}, report

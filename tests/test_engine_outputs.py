@@ -5,20 +5,20 @@ AsyncLLM's one-slot collector merging what a slow reader missed."""
 from __future__ import annotations
 
 import asyncio
-import functools
 
 import pytest
 
 from arcjax import (LLM, AsyncLLM, RequestOutputKind, SamplingParams, SamplingParamsError)
-from hf_models import tiny_model_with_tokenizer
-from test_engine import GEOMETRY
+from support.device_caches import device_cache
+from support.engines import GEOMETRY
+from support.hf_models import tiny_model_with_tokenizer
 
 CUMULATIVE, DELTA, FINAL_ONLY = (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA,
                                  RequestOutputKind.FINAL_ONLY)
 PROMPT = "def fibonacci(n):"
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache
 def _llm():
     return LLM(tiny_model_with_tokenizer("LlamaForCausalLM"), **GEOMETRY)
 

@@ -12,28 +12,16 @@ import pytest
 
 from arcjax import SamplingParams
 from arcjax.engine.trace import device_idle_gaps
-from hf_models import ARCHS, hf_greedy, tiny_model_dir
-from test_engine import _expected, _llm, _prompts
-from test_engine_serving import _drain
-
-GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+from support.engines import GREEDY, SCHEDULES, engine_prompts, expected_greedy, run_to_end
+from support.engines import tiny_llm
+from support.hf_models import ARCHS, hf_greedy, tiny_model_dir
 
 
 def _generate(llm, params):
-    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    outs = llm.generate(engine_prompts(), params, use_tqdm=False)
     assert llm.engine.blocks_in_use() == 0
     llm.engine.check_trace()
     return outs
-
-
-SCHEDULES = [
-    dict(policy="token_budget", chunk_tile=16, max_num_batched_tokens=64),
-    dict(policy="prefill_first", chunk_tile=16, max_num_batched_tokens=128, prefill_max_seqs=2),
-    dict(policy="alternate", chunk_tile=32, max_num_batched_tokens=128,
-         max_num_partial_prefills=2),
-    # 12 blocks of 8: sequences are preempted (rows whose newest token is still on the device)
-    dict(policy="token_budget", chunk_tile=16, max_num_batched_tokens=128, num_kv_blocks=12),
-]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -44,25 +32,25 @@ def test_greedy_identical_on_and_off_and_equal_to_transformers(arch, schedule):
     options = SCHEDULES[schedule]
     got = {}
     for on in (False, True):
-        llm = _llm(arch, async_scheduling=on, **options)
+        llm = tiny_llm(arch, async_scheduling=on, **options)
         assert llm.engine.async_scheduling is on
         got[on] = [list(o.token_ids) for o in _generate(llm, GREEDY)]
         if "num_kv_blocks" in options:
             assert sum(len(r.engaged["preempted"]) for r in llm.engine.trace) > 0
-    assert got[True] == got[False] == _expected(arch)
+    assert got[True] == got[False] == expected_greedy(arch)
 
 
 def test_stops_mid_flight_drop_the_next_steps_row_and_keep_outputs():
     """Requests stopping on a token (the host learns it one step late) and by max_tokens at
     different steps: the same outputs, finish reasons and logprobs either way."""
-    prompts = _prompts()
-    free = _llm(async_scheduling=False).generate(prompts, GREEDY, use_tqdm=False)
+    prompts = engine_prompts()
+    free = tiny_llm(async_scheduling=False).generate(prompts, GREEDY, use_tqdm=False)
     params = [SamplingParams(max_tokens=3 + i, temperature=0, ignore_eos=True, logprobs=2,
                              stop_token_ids=(o.token_ids[(3 * i) % 8],))
               for i, o in enumerate(free)]
     runs = {}
     for on in (False, True):
-        outs = _generate(_llm(async_scheduling=on, chunk_tile=16, max_num_batched_tokens=64),
+        outs = _generate(tiny_llm(async_scheduling=on, chunk_tile=16, max_num_batched_tokens=64),
                          params)
         runs[on] = [(list(o.token_ids), o.finish_reason,
                      [{t: round(lp.logprob, 5) for t, lp in e.items()} for e in o.outputs[0].logprobs]
@@ -77,17 +65,17 @@ def test_seeded_sampling_with_penalties_and_n_is_identical():
                              presence_penalty=0.4, frequency_penalty=0.2,
                              repetition_penalty=1.1, min_tokens=3, n=1 + i % 2,
                              stop_token_ids=(7, 11, 13), logprobs=1)
-              for i in range(len(_prompts()))]
+              for i in range(len(engine_prompts()))]
     runs = {}
     for on in (False, True):
-        outs = _generate(_llm(async_scheduling=on, chunk_tile=16, max_num_batched_tokens=64),
+        outs = _generate(tiny_llm(async_scheduling=on, chunk_tile=16, max_num_batched_tokens=64),
                          params)
         runs[on] = [[(list(c.token_ids), c.finish_reason) for c in o.outputs] for o in outs]
     assert runs[True] == runs[False]
 
 
 def test_steps_overlap_and_the_trace_measures_idle_gaps():
-    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
+    llm = tiny_llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
     llm.engine.runner.watch_completion = True
     _generate(llm, GREEDY)
     trace = [r for r in llm.engine.trace]
@@ -109,10 +97,10 @@ def test_a_failure_with_two_steps_in_flight(monkeypatch, where):
     """A failed launch errors its step's requests; a failed collect (the device failed:
     its KV, and blocks already cached from it, are unknown) resets the KV cache and the
     prefix cache, erroring every running request. Either way the engine serves on."""
-    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
+    llm = tiny_llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
     runner = llm.engine.runner
     real = getattr(runner, where)
-    prompts = _prompts()
+    prompts = engine_prompts()
     a = llm.add_request(prompts[0], GREEDY)
     llm.step()
     llm.step()  # a decodes, a step in flight
@@ -126,7 +114,7 @@ def test_a_failure_with_two_steps_in_flight(monkeypatch, where):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(runner, where, flaky)
-    outs = _drain(llm)
+    outs = run_to_end(llm)
     monkeypatch.setattr(runner, where, real)
     assert outs[a][-1].finish_reason == "error" and "injected" in outs[a][-1].error
     if where == "collect":  # b was in the step launched behind the failed one
@@ -141,8 +129,8 @@ def test_a_failure_with_two_steps_in_flight(monkeypatch, where):
 
 
 def test_abort_while_a_step_is_in_flight_frees_blocks_at_once():
-    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
-    prompts = _prompts()
+    llm = tiny_llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
+    prompts = engine_prompts()
     ids = [llm.add_request(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
            for p in prompts[:3]]
     for _ in range(4):
@@ -150,7 +138,7 @@ def test_abort_while_a_step_is_in_flight_frees_blocks_at_once():
     assert llm.engine.core.in_flight is not None
     llm.abort(ids[1])
     held = llm.engine.blocks_in_use()
-    outs = _drain(llm)
+    outs = run_to_end(llm)
     assert outs[ids[1]][-1].finish_reason == "abort"
     assert [outs[i][-1].finish_reason for i in (ids[0], ids[2])] == ["length", "length"]
     assert held > 0 and llm.engine.blocks_in_use() == 0
@@ -168,7 +156,7 @@ def test_option_is_validated_and_reported():
     from arcjax.engine.build import _overlap_pays
 
     # auto: on with an accelerator or more than one core (this suite's CI machine has two)
-    np.testing.assert_equal(_llm().engine.async_scheduling, _overlap_pays())
+    np.testing.assert_equal(tiny_llm().engine.async_scheduling, _overlap_pays())
 
 
 def test_bench_throughput_script_reports_both_arms(tmp_path):
@@ -201,7 +189,7 @@ def test_bench_throughput_script_reports_both_arms(tmp_path):
 def test_a_failing_trace_sink_fails_its_step_and_is_detached():
     """A trace sink that raises is a failed step (its requests end with "error"); it is
     detached, so every later step runs and its requests equal the reference."""
-    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
+    llm = tiny_llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
 
     def broken(record):
         raise OSError("disk full")
@@ -211,15 +199,15 @@ def test_a_failing_trace_sink_fails_its_step_and_is_detached():
     failed = [o for o in outs if o.finish_reason == "error"]
     assert failed and all("trace sink failed" in o.error and "disk full" in o.error
                           for o in failed)
-    for o, want in zip(outs, _expected()):
+    for o, want in zip(outs, expected_greedy()):
         assert o.finish_reason == "error" or list(o.token_ids) == want
     assert llm.engine.trace_sink is None and "disk full" in llm.engine.trace_sink_error
-    assert [list(o.token_ids) for o in _generate(llm, GREEDY)] == _expected()
+    assert [list(o.token_ids) for o in _generate(llm, GREEDY)] == expected_greedy()
 
 
 def test_fail_all_with_a_step_in_flight_leaves_a_clean_state():
-    llm = _llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
-    prompts = _prompts()
+    llm = tiny_llm(chunk_tile=16, max_num_batched_tokens=64, async_scheduling=True)
+    prompts = engine_prompts()
     for p in prompts[:3]:
         llm.add_request(p, GREEDY)
     llm.step()
@@ -237,14 +225,14 @@ def test_a_reused_id_right_after_an_abort_samples_like_a_fresh_request():
     """The per-request random counter counts an in-flight token only for rows that feed
     one, not by id: a new request reusing an aborted id gets a fresh counter."""
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
-    prompt = _prompts()[1]
-    fresh = _llm(async_scheduling=False).generate([prompt], params, use_tqdm=False)[0]
-    llm = _llm(async_scheduling=True)
+    prompt = engine_prompts()[1]
+    fresh = tiny_llm(async_scheduling=False).generate([prompt], params, use_tqdm=False)[0]
+    llm = tiny_llm(async_scheduling=True)
     llm.add_request(prompt, params, request_id="x")
     for _ in range(3):
         llm.step()
     llm.abort("x")
     llm.step()  # the abort's output
     llm.add_request(prompt, params, request_id="x")
-    outs = _drain(llm)
+    outs = run_to_end(llm)
     assert list(outs["x"][-1].token_ids) == list(fresh.token_ids)

@@ -9,7 +9,8 @@ import pytest
 
 from arcjax import LLM, EngineConfigError, RequestError, SamplingParams, SamplingParamsError
 from arcjax.errors import DuplicateRequestError, UnknownRequestError
-from hf_models import hf_greedy, tiny_model_dir, tiny_model_with_tokenizer
+from support.engines import run_to_end
+from support.hf_models import hf_greedy, tiny_model_dir, tiny_model_with_tokenizer
 
 ARCH = "LlamaForCausalLM"
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
@@ -24,16 +25,6 @@ def _llm(**options):
 def _prompt(i, n=None):
     rs = np.random.RandomState(100 + i)
     return rs.randint(3, 384, n or rs.randint(2, 30)).tolist()
-
-
-def _drain(llm):
-    outs = {}
-    while llm.has_unfinished():
-        for o in llm.step():
-            outs.setdefault(o.request_id, []).append(o)
-    for o in llm.step():  # outputs produced by steps others ran
-        outs.setdefault(o.request_id, []).append(o)
-    return outs
 
 
 # 1. requests added from another thread while one thread steps are never lost
@@ -77,7 +68,7 @@ def test_abort_from_another_thread_stops_generation():
     t = threading.Thread(target=llm.abort, args=(rid,))
     t.start()
     t.join()
-    outs = _drain(llm)
+    outs = run_to_end(llm)
     final = outs[rid][-1]
     assert final.finish_reason == "abort" and len(final.token_ids) < 10
     assert llm.engine.blocks_in_use() == 0
@@ -167,7 +158,7 @@ def test_failed_device_step_finishes_its_requests_with_error_and_others_continue
         return real_launch(*args, **kwargs)
 
     monkeypatch.setattr(runner, "launch", flaky)
-    outs = _drain(llm)
+    outs = run_to_end(llm)
     assert outs[aborted][-1].finish_reason == "abort"
     assert outs[a][-1].finish_reason == "error" and "injected" in outs[a][-1].error
     assert outs[doomed][-1].finish_reason == "error"
@@ -212,11 +203,11 @@ def test_finished_requests_are_released_and_the_trace_is_bounded():
     assert not llm.engine.requests and not llm.has_unfinished()
     assert len(llm.engine.trace) == 5 and llm.engine.num_steps > 5
     llm.add_request(_prompt(1), GREEDY, request_id="again")
-    _drain(llm)
+    run_to_end(llm)
     llm.add_request(_prompt(1), GREEDY, request_id="again")  # reusable once finished
     with pytest.raises(DuplicateRequestError):
         llm.add_request(_prompt(1), GREEDY, request_id="again")
-    _drain(llm)
+    run_to_end(llm)
 
 
 # 5. outputs go to their owner, whoever steps
@@ -225,7 +216,7 @@ def test_generate_does_not_swallow_online_outputs_and_stream_aborts_when_abandon
     online = llm.add_request(_prompt(7), GREEDY)
     outs = llm.generate([_prompt(8)], GREEDY, use_tqdm=False)
     assert [o.request_id for o in outs] != [online]
-    mine = _drain(llm)[online]
+    mine = run_to_end(llm)[online]
     assert mine[-1].finished and list(mine[-1].token_ids) == hf_greedy(
         tiny_model_dir(ARCH), _prompt(7), 6)
     stream = llm.stream([_prompt(9), _prompt(10)], SamplingParams(max_tokens=100, temperature=0,
@@ -266,7 +257,7 @@ def test_auto_ids_skip_ids_in_use():
     with pytest.raises(RequestError) as err:  # reserved for the ids of n > 1 samples
         llm.add_request(_prompt(2), GREEDY, request_id="a\x1fn0")
     assert err.value.field == "request_id"
-    _drain(llm)
+    run_to_end(llm)
 
 
 def test_aborting_twice_before_a_step_is_harmless():

@@ -12,32 +12,15 @@ import tracemalloc
 import pytest
 
 from arcjax import AsyncLLM, LLM, RequestError, SamplingParams
-from hf_models import tiny_model_dir
+from support.hf_models import tiny_model_dir
+from support.soak_workload import ARCH, GEOMETRY, MAX_NEW, NUM_PROMPTS, reference  # noqa: F401
+from support.soak_workload import soak_prompts
 
-ARCH = "LlamaForCausalLM"
-# 12 blocks of 8 tokens for up to 16 running sequences of up to 24 tokens: preemption.
-GEOMETRY = dict(block_size=8, num_kv_blocks=12, max_model_len=64, max_num_seqs=16,
-                attention_impl="xla", chunk_tile=16, max_num_batched_tokens=128,
-                trace_capacity=64)
-NUM_PROMPTS, MAX_NEW = 40, 5
 SYNC_THREADS, ROUNDS, ROUND = 4, 7, 70
 WARM_ROUNDS = 4  # rounds before the heap is measured (paths warm, containers at size)
 SYNC_PER_THREAD = ROUNDS * ROUND
 ASYNC_TASKS, ASYNC_PER_TASK = 64, 16
 ABORT_RATE, BAD_RATE, DISCONNECT_RATE = 0.10, 0.03, 0.10
-
-
-def _prompts():
-    rs = random.Random(0)
-    return [[rs.randrange(3, 384) for _ in range(rs.randrange(2, 17))] for _ in range(NUM_PROMPTS)]
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """Greedy continuation of every prompt, MAX_NEW tokens, one sequential run each."""
-    llm = LLM(tiny_model_dir(ARCH), **{**GEOMETRY, "num_kv_blocks": 64})
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
-    return [list(llm.generate([p], params, use_tqdm=False)[0].token_ids) for p in _prompts()]
 
 
 def _check(out, prompt_index, reference):
@@ -51,8 +34,8 @@ def _check(out, prompt_index, reference):
         raise AssertionError(f"unexpected finish {out.finish_reason}: {out.error}")
 
 
-def test_soak_sync_threads_then_async_tasks(reference):
-    prompts = _prompts()
+def test_soak_sync_threads_then_async_tasks(reference):  # noqa: F811
+    prompts = soak_prompts()
     t_start = time.perf_counter()
     llm = LLM(tiny_model_dir(ARCH), **GEOMETRY)
     llm.warmup()

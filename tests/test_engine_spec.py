@@ -19,20 +19,20 @@ import arcjax
 from arcjax import SamplingParams
 from arcjax.engine.trace import summarize
 from arcjax.errors import EngineConfigError
-from hf_models import ARCHS, tiny_model_dir
-from test_engine import GREEDY, _expected, _llm, _prompts
+from support.engines import GEOMETRY, GREEDY, engine_prompts, expected_greedy, tiny_llm
+from support.hf_models import ARCHS, hf_greedy, tiny_model_dir
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3, "disable_by_batch_size": None}  # on for whole batches
-SCHEDULE = dict(chunk_tile=16, max_num_batched_tokens=64)  # as test_engine_overlap's first
+SCHEDULE = dict(chunk_tile=16, max_num_batched_tokens=64)  # support.engines.SCHEDULES[0]'s
 
 
 def _spec_llm(arch="LlamaForCausalLM", spec=NGRAM, **options):
-    return _llm(arch, speculative_config=spec, **{**SCHEDULE, **options})
+    return tiny_llm(arch, speculative_config=spec, **{**SCHEDULE, **options})
 
 
 def _generate(llm, params=GREEDY, prompts=None):
-    outs = llm.generate(_prompts() if prompts is None else prompts, params, use_tqdm=False)
+    outs = llm.generate(engine_prompts() if prompts is None else prompts, params, use_tqdm=False)
     assert llm.engine.blocks_in_use() == 0
     llm.engine.check_trace()
     return outs
@@ -51,7 +51,7 @@ def test_every_policy_overlapped_or_not_equals_transformers(policy):
     for overlapped in (False, True):
         llm = _spec_llm(policy=policy, async_scheduling=overlapped)
         outs = _generate(llm)
-        assert _tokens(outs) == _expected()
+        assert _tokens(outs) == expected_greedy()
         spec = _spec(llm)
         assert spec["num_accepted_tokens"] > 0 and spec["num_draft_tokens"] > spec[
             "num_accepted_tokens"], "drafts both accepted and rejected"
@@ -64,8 +64,6 @@ def test_kv_pressure_preemption_and_prefix_caching():
     """8 prompts of 90 tokens + 16 outputs need 848 KV slots of the 768: sequences are
     preempted and recompute (their drafts take only blocks left free); with prefix caching on
     and off (the same compiled steps as the other tests: same geometry)."""
-    from hf_models import hf_greedy
-
     rs = np.random.RandomState(5)
     prompts = [rs.randint(3, 384, 90).tolist() for _ in range(8)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -81,9 +79,7 @@ def test_kv_pressure_preemption_and_prefix_caching():
 def test_other_architectures(arch):
     """One request (its verification rows exercise each architecture's layers; batching is
     the Llama tests' business): one verification bucket to compile per model."""
-    from hf_models import hf_greedy
-
-    prompt = _prompts()[1]
+    prompt = engine_prompts()[1]
     llm = _spec_llm(arch)
     assert _tokens(_generate(llm, prompts=[prompt])) == [
         hf_greedy(tiny_model_dir(arch), prompt, GREEDY.max_tokens)]
@@ -95,7 +91,7 @@ def test_draft_model_same_weights_accepts_everything_and_garbage_draft_stays_exa
             "num_speculative_tokens": 3, "disable_by_batch_size": None}
     garbage = dict(same, model=tiny_model_dir("LlamaForCausalLM", seed=1))
     chosen = [0, 3, 5]  # 3, 9 and 1 tokens: the draft model's catch-up is one small step
-    prompts, want = [_prompts()[i] for i in chosen], [_expected()[i] for i in chosen]
+    prompts, want = [engine_prompts()[i] for i in chosen], [expected_greedy()[i] for i in chosen]
     for overlapped in (False, True):
         llm = _spec_llm(spec=same, async_scheduling=overlapped)
         assert _tokens(_generate(llm, prompts=prompts)) == want
@@ -115,7 +111,7 @@ def test_seeded_sampling_with_every_feature_equals_speculation_off():
                              presence_penalty=0.3 * (i % 2), frequency_penalty=0.2,
                              repetition_penalty=(1.0, 1.2)[i % 2], min_tokens=2,
                              stop_token_ids=(7,), logprobs=2, ignore_eos=True, n=1 + (i == 1))
-              for i in range(len(_prompts()))]
+              for i in range(len(engine_prompts()))]
 
     def run(llm):
         outs = _generate(llm, params)
@@ -124,7 +120,7 @@ def test_seeded_sampling_with_every_feature_equals_speculation_off():
                  for o in outs])
 
     spec_llm = _spec_llm()
-    (got, got_lp), (want, want_lp) = run(spec_llm), run(_llm(**SCHEDULE))
+    (got, got_lp), (want, want_lp) = run(spec_llm), run(tiny_llm(**SCHEDULE))
     assert _spec(spec_llm)["num_drafts"] > 0
     assert got == want
     for a, b in zip(got_lp, want_lp):  # computed in a verification row or a decode row
@@ -144,12 +140,12 @@ def test_sampled_distribution_matches_speculation_off():
     from scipy import stats
 
     n, alpha = 300, 1e-3
-    prompt = _prompts()[5]  # one token: the draft model's catch-up is one token per row
+    prompt = engine_prompts()[5]  # one token: the draft model's catch-up is one token per row
     draft = {"method": "draft_model", "model": tiny_model_dir("LlamaForCausalLM"),
              "num_speculative_tokens": 3, "disable_by_batch_size": None}
 
     def draws(seed0, spec):
-        llm = _spec_llm(spec=draft) if spec else _llm(**SCHEDULE)
+        llm = _spec_llm(spec=draft) if spec else tiny_llm(**SCHEDULE)
         params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=2, seed=seed0 + i,
                                  ignore_eos=True) for i in range(n)]
         outs = _generate(llm, params, prompts=[prompt] * n)
@@ -174,7 +170,7 @@ def test_sampled_distribution_matches_speculation_off():
 
 def test_cut_off_by_batch_size():
     params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True)
-              for i in range(len(_prompts()))]
+              for i in range(len(engine_prompts()))]
     llm = _spec_llm(spec=dict(NGRAM, disable_by_batch_size=2))
     outs = _generate(llm, params)
     assert all(list(o.token_ids) == e[:4 + 3 * i] for i, (o, e) in enumerate(zip(
@@ -184,10 +180,8 @@ def test_cut_off_by_batch_size():
 
 
 def _expected_long():
-    from hf_models import hf_greedy
-
     return [hf_greedy(tiny_model_dir("LlamaForCausalLM"), p, 4 + 3 * i)
-            for i, p in enumerate(_prompts())]
+            for i, p in enumerate(engine_prompts())]
 
 
 def test_async_llm_and_metrics_counters():
@@ -199,31 +193,25 @@ def test_async_llm_and_metrics_counters():
 
     async def run(llm):
         last = None
-        async for out in llm.generate(_prompts()[1], GREEDY, request_id="a"):
+        async for out in llm.generate(engine_prompts()[1], GREEDY, request_id="a"):
             last = out
         return last
 
     llm = arcjax.AsyncLLM(tiny_model_dir("LlamaForCausalLM"), speculative_config=NGRAM,
-                          **{**_geometry(), **SCHEDULE})
+                          **{**GEOMETRY, **SCHEDULE})
     metrics = ServerMetrics(llm.engine, "m")
     llm.engine.trace_sink = metrics.on_step
     try:
         out = asyncio.run(run(llm))
     finally:
         llm.shutdown()
-    assert list(out.token_ids) == _expected()[1]
+    assert list(out.token_ids) == expected_greedy()[1]
     text = generate_latest(metrics.registry).decode()
     drafts = sum(r.spec_drafts for r in llm.engine.trace)
     assert drafts > 0
     assert f'arcjax_spec_decode_num_drafts_total{{model_name="m"}} {float(drafts)}' in text
     for name in ("num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
         assert f"arcjax_spec_decode_{name}_total" in text
-
-
-def _geometry():
-    from test_engine import GEOMETRY
-
-    return GEOMETRY
 
 
 @pytest.mark.parametrize("spec,field", [

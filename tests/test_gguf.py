@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 
-import jax
 import numpy as np
 import pytest
 
@@ -20,38 +19,12 @@ from arcjax.model.formats.gguf_file import GGUFFile, load_gguf
 from arcjax.model.formats.gguf_config import gguf_config
 from arcjax.model.formats.hub import gguf_in_distribution
 from arcjax.model.formats.hf_layout import read_config
-from gguf_files import tiny_gguf_model_dir, write_gguf
-from hf_models import tiny_model_dir, tiny_model_with_chat_template
+from support.checkpoint_cases import ENGINE, GREEDY, PROMPTS, dense_greedy
+from support.checkpoint_cases import gguf_hf_greedy
+from support.gguf_files import tiny_gguf_model_dir, write_gguf
+from support.hf_models import tiny_model_dir, tiny_model_with_chat_template
 
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
-PROMPTS = ([5, 17, 42, 99, 3, 250], [300, 7, 7, 120, 64, 11, 200, 9, 31, 1, 77])
-GREEDY = arcjax.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-_FORWARD_DENSE = jax.jit(arcjax.model.forward_dense, static_argnums=1)  # one compile per cfg
-ENGINE = dict(max_model_len=128, max_num_seqs=4, num_kv_blocks=64, async_scheduling=False)
-
-
-def _hf_greedy(path: str, ids, n: int) -> list[int]:
-    import torch
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([list(ids)]), do_sample=False, max_new_tokens=n,
-                             min_new_tokens=n, pad_token_id=0, eos_token_id=None)
-    return out[0, len(ids):].tolist()
-
-
-def dense_greedy(cfg, params, ids, n: int) -> list[int]:
-    """Greedy continuation with `forward_dense` over one fixed padded length (one compile;
-    causal attention keeps the padding out of every real position)."""
-    length = len(ids) + n
-    tokens = np.zeros((1, length), np.int32)
-    tokens[0, :len(ids)] = ids
-    for pos in range(len(ids), length):
-        logits = _FORWARD_DENSE(params, cfg, tokens)
-        tokens[0, pos] = int(np.argmax(np.asarray(logits)[0, pos - 1]))
-    return tokens[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -63,7 +36,7 @@ def test_every_type_greedy_equals_transformers(qtype):
     assert f.tensors["blk.0.attn_q.weight"].ggml_type == gguf.GGMLQuantizationType[qtype]
     cfg, params = load_gguf(path)
     ids = PROMPTS[1]
-    assert dense_greedy(cfg, params, ids, 12) == _hf_greedy(path, ids, 12), qtype
+    assert dense_greedy(cfg, params, ids, 12) == gguf_hf_greedy(path, ids, 12), qtype
 
 
 def test_engine_serves_a_gguf_file_with_greedy_parity():
@@ -72,7 +45,7 @@ def test_engine_serves_a_gguf_file_with_greedy_parity():
     llm = arcjax.LLM(path, **ENGINE)
     outs = llm.generate(list(PROMPTS), GREEDY, use_tqdm=False)
     for ids, out in zip(PROMPTS, outs):
-        assert list(out.token_ids) == _hf_greedy(path, ids, GREEDY.max_tokens)
+        assert list(out.token_ids) == gguf_hf_greedy(path, ids, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
@@ -84,7 +57,7 @@ def test_qwen_architectures_greedy_equal_transformers(arch):
     assert cfg.tie_word_embeddings == (arch == "Qwen2ForCausalLM")
     assert cfg.qk_norm == (arch == "Qwen3ForCausalLM")
     for ids in PROMPTS:
-        assert dense_greedy(cfg, params, ids, 12) == _hf_greedy(path, ids, 12)
+        assert dense_greedy(cfg, params, ids, 12) == gguf_hf_greedy(path, ids, 12)
 
 
 def test_unpermuted_weights_equal_the_safetensors_ones():

@@ -30,9 +30,10 @@ from arcjax.model.formats.loader import load_model
 from arcjax.model.quant import QuantizedWeight
 from arcjax.model.formats.hf_checkpoint import load_hf
 from arcjax.model.formats.hf_layout import read_config
-from gguf_files import tiny_gguf_model_dir, write_gguf
-from hf_models import hf_greedy, tiny_model_dir
-from test_gguf import PROMPTS, _hf_greedy, dense_greedy
+from support.gguf_files import tiny_gguf_model_dir, write_gguf
+from support.hf_models import hf_greedy, tiny_model_dir
+from support.checkpoint_cases import PROMPTS, dense_greedy
+from support.checkpoint_cases import gguf_hf_greedy
 
 
 def _leaves(params) -> dict:
@@ -110,7 +111,7 @@ def test_gemma_gguf_greedy_equals_transformers(arch):
             np.testing.assert_allclose(np.asarray(params["layers"]["post_mlp_norm"]),
                                        np.asarray(ref["layers"]["post_mlp_norm"]), atol=1e-7)
         else:
-            assert got == _hf_greedy(path, ids, 12), qtype
+            assert got == gguf_hf_greedy(path, ids, 12), qtype
 
 
 def test_gemma_metadata_llama_cpp_defaults(tmp_path):

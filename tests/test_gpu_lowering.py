@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import gpu_plan, lowering, pallas_gpu, ragged_paged_attention
+from pallas_kernels import AttentionInputs, gpu_plan, lowering, pallas_gpu, ragged_paged_attention
 
 _UNAVAILABLE = lowering.cuda_lowering_unavailable()
 pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")
@@ -34,6 +34,14 @@ def _abstract_args(group, head_dim, block_size, dtype):
             jax.ShapeDtypeStruct((), i32))
 
 
+ARRAYS = ("q", "k_pages", "v_pages", "block_tables", "kv_lens", "cu_seqlens_q", "num_seqs")
+
+
+def _inputs(args, **settings) -> AttentionInputs:
+    """The abstract arguments (in `ragged_paged_attention`'s order) as one call's inputs."""
+    return AttentionInputs.create(**dict(zip(ARRAYS, args, strict=True)), **settings)
+
+
 def _plan(group, head_dim, block_size, *, max_q_len, **tuning):
     return gpu_plan.make_gpu_plan(
         num_tokens=NUM_TOKENS, num_seqs=NUM_SEQS, num_heads=NUM_KV_HEADS * group,
@@ -44,8 +52,8 @@ def _plan(group, head_dim, block_size, *, max_q_len, **tuning):
 def _lower(plan, args, head_dim) -> str | None:
     """Lowers one kernel variant; returns its Triton IR, or None if this jax hides it."""
     with lowering.capture_triton_ir() as modules:
-        text = lowering.lower_for_cuda(pallas_gpu.ragged_paged_attention_pallas_gpu, *args,
-                                       sm_scale=head_dim**-0.5, plan=plan)
+        text = lowering.lower_for_cuda(pallas_gpu.ragged_paged_attention_pallas_gpu,
+                                       _inputs(args, sm_scale=head_dim**-0.5), plan=plan)
     assert lowering.triton_kernel_calls(text) == 1  # one Triton kernel, no XLA fallback
     assert len(modules) <= 1
     return modules[0].ir if modules else None
@@ -130,14 +138,11 @@ def test_sliding_window_and_softcap_variants_lower(kind, dtype, softcap):
     # The window is traced (one executable for every layer of a local/global model).
     plan = _plan(4, 128, 16, itemsize=jnp.dtype(dtype).itemsize, **KINDS[kind])
 
-    def windowed(*args):
-        *rest, window = args
-        return pallas_gpu.ragged_paged_attention_pallas_gpu(
-            *rest, sm_scale=128**-0.5, plan=plan, sliding_window=window, logit_softcap=softcap)
-
-    args = _abstract_args(4, 128, 16, dtype) + (jax.ShapeDtypeStruct((), jnp.int32),)
+    inputs = _inputs(_abstract_args(4, 128, 16, dtype), sm_scale=128**-0.5,
+                     sliding_window=jax.ShapeDtypeStruct((), jnp.int32), logit_softcap=softcap)
     with lowering.capture_triton_ir() as modules:
-        text = lowering.lower_for_cuda(windowed, *args)
+        text = lowering.lower_for_cuda(pallas_gpu.ragged_paged_attention_pallas_gpu, inputs,
+                                       plan=plan)
     assert lowering.triton_kernel_calls(text) == 1
     if not modules:
         pytest.skip(IR_HIDDEN)

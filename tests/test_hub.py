@@ -12,9 +12,9 @@ import arcjax
 from arcjax.entrypoints.cli import parse_serve
 from arcjax.errors import ModelFileError
 from arcjax.model.formats.hub import HubModelError, resolve_model
-from gguf_files import tiny_gguf_model_dir
-from hf_models import hf_greedy
-from test_gguf import ENGINE, GREEDY, PROMPTS
+from support.gguf_files import tiny_gguf_model_dir
+from support.hf_models import hf_greedy
+from support.checkpoint_cases import ENGINE, GREEDY, PROMPTS
 
 REPO = "arcjax-test/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

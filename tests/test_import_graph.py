@@ -252,7 +252,8 @@ RETIRED = ("arcjax.runtime.sampling_params", "arcjax.runtime.structured_params",
            "arcjax.runtime.draft_model", "arcjax.runtime.spec_decode", "arcjax.engine.spec",
            "arcjax.model.gguf", "arcjax.model.weights", "arcjax.model.loader",
            "arcjax.model.hub", "arcjax.entrypoints.serve", "arcjax.entrypoints.metrics",
-           "arcjax.entrypoints.openai_protocol", "arcjax.structured.tools")
+           "arcjax.entrypoints.openai_protocol", "arcjax.structured.tools",
+           "pallas_kernels.options")
 
 
 def test_the_old_paths_are_gone():

@@ -13,17 +13,7 @@ from hypothesis import strategies as st
 
 from pallas_kernels import KernelArgumentError, ragged_paged_attention
 from pallas_kernels.testing import make_batch
-
-# Per-dtype tolerances against the float32 reference on the same (rounded) inputs.
-# bfloat16 outputs are rounded to 8 mantissa bits (relative step 2**-8) and the
-# Pallas kernel feeds bf16 probabilities to its second matmul.
-TOLERANCES = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=3e-2)}
-
-
-# One jitted entry point for the whole module: its compile cache is keyed by
-# shapes and statics, so every example of one layout reuses one executable.
-attention = jax.jit(ragged_paged_attention,
-                    static_argnames=("sm_scale", "impl", "interpret", "max_q_len"))
+from support.attention_batches import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
 
 
 def _check(batch, impl, dtype, **kwargs):
@@ -36,47 +26,6 @@ def _check(batch, impl, dtype, **kwargs):
     real = int(batch.cu_seqlens_q[batch.num_seqs])
     np.testing.assert_array_equal(out32[real:], 0.0)  # padding rows: exact zeros
     np.testing.assert_allclose(out32, ref32, **TOLERANCES[dtype])
-
-
-# Head layouts (Hkv, Hq / Hkv, D, block_size): GQA ratios 1, 2, 4, 8; D 64 and 128.
-LAYOUTS = [(2, 1, 64, 4), (1, 2, 128, 8), (2, 4, 64, 8), (1, 8, 128, 4)]
-LAYOUT_IDS = [f"hkv{h}-g{g}-d{d}-bs{b}" for h, g, d, b in LAYOUTS]
-
-
-KINDS = ("decode", "first", "later", "empty")
-
-
-@st.composite
-def ragged_seqs(draw, *, max_seqs, max_kv, max_tokens, kinds=KINDS):
-    """(q_len, kv_len) per live sequence: decode, first chunk, later chunk or idle.
-
-    Query lengths are trimmed so the batch fits `max_tokens` rows (a trimmed
-    first chunk becomes a later chunk).
-    """
-    seqs, budget = [], max_tokens
-    for _ in range(draw(st.integers(1, max_seqs))):
-        kind = draw(st.sampled_from(kinds))
-        kv = draw(st.integers(2, max_kv))
-        q = {"decode": 1, "first": kv, "later": draw(st.integers(1, kv - 1)), "empty": 0}[kind]
-        q = min(q, budget)
-        budget -= q
-        seqs.append((q, kv))
-    return seqs
-
-
-def draw_batch(data, layout, dtype, *, max_seqs=5, max_kv=40, num_tokens=48, seq_bucket=6,
-               kinds=KINDS):
-    """A batch with fixed bucket shapes for `layout`, so each layout compiles once."""
-    hkv, group, head_dim, block_size = layout
-    seqs = data.draw(ragged_seqs(max_seqs=max_seqs, max_kv=max_kv, max_tokens=num_tokens,
-                                 kinds=kinds), label="(q_len, kv_len)")
-    max_blocks = -(-max_kv // block_size) + 1  # one spare column of garbage
-    return make_batch(
-        seqs, num_heads=hkv * group, num_kv_heads=hkv, head_dim=head_dim, block_size=block_size,
-        num_tokens=num_tokens, seq_bucket=seq_bucket, max_blocks=max_blocks,
-        num_blocks=seq_bucket * max_blocks, dtype=dtype,
-        scramble=data.draw(st.booleans(), label="scramble"),
-        seed=data.draw(st.integers(0, 2**16), label="seed"))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

@@ -13,18 +13,15 @@ Two kinds of check:
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import gpu_plan, lowering, pallas_gpu, ragged_paged_attention, write_kv
+from pallas_kernels import (AttentionInputs, gpu_plan, lowering, pallas_gpu,
+                            ragged_paged_attention, write_kv)
 from pallas_kernels.testing import make_batch
-from test_kernels_attention import LAYOUTS, TOLERANCES, attention, draw_batch
-
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+from support.attention_batches import FP8, FP8_MAX, LAYOUTS, TOLERANCES, attention, draw_batch
 
 
 def _quantized(batch, k_scale, v_scale):
@@ -129,8 +126,10 @@ def test_fp8_kernel_lowers_for_cuda(max_q_len):
             jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((), jnp.float32))
 
     def fn(q, kp, vp, bt, kl, cu, n, ks, vs):
-        return pallas_gpu.ragged_paged_attention_pallas_gpu(
-            q, kp, vp, bt, kl, cu, n, d**-0.5, plan, k_scale=ks, v_scale=vs)
+        inputs = AttentionInputs.create(q=q, k_pages=kp, v_pages=vp, block_tables=bt,
+                                        kv_lens=kl, cu_seqlens_q=cu, num_seqs=n,
+                                        sm_scale=d**-0.5, k_scale=ks, v_scale=vs)
+        return pallas_gpu.ragged_paged_attention_pallas_gpu(inputs, plan)
 
     text = lowering.lower_for_cuda(fn, *args)
     assert lowering.triton_kernel_calls(text) == 1

@@ -1,7 +1,12 @@
-"""scripts/gpu_check.sh --cpu-smoke: the H200 check's code paths, on the CPU.
+"""scripts/gpu_check.sh on the CPU: the H200 run's schedule, isolation and report.
 
-The first real GPU run must not fail on a typo: this runs the same script end to
-end with tiny shapes (kernels in interpret mode) and checks what it wrote.
+The first GPU window must not be lost to a typo or to one stage that breaks:
+- a rehearsal (placeholder tasks, no JAX: seconds) with one task made to crash, one to
+  hang and one to overrun its budget: every other section and the summary are written;
+- the budget: end to end and the GPU tests keep their time, the alternative tilings
+  give theirs up; what the device script records, and when; the GPU-test rule;
+- the real `--cpu-smoke` (tiny shapes, kernels interpreted), with the same three faults
+  injected into tasks whose code paths other tasks also run.
 """
 
 import json
@@ -9,41 +14,210 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+import gpu_check  # noqa: E402
+import gpu_report  # noqa: E402
+import gpu_summary  # noqa: E402
+
+SECTIONS = ["environment", "correctness", "kernel_table", "end_to_end", "alt_tilings",
+            "gpu_tests"]
+FAULTS = {"correctness.triton": "crash", "kernel_table.pallas_gpu": "hang",
+          "end_to_end.e2e": "over_budget"}
 
 
-def test_cpu_smoke_writes_every_section(tmp_path):
-    out = tmp_path / "check"
+def _run(out, *flags, timeout):
     env = dict(os.environ, PYTHON=sys.executable)
-    res = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--out",
-                          str(out), "--cpu-smoke"], capture_output=True, text=True, env=env,
-                         timeout=180, check=False)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    env.pop("ARCJAX_VERIFIED_KERNELS", None)
+    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh"), "--out",
+                           str(out), "--cpu-smoke", *flags], capture_output=True, text=True,
+                          env=env, timeout=timeout, check=False)
+
+
+def _tasks(report: dict) -> dict[str, dict]:
+    return {f"{s}.{n}": t for s, sec in report["sections"].items()
+            for n, t in sec["tasks"].items()}
+
+
+def _check_faults(res, out, faults):
+    """Each injected fault cost its own task only; everything else ran and was written."""
     report = json.loads((out / "gpu_check.json").read_text())
-    sections = report["sections"]
-    assert list(sections) == ["environment", "gpu_tests", "correctness", "kernel_table",
-                              "end_to_end"]
-    assert all(s["ok"] for s in sections.values()), sections
-    assert sections["environment"]["jax"] and sections["environment"]["devices"]
-    assert sections["gpu_tests"]["counts"].get("failed", 0) == 0
-    checked = [r for r in sections["correctness"]["rows"] if "skipped" not in r]
-    assert {r["dtype"] for r in checked} == {"bfloat16", "float32"}
-    assert any(r.get("num_splits", 0) > 1 for r in checked)  # the mixed split-K path ran
-    assert all(r["padding_exact_zero"] and not r["nan"] for r in checked)
-    # Every implementation is in the report: Triton's kernel ran in its interpreter, the
-    # Mosaic GPU kernel (no interpret mode) says why it did not run.
-    assert {r["impl"] for r in checked} == {"pallas_gpu", "triton"}
-    assert any(r["impl"] == "mosaic_gpu" for r in sections["correctness"]["rows"])
-    table = sections["kernel_table"]["rows"]
-    assert {r["kind"] for r in table} == {"prefill", "decode", "mixed"}
-    assert {r["impl"] for r in table} == {"pallas_gpu", "triton", "mosaic_gpu"}
-    timed = [r for r in table if "skipped" not in r]
-    assert {r["impl"] for r in timed} == {"pallas_gpu", "triton"}
-    assert all(r["ms"] > 0 for r in timed if r["tiling"] == "default")
-    assert sum(r["tiling"] != "default" for r in table) == 2 * 3  # two alternatives each
-    e2e = sections["end_to_end"]["rows"]
-    assert [r["part"] for r in e2e] == ["throughput", "burst", "burst", "burst"]
-    assert e2e[0]["output_tok_s"] > 0
-    assert all(r["users_with_first_token"] == r["users"] for r in e2e[1:])
+    assert list(report["sections"]) == SECTIONS
+    tasks = _tasks(report)
+    assert set(tasks) == {s.key for s in gpu_check.plan()}
+    for key, mode in faults.items():
+        task = tasks[key]
+        if mode == "crash":  # aborted like a CUDA fault: the signal says so
+            assert task["status"] == "crashed" and "SIGABRT" in task["error"], task
+        else:  # killed at its allotment, rows it finished kept
+            assert task["status"] == "timeout" and "killed at its" in task["error"], task
+        if mode == "over_budget":
+            assert [r for r in task["rows"] if "error" not in r], task
+        assert not task["ok"]
+    others = {k: t for k, t in tasks.items() if k not in faults}
+    assert all(t["status"] == "ok" and t["ok"] for t in others.values()), others
+    failed = {k.split(".")[0] for k in faults}
+    assert {s for s, sec in report["sections"].items() if not sec["ok"]} == failed
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    # The summary table is what the run prints last, and heads the markdown.
+    summary = report["summary"]
+    assert res.stdout.rstrip().splitlines()[-len(summary):] == summary
+    assert summary[-1].startswith("SOME SECTIONS FAILED")
+    assert all(any(line.startswith(k) for line in summary) for k in tasks)
     markdown = (out / "gpu_check.md").read_text()
-    assert "## kernel_table: ok" in markdown and "end_to_end" in markdown
+    assert all(f"## {s}:" in markdown for s in SECTIONS) and summary[0] in markdown
+    assert (out / "log").read_text().rstrip().endswith(summary[-1])
+    assert report["elapsed_s"] < report["config"]["budget_s"]
+    return report, tasks
+
+
+def test_faults_cost_only_their_task_rehearsal(tmp_path):
+    out = tmp_path / "check"
+    inject = ",".join(f"{k}:{m}" for k, m in FAULTS.items())
+    res = _run(out, "--rehearsal", "--budget_s=60", f"--inject={inject}",
+               "--timeout=kernel_table.pallas_gpu=2,end_to_end.e2e=2", timeout=60)
+    _, tasks = _check_faults(res, out, FAULTS)
+    # the case each died in is named, and kept as a failed row
+    assert "in case rehearsal_0" in tasks["correctness.triton"]["error"]
+    assert "in case rehearsal_0" in tasks["kernel_table.pallas_gpu"]["error"]
+    assert tasks["correctness.triton"]["rows"][-1] == dict(
+        case="rehearsal_0", impl="triton", ok=False, error=tasks["correctness.triton"]["error"])
+    assert tasks["kernel_table.pallas_gpu"]["allotted_s"] == 2
+    # each task's rows came back through its own file, as they were written
+    assert sorted(os.listdir(out / "rows")) == sorted(f"{k}.jsonl" for k in tasks)
+
+
+def _spec(**kw):
+    base = dict(section="s", name="n", kind="table", expect_s=10, timeout_s=60, min_s=20)
+    return gpu_check.TaskSpec(**(base | kw))
+
+
+def _cfg(**kw):
+    base = dict(out="/nonexistent", cpu_smoke=False, budget_s=540.0, inject={}, timeouts={})
+    return gpu_check.CheckConfig(**(base | kw))
+
+
+def test_allotment_keeps_time_for_end_to_end_and_the_gpu_tests():
+    specs, cfg = gpu_check.plan(), _cfg()
+    keys = [s.key for s in specs]
+    e2e, alt, tests = (keys.index(k) for k in ("end_to_end.e2e", "alt_tilings.pallas_gpu",
+                                               "gpu_tests.pytest"))
+    # A kernel task late in its section gets its cap only while e2e and the tests still fit.
+    moe = keys.index("kernel_table.moe")
+    assert gpu_check.allotment(cfg, specs, moe, elapsed=100) == 60
+    assert gpu_check.allotment(cfg, specs, moe, elapsed=300) == 540 - 300 - 170 - 50 - 3
+    # End to end gets its cap, less what the GPU tests need after it.
+    assert gpu_check.allotment(cfg, specs, e2e, elapsed=250) == 220
+    assert gpu_check.allotment(cfg, specs, e2e, elapsed=330) == 540 - 330 - 50 - 3
+    # Late, the alternative tilings give their time up; the GPU tests still run.
+    assert gpu_check.allotment(cfg, specs, alt, elapsed=480) < cfg.min_s(specs[alt])
+    assert gpu_check.allotment(cfg, specs, tests, elapsed=480) >= cfg.min_s(specs[tests])
+    # The plan's expected times fit the budget with the alternatives trimmed.
+    protected = sum(s.expect_s for s in specs if s.section != "alt_tilings")
+    assert protected + 5 < cfg.budget_s < 600
+    with pytest.raises(Exception, match="SECTION.NAME:MODE"):
+        gpu_check.parse_config(out="x", cpu_smoke=True, budget_s=1, inject=["nope:crash"],
+                               timeout=[])
+    with pytest.raises(Exception, match="only with --cpu_smoke"):
+        gpu_check.parse_config(out="x", cpu_smoke=False, budget_s=1, inject=[], timeout=[],
+                               rehearsal=True)
+
+
+def _rows(*oks, skipped=(), blocked=False):
+    rows = [dict(impl="triton", case=f"c{i}", shape_class=cls, ok=ok)
+            for i, (cls, ok) in enumerate(oks)]
+    return rows + [dict(impl="triton", case=f"s{i}", shape_class="d128-p16-g4",
+                        skipped="why", blocks_record=blocked) for i in range(len(skipped))]
+
+
+def test_records_only_what_passed_on_a_gpu(tmp_path, monkeypatch):
+    path = tmp_path / "records.json"
+    monkeypatch.setenv("ARCJAX_VERIFIED_KERNELS", str(path))
+    cls4, cls8 = "d128-p16-g4", "d128-p32-g8-fp8"
+    assert gpu_summary.passes(_rows((cls4, True), (cls8, True), (cls4, True),
+                                    skipped=[1])) == {cls4: 2, cls8: 1}
+    assert gpu_summary.passes(_rows((cls4, True), (cls8, False))) is None  # one failed
+    assert gpu_summary.passes(_rows((cls4, True), skipped=[1], blocked=True)) is None
+    assert gpu_summary.passes(_rows(skipped=[1])) is None  # nothing ran
+
+    def finished(rows, backend="gpu", status="ok"):
+        return dict(status=status, rows=rows, info=dict(backend=backend,
+                                                        device_kind="NVIDIA H200"))
+
+    report = gpu_report.Report(str(tmp_path / "out"), {})
+    report.task("correctness", "triton", finished(_rows((cls4, True), (cls8, True))))
+    gpu_summary.record(_cfg(), report, "triton", report.sections["correctness"]["tasks"]["triton"])
+    written = json.loads(path.read_text())
+    assert [(r["impl"], r["shape_class"], r["cases"]) for r in written] == [
+        ("triton", cls4, 1), ("triton", cls8, 1)]
+    assert all(r["device_kind"] == "NVIDIA H200" for r in written)
+    # Not from a crashed task, not off the GPU, and a smoke run only says what it would.
+    for result, cfg in [(finished(_rows((cls4, True)), status="crashed"), _cfg()),
+                        (finished(_rows((cls4, True)), backend="cpu"), _cfg()),
+                        (finished(_rows((cls4, True))), _cfg(cpu_smoke=True))]:
+        gpu_summary.record(cfg, report, "triton", result)
+    assert len(json.loads(path.read_text())) == 2
+    assert [r["written"] for r in report.sections["correctness"]["records"]] == [
+        True, True, False]
+
+
+def test_gpu_tests_may_skip_only_for_a_missing_package(tmp_path):
+    junit = tmp_path / "j.xml"
+    junit.write_text(
+        '<testsuites><testsuite><testcase classname="a" name="ok"/>'
+        '<testcase classname="a" name="triton"><skipped message="impl=\'triton\' cannot '
+        'launch: the jax_triton package is not installed (pip install \'arcjax[gpu]\')"/>'
+        '</testcase><testcase classname="a" name="gpu"><skipped message="needs an NVIDIA '
+        'GPU"/></testcase><testcase classname="a" name="bad"><failure/></testcase>'
+        '</testsuite></testsuites>')
+    counts = gpu_report.junit_counts(str(junit))
+    assert (counts["passed"], counts["failed"], counts["skipped"]) == (1, 1, 2)
+    named = [bool(gpu_report.MISSING_PACKAGE.search(r)) for _, r in counts["skips"]]
+    assert named == [True, False]  # "needs an NVIDIA GPU" on the GPU is a failure
+
+
+@pytest.mark.slow
+def test_cpu_smoke_writes_every_section_whatever_breaks(tmp_path):
+    # The real tasks on tiny shapes; the faults go to tasks whose code paths others run
+    # too (Mosaic GPU has no interpreter; the ceilings keep their matmul row; the Triton
+    # alternative tilings are the Triton table's code with other plans).
+    faults = {"correctness.mosaic_gpu": "crash", "alt_tilings.triton": "hang",
+              "kernel_table.ceilings": "over_budget"}
+    out = tmp_path / "check"
+    inject = ",".join(f"{k}:{m}" for k, m in faults.items())
+    res = _run(out, f"--inject={inject}",
+               "--timeout=alt_tilings.triton=5,kernel_table.ceilings=25", timeout=1500)
+    report, tasks = _check_faults(res, out, faults)
+    assert tasks["kernel_table.ceilings"]["rows"][0]["case"].startswith("matmul")
+    env = tasks["environment.jax"]["rows"][0]
+    assert env["jax"] and env["devices"] and env["attention"]["auto_decode"]["impl"] == "xla"
+    checked = [r for k in ("correctness.pallas_gpu", "correctness.triton")
+               for r in tasks[k]["rows"] if "skipped" not in r]
+    assert {r["dtype"] for r in checked} == {"bfloat16", "float32"}
+    assert {r["impl"] for r in checked} == {"pallas_gpu", "triton"}
+    assert all(r["ok"] and r["padding_exact_zero"] and not r["nan"] for r in checked)
+    assert {r["shape_class"] for r in checked} == {"d64-p16-g2", "d64-p16-g2-window-softcap-fp8"}
+    # a smoke run records nothing, and says what a GPU run would
+    records = report["sections"]["correctness"]["records"]
+    assert records and not any(r["written"] for r in records)
+    assert not (out / "verified_kernels.json").exists()
+    table = [r for k in ("kernel_table.pallas_gpu", "kernel_table.triton")
+             for r in tasks[k]["rows"] if "skipped" not in r]
+    assert {r["impl"] for r in table} == {"pallas_gpu", "triton"}
+    assert {r["case"] for r in table} >= {"prefill_c64", "decode_4x96", "mixed_c40_plus3"}
+    assert all(r["ms"] > 0 and "tflops_of_sheet" in r for r in table)
+    assert [r["impl"] for r in tasks["kernel_table.cudnn"]["rows"]] == ["xla"]
+    assert {r["impl"] for r in tasks["kernel_table.moe"]["rows"]} == {"ragged_dot", "tiled"}
+    alt = tasks["alt_tilings.pallas_gpu"]["rows"]
+    assert [r["tiling"] for r in alt if "skipped" not in r] == ["stages2"]
+    assert all(r["max_diff_vs_default"] < 3e-2 for r in alt if "skipped" not in r)
+    e2e = tasks["end_to_end.e2e"]["rows"]
+    assert [r["part"] for r in e2e] == ["throughput", "burst"]
+    assert e2e[0]["output_tok_s"] > 0 and e2e[1]["users_with_first_token"] == e2e[1]["users"]
+    # what ran, not "auto": xla on the CPU, nothing unverified
+    assert all(r["attention"] == {"configured": "auto", "decode": ["xla"], "prefill": ["xla"],
+                                  "verified": True} for r in e2e)
+    assert report["sections"]["gpu_tests"]["counts"]["failed"] == 0

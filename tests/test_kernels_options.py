@@ -5,9 +5,7 @@ NaN in keys that no row may see (past kv_len, or before every row's window) must
 reach an output.
 """
 
-import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,13 +13,10 @@ from hypothesis import strategies as st
 
 from pallas_kernels import KernelArgumentError, ragged_paged_attention
 from pallas_kernels.testing import make_batch
-from test_kernels_attention import LAYOUTS, draw_batch
-
-attention = jax.jit(ragged_paged_attention,
-                    static_argnames=("sm_scale", "impl", "interpret", "max_q_len",
-                                     "logit_softcap"))
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+from support.attention_batches import FP8, FP8_MAX, LAYOUTS, draw_batch
+from support.attention_batches import attention_with_options as attention
+from support.attention_batches import key_slots as _keys_of
+from support.attention_batches import nan_outside_windows as _nan_outside_windows
 
 
 def _dense(q, k, v, scale, *, window=None, softcap=None):
@@ -41,12 +36,6 @@ def _dense(q, k, v, scale, *, window=None, softcap=None):
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     return np.einsum("hqk,khd->qhd", p, v)
-
-
-def _keys_of(batch, s, length, block_size):
-    keys = np.arange(length)
-    pages = np.asarray(batch.block_tables[s])[keys // block_size]
-    return pages, keys % block_size
 
 
 @pytest.mark.parametrize("window, softcap", [(5, None), (None, 2.0), (3, 1.5), (1, None),
@@ -81,22 +70,6 @@ def test_reference_dequantizes_scaled_pages():
     args[2] = vq.astype(jnp.float32) * vs
     np.testing.assert_allclose(out, ragged_paged_attention(*args, impl="reference"),
                                atol=1e-6, rtol=1e-6)
-
-
-def _nan_outside_windows(batch, window, block_size):
-    """NaN in every key that sits before the window of every row of its sequence."""
-    k, v = np.array(batch.k_pages), np.array(batch.v_pages)
-    cu, kv_lens = np.asarray(batch.cu_seqlens_q), np.asarray(batch.kv_lens)
-    for s in range(int(batch.num_seqs)):
-        q_len, kv_len = int(cu[s + 1] - cu[s]), int(kv_lens[s])
-        if q_len == 0:
-            continue
-        first_seen = kv_len - q_len - window + 1  # row 0's oldest visible key
-        if first_seen > 0:
-            pages, offs = _keys_of(batch, s, first_seen, block_size)
-            k[pages, offs] = np.nan
-            v[pages, offs] = np.nan
-    return jnp.asarray(k, batch.k_pages.dtype), jnp.asarray(v, batch.v_pages.dtype)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS[1:3], ids=["g2-d128", "g4-d64"])

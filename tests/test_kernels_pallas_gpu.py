@@ -14,14 +14,10 @@ from hypothesis import strategies as st
 
 from pallas_kernels import KernelArgumentError, gpu_plan, pallas_gpu, ragged_paged_attention
 from pallas_kernels.testing import make_batch
-from test_kernels_attention import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
-from test_kernels_options import _nan_outside_windows
-from test_kernels_options import attention as attention_with_options
-
-try:
-    has_gpu = bool(jax.devices("gpu"))
-except RuntimeError:
-    has_gpu = False
+from support.attention_batches import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
+from support.attention_batches import attention_with_options
+from support.attention_batches import nan_outside_windows as _nan_outside_windows
+from support.devices import has_gpu
 
 
 def _check(batch, dtype, *, interpret=True, **kwargs):
@@ -74,8 +70,8 @@ def test_interpret_mixed_batch_split_k(num_splits):
                                   block_m=64, block_k=16, num_splits=num_splits)
     assert plan.tiles.block_q == 16 and plan.num_splits == num_splits
     out = jax.jit(pallas_gpu.ragged_paged_attention_pallas_gpu,
-                  static_argnames=("sm_scale", "plan", "interpret"))(
-        *batch.args(), sm_scale=0.125, plan=plan, interpret=True)
+                  static_argnames=("plan", "interpret"))(
+        batch.inputs(sm_scale=0.125), plan=plan, interpret=True)
     ref = ragged_paged_attention(*batch.args(), impl="reference", sm_scale=0.125)
     out = np.asarray(out)
     assert not np.isnan(out).any()

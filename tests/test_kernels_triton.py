@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 from pallas_kernels import KernelArgumentError, backends, ragged_paged_attention, resolve_impl
 from pallas_kernels.testing import make_batch
-from test_kernels_attention import LAYOUT_IDS, LAYOUTS, TOLERANCES, attention, draw_batch
-from test_kernels_options import FP8, FP8_MAX, _nan_outside_windows
-from test_kernels_options import attention as attention_with_options
-from test_kernels_pallas_gpu import has_gpu
+from support.attention_batches import FP8, FP8_MAX, LAYOUT_IDS, LAYOUTS, TOLERANCES, attention
+from support.attention_batches import attention_with_options, draw_batch
+from support.attention_batches import nan_outside_windows as _nan_outside_windows
+from support.devices import has_gpu
 
 _MISSING = [m for m in ("triton", "torch") if importlib.util.find_spec(m) is None]
 needs_interpreter = pytest.mark.skipif(
@@ -228,18 +228,38 @@ def test_gpu_pass_records_vouch_only_for_the_same_kernel(tmp_path, monkeypatch):
     from pallas_kernels import verified
 
     path = str(tmp_path / "records.json")
-    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", path)
-    entry = verified.record_pass("mosaic_gpu", "NVIDIA H200", cases=3, path=path)
+    shape = verified.ShapeClass(head_dim=128, page_size=16, gqa=4)
+    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", shape, path)
+    [entry] = verified.record_pass("mosaic_gpu", "NVIDIA H200", {shape: 3}, path=path)
     assert entry["cases"] == 3 and entry["source"] == verified.source_digest("mosaic_gpu")
-    assert verified.has_passed("mosaic_gpu", "NVIDIA H200", path)
-    assert not verified.has_passed("mosaic_gpu", "NVIDIA H100", path)  # another device
-    assert not verified.has_passed("triton", "NVIDIA H200", path)  # another kernel
+    assert entry["shape_class"] == "d128-p16-g4"
+    assert verified.has_passed("mosaic_gpu", "NVIDIA H200", shape, path)
+    assert not verified.has_passed("mosaic_gpu", "NVIDIA H100", shape, path)  # another device
+    assert not verified.has_passed("triton", "NVIDIA H200", shape, path)  # another kernel
+    for other in (verified.ShapeClass(head_dim=128, page_size=32, gqa=4),  # another class
+                  verified.ShapeClass(head_dim=128, page_size=16, gqa=8),
+                  verified.ShapeClass(head_dim=128, page_size=16, gqa=4, fp8=True), None):
+        assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", other, path)
     # An edited kernel (another source digest) or another jax is no longer vouched for.
     monkeypatch.setattr(verified, "source_digest", lambda impl: "edited")
-    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", path)
+    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", shape, path)
     monkeypatch.undo()
     monkeypatch.setattr(verified.jax, "__version__", "9.9.9")
-    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", path)
+    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", shape, path)
     monkeypatch.undo()
+    # Nor other versions of the implementation's own libraries (jax-triton, triton).
+    verified.record_pass("triton", "NVIDIA H200", {shape: 2}, path=path)
+    assert verified.has_passed("triton", "NVIDIA H200", shape, path)
+    monkeypatch.setattr(verified, "library_versions",
+                        lambda impl: {"jax-triton": "0.0.1", "triton": "3.6.0"})
+    assert not verified.has_passed("triton", "NVIDIA H200", shape, path)
+    monkeypatch.undo()
+    # Written only where $ARCJAX_VERIFIED_KERNELS (or the caller) says, and read there.
+    monkeypatch.delenv(verified.ENV, raising=False)
+    with pytest.raises(verified.RecordPathError, match=verified.ENV):
+        verified.record_pass("mosaic_gpu", "NVIDIA H200", {shape: 1})
+    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", shape)
+    monkeypatch.setenv(verified.ENV, path)
+    assert verified.has_passed("mosaic_gpu", "NVIDIA H200", shape)
     (tmp_path / "records.json").write_text("not json")  # unreadable: vouches for nothing
-    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", path)
+    assert not verified.has_passed("mosaic_gpu", "NVIDIA H200", shape, path)

@@ -18,7 +18,7 @@ import pallas_kernels
 from arcjax import LLM, SamplingParams
 from arcjax.runtime.buckets import BucketSet
 from pallas_kernels import gpu_plan
-from hf_models import tiny_model_dir
+from support.hf_models import tiny_model_dir
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("triton", "torch")),
@@ -43,7 +43,7 @@ def _bucket_key(q, block_tables, max_q_len):
 @pytest.fixture(scope="module")
 def captured():
     """{(T, S, max_q_len): (inputs, xla output)} from one engine run."""
-    real = pallas_kernels.ragged_paged_attention
+    real = pallas_kernels.paged_attention
     calls: dict[tuple, tuple] = {}
 
     def record(key, *arrays):
@@ -51,15 +51,16 @@ def captured():
         if key not in calls or int(calls[key][0][6]) < num_seqs:
             calls[key] = (tuple(np.asarray(a) for a in arrays[:7]), np.asarray(arrays[7]))
 
-    def capturing(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, **kw):
-        out = real(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs, **kw)
-        key = _bucket_key(q, block_tables, kw.get("max_q_len"))
-        jax.debug.callback(lambda *a: record(key, *a), q, k_pages, v_pages, block_tables,
-                           kv_lens, cu_seqlens_q, num_seqs, out)
+    def capturing(inputs, **kw):  # the decoder's one attention call per layer
+        out = real(inputs, **kw)
+        key = _bucket_key(inputs.q, inputs.block_tables, inputs.max_q_len)
+        jax.debug.callback(lambda *a: record(key, *a), inputs.q, inputs.k_pages,
+                           inputs.v_pages, inputs.block_tables, inputs.kv_lens,
+                           inputs.cu_seqlens_q, inputs.num_seqs, out)
         return out
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pallas_kernels, "ragged_paged_attention", capturing)
+        mp.setattr(pallas_kernels, "paged_attention", capturing)
         llm = LLM(tiny_model_dir("LlamaForCausalLM"), **ENGINE)
         rs = np.random.RandomState(5)
         prompts = [rs.randint(3, 384, n).tolist() for n in PROMPT_LENS]

@@ -1,7 +1,6 @@
 """The decoder against transformers: logits, chunk invariance, greedy decoding,
 isolation of sequences sharing a batch, and the loader's errors."""
 
-import functools
 import json
 import shutil
 from pathlib import Path
@@ -17,7 +16,8 @@ from arcjax.runtime.buckets import Bucket
 from arcjax.model import forward, forward_dense, make_cache
 from arcjax.errors import WeightsError
 from arcjax.model.formats.hf_checkpoint import load_hf, save_hf
-from hf_models import ARCHS, hf_greedy, hf_logits, tiny_model_dir
+from support.device_caches import device_cache
+from support.hf_models import ARCHS, hf_greedy, hf_logits, tiny_model_dir
 
 BLOCK = 4
 NUM_BLOCKS = 64
@@ -28,7 +28,7 @@ def _tol(ref):
     return 1e-4 * max(1.0, float(np.abs(ref).max()))
 
 
-@functools.lru_cache(maxsize=None)
+@device_cache
 def _load(arch):
     return load_hf(tiny_model_dir(arch))
 

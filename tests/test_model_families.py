@@ -20,7 +20,8 @@ from arcjax.model.model_config import GLOBAL_WINDOW, ModelConfig
 from arcjax.model.specs import cache_specs, is_spec, param_specs
 from arcjax.model.formats.hf_layout import read_config
 from arcjax.parallel import TensorParallel, logical_rules
-from hf_models import NEW_ARCHS, WINDOW, hf_logits, tiny_model_dir
+from support.device_caches import device_cache
+from support.hf_models import NEW_ARCHS, WINDOW, hf_logits, tiny_model_dir
 
 
 def _hf_config(arch):
@@ -122,7 +123,7 @@ def test_test_prompts_run_past_the_windows():
 
 # ---- experts -----------------------------------------------------------------------------------
 
-@functools.lru_cache(maxsize=None)
+@device_cache
 def _experts(num_experts=6, hidden=16, width=24, seed=0):
     k = jax.random.split(jax.random.key(seed), 4)
     lp = {"router": jax.random.normal(k[0], (hidden, num_experts)),

@@ -6,7 +6,7 @@ import pytest
 
 from arcjax import LLM, SamplingParams
 from arcjax.entrypoints.chat_template import ChatTemplateError
-from hf_models import tiny_model_dir, tiny_model_with_chat_template
+from support.hf_models import tiny_model_dir, tiny_model_with_chat_template
 
 ARCH = "LlamaForCausalLM"
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,

@@ -152,7 +152,7 @@ def _run_host(model_dir: str, process_id: int, port: int) -> dict:
 # --- the tests ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model_dirs():
-    from hf_models import tiny_llama_8_heads_dir, tiny_model_dir, tiny_model_with_tokenizer
+    from support.hf_models import tiny_llama_8_heads_dir, tiny_model_dir, tiny_model_with_tokenizer
 
     dirs = {arch: tiny_model_dir(arch) for arch, _ in CASES if arch.endswith("CausalLM")}
     return dirs | {"Llama8Heads": tiny_llama_8_heads_dir(),

@@ -126,7 +126,7 @@ def test_follower_stops_and_refuses_requests():
 
 
 def _engines(**follower_options):
-    from hf_models import tiny_model_dir
+    from support.hf_models import tiny_model_dir
 
     from arcjax.engine.build import build_engine
     from arcjax.engine.engine_config import EngineConfig

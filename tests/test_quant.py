@@ -15,7 +15,6 @@ import shutil
 import tempfile
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -25,92 +24,10 @@ from arcjax.model.formats.hub import resolve_model
 from arcjax.model.formats.loader import _repeat_kv, load_model
 from arcjax.model.quant import QuantizedWeight, weight_dtype
 from arcjax.model.formats.quantized_checkpoint import _scale_layout
-from gguf_files import tiny_gguf_model_dir
-from hf_models import hf_greedy
-from test_gguf import PROMPTS, dense_greedy
-
-GREEDY = arcjax.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-ENGINE = dict(max_model_len=128, max_num_seqs=4, num_kv_blocks=64, async_scheduling=False)
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-KV_SCALES = (0.02, 0.02)  # checkpoint k_scale / v_scale (values up to 8.96)
-
-
-def _quantize_np(w: np.ndarray, layout: str, fmt: str):
-    """(values, scale as stored, dequantized float32) of a weight [out, in]."""
-    qmax = 448.0 if fmt == "fp8" else 127.0
-    if layout == "tensor":
-        scale = np.abs(w).max().reshape(1) / qmax
-        full = np.broadcast_to(scale.reshape(1, 1), w.shape)
-    elif layout == "channel":
-        scale = np.abs(w).max(axis=1, keepdims=True) / qmax  # [out, 1]
-        full = np.broadcast_to(scale, w.shape)
-    else:  # 128 x 128 blocks
-        o, i = w.shape
-        blocks = np.abs(w).reshape(o // 128, 128, i // 128, 128).max(axis=(1, 3))
-        scale = blocks / qmax
-        full = np.repeat(np.repeat(scale, 128, 0), 128, 1)
-    scale = scale.astype(np.float32)
-    q = w / full
-    if fmt == "fp8":
-        values = np.clip(q, -qmax, qmax).astype(ml_dtypes.float8_e4m3fn)
-    else:
-        values = np.clip(np.round(q), -qmax, qmax).astype(np.int8)
-    return values, scale, values.astype(np.float32) * full.astype(np.float32)
-
-
-def _config(layout: str, fmt: str, kv_scales: bool) -> dict:
-    if layout == "block":
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128]}
-    weights = {"num_bits": 8, "type": "float" if fmt == "fp8" else "int", "symmetric": True,
-               "strategy": layout, "dynamic": False}
-    out = {"quant_method": "compressed-tensors",
-           "format": "float-quantized" if fmt == "fp8" else "int-quantized",
-           "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-           "ignore": ["lm_head"]}
-    if kv_scales:
-        out["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor"}
-    return out
-
-
-def quantized_checkpoint(layout: str, fmt: str = "fp8", kv_scales: bool = False,
-                         src: str | None = None):
-    """(quantized checkpoint dir, float dir of the same weights dequantized); `src`: the
-    float model (a mixture of experts gets one quantized tensor per layer and expert)."""
-    import torch
-    from safetensors.numpy import load_file
-    from safetensors.torch import save_file
-
-    src = src or tiny_gguf_model_dir("LlamaForCausalLM")
-    state = load_file(os.path.join(src, "model.safetensors"))
-    qdir, fdir = tempfile.mkdtemp(prefix="arcjax-q-"), tempfile.mkdtemp(prefix="arcjax-dq-")
-    quantized, dequantized = {}, {}
-    for name, w in state.items():
-        if any(f".{p}.weight" in name for p in LINEAR):
-            values, scale, deq = _quantize_np(w.astype(np.float32), layout, fmt)
-            base = name[:-len(".weight")]
-            suffix = "weight_scale_inv" if layout == "block" else "weight_scale"
-            quantized[name] = torch.from_numpy(values.view(np.uint8 if fmt == "fp8" else np.int8))
-            if fmt == "fp8":
-                quantized[name] = quantized[name].view(torch.float8_e4m3fn)
-            quantized[f"{base}.{suffix}"] = torch.from_numpy(scale)
-            dequantized[name] = torch.from_numpy(deq)
-        else:
-            quantized[name] = dequantized[name] = torch.from_numpy(w.copy())
-    if kv_scales:
-        for i in range(2):
-            quantized[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(KV_SCALES[0])
-            quantized[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(KV_SCALES[1])
-    save_file(quantized, os.path.join(qdir, "model.safetensors"))
-    save_file(dequantized, os.path.join(fdir, "model.safetensors"))
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    with open(os.path.join(fdir, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    cfg["quantization_config"] = _config(layout, fmt, kv_scales)
-    with open(os.path.join(qdir, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return qdir, fdir
+from support.checkpoint_cases import ENGINE, GREEDY, PROMPTS, dense_greedy
+from support.gguf_files import tiny_gguf_model_dir
+from support.hf_models import hf_greedy
+from support.quantized_models import KV_SCALES, quantize_np, quantized_checkpoint
 
 
 @pytest.mark.parametrize("layout, fmt", [("block", "fp8"), ("channel", "fp8"),
@@ -233,7 +150,7 @@ def test_kv_heads_repeated_for_tensor_parallelism_keep_their_scales(layout):
     see RESULTS.md)."""
     rng = np.random.default_rng(0)
     w = rng.normal(size=(256, 256)).astype(np.float32)  # [out = 2 heads x 128, in]
-    values, scale, _ = _quantize_np(w, layout, "fp8")
+    values, scale, _ = quantize_np(w, layout, "fp8")
     s, block = _scale_layout(scale, 256, 256, (128, 128), "w", "w")
     qw = QuantizedWeight(np.ascontiguousarray(values.T), s, block)
     repeated = _repeat_kv(qw, 2, 128)

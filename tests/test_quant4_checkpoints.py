@@ -29,8 +29,8 @@ from arcjax.model.formats.loader import load_model
 from arcjax.model.formats.packed_layouts import read_pack_quantized
 from arcjax.model.packed import PackedWeight
 from arcjax.model.quant import weight_dtype
-from hf_models import hf_greedy, tiny_model_dir
-from test_gguf import PROMPTS, dense_greedy
+from support.checkpoint_cases import PROMPTS, dense_greedy
+from support.hf_models import hf_greedy, tiny_model_dir
 
 LINEAR = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 _DEQUANTIZE = jax.jit(lambda w: w.dequantize(jnp.float32))

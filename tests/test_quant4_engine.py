@@ -20,7 +20,7 @@ import pytest
 
 from arcjax import LLM, SamplingParams
 from arcjax.bench.packed_checkpoints import packed_checkpoint
-from hf_models import hf_greedy, tiny_model_dir
+from support.hf_models import hf_greedy, tiny_model_dir
 
 HERE = pathlib.Path(__file__).resolve().parent
 PROMPT_LENS = (3, 40, 17, 66)

@@ -21,9 +21,9 @@ from arcjax.model.formats.loader import load_model
 from arcjax.model.packed import PackedWeight
 from arcjax.model.quant import QuantizedWeight, param_bytes, weight_dtype
 from arcjax.model.specs import is_spec, param_specs
-from gguf_files import tiny_gguf_model_dir, write_gguf
-from hf_models import tiny_model_dir
-from test_gguf import PROMPTS, _hf_greedy, dense_greedy
+from support.checkpoint_cases import PROMPTS, dense_greedy, gguf_hf_greedy
+from support.gguf_files import tiny_gguf_model_dir, write_gguf
+from support.hf_models import tiny_model_dir
 
 TYPES = tuple(BLOCKS)  # Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K Q4_K Q5_K Q6_K
 WRITABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # quantizers
@@ -92,7 +92,7 @@ def test_packed_greedy_equals_transformers(arch, qtype):
     model = load_model(resolve_model(path), dtype=jnp.float32)
     assert isinstance(model.params["embed"], PackedWeight)
     ids = PROMPTS[1]
-    assert dense_greedy(model.cfg, model.params, ids, 10) == _hf_greedy(path, ids, 10)
+    assert dense_greedy(model.cfg, model.params, ids, 10) == gguf_hf_greedy(path, ids, 10)
 
 
 def test_engine_runs_packed_weights_and_the_dequantized_baseline():
@@ -104,7 +104,7 @@ def test_engine_runs_packed_weights_and_the_dequantized_baseline():
     assert llm.trace_summary(1.0)["weight_dtype"] == "q4_1"
     outs = llm.generate(list(PROMPTS), GREEDY, use_tqdm=False)
     for ids, out in zip(PROMPTS, outs):
-        assert list(out.token_ids) == _hf_greedy(path, ids, GREEDY.max_tokens)
+        assert list(out.token_ids) == gguf_hf_greedy(path, ids, GREEDY.max_tokens)
     plain = load_model(resolve_model(path), dtype=jnp.float32, quantization="dequantize")
     _, ref = load_gguf(path)
     assert not any(isinstance(x, PackedWeight) for x in jax.tree.leaves(

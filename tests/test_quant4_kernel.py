@@ -15,8 +15,8 @@ from arcjax.model.formats.hub import resolve_model
 from arcjax.model.formats.loader import load_model
 from arcjax.model.packed import w4a16_operands
 from arcjax.model.quant import dense
-from gguf_files import tiny_gguf_model_dir, write_gguf
-from hf_models import tiny_model_dir
+from support.gguf_files import tiny_gguf_model_dir, write_gguf
+from support.hf_models import tiny_model_dir
 from pallas_kernels import lowering
 from pallas_kernels.kernel_errors import KernelArgumentError
 from pallas_kernels.w4a16 import W4A16Plan, plan_w4a16, w4a16_matmul, w4a16_reference

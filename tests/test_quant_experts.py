@@ -22,9 +22,9 @@ from arcjax.model.moe import moe_mlp
 from arcjax.model.quant import QuantizedWeight, param_bytes, quantized_specs
 from arcjax.model.specs import param_specs
 from arcjax.model.formats.hf_checkpoint import save_hf
-from hf_models import hf_greedy, tiny_model_dir
-from test_gguf import PROMPTS, dense_greedy
-from test_quant import quantized_checkpoint
+from support.hf_models import hf_greedy, tiny_model_dir
+from support.checkpoint_cases import PROMPTS, dense_greedy
+from support.quantized_models import quantized_checkpoint
 
 EXPERTS = ("we_gate", "we_up", "we_down")
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from arcjax import LLM, SamplingParams
-from hf_models import hf_logits, tiny_model_dir
+from support.hf_models import hf_logits, tiny_model_dir
 
 ARCH = "LlamaForCausalLM"
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,

@@ -9,7 +9,7 @@ import pytest
 from arcjax import LLM, SamplingParams
 from arcjax.runtime.penalties import TokenCounts, apply_penalties, table_row
 from arcjax.runtime.sampling import SamplingBatch, sample_step
-from hf_models import hf_logits, tiny_model_dir
+from support.hf_models import hf_logits, tiny_model_dir
 
 ARCH = "LlamaForCausalLM"
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,

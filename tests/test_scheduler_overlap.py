@@ -8,7 +8,7 @@ model is a function of (request, position), so every request's correct outputs a
 advance ("truth"); the checks:
 
   * every finished request's outputs equal the truth cut at its stop or max_tokens: the serial
-    outputs (also compared with the serial driver of test_scheduler_properties.py);
+    outputs (also compared with the serial driver, tests/support/scheduler_drivers.py);
   * every plan: budgets and max_num_seqs hold, token ids are the truth except placeholders,
     which appear exactly at decode rows fed by the plan in flight;
   * blocks: free, cached and held partition the cache after every call, each row reads exactly
@@ -21,197 +21,33 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import event, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scheduler import PLACEHOLDER, Request, SchedulerConfig, SchedulerState
 from scheduler import abort, add_request, advance, commit, schedule
 from scheduler.scheduler_errors import CommitError, StepOrderError, UnknownRequestError
-from test_scheduler_properties import _SETTINGS, GhostCache, _sampler, check_blocks
-from test_scheduler_properties import drive, verified, workloads
+from support.scheduler_drivers import drive, drive_overlapped
+from support.scheduler_workloads import HYPOTHESIS_SETTINGS, OVERLAP_MODES, fake_token, workloads
 
 
-@dataclasses.dataclass
-class _Truth:
-    """What the ghost cache needs of a request: its true token list."""
-
-    tokens_: tuple[int, ...]
-
-    def tokens(self) -> tuple[int, ...]:
-        return self.tokens_
-
-
-def _truth(request: Request) -> tuple[int, ...]:
-    prompt = request.prompt_token_ids
-    return prompt + tuple(_sampler(request.request_id, len(prompt) + j)
-                          for j in range(request.max_tokens))
-
-
-def _expected(request: Request, stop_after: int | None) -> tuple[tuple[int, ...], str]:
-    n = request.max_tokens
-    reason = "length"
-    if stop_after is not None and stop_after <= n:
-        n, reason = stop_after, "stop"
-    return _truth(request)[len(request.prompt_token_ids):][:n], reason
-
-
-def _check_plan(plan, config: SchedulerConfig, truth: dict, feeds: dict) -> None:
-    """Budgets, and token ids: the truth, or a placeholder exactly where the previous plan's
-    sampled token feeds a decode row (`feeds`: ids that plan sampled -> position sampled)."""
-    if plan.num_tokens > config.max_num_batched_tokens:
-        assert config.policy == "prefill_first" and plan.num_seqs == 1
-        assert plan.engaged.oversize_prompt
-    assert plan.num_seqs <= config.max_num_seqs
-    assert len(set(plan.request_ids)) == plan.num_seqs
-    cu = plan.cu_seqlens
-    ids = plan.token_ids
-    for i, rid in enumerate(plan.request_ids):
-        start, length = plan.starts[i], plan.lengths[i]
-        row = ids[cu[i]:cu[i + 1]]
-        drafts = plan.row_spec_token_ids(i)
-        assert row[len(row) - len(drafts):] == drafts
-        if PLACEHOLDER in row:
-            assert i < plan.num_decode_rows and row == (PLACEHOLDER,) + drafts
-            assert feeds.get(rid) == start, "a placeholder not fed by the plan in flight"
-        else:
-            assert row == truth[rid].tokens()[start:start + length - len(drafts)] + drafts
-            assert feeds.get(rid) != start or i >= plan.num_decode_rows
-
-
-def drive_overlapped(workload, overlap: list[bool], abort_points: list[tuple[int, int, int]],
-                     propose=None):
-    """Runs the workload; `overlap[i % len]` picks the mode of iteration i; `abort_points` are
-    (iteration, request index, where: 0 before planning, 1 between plan and fill, 2 after);
-    `propose(state)`: draft tokens by request id (speculative decoding), or None."""
-    config = workload.config
-    requests = {r.request_id: r for r in workload.requests}
-    stop_after = {r.request_id: s for r, s in zip(workload.requests, workload.stop_after)}
-    truth = {rid: _Truth(_truth(r)) for rid, r in requests.items()}
-    ghost = GhostCache(block_size=config.block_size, window=config.sliding_window)
-    pending = list(workload.requests)
-    status = {rid: "pending" for rid in requests}
-    outputs = {}
-    state = SchedulerState.empty(config)
-    in_flight = None  # the plan launched and not committed
-    limit = 20 + 4 * (workload.last_arrival + 1 + workload.total_work * (len(requests) + 2))
-
-    def sample(plan):
-        tokens, stopped = [], []
-        for r, (rid, start, n, s) in enumerate(zip(plan.request_ids, plan.starts, plan.lengths,
-                                                   plan.samples)):
-            if s:
-                drafts = plan.row_spec_token_ids(r)
-                first = start + n - len(drafts)  # position of the row's first new token
-                out = (verified(_sampler, rid, start, drafts) if drafts
-                       else (truth[rid].tokens()[first],))
-                made = first - len(requests[rid].prompt_token_ids) + 1
-                stop = stop_after[rid]
-                if status[rid] == "live" and stop is not None and made <= stop < made + len(out):
-                    out = out[:stop - made + 1]
-                    stopped.append(rid)
-                tokens.append(out if drafts else out[0])
-        return tokens, stopped
-
-    def finish(records, step):
-        for f in records:
-            assert status[f.request_id] == "live", f"{f.request_id} finished twice"
-            assert (f.output_token_ids, f.reason) == _expected(
-                requests[f.request_id], stop_after[f.request_id])
-            assert f.finish_time == float(step)
-            status[f.request_id] = "finished"
-            outputs[f.request_id] = f.output_token_ids
-
-    def aborts(step, where, state):
-        for when, index, at in abort_points:
-            rid = workload.requests[index].request_id
-            if when == step and at == where and status[rid] == "live":
-                state = abort(state, rid)
-                status[rid] = "aborted"
-                check_blocks(state, config, exact=False)
-        return state
-
-    def launch(plan, feeds):
-        _check_plan(plan, config, truth, feeds)
-        ghost.run(plan, plan.state, truth)
-        check_blocks(plan.state, config, exact=False)
-
-    step = 0
-    while pending or state.has_work() or in_flight is not None:
-        assert step <= limit, f"not finished within {limit} iterations"
-        while pending and pending[0].arrival_time <= step:
-            request = pending.pop(0)
-            state = add_request(state, request)
-            status[request.request_id] = "live"
-        state = aborts(step, 0, state)
-        if in_flight is not None and overlap[step % len(overlap)]:
-            prev = in_flight
-            ahead = advance(state, prev)
-            assert ahead.unfilled is not None and not ahead.in_flight
-            check_blocks(ahead, config, exact=False)
-            feeds = {rid: s + n for rid, s, n, smp in zip(
-                prev.request_ids, prev.starts, prev.lengths, prev.samples) if smp}
-            if ahead.verifying:
-                event("rows with drafts in flight held out of the next plan")
-            plan = schedule(ahead, config, propose(ahead) if propose else None)
-            in_flight = None if plan.is_empty else plan
-            state = plan.state
-            if state.unfilled is not None and state.unfilled.preempted:
-                event("preempted a row whose newest token is a placeholder")
-            if ahead.unfilled.finished:
-                event("finished by length before its token was known")
-            if in_flight is not None:
-                launch(plan, feeds)
-            state = aborts(step, 1, state)
-            tokens, stopped = sample(prev)
-            if set(stopped) & set(plan.request_ids):
-                event("a stopped request had a row in the next plan")
-            state, records = commit(state, prev, tokens, float(step), stopped)
-            assert state.unfilled is None
-            finish(records, step)
-        else:
-            if in_flight is not None:
-                tokens, stopped = sample(in_flight)
-                state, records = commit(state, in_flight, tokens, float(step), stopped)
-                finish(records, step)
-                in_flight = None
-                check_blocks(state, config, exact=True)
-                ghost.check(state)
-            plan = schedule(state, config, propose(state) if propose else None)
-            state = plan.state
-            if not plan.is_empty:
-                launch(plan, {})
-                in_flight = plan
-        state = aborts(step, 2, state)
-        check_blocks(state, config, exact=False)
-        assert state.held == frozenset(state.request_ids())
-        step += 1
-    assert all(s in ("finished", "aborted") for s in status.values()), status
-    assert state.pool.num_free == config.num_blocks and state.pool.num_in_use == 0
-    assert state.unfilled is None and not state.in_flight
-    ghost.check(state)
-    return outputs
-
-
-_OVERLAP = st.lists(st.booleans(), min_size=1, max_size=6)
-
-
-@settings(max_examples=120, **_SETTINGS)
-@given(workloads(), _OVERLAP)
+@settings(max_examples=120, **HYPOTHESIS_SETTINGS)
+@given(workloads(), OVERLAP_MODES)
 def test_overlapped_outputs_equal_serial(workload, overlap):
     """Any interleaving of serial and overlapped steps gives the serial outputs."""
     outputs = drive_overlapped(workload, overlap, [])
-    serial = drive(workload, sampler=_sampler)
+    serial = drive(workload, sampler=fake_token)
     assert outputs == {rid: f.output_token_ids for rid, f in serial.outputs.items()}
 
 
-@settings(max_examples=80, **_SETTINGS)
+@settings(max_examples=80, **HYPOTHESIS_SETTINGS)
 @given(workloads(policy="token_budget"), st.just([True]))
 def test_always_overlapped_token_budget(workload, overlap):
     drive_overlapped(workload, overlap, [])
 
 
-@settings(max_examples=80, **_SETTINGS)
-@given(workloads(aborts=True), _OVERLAP, st.data())
+@settings(max_examples=80, **HYPOTHESIS_SETTINGS)
+@given(workloads(aborts=True), OVERLAP_MODES, st.data())
 def test_aborts_while_two_plans_are_in_flight(workload, overlap, data):
     """Aborts before planning, between the next plan and the fill, and after: nothing leaks,
     nobody finishes twice, every survivor gets its serial outputs."""
@@ -221,8 +57,8 @@ def test_aborts_while_two_plans_are_in_flight(workload, overlap, data):
     drive_overlapped(workload, overlap, points)
 
 
-@settings(max_examples=60, **_SETTINGS)
-@given(workloads(pressure=True, shared=True), _OVERLAP)
+@settings(max_examples=60, **HYPOTHESIS_SETTINGS)
+@given(workloads(pressure=True, shared=True), OVERLAP_MODES)
 def test_overlap_under_kv_pressure_with_prefix_caching(workload, overlap):
     """Preemptions of rows whose newest token is a placeholder (their digests are recomputed
     at the fill) and shared prefixes."""
@@ -230,14 +66,14 @@ def test_overlap_under_kv_pressure_with_prefix_caching(workload, overlap):
     drive_overlapped(dataclasses.replace(workload, config=config), overlap, [])
 
 
-@settings(max_examples=60, **_SETTINGS)
-@given(workloads(windows=True, shared=True), _OVERLAP)
+@settings(max_examples=60, **HYPOTHESIS_SETTINGS)
+@given(workloads(windows=True, shared=True), OVERLAP_MODES)
 def test_overlap_with_a_sliding_window(workload, overlap):
     """Blocks a window releases while the step before is still in flight (the device runs that
     step before any later one reuses them): every row reads its own tokens inside its window,
     and outputs are the serial ones."""
     outputs = drive_overlapped(workload, overlap, [])
-    serial = drive(workload, sampler=_sampler)
+    serial = drive(workload, sampler=fake_token)
     assert outputs == {rid: f.output_token_ids for rid, f in serial.outputs.items()}
 
 

@@ -4,10 +4,10 @@ The property tests drive random workloads (every policy, chunked prefill, KV pre
 preemption, prefix caching, aborts, knobs changing between steps) with a proposer whose drafts
 are right with a random per-row probability, so every acceptance count 0 .. k occurs. The fake
 model is a function of (request, position), so the outputs are known: with speculation they
-must equal the outputs without it. `drive` (test_scheduler_properties.py) checks every plan and
-state as usual, plus: drafts take only what the rest of the step left (the plan without them
-is the same), a row never drafts past max_tokens, rows read exactly their own KV (drafts
-included), and only blocks full of verified tokens are ever cached.
+must equal the outputs without it. `drive` (tests/support/scheduler_drivers.py) checks every
+plan and state as usual, plus: drafts take only what the rest of the step left (the plan
+without them is the same), a row never drafts past max_tokens, rows read exactly their own KV
+(drafts included), and only blocks full of verified tokens are ever cached.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 
 from scheduler import PLACEHOLDER, CommitError, InputError, Request, SchedulerConfig
 from scheduler import SchedulerState, abort, add_request, advance, commit, schedule
-from test_scheduler_overlap import _OVERLAP, drive_overlapped
-from test_scheduler_properties import _SETTINGS, _sampler, drafter, drive, workloads
+from support.scheduler_drivers import drive, drive_overlapped
+from support.scheduler_workloads import HYPOTHESIS_SETTINGS, OVERLAP_MODES, drafter, fake_token
+from support.scheduler_workloads import workloads
 
 _SEEDS = st.integers(0, 2**16)
 
@@ -30,13 +31,13 @@ def _outputs(trace) -> dict:
     return {rid: f.output_token_ids for rid, f in trace.outputs.items()}
 
 
-@settings(max_examples=70, **_SETTINGS)
+@settings(max_examples=70, **HYPOTHESIS_SETTINGS)
 @given(workloads(aborts=True), _SEEDS)
 def test_speculation_changes_no_output(workload, seed):
     """Random acceptance counts under every policy, KV pressure, prefix caching and aborts: the
     outputs without speculation, and tokens per row step up with what was accepted."""
-    spec = _outputs(drive(workload, sampler=_sampler, propose=drafter(seed, _sampler)))
-    plain = _outputs(drive(workload, sampler=_sampler))
+    spec = _outputs(drive(workload, sampler=fake_token, propose=drafter(seed, fake_token)))
+    plain = _outputs(drive(workload, sampler=fake_token))
     if not workload.aborts:
         assert spec.keys() == plain.keys()
     # an abort lands at a step number: a faster run may finish the request before it
@@ -44,27 +45,27 @@ def test_speculation_changes_no_output(workload, seed):
         rid: plain[rid] for rid in spec.keys() & plain.keys()}
 
 
-@settings(max_examples=50, **_SETTINGS)
+@settings(max_examples=50, **HYPOTHESIS_SETTINGS)
 @given(workloads(windows=True, aborts=True), _SEEDS)
 def test_speculation_under_sliding_windows_changes_no_output(workload, seed):
     """Every layer slides and rows verify drafts: blocks behind each window still go back to
     the pool, draft positions read exactly their window (`drive`'s GhostCache and window
     checks), and outputs equal those without drafts."""
-    spec = _outputs(drive(workload, sampler=_sampler, propose=drafter(seed, _sampler)))
-    plain = _outputs(drive(workload, sampler=_sampler))
+    spec = _outputs(drive(workload, sampler=fake_token, propose=drafter(seed, fake_token)))
+    plain = _outputs(drive(workload, sampler=fake_token))
     assert {rid: spec[rid] for rid in spec.keys() & plain.keys()} == {
         rid: plain[rid] for rid in spec.keys() & plain.keys()}
     if not workload.aborts:
         assert spec.keys() == plain.keys()
 
 
-@settings(max_examples=20, **_SETTINGS)
+@settings(max_examples=20, **HYPOTHESIS_SETTINGS)
 @given(workloads(max_requests=5), _SEEDS)
 def test_speculation_is_pure(workload, seed):
-    drive(workload, sampler=_sampler, propose=drafter(seed, _sampler), purity=True)
+    drive(workload, sampler=fake_token, propose=drafter(seed, fake_token), purity=True)
 
 
-@settings(max_examples=25, **_SETTINGS)
+@settings(max_examples=25, **HYPOTHESIS_SETTINGS)
 @given(workloads(), _SEEDS, st.data())
 def test_knobs_may_change_between_steps_with_drafts(workload, seed, data):
     configs = [dataclasses.replace(workload.config, policy=p, max_num_seqs=m)
@@ -72,22 +73,22 @@ def test_knobs_may_change_between_steps_with_drafts(workload, seed, data):
     choices = data.draw(st.lists(st.integers(0, len(configs) - 1), min_size=1, max_size=30))
     base = dataclasses.replace(workload, config=dataclasses.replace(
         workload.config, policy="token_budget"))  # what the per-state checks assume
-    trace = drive(base, sampler=_sampler, propose=drafter(seed, _sampler),
+    trace = drive(base, sampler=fake_token, propose=drafter(seed, fake_token),
                   config_for_step=lambda step: configs[choices[step % len(choices)]])
-    assert _outputs(trace) == _outputs(drive(workload, sampler=_sampler))
+    assert _outputs(trace) == _outputs(drive(workload, sampler=fake_token))
 
 
-@settings(max_examples=60, **_SETTINGS)
-@given(workloads(), _OVERLAP, _SEEDS, st.data())
+@settings(max_examples=60, **HYPOTHESIS_SETTINGS)
+@given(workloads(), OVERLAP_MODES, _SEEDS, st.data())
 def test_overlapped_with_drafts_equals_serial(workload, overlap, seed, data):
     """Any interleaving of serial and overlapped steps, with drafts (rows verifying drafts in
     flight are held out of the next plan until the fill), aborts anywhere: serial outputs."""
     points = data.draw(st.lists(st.tuples(
         st.integers(0, 40), st.integers(0, len(workload.requests) - 1), st.integers(0, 2)),
         max_size=3))
-    outputs = drive_overlapped(workload, overlap, points, propose=drafter(seed, _sampler))
+    outputs = drive_overlapped(workload, overlap, points, propose=drafter(seed, fake_token))
     if not points:
-        assert outputs == _outputs(drive(workload, sampler=_sampler))
+        assert outputs == _outputs(drive(workload, sampler=fake_token))
 
 
 # ---- units ------------------------------------------------------------------------------------

@@ -15,46 +15,7 @@ import socket
 import threading
 import time
 
-from hf_models import tiny_model_with_chat_template
-
-ARCH = "LlamaForCausalLM"
-GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
-                attention_impl="xla", chunk_tile=16, max_num_batched_tokens=128)
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + "
-                 "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
-
-
-def chat_model_dir() -> str:
-    """The tiny byte-level-BPE Llama with a chat template added."""
-    return tiny_model_with_chat_template(CHAT_TEMPLATE)
-
-
-class RunningServer:
-    """`build_server(api)` run in a daemon thread; `.url`, `.stop()`."""
-
-    def __init__(self, api):
-        from arcjax.entrypoints.openai.http_server import build_server
-
-        self.api = api
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.uv = build_server(api)
-        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.uv.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.01)
-
-    def stop(self, timeout: float = 30) -> None:
-        self.uv.request_shutdown()
-        self.thread.join(timeout)
-        self.api.close()
+from support.running_server import GEOMETRY, RunningServer, chat_model_dir
 
 
 # --- fixtures -------------------------------------------------------------------------------
@@ -141,6 +102,7 @@ def test_model_card_names_the_attention_its_buckets_run(server):
     assert attention["configured"] == "xla"
     assert attention["decode"] == ["xla"] and attention["prefill"] == ["xla"]
     assert all(b["impl"] == "xla" for b in attention["buckets"])
+    assert attention["verified"] is True  # no GPU kernel runs without a recorded pass
 
 
 # --- completions ----------------------------------------------------------------------------
@@ -562,9 +524,23 @@ def test_metrics_parse_and_count(server):
 
 
 # --- shutdown -------------------------------------------------------------------------------
-def test_drain_lets_in_flight_requests_finish(llm):
+def _slow_steps(llm, monkeypatch, seconds: float = 0.01) -> None:
+    """Each engine step of `llm` takes `seconds` longer, so a 240-token request lasts over
+    2 s however warm the shared engine is: on an engine whose steps earlier tests compiled,
+    240 steps take about 0.2 s, and a drain test would find its request already finished."""
+    step = llm.engine.run_step
+
+    def slow_step():
+        time.sleep(seconds)
+        step()
+
+    monkeypatch.setattr(llm.engine, "run_step", slow_step)
+
+
+def test_drain_lets_in_flight_requests_finish(llm, monkeypatch):
     running = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
                                                           shutdown_timeout=30)))
+    _slow_steps(llm, monkeypatch)
     # long enough (240 steps) that the drain is still waiting when /health is asked
     body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=240, temperature=0,
                 ignore_eos=True, stream=True)
@@ -586,9 +562,10 @@ def test_drain_lets_in_flight_requests_finish(llm):
     assert not running.thread.is_alive()
 
 
-def test_drain_timeout_aborts_the_rest(llm):
+def test_drain_timeout_aborts_the_rest(llm, monkeypatch):
     running = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
                                                           shutdown_timeout=0.2)))
+    _slow_steps(llm, monkeypatch)  # the request cannot finish within the 0.2 s
     body = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=240, temperature=0,
                 ignore_eos=True, stream=True)
     with _sse_stream(running, body) as r:
@@ -671,10 +648,10 @@ def test_async_llm_merges_the_outputs_a_slow_reader_missed(llm):
 def test_unknown_fields_are_ignored_logged_once_and_listed(server, reference, caplog):
     want = reference.generate([PROMPTS[0]], _greedy(4), use_tqdm=False)[0].text
     names = ("frobnicate", "x_client_tag")
-    assert not set(names) & server.api.ignored_logged
+    assert not set(names) & server.api.tracker.ignored_logged
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0,
             **dict.fromkeys(names, 1)}
-    with caplog.at_level("WARNING", logger="arcjax.entrypoints.openai.api_server"):
+    with caplog.at_level("WARNING", logger="arcjax.entrypoints.openai.serving_engine"):
         for _ in range(2):
             r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == want

@@ -17,12 +17,12 @@ import jsonschema
 import pytest
 
 from arcjax import LLM, SamplingParams, StructuredOutputsError, StructuredOutputsParams
-from hf_models import ARCHS, tiny_model_dir, tiny_model_with_tokenizer
-from test_engine import GEOMETRY as ENGINE_GEOMETRY
-from test_engine_overlap import SCHEDULES
+from support.engines import GEOMETRY as ENGINE_GEOMETRY
+from support.engines import SCHEDULES
+from support.hf_models import ARCHS, tiny_model_dir, tiny_model_with_tokenizer
 
-# The geometry and schedules of test_engine_overlap: compiled steps are shared with its
-# engines (the structured tests add only the split forward/sampling executables).
+# The geometry and schedules of support.engines: compiled steps are shared with the engine
+# tests' (the structured tests add only the split forward/sampling executables).
 GEOMETRY = {**ENGINE_GEOMETRY, **SCHEDULES[0]}
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Naïve café, 東京 and more", "return n"]
 SCHEMA = {"type": "object", "properties": {

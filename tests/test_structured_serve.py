@@ -24,8 +24,8 @@ from arcjax import AsyncLLM
 from arcjax.entrypoints.chat_template import ChatTemplate
 from arcjax.entrypoints.openai.api_server import OpenAIServer, ServeConfig
 from arcjax.entrypoints.openai.tool_calls import template_messages
-from hf_models import tiny_model_with_chat_template
-from test_serve import GEOMETRY, RunningServer
+from support.hf_models import tiny_model_with_chat_template
+from support.running_server import GEOMETRY, RunningServer
 
 MODEL = "tiny-tools"
 TEMPLATE = (

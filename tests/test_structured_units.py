@@ -13,15 +13,17 @@ import tokenizers
 from hypothesis import given
 from hypothesis import strategies as st
 
-from arcjax import SamplingParams, StructuredOutputsError, StructuredOutputsParams
+from arcjax import RequestError, SamplingParams, StructuredOutputsError, StructuredOutputsParams
 from arcjax.runtime.sampling import SamplingBatch, apply_bitmask, bitmask_words, sample_step
 from arcjax.structured import GrammarCompiler, MaskFiller
 from arcjax.entrypoints.openai.structured_fields import constraint_from_body
-from arcjax.entrypoints.openai.tool_parsers import (HermesToolParser, Llama3JsonToolParser, ToolCall,
-                                            guess_parser)
 from arcjax.entrypoints.openai.tool_calls import (ToolCallStream, ToolsError, plan_tools,
-                                     template_messages)
-from hf_models import tiny_model_with_tokenizer
+                                                  template_messages)
+from arcjax.entrypoints.openai.tool_parsers import PARSERS, get_parser, guess_parser
+from arcjax.entrypoints.openai.tool_parsers.abstract_tool_parser import ToolCall, ToolParser
+from arcjax.entrypoints.openai.tool_parsers.hermes import HermesToolParser
+from arcjax.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
+from support.hf_models import tiny_model_with_tokenizer
 
 VOCAB = 384
 EOS = 2
@@ -216,6 +218,20 @@ def test_guess_parser_from_the_chat_template():
     assert guess_parser("{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert guess_parser("{{ '<|python_tag|>' }}") == "llama3_json"
     assert guess_parser("{{ messages }}") is None and guess_parser(None) is None
+    assert guess_parser("{{ '<|eom_id|>' }}") == "llama3_json"
+
+
+def test_the_registry_builds_each_format_and_refuses_unknown_names():
+    """Every format module's parser is registered under its own name, implements the one
+    interface and shows itself in templates; an unknown name is a typed error naming the
+    flag."""
+    assert list(PARSERS) == ["hermes", "llama3_json"]
+    for name, cls in PARSERS.items():
+        assert issubclass(cls, ToolParser) and cls.name == name and cls.template_markers
+        assert type(get_parser(name)) is cls
+    with pytest.raises(RequestError) as e:
+        get_parser("pythonic_v0")
+    assert e.value.field == "tool_call_parser" and "hermes" in str(e.value)
 
 
 # --- tool_choice -> constraint ------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The default-model training pipeline on a tiny corpus: split, tokenizer, data order, resume."""
 
 import dataclasses
+import hashlib
 import json
 import math
 import shutil
@@ -56,12 +57,28 @@ def test_corpus_files_skip_tests_and_site_packages(corpus):
     assert all(f.endswith(".py") and "test" not in f and "site-packages" not in f for f in files)
 
 
+# The split of the corpus fixture's 30 files at fraction 0.2, pinned: it is a function of the
+# relative paths alone (sha256 of each), so it is the same on every machine and every run, and
+# a change to the rule shows here. SPLIT_SHA256 is sha256 of json.dumps([train, held]). To
+# regenerate it after a deliberate change of the rule, from the repository root:
+#   PYTHONPATH=. python -c "import hashlib, json; from arcjax.train import training as t; \
+#     f = sorted(f'pkg/mod_{i}.py' if i % 3 else f'mod_{i}.py' for i in range(30)); \
+#     h = [x for x in f if t.is_held_out(x, 0.2)]; \
+#     print(h, hashlib.sha256(json.dumps([[x for x in f if x not in h], h]).encode()).hexdigest())"
+HELD_OUT = ["mod_15.py", "pkg/mod_2.py", "pkg/mod_23.py", "pkg/mod_25.py", "pkg/mod_28.py",
+            "pkg/mod_29.py", "pkg/mod_4.py", "pkg/mod_7.py"]
+SPLIT_SHA256 = "92254252fb61393fdcb73f0b2dd9d3df97d9a645c39180d8a52a20d492ccad70"
+
+
 def test_split_is_by_path_hash_and_stable(corpus):
     train, held = training.split_corpus(corpus, 0.2)
     assert set(train).isdisjoint(held) and len(train) + len(held) == 30
     assert 0 < len(held) < 15
+    assert held == HELD_OUT
+    assert hashlib.sha256(json.dumps([train, held]).encode()).hexdigest() == SPLIT_SHA256
     assert training.split_corpus(corpus, 0.2) == (train, held)
-    assert training.is_held_out("pkg/mod_1.py", 0.2) == training.is_held_out("pkg/mod_1.py", 0.2)
+    assert not training.is_held_out("pkg/mod_1.py", 0.2)
+    assert training.is_held_out("pkg/mod_2.py", 0.2)
     assert not training.is_held_out("pkg/mod_1.py", 0.0)
     assert training.is_held_out("pkg/mod_1.py", 1.0)
 

@@ -20,9 +20,10 @@ from arcjax.model.formats.loader import load_model, model_config
 from arcjax.model.kv_scales import calibrated_kv_scales, calibration_ids
 from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.runtime.buckets import BucketSet
+from arcjax.runtime.executable_cache import SHARED_EXECUTABLES
+from arcjax.runtime.runner import ModelRunner
 from arcjax.spec_decode.draft_model import DraftModelProposer
 from arcjax.spec_decode.ngram_proposer import NgramProposer
-from arcjax.runtime.runner import SHARED_EXECUTABLES, ModelRunner
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache cap on CPU

@@ -2,90 +2,71 @@
 
 The step is one of two short sequences, chosen once at construction:
 
-  serial:      schedule -> launch -> finish (collect, commit)
+  serial:      schedule -> launch -> finish
   overlapped:  advance(in flight) -> schedule -> launch -> finish(the step before)
 
-`advance` folds the step still on the device into the state with placeholder tokens, so
-the next step is planned and launched before the previous one's tokens reach the host
-(`scheduler.advance`; the device feeds the placeholders). `launch` packs the plan into a
-bucket's host arrays and dispatches it; `finish` collects the tokens, appends them (text,
-stops, grammars: `output.append_token`), commits them (`scheduler.commit`) and records
-the trace. With speculative decoding (`speculator`, spec.py) the plan is made with draft
-tokens for the decode rows, and a row that verified drafts yields 1 + its accepted drafts.
+Each part runs named stages (quoted), each the work of the component that owns it:
+
+1. `_advance` (overlapped), "advance": the step still on the device is folded into the
+   state with placeholder tokens (`scheduler.advance`), so the next step is planned and
+   launched before the previous one's tokens reach the host.
+2. `_schedule`: "propose" (speculative decoding: `Speculator.drafts`), "schedule"
+   (`scheduler.schedule`): the plan, kept as a `Launched` step.
+3. `_launch`: "pack" (`runner.prepare`: a `PreparedStep`; masks of constrained rows),
+   "launch" (`runner.launch`; decode rows whose input is a placeholder take the token the
+   step in flight samples for them on the device: a `TokenFeed`).
+4. `_finish`: "collect" (`runner.collect`: `Collected`), "append"
+   (`OutputProcessor.append`: text, stops, grammars; a row that verified drafts yields
+   1 + its accepted drafts: `Appended`), "commit" (`scheduler.commit`), "trace record"
+   (`StepTrace.step_record`), "trace sink", "finish" (the commit's finishes and draft
+   counts applied, the trace's tally, then the committed state).
+The records are in step_records.py and output_processor.py.
 
 Structured outputs: a constrained row's grammar bitmask goes into the step with it. When
 the mask needs the token the step before is still sampling (overlapped, a constrained
-decode row fed by the device), the step is launched in two parts: its forward at once,
-its sampling once `finish` has committed the step before and the masks are filled
-(`_sample_pending`): the device runs the forward while the host commits and fills masks.
-A constrained row that verifies drafts has one mask per position (the grammar's state
-after the drafts before it; its drafts are cut to what the grammar accepts first).
+decode row fed by the device), the step is launched in two parts: its forward at once
+("launch": `runner.launch_forward`; the step keeps a `PendingSampling`), its sampling once
+`_finish` has committed the step before (`_sample_pending`: "mask", "launch sampling"):
+the device runs the forward while the host commits and fills masks. A constrained row
+that verifies drafts has one mask per position (the grammar's state after the drafts
+before it; its drafts are cut to what the grammar accepts first).
 
   overlapped with such rows:  advance -> schedule -> launch forward -> finish(before)
-                              -> fill masks -> launch sampling
+                              -> mask -> launch sampling
 
-NOTE: failures travel one road. A stage that fails raises `StepFailed`; `_recover` ends
-the requests the step call touched (every step it handled: in flight, launched; everyone
-in the scheduler when planning itself failed) with "error" and a message through the one
-helper `finish_request`, rolls back tokens a failed commit appended, drops the plans
+NOTE: failures travel one road. Every line of a step runs inside a stage (`_stage`); a
+stage that fails raises `StepFailed`, and `_recover` ends the requests the step call
+touched (every step it handled: in flight, launched; everyone in the scheduler when
+proposing or planning failed) with "error" and a message naming the stage, through the
+one helper `finish_request`, rolls back what the failed step did to its requests
+(appended tokens, finishes, draft counts: `RequestState.snapshot`), drops the plans
 (`scheduler.abandon`: their blocks are freed) and, when the device failed or the donated
-cache died with the call, resets the KV cache and forgets the prefix cache. A failure in
-the recovery itself (or a multi-host step failure) escapes as an exception: the engine
-(engine.py) is then dead. Per-request failures (detokenization, a sink) end only their
-request.
+cache died with the call, resets the KV cache and forgets the prefix cache. The last
+lines of "finish" move the core to the committed state and cannot fail, so a failure
+anywhere before leaves the step to be abandoned. A failure in the recovery itself (or a
+multi-host step failure) escapes as an exception: the engine (engine.py) is then dead.
+Per-request failures (detokenization, a sink) end only their request.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
-
-import numpy as np
 
 import scheduler
 from arcjax.engine import logprobs
 from arcjax.engine.group import RequestGroup
 from arcjax.engine.input_processor import Abort, NewGroup, NewRequest
-from arcjax.engine.output_processor import append_token
+from arcjax.engine.output_processor import Appended, OutputProcessor, SampledRow
 from arcjax.engine.request_state import FINISH_ERROR, RequestState
-from arcjax.spec_decode.speculator import SpecCounts, Speculator, row_tokens
-from scheduler.metrics import StepRecord
+from arcjax.engine.step_records import Collected, Launched, PendingSampling, StepFailed
 from arcjax.engine.trace import StepTrace
 from arcjax.errors import EngineDeadError
 from arcjax.parallel.multihost import plan_digest
-from arcjax.runtime.runner import ModelRunner, StepHandle
+from arcjax.runtime.runner import ModelRunner
+from arcjax.runtime.step_handle import TokenFeed
+from arcjax.spec_decode.speculator import SpecCounts, Speculator, row_tokens
 from arcjax.structured import StructuredOutputManager
-
-
-class StepFailed(Exception):
-    """A stage of a step failed. `everyone`: every request in the scheduler is affected
-    (planning failed); `device`: the device's KV is unknown; `rollback`: (request,
-    snapshot) pairs to restore."""
-
-    def __init__(self, stage: str, cause: BaseException, *, everyone: bool = False,
-                 device: bool = False, rollback: list | None = None):
-        super().__init__(f"{stage} failed: {cause!r}")
-        self.stage, self.cause, self.everyone, self.device = stage, cause, everyone, device
-        self.rollback = rollback or []
-
-
-@dataclasses.dataclass
-class Launched:
-    """A step planned (and, once `handle` is set, dispatched) and not committed yet."""
-
-    plan: scheduler.StepPlan
-    reqs: list[RequestState]
-    start: float
-    handle: StepHandle | None = None
-    bucket: tuple = (0, 0, 0)
-    width: int = 1  # positions sampled per sequence (1 + k in a verification step)
-    prompts: list | None = None
-    compiled: bool = False
-    # Launched as a forward only: (sampling inputs, drafts to verify or None, constrained
-    # (position, grammar, drafts) rows, positions);
-    # `_sample_pending` fills the masks and launches the sampling.
-    pending: tuple | None = None
 
 
 class EngineCore:
@@ -103,6 +84,8 @@ class EngineCore:
         self.state = scheduler.SchedulerState.empty(sched_config)
         self.requests: dict[str, RequestState] = {}  # in the scheduler, not released
         self.groups: dict[str, RequestGroup] = {}  # n > 1 requests by the user's id
+        # appends each step's tokens; the engine delivers the outputs through it
+        self.outputs = OutputProcessor(tokenizer, eos_token_ids, self.groups, self.release)
         self.trace = StepTrace(trace_capacity)
         self.in_flight: Launched | None = None  # overlapped: launched, not committed
         self.sync = None  # multi-host: an arcjax.parallel.StepSync
@@ -159,6 +142,30 @@ class EngineCore:
         if self.speculator is not None:
             self.speculator.release(req.request_id)
 
+    def drop_all(self) -> None:
+        """Forgets every request and group without finishing them (the engine died: its
+        waiters learn it from the engine, nothing is delivered any more)."""
+        self.requests.clear()
+        self.groups.clear()
+
+    # --- monitoring ----------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """The scheduler's side of `Engine.stats` (any thread: it reads one immutable
+        state): requests waiting and running, KV blocks in use and in all, steps."""
+        state = self.state
+        return {"waiting": len(state.waiting), "running": state.num_running,
+                "kv_blocks_in_use": state.pool.num_in_use,
+                "kv_blocks_total": self.sched_config.num_blocks,
+                "steps": self.trace.num_steps}
+
+    def blocks_in_use(self) -> int:
+        """KV blocks held by running sequences."""
+        return self.sched_config.num_blocks - self.state.pool.num_free
+
+    def check_trace(self) -> int:
+        """`StepTrace.check` against the requests held now. Returns how many are held."""
+        return self.trace.check({rid: len(r.token_ids) for rid, r in self.requests.items()})
+
     # --- the step ------------------------------------------------------------------------
     def step(self, changed: dict) -> None:
         """One step; `changed` gets every request whose output changed."""
@@ -174,18 +181,21 @@ class EngineCore:
         self._admit_waiting_samples(changed)
 
     def _step_serial(self, changed: dict) -> None:
-        plan = self._schedule(self.state)
-        if not plan.is_empty:
-            self._finish(self._launch(plan, None), changed)
+        step = self._schedule(self.state)
+        if step is not None:
+            self._launch(step, None)
+            self._finish(step, changed)
 
     def _step_overlapped(self, changed: dict) -> None:
         prev = self.in_flight
-        plan = self._schedule(self._advance(prev))
-        self.in_flight = None if plan.is_empty else self._launch(plan, prev)
+        step = self._schedule(self._advance(prev))
+        if step is not None:
+            self._launch(step, prev)
+        self.in_flight = step
         if prev is not None:
             self._finish(prev, changed)
-        if self.in_flight is not None and self.in_flight.pending is not None:
-            self._sample_pending(self.in_flight)
+        if step is not None and step.pending is not None:
+            self._sample_pending(step)
 
     @contextlib.contextmanager
     def _stage(self, name: str, **flags):
@@ -202,7 +212,8 @@ class EngineCore:
         with self._stage("advance"):
             return scheduler.advance(self.state, prev.plan)
 
-    def _schedule(self, state: scheduler.SchedulerState) -> scheduler.StepPlan:
+    def _schedule(self, state: scheduler.SchedulerState) -> Launched | None:
+        """Plans the next step from `state` (drafts proposed first); None: nothing to run."""
         drafts = None
         if self.speculator is not None:
             with self._stage("propose", everyone=True):
@@ -213,67 +224,78 @@ class EngineCore:
                 self.sync.check_plan(plan_digest(plan, [
                     (self.requests[rid].seed, len(self.requests[rid].token_ids))
                     for rid in plan.request_ids]))
-        self.state = plan.state
-        return plan
+            step = None if plan.is_empty else Launched(
+                plan, [self.requests.get(rid) for rid in plan.request_ids], self.clock())
+            self.state = plan.state  # NOTE: from here on, the step is abandoned if it fails
+            if step is not None:
+                self._touched.append(step)
+            return step
 
-    def _launch(self, plan: scheduler.StepPlan, prev: Launched | None) -> Launched:
-        """Packs and dispatches `plan`; decode rows whose input is a placeholder take the
+    def _launch(self, step: Launched, prev: Launched | None) -> None:
+        """Packs and dispatches `step`; decode rows whose input is a placeholder take the
         token `prev` samples for them on the device."""
-        step = Launched(plan, [self.requests.get(rid) for rid in plan.request_ids], self.clock())
-        self._touched.append(step)
+        plan = step.plan
         with self._stage("pack"):
             for req, cached in zip(step.reqs, plan.num_cached):
                 if req.first_scheduled is None:
                     req.first_scheduled, req.num_cached_tokens = step.start, cached
-            ahead = [i for i in range(plan.num_decode_rows)
-                     if plan.row_token_ids(i)[0] == scheduler.PLACEHOLDER]
-            fed_rows = set(ahead)
+            fed_rows = {i for i in range(plan.num_decode_rows)
+                        if plan.row_token_ids(i)[0] == scheduler.PLACEHOLDER}
             step.prompts = logprobs.prompt_rows(plan, step.reqs)
             rows = logprobs.sampling_rows(plan, step.reqs, self.runner.counts,
                                           self.eos_token_ids, fed_rows)
             prepared = self.runner.prepare(plan, rows, step.prompts)
-            feed = None
-            if ahead:  # row i's first token is the one `prev` samples for the same request
-                position = {rid: j for j, rid in enumerate(prev.plan.request_ids)}
-                fed = np.full(prepared[0].tokens, -1, np.int32)
-                cu = plan.cu_seqlens
-                for i in ahead:  # a row of prev with no drafts: its first sampled position
-                    fed[cu[i]] = position[plan.request_ids[i]] * prev.width
-                feed = (prev.handle, fed)
+            step.bucket = prepared.bucket
+            feed = self._feed(step, prev, fed_rows) if fed_rows else None
             # constrained rows that sample (first position i * W; drafts: a mask each); a
             # grammar fed ahead lacks the token in flight
-            width, size = prepared[0].sample_width, prepared[0].seqs * prepared[0].sample_width
-            grammars = [(i * width, req.grammar, plan.row_spec_token_ids(i))
+            grammars = [(i * step.width, req.grammar, plan.row_spec_token_ids(i))
                         for i, (req, s) in enumerate(zip(step.reqs, plan.samples))
                         if s and req.grammar is not None]
-            lagging = any(i // width in fed_rows for i, _, _ in grammars)
+            lagging = any(i // step.width in fed_rows for i, _, _ in grammars)
             bitmask = (None if lagging or not grammars
-                       else self.structured.bitmask(grammars, size))
+                       else self.structured.bitmask(grammars, prepared.bucket.num_samples))
         with self._stage("launch"):
             compiled_before = self.runner.num_executables
             if lagging:  # the forward now, the sampling once `prev` is committed
-                bucket, batch, sampling, prompt, spec = (*prepared, None, None)[:5]
-                step.handle = self.runner.launch_forward(bucket, batch, prompt, feed=feed)
-                step.pending = (sampling, spec, grammars, size)
+                step.handle = self.runner.launch_forward(prepared, feed=feed)
+                step.pending = PendingSampling(prepared, grammars)
             else:
-                step.handle = self.runner.launch(*prepared, feed=feed, bitmask=bitmask)
-        b = prepared[0]
-        step.bucket, step.width = (b.tokens, b.seqs, b.max_q_len), b.sample_width
-        step.compiled = self.runner.num_executables > compiled_before
-        return step
+                step.handle = self.runner.launch(prepared, feed=feed, bitmask=bitmask)
+            step.compiled = self.runner.num_executables > compiled_before
+
+    @staticmethod
+    def _feed(step: Launched, prev: Launched, fed_rows: set[int]) -> TokenFeed:
+        """Row i's first token is the one `prev` samples for the same request (a row of
+        `prev` with no drafts: its first sampled position)."""
+        position = {rid: j for j, rid in enumerate(prev.plan.request_ids)}
+        plan, cu = step.plan, step.plan.cu_seqlens
+        return TokenFeed.build(prev.handle, step.bucket.tokens, {
+            cu[i]: position[plan.request_ids[i]] * prev.width for i in fed_rows})
 
     def _sample_pending(self, step: Launched) -> None:
         """Fills the masks of a step launched as a forward only (its constrained rows'
         grammars now hold the tokens of the step before) and launches its sampling."""
-        sampling, spec, grammars, size = step.pending
-        with self._stage("pack"):
-            bitmask = self.structured.bitmask(grammars, size)
-        with self._stage("launch"):
-            self.runner.launch_sampling(step.handle, sampling, bitmask, spec)
-        step.pending = None
+        pending = step.pending
+        with self._stage("mask"):
+            bitmask = self.structured.bitmask(pending.grammars,
+                                              pending.prepared.bucket.num_samples)
+        with self._stage("launch sampling"):
+            self.runner.launch_sampling(step.handle, pending.prepared, bitmask)
+            step.pending = None
 
+    # --- the commit path: collect -> append -> commit -> trace -> finish -----------------
     def _finish(self, step: Launched, changed: dict) -> None:
-        """Collects a launched step's tokens, appends them and commits them."""
+        """Collects a launched step's tokens, appends them to their requests, commits them,
+        records the step and applies its finishes (stages; see the module docstring)."""
+        collected = self._collect(step)
+        appended = self._append(step, collected, changed)
+        state, finished = self._commit(step, collected, appended)
+        self._record(step, collected, appended)
+        self._apply(step, collected, appended, state, finished, changed)
+
+    def _collect(self, step: Launched) -> Collected:
+        """The step's tokens (and the logprobs asked for) on the host."""
         plan, reqs = step.plan, step.reqs
         with self._stage("collect", device=True):
             if self.sync is not None:  # a peer that fails now must not leave us waiting
@@ -281,65 +303,68 @@ class EngineCore:
             out = self.runner.collect(step.handle)
             lp = (logprobs.host_logprobs(out.logprobs) if any(
                 r.logprobs is not None for r in reqs) else None)
-            if step.prompts is not None:
-                logprobs.record_prompt_logprobs(plan, reqs, step.prompts, logprobs.host_logprobs(
-                    out.prompt_logprobs), self.tokenizer)
-        now, tokens = self.clock(), out.tokens
-        with self._stage("commit"):
-            live = [i for i, (req, s) in enumerate(zip(reqs, plan.samples))
-                    if s and not req.finished and req.request_id in self.requests]
-            snapshots = [(reqs[i], reqs[i].snapshot()) for i in live]
-        with self._stage("commit", rollback=snapshots):
-            stopped, kept, spec = [], {}, SpecCounts()
-            for i, (req, snap) in zip(live, snapshots):
-                tokens = row_tokens(out, plan, i, step.width)
-                kept[i] = []
-                try:
-                    for j, token in enumerate(tokens):
-                        entry = logprobs.sampled_entry(lp, i * step.width + j, token, req,
-                                                       self.tokenizer)
-                        kept[i].append(token)
-                        if append_token(req, token, now, self.eos_token_ids, entry):
-                            stopped.append(req.request_id)
-                            break
-                except Exception as e:  # noqa: BLE001  one request's bug stops only it
-                    req.restore(snap)  # without this step's tokens
-                    req.finish(FINISH_ERROR, now, f"output processing failed: {e!r}")
-                    stopped.append(req.request_id)
-                    changed[req.request_id] = req
-                    del kept[i]
-                drafts = plan.row_spec_token_ids(i)
-                if drafts:
-                    spec.add(len(drafts), len(tokens) - 1)
-            sampled = [kept.get(i) or row_tokens(out, plan, i, step.width)
-                       for i, s in enumerate(plan.samples) if s]
+            prompt_lp = (logprobs.host_logprobs(out.prompt_logprobs)
+                         if step.prompts is not None else None)
+        with self._stage("collect"):
+            if prompt_lp is not None:
+                logprobs.record_prompt_logprobs(plan, reqs, step.prompts, prompt_lp,
+                                                self.tokenizer)
+            yielded = {i: row_tokens(out, plan, i, step.width)
+                       for i, s in enumerate(plan.samples) if s}
+            return Collected(out, yielded, lp, self.clock())
+
+    def _append(self, step: Launched, collected: Collected, changed: dict) -> Appended:
+        """The live rows' tokens into their requests (`OutputProcessor.append`)."""
+        reqs = step.reqs
+        with self._stage("append"):
+            rows = [SampledRow(i, reqs[i], tokens, i * step.width, reqs[i].snapshot())
+                    for i, tokens in collected.yielded.items()
+                    if not reqs[i].finished and reqs[i].request_id in self.requests]
+        with self._stage("append", rollback=[(row.req, row.snapshot) for row in rows]):
+            return self.outputs.append(rows, collected.logprobs, collected.now, changed)
+
+    def _commit(self, step: Launched, collected: Collected, appended: Appended
+                ) -> tuple[scheduler.SchedulerState, tuple]:
+        """The scheduler's commit (pure): the state after the step, and the requests it
+        finished. A row the host cut keeps its appended tokens; the others commit all."""
+        plan = step.plan
+        with self._stage("commit", rollback=appended.rollback):
+            sampled = [appended.kept.get(i) or tokens for i, tokens in collected.yielded.items()]
             if not plan.spec_token_ids:  # one token per row: commit's fast path takes ints
                 sampled = [tokens[0] for tokens in sampled]
-            state, finished = scheduler.commit(self.state, plan, sampled, now,
-                                               finished_ids=tuple(stopped))
-        sampled_ids = tuple(reqs[i].request_id for i in kept)
-        record = StepRecord(
-            index=self.trace.num_steps, start=step.start, end=now,
-            prefill_tokens=plan.num_prefill_tokens, decode_tokens=plan.num_decode_tokens,
-            num_seqs=plan.num_seqs, bucket=step.bucket, compiled=step.compiled,
-            engaged=plan.engaged.as_dict(), sampled=sampled_ids,
-            cached_tokens=plan.num_cached_tokens, dispatched=step.handle.dispatched,
-            ready=step.handle.wait_ready(), expert_tokens=out.expert_tokens(),
-            **spec.record_fields())
-        with self._stage("trace sink", rollback=snapshots):
+            return scheduler.commit(self.state, plan, sampled, collected.now,
+                                    finished_ids=tuple(appended.stopped))
+
+    def _record(self, step: Launched, collected: Collected, appended: Appended) -> None:
+        """The step's trace record, built (`StepTrace.step_record`) and recorded (a failing
+        trace sink fails the step)."""
+        with self._stage("trace record", rollback=appended.rollback):
+            record = self.trace.step_record(
+                step.plan, start=step.start, end=collected.now, bucket=step.bucket,
+                compiled=step.compiled, handle=step.handle, out=collected.out,
+                sampled=tuple(step.reqs[i].request_id for i in appended.kept),
+                spec=SpecCounts.of(step.plan, {row.index: row.tokens for row in appended.rows}))
+        with self._stage("trace sink", rollback=appended.rollback):
             self.trace.record(record, strict=True)
-        self.state = state
-        self._touched.remove(step)
-        for f in finished:
-            self.requests[f.request_id].finish(f.reason, now)
-        for i, tokens in kept.items():
-            req = reqs[i]
-            self.trace.sampled(req.request_id, len(tokens))
-            drafts = plan.row_spec_token_ids(i)
-            if drafts:
-                req.num_draft_tokens += len(drafts)
-                req.num_accepted_tokens += len(row_tokens(out, plan, i, step.width)) - 1
-            changed[req.request_id] = req
+
+    def _apply(self, step: Launched, collected: Collected, appended: Appended,
+               state: scheduler.SchedulerState, finished: tuple, changed: dict) -> None:
+        """Ends the requests the commit finished, adds each kept row's draft counts to its
+        request and its tokens to the trace's tally, then moves to the committed state."""
+        plan, reqs, now = step.plan, step.reqs, collected.now
+        with self._stage("finish", rollback=appended.rollback):
+            for f in finished:
+                self.requests[f.request_id].finish(f.reason, now)
+            for i in appended.kept:
+                drafts = plan.row_spec_token_ids(i)
+                if drafts:
+                    reqs[i].num_draft_tokens += len(drafts)
+                    reqs[i].num_accepted_tokens += len(collected.yielded[i]) - 1
+                changed[reqs[i].request_id] = reqs[i]
+            self.trace.sampled({reqs[i].request_id: len(tokens)
+                                for i, tokens in appended.kept.items()})
+            self.state = state  # NOTE: the step is done: nothing below may fail
+            self._touched.remove(step)
 
     # --- failures ------------------------------------------------------------------------
     def _recover(self, failure: StepFailed, changed: dict) -> None:
@@ -359,11 +384,8 @@ class EngineCore:
         elif self.speculator is not None:  # a draft model's own KV may be gone with it
             self.speculator.reset()
         for start, plan in [(s.start, s.plan) for s in steps] or [(now, None)]:
-            self.trace.record(StepRecord(
-                index=self.trace.num_steps, start=start, end=now, prefill_tokens=0, decode_tokens=0,
-                num_seqs=plan.num_seqs if plan else 0, bucket=(0, 0, 0), compiled=False,
-                engaged=(plan.engaged if plan else scheduler.Engaged()).as_dict(),
-                sampled=(), error=message), strict=False)
+            self.trace.record(self.trace.failed_record(plan, start=start, end=now,
+                                                       error=message), strict=False)
 
     def _reset_device(self, now: float, message: str, changed: dict) -> None:
         """The KV cache is lost or unknown: every request holding KV finishes with "error"

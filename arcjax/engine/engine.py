@@ -1,12 +1,14 @@
 """The engine: requests in from any thread, one step at a time, outputs out.
 
-  1. `add_request` (any thread): `InputProcessor` (input.py) validates and tokenizes in the
-     caller's thread (a refusal raises there, typed) and the request enters the inbox.
+  1. `add_request` (any thread): `InputProcessor` (input_processor.py) validates and
+     tokenizes in the caller's thread (a refusal raises there, typed) and the request
+     enters the inbox.
   2. `run_step` (one thread at a time): the inbox is drained into the core (adds, aborts;
      multi-host: the leader's inbox is broadcast first), the core runs one step (core.py:
-     schedule, launch, collect, commit; every failure ends its requests there), and, in a
-     `finally`, `OutputProcessor` (output.py) builds the outputs of every request the step
-     changed and hands each to its sink, or keeps it for the next `step()` return.
+     schedule, launch, collect, append, commit, trace, finish; every failure ends its
+     requests there), and, in a `finally`, the core's `OutputProcessor`
+     (output_processor.py) builds the outputs of every request the step changed and hands
+     each to its sink, or keeps it for the next `step()` return.
   3. A failure the core cannot recover from kills the engine (`EngineDeadError`): every
      later call raises it at once, `has_unfinished()` is false, nothing is delivered any
      more, and, multi-host, every other process is told (they stop with the same error).
@@ -29,7 +31,6 @@ import scheduler
 from arcjax.engine.core import EngineCore
 from arcjax.engine.group import CHILD_SEP
 from arcjax.engine.input_processor import Abort, InputProcessor, NewGroup, NewRequest
-from arcjax.engine.output_processor import OutputProcessor
 from arcjax.outputs import RequestOutput
 from arcjax.engine.request_state import FINISH_ERROR
 from arcjax.engine.tokenizer import Tokenizer
@@ -76,7 +77,6 @@ class Engine:
                                async_scheduling=async_scheduling,
                                eos_token_ids=self.eos_token_ids, speculator=speculator,
                                structured=self.structured)
-        self.outputs = OutputProcessor(self.core.groups, self.core.release)
         self.dead: EngineDeadError | None = None
         self._lock = threading.Lock()  # guards the inbox, the id set and the pending list
         self._step_lock = threading.Lock()  # one step (or inbox drain) at a time
@@ -288,7 +288,7 @@ class Engine:
         for last in (False, True):
             if not changed:
                 return
-            delivery = self.outputs.deliver(changed)
+            delivery = self.core.outputs.deliver(changed)
             with self._lock:
                 self._pending.extend(delivery.pending)
                 self._unfinished.difference_update(delivery.done)
@@ -326,29 +326,25 @@ class Engine:
                 self._inbox.clear()
                 self._pending.clear()
                 self._unfinished.clear()
-            self.core.requests.clear()
-            self.core.groups.clear()
+            self.core.drop_all()
         return self.dead
 
     # --- monitoring and checks ---------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """A consistent snapshot for monitoring (any thread): requests waiting (queued in the
         inbox or the scheduler), running, unfinished; KV blocks in use and in all; steps."""
-        state = self.core.state  # an immutable snapshot
+        stats = self.core.stats()
         with self._lock:
             queued = sum(1 for item in self._inbox if isinstance(item, (NewRequest, NewGroup)))
             unfinished = len(self._unfinished)
-        return {"waiting": len(state.waiting) + queued, "running": state.num_running,
-                "unfinished": unfinished, "kv_blocks_in_use": state.pool.num_in_use,
-                "kv_blocks_total": self.sched_config.num_blocks, "steps": self.num_steps}
+        return {**stats, "waiting": stats["waiting"] + queued, "unfinished": unfinished}
 
     def check_trace(self) -> int:
         """Self-check: every request released so far had exactly as many tokens as the
         trace sampled for it, and every held request agrees so far. Returns the number of
         requests held. Raises AssertionError listing disagreements."""
-        return self.core.trace.check({rid: len(r.token_ids)
-                                      for rid, r in self.core.requests.items()})
+        return self.core.check_trace()
 
     def blocks_in_use(self) -> int:
         """KV blocks held by running sequences."""
-        return self.sched_config.num_blocks - self.core.state.pool.num_free
+        return self.core.blocks_in_use()

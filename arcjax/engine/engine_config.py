@@ -24,7 +24,7 @@ from arcjax.errors import ConfigError, EngineConfigError
 from arcjax.spec_decode.speculative_config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
-# "auto" resolves per bucket (`pallas_kernels.resolve_call`); the GPU kernels: Pallas-Triton
+# "auto" resolves per bucket (`pallas_kernels.choose_inputs`); the GPU kernels: Pallas-Triton
 # and the Triton kernel through jax-triton. Not engine-wide: "mosaic_gpu" (decode-only
 # batches: "auto" runs it in decode buckets once verified) and "reference" (host numpy).
 ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu", "triton")

@@ -1,9 +1,12 @@
 """Output processing: sampled tokens into text and stops, then outputs built and delivered.
 
-1. `append_token(req, token, ...)` (inside a step's commit): records the token, advances the
-   request's grammar (structured outputs), detokenizes it, checks stop token ids, EOS and
-   stop strings (the text is cut before a stop string); a grammar that admits no more
-   text stops the request too.
+1. `OutputProcessor.append(rows, ...)` (a step's "append" stage, before the scheduler's
+   commit): each row's tokens go to its request one by one through `append_token`, which
+   records the token, advances the request's grammar (structured outputs), detokenizes
+   it, checks stop token ids, EOS and stop strings (the text is cut before a stop
+   string); a grammar that admits no more text stops the request too. A stop cuts the
+   row there; a row whose processing fails ends only its request, without this step's
+   tokens.
 2. `OutputProcessor.deliver(changed)` (after every step, in its `finally`): builds the
    output of every request the step changed, as its `SamplingParams.output_kind` says, and
    hands it to the request's sink or returns it (requests without a sink); a request whose
@@ -24,8 +27,9 @@ import dataclasses
 from collections.abc import Callable
 
 from arcjax.engine.group import RequestGroup
+from arcjax.engine.logprobs import sampled_entry
+from arcjax.engine.request_state import FINISH_ERROR, FINISH_STOP, RequestState
 from arcjax.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
-from arcjax.engine.request_state import FINISH_STOP, RequestState
 from arcjax.sampling_params import RequestOutputKind
 
 DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
@@ -160,6 +164,31 @@ def group_output(group: RequestGroup) -> RequestOutput | None:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SampledRow:
+    """A sampling row of a collected step whose request is still live."""
+
+    index: int  # the plan row
+    req: RequestState
+    tokens: list[int]  # what the row yielded (1 + accepted drafts in a verification step)
+    position: int  # its first sampled position (index * sample width): its logprobs row
+    snapshot: tuple  # `req.snapshot()` before this step's tokens (a failed step restores it)
+
+
+@dataclasses.dataclass(frozen=True)
+class Appended:
+    """What one `append` call did."""
+
+    rows: list[SampledRow]  # the rows it was given
+    kept: dict[int, list[int]]  # plan row -> tokens appended (a stop cuts the row there)
+    stopped: list[str]  # requests the host ended: a stop, a grammar complete, a failure
+
+    @property
+    def rollback(self) -> list[tuple[RequestState, tuple]]:
+        """(request, snapshot) of every row: what a failed step restores."""
+        return [(row.req, row.snapshot) for row in self.rows]
+
+
 @dataclasses.dataclass
 class Delivery:
     """What one `deliver` call did."""
@@ -170,16 +199,50 @@ class Delivery:
 
 
 class OutputProcessor:
-    """Builds and hands out outputs (stepping thread); see the module docstring.
+    """Appends sampled tokens, builds and hands out outputs (stepping thread); see the
+    module docstring.
 
     Args:
-      groups: the n > 1 requests by user id (shared with the core, which admits them).
+      tokenizer: the engine's tokenizer (logprob entries' texts), or None.
+      eos_token_ids: the ids that end a request (unless it ignores EOS).
+      groups: the n > 1 requests by user id (the core's, which admits them).
       release: called with every request whose final output was built.
     """
 
-    def __init__(self, groups: dict[str, RequestGroup],
+    def __init__(self, tokenizer, eos_token_ids: frozenset, groups: dict[str, RequestGroup],
                  release: Callable[[RequestState], None]):
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self.groups, self.release = groups, release
+
+    def append(self, rows: list[SampledRow], logprobs, now: float, changed: dict) -> Appended:
+        """Appends each row's tokens to its request (see the module docstring).
+
+        Args:
+          rows: the live sampling rows of a collected step.
+          logprobs: the step's sampled-token logprobs as host arrays
+            (`logprobs.host_logprobs`), or None when no row asked.
+          now: the time the tokens reached the host.
+          changed: gets every request a failure ended here.
+        """
+        appended = Appended(rows, {}, [])
+        for row in rows:
+            req, kept = row.req, []
+            try:
+                for j, token in enumerate(row.tokens):
+                    entry = sampled_entry(logprobs, row.position + j, token, req,
+                                          self.tokenizer)
+                    kept.append(token)
+                    if append_token(req, token, now, self.eos_token_ids, entry):
+                        appended.stopped.append(req.request_id)
+                        break
+            except Exception as e:  # noqa: BLE001  one request's bug stops only it
+                req.restore(row.snapshot)  # without this step's tokens
+                req.finish(FINISH_ERROR, now, f"output processing failed: {e!r}")
+                appended.stopped.append(req.request_id)
+                changed[req.request_id] = req
+                continue
+            appended.kept[row.index] = kept
+        return appended
 
     def deliver(self, changed: dict[str, RequestState]) -> Delivery:
         """Builds and hands out the output of every request in `changed`."""

@@ -2,8 +2,8 @@
 
 Text, sampling params, stop conditions, incremental detokenization, timings, logprobs and
 what has been handed out so far (the cursors that make DELTA outputs). The scheduler owns
-the token ids it plans with, the cursors and the KV blocks. `engine/output.py` changes a
-request as tokens arrive and builds its outputs; the core finishes it.
+the token ids it plans with, the cursors and the KV blocks. `engine/output_processor.py`
+changes a request as tokens arrive and builds its outputs; the core finishes it.
 """
 
 from __future__ import annotations
@@ -68,14 +68,17 @@ class RequestState:
         return self.finish_reason is not None
 
     def snapshot(self) -> tuple:
-        """What appending tokens may change, in O(1): for rolling a failed step back."""
+        """What a step's commit path may change (appending tokens, finishing, counting
+        drafts), in O(1): for rolling a failed step back."""
         return (len(self.token_ids), len(self.token_times), self.text, self.finish_reason,
-                self.detok.snapshot() if self.detok else None, self.cumulative_logprob,
-                self.grammar.num_tokens if self.grammar else None)
+                self.error, self.finished_time, self.detok.snapshot() if self.detok else None,
+                self.cumulative_logprob, self.grammar.num_tokens if self.grammar else None,
+                self.num_draft_tokens, self.num_accepted_tokens)
 
     def restore(self, snap: tuple) -> None:
-        (n_tokens, n_times, self.text, self.finish_reason, detok,
-         self.cumulative_logprob, grammar_tokens) = snap
+        (n_tokens, n_times, self.text, self.finish_reason, self.error, self.finished_time,
+         detok, self.cumulative_logprob, grammar_tokens, self.num_draft_tokens,
+         self.num_accepted_tokens) = snap
         del self.token_ids[n_tokens:]
         del self.token_times[n_times:]
         if self.logprobs is not None:

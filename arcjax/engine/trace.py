@@ -1,5 +1,5 @@
 """Per-step trace: the engine's ring of `StepRecord`s with its sink and self-check
-(`StepTrace`), a run summary and JSONL export.
+(`StepTrace`: it builds each step's record too), a run summary and JSONL export.
 
 The record type is `scheduler.metrics.StepRecord`, the one step record of the project: the
 simulator writes the same type, so every metric reads real and simulated runs alike.
@@ -25,6 +25,12 @@ import json
 from collections import Counter
 from typing import Callable, Iterable, Mapping
 
+import scheduler
+from arcjax.runtime.buckets import Bucket
+from arcjax.runtime.step_handle import StepHandle
+from arcjax.runtime.step_output import StepOutput
+from arcjax.spec_decode.speculator import SpecCounts
+from pallas_kernels.verified import VERIFY_COMMAND
 from scheduler.metrics import StepRecord, engagement, knob_report, spec_decode_summary
 
 __all__ = ["StepRecord", "StepTrace", "attention_report", "busy_time", "device_idle_gaps",
@@ -44,6 +50,32 @@ class StepTrace:
         self._sampled: dict[str, int] = {}  # per held request
         self._errors: list[str] = []
 
+    def step_record(self, plan: scheduler.StepPlan, *, start: float, end: float,
+                    bucket: Bucket, compiled: bool, handle: StepHandle, out: StepOutput,
+                    sampled: tuple[str, ...], spec: SpecCounts) -> StepRecord:
+        """The record of a step that ran: what it planned and ran in (`bucket`; `compiled`:
+        its launch acquired an executable), when it was dispatched and when the device
+        finished it (`handle`: waits for the completion watcher, when one watches), the
+        tokens each expert received, the requests it `sampled` for and its speculative
+        decoding counts."""
+        return StepRecord(
+            index=self.num_steps, start=start, end=end, prefill_tokens=plan.num_prefill_tokens,
+            decode_tokens=plan.num_decode_tokens, num_seqs=plan.num_seqs,
+            bucket=(bucket.tokens, bucket.seqs, bucket.max_q_len), compiled=compiled,
+            engaged=plan.engaged.as_dict(), sampled=sampled,
+            cached_tokens=plan.num_cached_tokens, dispatched=handle.dispatched,
+            ready=handle.wait_ready(), expert_tokens=out.expert_tokens(),
+            **spec.record_fields())
+
+    def failed_record(self, plan: scheduler.StepPlan | None, *, start: float, end: float,
+                      error: str) -> StepRecord:
+        """The record of a step that failed (`plan`: None when planning itself failed)."""
+        return StepRecord(
+            index=self.num_steps, start=start, end=end, prefill_tokens=0, decode_tokens=0,
+            num_seqs=plan.num_seqs if plan else 0, bucket=(0, 0, 0), compiled=False,
+            engaged=(plan.engaged if plan else scheduler.Engaged()).as_dict(), sampled=(),
+            error=error)
+
     def record(self, record: StepRecord, *, strict: bool) -> None:
         """Appends a record and hands it to the sink. A sink that raises is detached;
         `strict`: the error is raised too (the step fails) and nothing is appended."""
@@ -61,8 +93,14 @@ class StepTrace:
     def admit(self, request_id: str) -> None:
         self._sampled[request_id] = 0
 
-    def sampled(self, request_id: str, count: int = 1) -> None:
-        self._sampled[request_id] += count
+    def sampled(self, counts: Mapping[str, int]) -> None:
+        """Adds the tokens a step sampled per request (all of them or, when a request is
+        unknown, none: KeyError)."""
+        unknown = [rid for rid in counts if rid not in self._sampled]
+        if unknown:
+            raise KeyError(f"the trace admitted no request {unknown}")
+        for rid, count in counts.items():
+            self._sampled[rid] += count
 
     def release(self, request_id: str, num_tokens: int) -> None:
         traced = self._sampled.pop(request_id, 0)
@@ -131,7 +169,8 @@ def summarize(records: list[StepRecord], wall_time: float,
 
 
 def attention_report(configured: str, impls: Mapping[tuple[int, int, int], str],
-                     records: Iterable[StepRecord] | None = None) -> dict:
+                     records: Iterable[StepRecord] | None = None,
+                     verified: Mapping[tuple[int, int, int], bool | None] | None = None) -> dict:
     """Which attention implementation the engine's steps run.
 
     Args:
@@ -140,12 +179,18 @@ def attention_report(configured: str, impls: Mapping[tuple[int, int, int], str],
         (`ModelRunner.attention_impls`).
       records: the steps to report on (only the buckets they ran in, with step counts);
         None = every bucket acquired so far.
+      verified: (T, S, max_q_len) -> whether a recorded GPU pass vouches for the bucket's
+        implementation (`ModelRunner.attention_verified`; None: nothing to verify);
+        None = not reported.
 
     Returns:
       {"configured", "decode": implementations of the decode-only buckets (max_q_len 1),
       "prefill": those of the buckets with prompt chunks (prefill, mixed, speculative
-      verification), "buckets": [{"tokens", "seqs", "max_q_len", "impl"[, "steps"]}]};
-      the lists are sorted and empty when no such bucket ran.
+      verification), "buckets": [{"tokens", "seqs", "max_q_len", "impl"[, "verified"]
+      [, "steps"]}]}; the lists are sorted and empty when no such bucket ran. With
+      `verified`: also "verified" (no reported bucket runs a GPU kernel without a
+      recorded pass) and, when false, "unverified" (those implementations) and
+      "verify_command" (what records a pass, on the GPU).
     """
     steps = None
     if records is not None:
@@ -155,10 +200,20 @@ def attention_report(configured: str, impls: Mapping[tuple[int, int, int], str],
     rows = []
     for b in buckets:
         kinds["decode" if b[2] == 1 else "prefill"].add(impls[b])
-        count = {} if steps is None else {"steps": steps[b]}
-        rows.append({"tokens": b[0], "seqs": b[1], "max_q_len": b[2], "impl": impls[b], **count})
-    return {"configured": configured, **{k: sorted(v) for k, v in kinds.items()},
-            "buckets": rows}
+        row = {"tokens": b[0], "seqs": b[1], "max_q_len": b[2], "impl": impls[b]}
+        if verified is not None:
+            row["verified"] = verified.get(b)
+        if steps is not None:
+            row["steps"] = steps[b]
+        rows.append(row)
+    report = {"configured": configured, **{k: sorted(v) for k, v in kinds.items()},
+              "buckets": rows}
+    if verified is not None:
+        unverified = sorted({r["impl"] for r in rows if r["verified"] is False})
+        report["verified"] = not unverified
+        if unverified:
+            report |= {"unverified": unverified, "verify_command": VERIFY_COMMAND}
+    return report
 
 
 def write_jsonl(records: Iterable[StepRecord], path) -> None:

@@ -201,7 +201,7 @@ class LLM:
         runner = self.engine.runner
         return {**summary, **storage_dtypes(runner.params, runner.cache),
                 "attention": attention_report(runner.attn_impl, dict(runner.attention_impls),
-                                              records)}
+                                              records, dict(runner.attention_verified))}
 
     def export_trace(self, path) -> None:
         write_jsonl(self.engine.trace, path)

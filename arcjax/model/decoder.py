@@ -5,8 +5,8 @@ Two entry points share every layer's code and differ only in attention:
 1. `forward(params, cache, batch, cfg=..., attn_impl=...)`: the engine's step. A flat
    ragged batch of T tokens from S sequences (decode rows and prompt chunks mixed),
    K/V written into the paged cache through `batch.slot_mapping`, attention through
-   `pallas_kernels.ragged_paged_attention` (bottom-right causal), logits only for
-   `batch.logits_rows`.
+   `pallas_kernels.paged_attention` (bottom-right causal) of one `AttentionInputs` per
+   layer (`_attention_inputs`), logits only for `batch.logits_rows`.
 2. `forward_dense(params, cfg, token_ids)`: plain causal attention over whole
    sequences `[B, L]`, for training and as an independent check.
 
@@ -26,10 +26,13 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.backends import Choice
 from arcjax.model import moe
 from arcjax.model.model_config import ModelConfig, rope_inv_freq
 from arcjax.model.quant import dense, embedding_rows, float_dtype, tied_head
-from arcjax.model.specs import CACHE_AXES, Cache, Params
+from arcjax.model.specs import Cache, Params
+
+KV_AXES = (None, "kv_heads", None)  # logical axes of this step's keys / values [T, Hkv, D]
 
 
 @jax.tree_util.register_dataclass
@@ -189,23 +192,41 @@ def lm_head(params: Params, cfg: ModelConfig, h: jax.Array, parallel=None) -> ja
     return logits
 
 
-def _attention_options(cfg: ModelConfig, max_q_len: int | None, window, k_scale,
-                       v_scale) -> dict:
-    """The options `forward_with_stats` passes to `ragged_paged_attention` (and
-    `attention_impl` resolves with): the layer's window (windowed models only), the
-    model's soft-cap, FP8 pages' scales."""
-    return dict(max_q_len=max_q_len,
-                sliding_window=window if cfg.layer_windows() is not None else None,
-                logit_softcap=cfg.attn_logit_softcap, k_scale=k_scale, v_scale=v_scale)
+def _attention_inputs(cfg: ModelConfig, *, q: jax.Array, k_pages: jax.Array,
+                     v_pages: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
+                     cu_seqlens_q: jax.Array, num_seqs: jax.Array, window: jax.Array | None,
+                     k_scale: jax.Array | None, v_scale: jax.Array | None,
+                     max_q_len: int | None) -> pallas_kernels.AttentionInputs:
+    """One layer's attention call as `forward_with_stats` makes it (and `attention_choice`
+    resolves it): the arrays as given, with the model's softmax scale and soft-cap.
+
+    Args:
+      q: [T, Hq, D]; k_pages, v_pages: the paged cache (every layer's pages, [L * num_blocks,
+        block_size, Hkv, D]); block_tables: [S, max_blocks] this layer's page ids; kv_lens,
+        cu_seqlens_q, num_seqs: the step's (`StepBatch`); window: [] int32, the layer's
+        window (None when no layer slides); k_scale, v_scale: [] float32, FP8 pages'
+        scales of this layer (None for unscaled pages); max_q_len: the bucket's chunk bound.
+    """
+    return pallas_kernels.AttentionInputs.create(
+        q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables, kv_lens=kv_lens,
+        cu_seqlens_q=cu_seqlens_q, num_seqs=num_seqs, sm_scale=cfg.sm_scale,
+        sliding_window=window, logit_softcap=cfg.attn_logit_softcap, k_scale=k_scale,
+        v_scale=v_scale, max_q_len=max_q_len)
 
 
-def attention_impl(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: int,
-                   max_q_len: int | None, dtype, parallel=None,
-                   platform: str | None = None) -> str:
+def attention_impl(cache: Cache, **bucket) -> str:
+    """The attention implementation `forward_with_stats` runs for a bucket:
+    `attention_choice(cache, **bucket).impl`."""
+    return attention_choice(cache, **bucket).impl
+
+
+def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: int,
+                     max_q_len: int | None, dtype, parallel=None,
+                     platform: str | None = None) -> Choice:
     """The attention implementation `forward_with_stats` runs for a bucket of `tokens`
     rows whose chunks are at most `max_q_len` long: `attn_impl` itself, or what "auto"
-    resolves to for the same arguments (`pallas_kernels.resolve_call`), per device under
-    `parallel`.
+    resolves to for the same inputs, per device under `parallel`, and whether a recorded
+    GPU pass vouches for it (`pallas_kernels.choose_inputs`).
 
     Args:
       cache: the paged cache the step runs over (its page shape and dtype, its scales).
@@ -214,13 +235,18 @@ def attention_impl(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: in
     """
     k = cache["k"]  # [L * num_blocks, block_size, Hkv, D]
     tp = parallel.tp if parallel is not None else 1
-    q = jax.ShapeDtypeStruct((tokens, cfg.num_heads // tp, cfg.head_dim), dtype)
-    pages = jax.ShapeDtypeStruct((k.shape[0], k.shape[1], k.shape[2] // tp, k.shape[3]),
-                                 k.dtype)
-    scale = 1.0 if "k_scale" in cache else None  # stand-ins: only presence is read
-    return pallas_kernels.resolve_call(
-        attn_impl, q, pages, platform=platform,
-        **_attention_options(cfg, max_q_len, 0, scale, scale))
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    q = sds((tokens, cfg.num_heads // tp, cfg.head_dim), dtype)
+    pages = sds((k.shape[0], k.shape[1], k.shape[2] // tp, k.shape[3]), k.dtype)
+    scale = sds((), jnp.float32) if "k_scale" in cache else None
+    # The batch's index arrays are one-sequence stand-ins: resolving reads only q's and the
+    # pages' shapes and dtypes, the settings, and which options are given.
+    inputs = _attention_inputs(
+        cfg, q=q, k_pages=pages, v_pages=pages, block_tables=sds((1, 1), i32),
+        kv_lens=sds((1,), i32), cu_seqlens_q=sds((2,), i32), num_seqs=sds((), i32),
+        window=sds((), i32) if cfg.layer_windows() is not None else None, k_scale=scale,
+        v_scale=scale, max_q_len=max_q_len)
+    return pallas_kernels.choose_inputs(attn_impl, inputs, platform=platform)
 
 
 def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
@@ -266,6 +292,16 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
 
     scaled = "k_scale" in cache  # FP8 pages: one K and one V scale per layer
 
+    def paged(inputs: pallas_kernels.AttentionInputs, k: jax.Array, v: jax.Array,
+              slots: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """This step's keys and values into the pages, then attention over them.
+        k, v: [T, Hkv, D]; slots: [T]. Returns (out [T, Hq, D], k_pages, v_pages)."""
+        kc, vc = pallas_kernels.write_kv(inputs.k_pages, inputs.v_pages, k, v, slots,
+                                         k_scale=inputs.k_scale, v_scale=inputs.v_scale)
+        out = pallas_kernels.paged_attention(
+            dataclasses.replace(inputs, k_pages=kc, v_pages=vc), impl=attn_impl)
+        return out.astype(inputs.q.dtype), kc, vc
+
     def layer(carry, xs):
         x, k_cache, v_cache = carry
         lp, l, const = xs
@@ -275,29 +311,21 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
 
         slots = jnp.where(valid_slot, batch.slot_mapping + l * layer_slots,
                           cfg.num_layers * layer_slots)  # [T]; still out of range if padding
-        tables = batch.block_tables + l * num_blocks  # [S, max_blocks]
-        # [] float32 each, or None: quantized on write, upcast inside attention.
-        k_scale = cache["k_scale"][l] if scaled else None
-        v_scale = cache["v_scale"][l] if scaled else None
-
-        def paged(q, k, v, kc, vc, slots, tables, kv_lens, cu_seqlens_q, num_seqs, window,
-                  k_scale, v_scale):
-            kc, vc = pallas_kernels.write_kv(kc, vc, k, v, slots, k_scale=k_scale,
-                                             v_scale=v_scale)
-            out = pallas_kernels.ragged_paged_attention(
-                q, kc, vc, tables, kv_lens, cu_seqlens_q, num_seqs, impl=attn_impl,
-                sm_scale=cfg.sm_scale, **_attention_options(cfg, max_q_len, window, k_scale,
-                                                            v_scale))
-            return out.astype(q.dtype), kc, vc
-
-        if parallel is not None:  # per device: its heads, its KV heads, its cache shard
-            paged = parallel.attention_map(paged, (None, "heads", None),
-                                           (None, "kv_heads", None), CACHE_AXES, num_rest=8)
 
         def attend(q, k, v):
-            out, kc, vc = paged(q, k, v, k_cache, v_cache, slots, tables, batch.kv_lens,
-                                batch.cu_seqlens_q, batch.num_seqs,
-                                const.get("window", jnp.int32(0)), k_scale, v_scale)
+            inputs = _attention_inputs(
+                cfg, q=q, k_pages=k_cache, v_pages=v_cache,
+                block_tables=batch.block_tables + l * num_blocks,  # [S, max_blocks]
+                kv_lens=batch.kv_lens, cu_seqlens_q=batch.cu_seqlens_q,
+                num_seqs=batch.num_seqs, window=const.get("window"),  # [] int32 or None
+                # [] float32 each, or None: quantized on write, upcast inside attention.
+                k_scale=cache["k_scale"][l] if scaled else None,
+                v_scale=cache["v_scale"][l] if scaled else None, max_q_len=max_q_len)
+            if parallel is None:
+                out, kc, vc = paged(inputs, k, v, slots)
+            else:  # per device: its heads, its KV heads, its cache shard
+                out, kc, vc = parallel.attention_map(paged, inputs, k, v, slots,
+                                                     args_axes=(KV_AXES, KV_AXES, ()))
             return out, (kc, vc)
 
         x, (k_cache, v_cache), stats = _block(lp, x, batch.positions, cfg, attend,

@@ -25,9 +25,9 @@
 
 NOTE: in the step, matmuls split over the tensor axis follow from the weights' shardings
 (GSPMD inserts the all-reduce after wo / w_down and the gather of vocab-sharded logits);
-attention and `write_kv` run under `shard_map` over the KV-head axis (`attention_map`), so
-a Pallas kernel, which GSPMD cannot partition, sees exactly the single-device problem on
-its heads.
+attention and `write_kv` run under `shard_map` over the KV-head axis (`attention_map`, one
+`AttentionInputs` split as `ATTENTION_AXES` says), so a Pallas kernel, which GSPMD cannot
+partition, sees exactly the single-device problem on its heads.
 """
 
 from __future__ import annotations
@@ -42,12 +42,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from arcjax.errors import EngineConfigError
 from arcjax.model.model_config import ModelConfig
-from arcjax.model.specs import cache_specs, is_scaled, is_spec, make_cache, param_specs
+from arcjax.model.specs import (CACHE_AXES, cache_specs, is_scaled, is_spec, make_cache,
+                                param_specs)
+from pallas_kernels.attention_inputs import AttentionInputs
 
 TP_AXIS = "tp"
 EP_AXIS = "ep"
 # Logical axes split over the tensor axis; every other logical axis is replicated.
 TENSOR_AXES = ("heads", "kv_heads", "mlp", "vocab")
+# How one attention call splits, per field of `AttentionInputs`: queries by head, the pages
+# (the cache) by KV head; every other field (tables, lengths, window, scales) is replicated.
+ATTENTION_AXES = {"q": (None, "heads", None), "k_pages": CACHE_AXES, "v_pages": CACHE_AXES}
 
 
 def _size(field: str, value) -> None:
@@ -226,15 +231,21 @@ class TensorParallel:
 
         return jax.tree.map(put, tree)
 
-    def attention_map(self, fn, q_axes, kv_axes, cache_axes, num_rest: int):
-        """`fn(q, k, v, k_cache, v_cache, *rest) -> (out, k_cache, v_cache)` under shard_map:
-        q/out split by heads, k/v by kv_heads, caches by their spec's axes, `rest` (tables,
-        lengths, slots) replicated. Per device it is exactly the single-device computation
-        on that device's heads."""
-        q, kv, cache = self.pspec(q_axes), self.pspec(kv_axes), self.pspec(cache_axes)
-        return jax.shard_map(fn, mesh=self.mesh,
-                             in_specs=(q, kv, kv, cache, cache) + (PartitionSpec(),) * num_rest,
-                             out_specs=(q, cache, cache), check_vma=False)
+    def attention_map(self, fn, inputs: AttentionInputs, *args,
+                      args_axes: Sequence[Sequence[str | None]]):
+        """Runs `fn(inputs, *args) -> (out, k_pages, v_pages)` under shard_map: each field of
+        `inputs` split as `ATTENTION_AXES` says (the rest replicated), each of `args` by its
+        entry of `args_axes`, `out` like q and the pages like the cache. Per device it is
+        exactly the single-device computation on that device's heads."""
+        specs = jax.tree.map(lambda _: PartitionSpec(), inputs)  # the structure of `inputs`
+        specs = dataclasses.replace(specs, **{name: self.pspec(axes)
+                                              for name, axes in ATTENTION_AXES.items()})
+        out = (self.pspec(ATTENTION_AXES["q"]), self.pspec(ATTENTION_AXES["k_pages"]),
+               self.pspec(ATTENTION_AXES["v_pages"]))
+        mapped = jax.shard_map(fn, mesh=self.mesh,
+                               in_specs=(specs, *(self.pspec(a) for a in args_axes)),
+                               out_specs=out, check_vma=False)
+        return mapped(inputs, *args)
 
     def experts_map(self, fn, weight_axes: Sequence[Sequence[str | None]]):
         """`fn(x, route, *weights) -> (partial_out, stats)` under shard_map: x (tokens) and

@@ -25,9 +25,18 @@ one); every wait of every process (the next inbox,
 the plan digests, the step's tokens: `wait_until`) looks at that key between short slices
 and raises `EngineDeadError` with the same reason. A process that exits is noticed by its
 heartbeat (`arcjax/alive/<process>`, bumped every `heartbeat_s` by a thread): one whose
-heartbeat stood still for `liveness_timeout_s` (once it had started) is declared lost, and that becomes the published reason. A lost
-coordinator (process 0's key-value service) fails every call to it: also a lost process.
-Either way every process stops within about `liveness_timeout_s`, not a timeout per step.
+heartbeat stood still for `liveness_timeout_s` (once it had started) is declared lost, and
+that becomes the published reason. A lost coordinator (process 0's key-value service)
+fails every call to it: also a lost process. Either way every process stops within about
+`liveness_timeout_s`, not a timeout per step.
+
+NOTE: when process 0 dies, its coordinator dies with it, and jax's distributed client
+(jax 0.10) terminates every other process itself (SIGABRT, "JAX distributed service
+detected fatal errors") as soon as its error poll fails, usually before a wait here can
+raise `EngineDeadError`: the client's `missed_heartbeat_callback`, which would hand that
+failure to arcjax, cannot be set from Python (its `absl::Status` argument has no Python
+conversion: std::bad_cast). Such a process still stops at once; its supervisor sees the
+exit instead of the error.
 
 NOTE: the transport is the coordinator's key-value store (host-side, no device collective,
 so an idle leader costs nothing and a follower waits in slices it can loop on); the

@@ -1,21 +1,84 @@
-"""Host-side packing of a step plan into a bucket-padded `StepBatch`.
+"""Host-side packing of a step plan into one step's inputs, padded to its bucket
+(`PreparedStep`).
 
-The plan's columns (`token_ids`, `starts`, `lengths`, `block_tables`) go straight into
-`pallas_kernels.paging.paged_layout`, which builds every index array in a few vectorized
-numpy operations (positions, slot mapping with out-of-range padding slots, cu_seqlens_q,
-kv_lens, block tables, each sequence's last row). `logits_rows[s]` is the last row of
-sequence s's chunk: the only row whose logits the engine may sample from.
+1. `prepare_step` picks the bucket (`buckets.py`: a verification bucket when decode rows
+   carry draft tokens), packs the plan's columns into a `StepBatch` (`build_batch`), and
+   builds the sampling inputs: per sequence, or per sampled position in a verification
+   step (with the drafts to verify, `verification.pack`); a step with prompt_logprobs
+   rows also gets its `PromptTargets`, and logits at every token row.
+2. `build_batch`: the plan's columns (`token_ids`, `starts`, `lengths`, `block_tables`) go
+   straight into `pallas_kernels.paging.paged_layout`, which builds every index array in a
+   few vectorized numpy operations (positions, slot mapping with out-of-range padding
+   slots, cu_seqlens_q, kv_lens, block tables, each sequence's last row).
+   `logits_rows[s]` is the last row of sequence s's chunk: the only row whose logits the
+   engine may sample from.
+3. `warmup_step`: an all-padding step of a bucket (writes nothing), for warm-up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from arcjax.model.decoder import StepBatch
-from arcjax.runtime.buckets import Bucket
+from arcjax.runtime.buckets import Bucket, BucketSet
+from arcjax.runtime.sampling import SamplingBatch
+from arcjax.runtime.step_output import PromptTargets, prompt_targets
+from arcjax.spec_decode import verification
 from pallas_kernels.paging import paged_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedStep:
+    """One step's host inputs, padded to its bucket: what `ModelRunner.prepare` returns and
+    `ModelRunner.launch` takes.
+
+    Attributes:
+      bucket: the bucket the step runs in (its executable).
+      batch: the flat ragged batch: token rows [T], per sequence [S] index arrays.
+      sampling: the sampling inputs of the R = S * bucket.sample_width sampled positions.
+      prompt: a step with prompt_logprobs rows: each row's next prompt token (logits are
+        then computed at every token row); else None.
+      spec: a verification step (sample width > 1): the draft tokens to verify; else None.
+    """
+
+    bucket: Bucket
+    batch: StepBatch
+    sampling: SamplingBatch
+    prompt: PromptTargets | None = None
+    spec: verification.SpecInputs | None = None
+
+
+def prepare_step(plan, sampling_rows: Sequence[tuple], prompt_rows=None, *,
+                 buckets: BucketSet, max_blocks: int, block_size: int, num_blocks: int,
+                 spare_slot: int) -> PreparedStep:
+    """Packs one step plan (see the module docstring; `ModelRunner.prepare` documents the
+    arguments). Raises pallas_kernels.KernelArgumentError when the rows overflow."""
+    drafts = plan.spec_token_ids
+    if drafts:
+        bucket = buckets.select_spec(plan.num_tokens, plan.num_seqs, max(plan.lengths))
+    else:
+        bucket = buckets.select(plan.num_tokens, plan.num_seqs, plan.decode_only)
+    batch = build_batch(plan.token_ids, plan.starts, plan.lengths, plan.block_tables,
+                        bucket=bucket, max_blocks=max_blocks, block_size=block_size,
+                        num_blocks=num_blocks)
+    spec = None
+    if drafts:
+        rows, sampling, spec = verification.pack(
+            batch.cu_seqlens_q, plan.sample_counts, drafts, list(sampling_rows),
+            num_seqs=bucket.seqs, width=bucket.sample_width, spare_slot=spare_slot)
+        batch = dataclasses.replace(batch, logits_rows=rows)
+    else:
+        sampling = SamplingBatch.build(list(sampling_rows), bucket.seqs, spare_slot)
+    prompt = None
+    if prompt_rows is not None:
+        prompt = prompt_targets(plan.starts, plan.lengths, prompt_rows, batch.logits_rows,
+                                bucket.tokens)
+        batch = dataclasses.replace(batch, logits_rows=np.arange(bucket.tokens,
+                                                                  dtype=np.int32))
+    return PreparedStep(bucket, batch, sampling, prompt, spec)
 
 
 def build_batch(token_ids: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
@@ -42,3 +105,16 @@ def empty_batch(bucket: Bucket, *, max_blocks: int, block_size: int,
     """An all-padding batch of `bucket`'s shape (writes nothing): for warm-up."""
     return build_batch((), (), (), (), bucket=bucket, max_blocks=max_blocks,
                        block_size=block_size, num_blocks=num_blocks)
+
+
+def warmup_step(bucket: Bucket, *, max_blocks: int, block_size: int, num_blocks: int,
+                spare_slot: int) -> PreparedStep:
+    """An all-padding step of `bucket` (writes nothing, verifies no draft): for warm-up."""
+    batch = empty_batch(bucket, max_blocks=max_blocks, block_size=block_size,
+                        num_blocks=num_blocks)
+    if bucket.sample_width == 1:
+        return PreparedStep(bucket, batch, SamplingBatch.build([], bucket.seqs, spare_slot))
+    rows, sampling, spec = verification.pack(batch.cu_seqlens_q, (), (), (), num_seqs=bucket.seqs,
+                                             width=bucket.sample_width, spare_slot=spare_slot)
+    return PreparedStep(bucket, dataclasses.replace(batch, logits_rows=rows), sampling,
+                        spec=spec)

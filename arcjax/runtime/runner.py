@@ -1,38 +1,38 @@
 """Jitted model steps, one compiled executable per bucket.
 
-1. `prepare(plan, sampling_rows)` picks the bucket (`buckets.py`), packs the plan's
-   columns into host arrays (`batching.build_batch`) and the per-row sampling inputs.
-2. `run(bucket, batch, sampling)` calls the bucket's executable: forward over the
-   ragged batch, KV written through `slot_mapping` into the donated cache, logits
-   only at each sequence's last row, sampling on device (penalties from the device-
-   resident count table, `penalties.py`). Returns a `StepOutput`: token ids [S] and
-   raw log-probabilities (plus, for steps with prompt_logprobs rows, at every row), and
-   for a mixture of experts the tokens each expert received per layer.
+1. `prepare(plan, sampling_rows)` packs the plan into a `PreparedStep` (`batching.py`): its
+   bucket (`buckets.py`), the host arrays of the ragged batch, the per-row sampling inputs
+   (and, when asked, the prompt-logprobs targets and the drafts to verify).
+2. `run(step)` calls the bucket's executable: forward over the ragged batch, KV written
+   through `slot_mapping` into the donated cache, logits only at each sequence's last
+   row, sampling on device (penalties from the device-resident count table,
+   `penalties.py`). Returns a `StepOutput`: token ids [S] and raw log-probabilities
+   (plus, for steps with prompt_logprobs rows, at every row), and for a mixture of
+   experts the tokens each expert received per layer.
    A step with draft tokens samples W positions per sequence and verifies the drafts
-   (`spec_decode.py`): token ids [S * W] and how many each sequence yields [S].
-   `run` is `collect(launch(...))`. Overlapped scheduling calls them apart: `launch` dispatches
-   the step and returns a `StepHandle` at once (JAX dispatch is asynchronous) and starts the
-   tokens' copy to the host; the next step's `launch(..., feed=(handle, rows))` takes the
-   tokens this one samples straight from the device into its input ids (`_feed`: no host
-   round trip on the critical path); `collect(handle)` waits for the tokens on the host.
+   (`spec_decode/verification.py`): token ids [S * W] and how many each sequence yields [S].
+   `run` is `collect(launch(step))`. Overlapped scheduling calls them apart: `launch`
+   dispatches the step and returns a `StepHandle` (`step_handle.py`) at once (JAX dispatch
+   is asynchronous) and starts the tokens' copy to the host; the next step's
+   `launch(step, feed=TokenFeed(handle, ...))` takes the tokens this one samples straight
+   from the device into its input ids (`_feed`: no host round trip on the critical path);
+   `collect(handle)` waits for the tokens on the host. A step whose bitmask is not known
+   at launch runs in two parts: `launch_forward(step)` (the handle holds a
+   `ForwardResult`), then `launch_sampling(handle, step, bitmask)`.
 3. Executables are compiled ahead of time (`jit(...).lower(...).compile()`), so the
    runner knows exactly when a step needs one (`num_executables`, the trace's
    `compiled` flag) and `warmup()` prepares every bucket.
 
-NOTE: executables live in an `ExecutableCache` keyed by everything that changes the
-compiled program: model config, attention implementation, dtype, the bucket's static
-bound, and the shape, dtype and sharding of every input. Runners share one cache only
-when they are given the same object (`build_engine` passes `SHARED_EXECUTABLES`, so
-engines of one process over the same model and geometry compile once). A runner's
-`num_executables` counts the buckets it acquired, compiled or found, so it depends on
-that runner's own history only.
+NOTE: executables live in an `ExecutableCache` (`executable_cache.py`) keyed by
+everything that changes the compiled program. A runner's `num_executables` counts the
+buckets it acquired, compiled or found, so it depends on that runner's own history only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
+import logging
 import time
 from collections.abc import Sequence
 
@@ -43,14 +43,16 @@ import numpy as np
 from arcjax.model import decoder
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import make_cache
-from arcjax.runtime.batching import build_batch, empty_batch
+from arcjax.runtime.batching import PreparedStep, prepare_step, warmup_step
 from arcjax.runtime.buckets import Bucket, BucketSet
-from arcjax.runtime.step_output import PromptTargets, StepOutput, prompt_targets
-from arcjax.spec_decode import verification
+from arcjax.runtime.executable_cache import ExecutableCache, input_signature
 from arcjax.runtime.penalties import TokenCounts
-from arcjax.runtime.sampling import (SamplingBatch, TokenLogprobs, bitmask_words, sample_step,
-                                     token_logprobs)
+from arcjax.runtime.sampling import TokenLogprobs, bitmask_words, sample_step, token_logprobs
+from arcjax.runtime.step_handle import CompletionWatcher, ForwardResult, StepHandle, TokenFeed
+from arcjax.runtime.step_output import StepOutput
+from arcjax.spec_decode import verification
 
+log = logging.getLogger(__name__)
 
 _STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel")
 
@@ -129,105 +131,10 @@ def _prompt_logprobs(params, cfg: ModelConfig, hidden, targets, parallel) -> Tok
 
 
 @jax.jit
-def _feed(token_ids, prev_tokens, rows):
-    """Input ids with row t replaced by `prev_tokens[rows[t]]` wherever rows[t] >= 0
-    (prev_tokens: [R], the previous step's sampled positions)."""
-    return jnp.where(rows >= 0, prev_tokens[jnp.maximum(rows, 0)], token_ids)
-
-
-@dataclasses.dataclass
-class StepHandle:
-    """A launched step: its outputs (on the device until `collect`), and times.
-
-    Attributes:
-      out: the `StepOutput`, device arrays (None between `launch_forward` and
-        `launch_sampling`).
-      dispatched: clock time just before the step was dispatched.
-      ready: clock time the device finished it, when the runner watches completions
-        (`ModelRunner.watch_completion`), else None.
-    """
-
-    out: StepOutput | None
-    dispatched: float
-    ready: float | None = None
-    _done: threading.Event | None = None
-    # A step launched in two parts (`launch_forward`): (bucket, logits [R, V], prompt
-    # logprobs or None, expert counts or None) on the device until `launch_sampling` turns
-    # them into `out`.
-    _forward: tuple | None = None
-
-    def wait_ready(self) -> float | None:
-        """`ready`, once the watcher has seen the step finish (None when not watched)."""
-        if self._done is not None:
-            self._done.wait()
-        return self.ready
-
-
-class _CompletionWatcher:
-    """A daemon thread that blocks on each launched step's tokens and stamps when the device
-    finished it (for measuring the device's idle time between steps; off by default)."""
-
-    def __init__(self):
-        import queue
-
-        self._queue = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name="arcjax-step-watcher", daemon=True).start()
-
-    def add(self, handle: StepHandle) -> None:
-        handle._done = threading.Event()
-        self._queue.put(handle)
-
-    def stop(self) -> None:
-        """Ends the thread once the steps queued so far are stamped."""
-        self._queue.put(None)
-
-    def _loop(self) -> None:
-        while True:
-            handle = self._queue.get()
-            if handle is None:
-                return
-            try:
-                handle.out.tokens.block_until_ready()
-            except Exception:  # noqa: BLE001  the step failed: `collect` reports it
-                pass
-            handle.ready = time.perf_counter()
-            handle._done.set()
-
-
-def _signature(tree) -> tuple:
-    """Structure, shapes, dtypes and shardings of every leaf."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return (str(treedef),) + tuple(
-        (tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves)
-
-
-class ExecutableCache:
-    """Compiled steps keyed by everything that changes them (thread-safe)."""
-
-    def __init__(self):
-        self._items: dict[tuple, object] = {}
-        self._lock = threading.Lock()
-        self.compiles = 0  # executables this cache compiled (not found)
-
-    def get_or_compile(self, key: tuple, compile_fn):
-        with self._lock:
-            exe = self._items.get(key)
-            if exe is None:
-                exe = compile_fn()
-                self._items[key] = exe
-                self.compiles += 1
-            return exe
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def clear(self) -> None:
-        """Forgets every executable (runners that hold one keep it)."""
-        with self._lock:
-            self._items.clear()
-
-
-SHARED_EXECUTABLES = ExecutableCache()
+def _feed(token_ids, prev_tokens, rows, positions):
+    """Input ids [T] with row t replaced by `prev_tokens[positions[t]]` wherever rows[t]
+    (prev_tokens: [R], the previous step's sampled positions; see `TokenFeed`)."""
+    return jnp.where(rows, prev_tokens[positions], token_ids)
 
 
 class ModelRunner:
@@ -255,10 +162,13 @@ class ModelRunner:
         # steps run, what they were compiled with ("auto" resolved; see `_attention_impl`
         # and `arcjax.engine.trace.attention_report`)
         self.attention_impls: dict[tuple[int, int, int], str] = {}
+        # ... and whether a recorded GPU pass vouches for it (None: nothing to verify)
+        self.attention_verified: dict[tuple[int, int, int], bool | None] = {}
+        self._noted: set[tuple[str, str | None]] = set()  # unverified (impl, class) logged
         self._all_allowed: dict[int, jax.Array] = {}  # rows -> all-ones bitmask (device)
         # penalties / min_tokens state: one slot per sequence a step can hold (penalties.py)
         self.counts = TokenCounts(buckets.seq_rungs[-1], cfg.vocab_size)
-        self._watcher: _CompletionWatcher | None = None
+        self._watcher: CompletionWatcher | None = None
 
     @property
     def watch_completion(self) -> bool:
@@ -268,7 +178,7 @@ class ModelRunner:
     @watch_completion.setter
     def watch_completion(self, on: bool) -> None:
         if on and self._watcher is None:
-            self._watcher = _CompletionWatcher()
+            self._watcher = CompletionWatcher()
         elif not on and self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -278,64 +188,38 @@ class ModelRunner:
         """Buckets this runner has acquired an executable for (compiled or found)."""
         return len({key[0] for key in self._compiled})
 
-    def prepare(self, plan, sampling_rows: Sequence[tuple], prompt_rows=None):
-        """Packs one step plan. Returns (bucket, batch, sampling[, prompt[, spec]]) as host
-        arrays (pass them to `launch` in that order).
+    def prepare(self, plan, sampling_rows: Sequence[tuple], prompt_rows=None) -> PreparedStep:
+        """Packs one step plan into its bucket's host arrays (`batching.prepare_step`).
 
         Args:
           plan: a `scheduler.StepPlan` (its columns are read, never its chunk records).
           sampling_rows: (params, seed, tokens generated so far[, count-table slot]) per row.
           prompt_rows: None, or per row the prompt whose log-probabilities it wants (None
             for rows that do not): the step then computes logits at every token row and
-            returns the `PromptTargets` after the sampling inputs.
+            carries the `PromptTargets`.
 
         A plan whose decode rows carry draft tokens runs in a bucket of sample width
-        1 + num_speculative_tokens: its sampling inputs are per position and a fifth item,
-        the `verification.SpecInputs`, follows the prompt targets (None when not asked).
+        1 + num_speculative_tokens: its sampling inputs are per position and it carries
+        the `verification.SpecInputs`.
         """
-        drafts = plan.spec_token_ids
-        if drafts:
-            bucket = self.buckets.select_spec(plan.num_tokens, plan.num_seqs, max(plan.lengths))
-        else:
-            bucket = self.buckets.select(plan.num_tokens, plan.num_seqs, plan.decode_only)
-        batch = build_batch(plan.token_ids, plan.starts, plan.lengths, plan.block_tables,
-                            bucket=bucket, max_blocks=self.max_blocks,
-                            block_size=self.block_size, num_blocks=self.num_blocks)
-        spec = None
-        if drafts:
-            rows, sampling, spec = verification.pack(
-                batch.cu_seqlens_q, plan.sample_counts, drafts, list(sampling_rows),
-                num_seqs=bucket.seqs, width=bucket.sample_width, spare_slot=self.counts.spare)
-            batch = dataclasses.replace(batch, logits_rows=rows)
-        else:
-            sampling = SamplingBatch.build(list(sampling_rows), bucket.seqs, self.counts.spare)
-        prompt = None
-        if prompt_rows is not None:
-            prompt = prompt_targets(plan.starts, plan.lengths, prompt_rows, batch.logits_rows,
-                                    bucket.tokens)
-            batch = dataclasses.replace(batch, logits_rows=np.arange(bucket.tokens,
-                                                                      dtype=np.int32))
-        if spec is not None:
-            return bucket, batch, sampling, prompt, spec
-        if prompt is not None:
-            return bucket, batch, sampling, prompt
-        return bucket, batch, sampling
+        return prepare_step(plan, sampling_rows, prompt_rows, buckets=self.buckets,
+                            max_blocks=self.max_blocks, block_size=self.block_size,
+                            num_blocks=self.num_blocks, spare_slot=self.counts.spare)
 
-    def _executable(self, bucket: Bucket, variant: str, args: tuple):
+    def _executable(self, bucket: Bucket, variant: str, args: tuple, *, prompt_given: bool):
         """The compiled `variant` ("step", "forward" or "sample") of `bucket` for `args`
-        (its positional inputs)."""
+        (its positional inputs; `prompt_given`: a step with prompt_logprobs rows)."""
         fn = {"step": _step, "forward": _forward, "sample": _sample}[variant]
-        prompt_given = variant != "sample" and args[6 if variant == "step" else 3] is not None
         exe = self._compiled.get((bucket, variant, prompt_given))
         if exe is None:
             width = {} if variant == "forward" else {"sample_width": bucket.sample_width}
             if variant == "sample":  # depends on the position count and vocabulary only
-                key = ("sample", bucket.sample_width, self.parallel, _signature(args))
+                key = ("sample", bucket.sample_width, self.parallel, input_signature(args))
                 lower = functools.partial(fn.lower, *args, **width)
             else:  # compiled with the implementation "auto" resolves to for this bucket
                 impl = self._attention_impl(bucket)
                 key = (variant, self.cfg, impl, str(self.dtype), bucket.max_q_len,
-                       bucket.sample_width, self.parallel, _signature(args))
+                       bucket.sample_width, self.parallel, input_signature(args))
                 lower = functools.partial(fn.lower, *args, cfg=self.cfg, attn_impl=impl,
                                           dtype=self.dtype, max_q_len=bucket.max_q_len,
                                           parallel=self.parallel, **width)
@@ -345,15 +229,21 @@ class ModelRunner:
 
     def _attention_impl(self, bucket: Bucket) -> str:
         """The attention implementation of `bucket`'s steps: `attn_impl`, "auto" resolved
-        (once per bucket) for this bucket's shapes, cache and platform."""
+        (once per bucket) for this bucket's shapes, cache and platform. A GPU kernel that
+        no recorded GPU pass vouches for is logged (once per implementation and class)."""
         key = (bucket.tokens, bucket.seqs, bucket.max_q_len)
         impl = self.attention_impls.get(key)
         if impl is None:
-            impl = decoder.attention_impl(self.cache, cfg=self.cfg, attn_impl=self.attn_impl,
-                                          tokens=bucket.tokens, max_q_len=bucket.max_q_len,
-                                          dtype=self.dtype, parallel=self.parallel,
-                                          platform=self.platform)
+            choice = decoder.attention_choice(
+                self.cache, cfg=self.cfg, attn_impl=self.attn_impl, tokens=bucket.tokens,
+                max_q_len=bucket.max_q_len, dtype=self.dtype, parallel=self.parallel,
+                platform=self.platform)
+            impl = choice.impl
+            if choice.note is not None and (impl, choice.shape_class) not in self._noted:
+                self._noted.add((impl, choice.shape_class))
+                log.warning("%s", choice.note)
             self.attention_impls[key] = impl
+            self.attention_verified[key] = choice.verified
         return impl
 
     def all_allowed(self, rows: int):
@@ -367,86 +257,81 @@ class ModelRunner:
             self._all_allowed[rows] = mask
         return mask
 
-    def _device_inputs(self, bucket: Bucket, batch, sampling, prompt, spec, bitmask, feed):
-        """Host inputs as the executable takes them: replicated on a mesh, the bitmask
-        defaulted (all ones), placeholder ids fed from the step in flight."""
-        if bitmask is None:
-            bitmask = self.all_allowed(bucket.seqs * bucket.sample_width)
-        # One device: the host arrays go to the executable as they are (its C++ call path
-        # transfers them, ~10x cheaper than a device_put per array).
-        if self.parallel is not None:  # replicated on the mesh (each process its own copies)
-            batch, sampling, prompt, spec = self.parallel.put_replicated(
-                (batch, sampling, prompt, spec))
-            if isinstance(bitmask, np.ndarray):
-                bitmask = self.parallel.put_replicated(bitmask)
-        if feed is not None:
-            prev, rows = feed
-            if self.parallel is not None:
-                rows = self.parallel.put_replicated(rows)
-            batch = dataclasses.replace(batch, token_ids=_feed(batch.token_ids,
-                                                               prev.out.tokens, rows))
-        return batch, sampling, prompt, spec, bitmask
+    def _replicated(self, tree):
+        """Host inputs as the executable takes them. One device: as they are (its C++ call
+        path transfers them, ~10x cheaper than a device_put per array); a mesh: replicated
+        (each process places its own copies)."""
+        return tree if self.parallel is None else self.parallel.put_replicated(tree)
 
-    def run(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
-            spec: verification.SpecInputs | None = None, bitmask: np.ndarray | None = None
-            ) -> StepOutput:
+    def _device_bitmask(self, bucket: Bucket, bitmask: np.ndarray | None):
+        """The bitmask input: all ones (kept on the device) when no position is constrained."""
+        if bitmask is None:
+            return self.all_allowed(bucket.num_samples)
+        return self._replicated(bitmask)
+
+    def _device_batch(self, step: PreparedStep, feed: TokenFeed | None):
+        """The step's batch and prompt targets on the device, placeholder ids fed from the
+        step in flight."""
+        batch, prompt = self._replicated((step.batch, step.prompt))
+        if feed is not None:
+            rows, positions = self._replicated((feed.rows, feed.positions))
+            batch = dataclasses.replace(batch, token_ids=_feed(
+                batch.token_ids, feed.source.out.tokens, rows, positions))
+        return batch, prompt
+
+    def run(self, step: PreparedStep, *, bitmask: np.ndarray | None = None) -> StepOutput:
         """Runs the step; returns its `StepOutput`: `tokens` [R] (and `num_yielded` [S] in a
         verification step) on the host (after the device is done), log-probabilities
         still on the device (read them only if asked)."""
-        return self.collect(self.launch(bucket, batch, sampling, prompt, spec,
-                                        bitmask=bitmask))
+        return self.collect(self.launch(step, bitmask=bitmask))
 
-    def launch(self, bucket: Bucket, batch, sampling, prompt: PromptTargets | None = None,
-               spec: verification.SpecInputs | None = None,
-               feed: tuple[StepHandle, np.ndarray] | None = None,
+    def launch(self, step: PreparedStep, *, feed: TokenFeed | None = None,
                bitmask: np.ndarray | None = None) -> StepHandle:
         """Dispatches the step and returns without waiting for the device.
 
         Args:
-          spec: the draft tokens of a verification step (its bucket's sample width > 1).
-          feed: None, or (the previous step's handle, rows [bucket.tokens] int32): input id t
-            becomes that step's sampled position rows[t] (its `tokens[rows[t]]`) wherever
-            rows[t] >= 0 (the host's batch holds a placeholder there), computed on the device.
-          bitmask: None (no position constrained), or [bucket.seqs * sample_width,
-            ceil(V / 32)] int32: the tokens each sampled position may take (all ones for
-            unconstrained rows).
+          step: what `prepare` packed (a verification step carries the drafts to verify).
+          feed: None, or the input ids this step takes from the previous step's sampled
+            tokens on the device (the host's batch holds a placeholder there).
+          bitmask: None (no position constrained), or [bucket.num_samples, ceil(V / 32)]
+            int32: the tokens each sampled position may take (all ones for unconstrained
+            rows).
         """
-        batch, sampling, prompt, spec, bitmask = self._device_inputs(
-            bucket, batch, sampling, prompt, spec, bitmask, feed)
-        args = (self.params, self.cache, batch, sampling, self.counts.table, bitmask, prompt,
-                spec)
-        exe = self._executable(bucket, "step", args)
+        batch, prompt = self._device_batch(step, feed)
+        sampling, spec = self._replicated((step.sampling, step.spec))
+        args = (self.params, self.cache, batch, sampling, self.counts.table,
+                self._device_bitmask(step.bucket, bitmask), prompt, spec)
+        exe = self._executable(step.bucket, "step", args, prompt_given=prompt is not None)
         dispatched = time.perf_counter()
         out, self.cache, self.counts.table = exe(*args)
         return self._launched(StepHandle(out, dispatched))
 
-    def launch_forward(self, bucket: Bucket, batch, prompt: PromptTargets | None = None,
-                       feed: tuple[StepHandle, np.ndarray] | None = None) -> StepHandle:
+    def launch_forward(self, step: PreparedStep, *,
+                       feed: TokenFeed | None = None) -> StepHandle:
         """Dispatches the step's forward only (its bitmask is not known yet: overlapped
         scheduling with structured outputs); `launch_sampling` completes it. Arguments as
         `launch`'s."""
-        batch, _, prompt, _, _ = self._device_inputs(bucket, batch, None, prompt, None, None,
-                                                     feed)
+        batch, prompt = self._device_batch(step, feed)
         args = (self.params, self.cache, batch, prompt)
-        exe = self._executable(bucket, "forward", args)
+        exe = self._executable(step.bucket, "forward", args, prompt_given=prompt is not None)
         dispatched = time.perf_counter()
         logits, prompt_lp, self.cache, experts = exe(*args)
-        return StepHandle(None, dispatched, _forward=(bucket, logits, prompt_lp, experts))
+        return StepHandle(None, dispatched, forward=ForwardResult(logits, prompt_lp, experts))
 
-    def launch_sampling(self, handle: StepHandle, sampling,
-                        bitmask: np.ndarray | None = None,
-                        spec: verification.SpecInputs | None = None) -> StepHandle:
-        """Dispatches the sampling (and the verification of `spec`'s drafts) of a step
-        launched by `launch_forward`; `handle` is then like one `launch` returned."""
-        bucket, logits, prompt_lp, experts = handle._forward
-        _, sampling, _, spec, bitmask = self._device_inputs(bucket, None, sampling, None, spec,
-                                                            bitmask, None)
-        args = (logits, sampling, self.counts.table, bitmask, spec)
-        exe = self._executable(bucket, "sample", args)
+    def launch_sampling(self, handle: StepHandle, step: PreparedStep,
+                        bitmask: np.ndarray | None = None) -> StepHandle:
+        """Dispatches the sampling (and the verification of `step.spec`'s drafts) of `step`,
+        launched by `launch_forward` as `handle`; `handle` is then like one `launch`
+        returned."""
+        forward = handle.forward
+        sampling, spec = self._replicated((step.sampling, step.spec))
+        args = (forward.logits, sampling, self.counts.table,
+                self._device_bitmask(step.bucket, bitmask), spec)
+        exe = self._executable(step.bucket, "sample", args, prompt_given=False)
         tokens, yielded, logprobs, self.counts.table = exe(*args)
-        handle.out = StepOutput(tokens, logprobs, prompt_lp, num_yielded=yielded,
-                                expert_counts=experts)
-        handle._forward = None
+        handle.out = StepOutput(tokens, logprobs, forward.prompt_logprobs, num_yielded=yielded,
+                                expert_counts=forward.expert_counts)
+        handle.forward = None
         return self._launched(handle)
 
     def _launched(self, handle: StepHandle) -> StepHandle:
@@ -490,18 +375,11 @@ class ModelRunner:
 
     def warm(self, buckets) -> float:
         """Acquires (compiles, or finds) the executables of `buckets` and runs each once on
-        an all-padding batch (which writes nothing). Returns seconds."""
+        an all-padding step (which writes nothing). Returns seconds."""
         t0 = time.perf_counter()
         for bucket in sorted(buckets):
-            batch = empty_batch(bucket, max_blocks=self.max_blocks, block_size=self.block_size,
-                                num_blocks=self.num_blocks)
-            if bucket.sample_width == 1:
-                self.run(bucket, batch, SamplingBatch.build([], bucket.seqs, self.counts.spare))
-                continue
-            rows, sampling, spec = verification.pack(
-                batch.cu_seqlens_q, (), (), (), num_seqs=bucket.seqs,
-                width=bucket.sample_width, spare_slot=self.counts.spare)
-            self.run(bucket, dataclasses.replace(batch, logits_rows=rows), sampling, None, spec)
+            self.run(warmup_step(bucket, max_blocks=self.max_blocks, block_size=self.block_size,
+                                 num_blocks=self.num_blocks, spare_slot=self.counts.spare))
         return time.perf_counter() - t0
 
     def warmup(self) -> float:

@@ -13,7 +13,7 @@ One `propose` call for a batch of rows:
   2. The logits after the last known token give the first draft (greedy); k - 1 one-token
      passes give the others (plus one per `pending` token, whose guess comes first).
 Drafts are deterministic (argmax), so the target verifies them with the point-mass rejection
-sampler (spec_decode.py): outputs are exact whatever the draft model is.
+sampler (verification.py): outputs are exact whatever the draft model is.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from arcjax.runtime.batching import build_batch
+from arcjax.runtime.batching import PreparedStep, build_batch
 from arcjax.runtime.buckets import BucketSet
-from arcjax.runtime.runner import ExecutableCache, ModelRunner
+from arcjax.runtime.executable_cache import ExecutableCache
+from arcjax.runtime.runner import ModelRunner
 from arcjax.runtime.sampling import SamplingBatch
 from arcjax.sampling_params import SamplingParams
 from arcjax.spec_decode.speculative_config import ProposalRow
@@ -98,7 +99,7 @@ class DraftModelProposer:
                             block_size=runner.block_size, num_blocks=runner.num_blocks)
         sampling = SamplingBatch.build([(_GREEDY, 0, 0)] * len(chunks), bucket.seqs,
                                        runner.counts.spare)
-        out = runner.run(bucket, batch, sampling)
+        out = runner.run(PreparedStep(bucket, batch, sampling))
         self.passes += 1
         for (slot, start, tokens) in chunks:
             del self.fed[slot][start:]

@@ -7,10 +7,12 @@
      The planner fits them in what the step leaves (scheduler/spec.py). A request with
      structured outputs keeps the drafts its grammar accepts (`RequestGrammar.valid_prefix`;
      with its newest token in flight, all of them: see `drafts`).
-  2. The jitted step verifies them (runtime/spec_decode.py); `row_tokens` reads what each
-     row yielded: 1 + its accepted drafts.
-  3. The core appends them one by one (a stop cuts the row there), commits each row's kept
-     tokens, and records draft / accepted counts per request and in the step's trace record.
+  2. The jitted step verifies them (spec_decode/verification.py); `row_tokens` reads what
+     each row yielded: 1 + its accepted drafts.
+  3. The core appends them one by one (`OutputProcessor.append`: a stop cuts the row
+     there), commits each row's kept tokens, records the step's draft / accepted counts in
+     its trace record (`SpecCounts.of`) and adds them to each request when it applies the
+     step.
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ class SpecCounts:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def of(cls, plan: scheduler.StepPlan, rows: dict[int, list[int]]) -> "SpecCounts":
+        """The counts of `rows` (plan row -> the tokens it yielded) of a collected step."""
+        counts = cls()
+        for i, tokens in rows.items():
+            drafts = plan.row_spec_token_ids(i)
+            if drafts:
+                counts.add(len(drafts), len(tokens) - 1)
+        return counts
 
     def add(self, num_drafts: int, accepted: int) -> None:
         """A row that verified `num_drafts` drafts and accepted `accepted` of them."""

@@ -1,7 +1,7 @@
-"""The HTTP plumbing of `arcjax serve` (serve.py holds the endpoints): OpenAI-shaped error
-responses, bodies parsed as JSON, an SSE response that always closes what it streams, the
-client-disconnect watch, the trace fan-out shared by servers of one engine, and the uvicorn
-server whose SIGTERM / SIGINT drains gracefully.
+"""The HTTP plumbing of `arcjax serve` (api_server.py holds the app, serving_*.py the
+endpoints): OpenAI-shaped error responses, bodies parsed as JSON, an SSE response that
+always closes what it streams, the client-disconnect watch, the trace fan-out shared by
+servers of one engine, and the uvicorn server whose SIGTERM / SIGINT drains gracefully.
 """
 
 from __future__ import annotations

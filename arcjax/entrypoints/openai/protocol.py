@@ -1,8 +1,8 @@
 """The OpenAI wire format: request bodies -> (prompts, SamplingParams), outputs -> JSON.
 
-Pure functions, no I/O: the server (`serve.py`) calls `parse_completion` / `parse_chat` on
-the decoded JSON body and turns `RequestOutput`s into responses and stream chunks with the
-builders below.
+Pure functions, no I/O: the endpoints (`serving_completion.py`, `serving_chat.py`) call
+`parse_completion` / `parse_chat` on the decoded JSON body and turn `RequestOutput`s into
+responses and stream chunks with the builders below.
 
 NOTE: validation lives here and in `SamplingParams` (types and ranges) and `Engine.check`
 (lengths, vocabulary, grammars); every refusal is an `InputError` whose `.field` is the
@@ -20,8 +20,8 @@ for instructions) is rendered as `system`, which every chat template knows.
 
 Structured outputs and tools (`arcjax.structured`): `response_format`, vLLM's
 `structured_outputs` and `guided_*` fields become one `StructuredOutputsParams`
-(`openai_fields`); chat's `tools` / `tool_choice` / `parallel_tool_calls` become a
-`ToolPlan` (`tools`), whose parser turns each completion into content and `tool_calls`.
+(`structured_fields`); chat's `tools` / `tool_choice` / `parallel_tool_calls` become a
+`ToolPlan` (`tool_calls`), whose parser turns each completion into content and `tool_calls`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ from arcjax.entrypoints.openai import response_logprobs as lp
 from arcjax.errors import RequestError, SamplingParamsError
 from arcjax.sampling_params import SamplingParams
 from arcjax.entrypoints.openai import structured_fields
-from arcjax.entrypoints.openai.tool_calls import ToolPlan, plan_tools, template_messages, tool_calls_json
+from arcjax.entrypoints.openai.tool_calls import (ToolPlan, plan_tools, template_messages,
+                                                  tool_calls_json)
 
 
 class ProtocolError(RequestError):

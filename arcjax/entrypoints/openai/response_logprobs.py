@@ -2,7 +2,7 @@
 
 A request's `RequestOutput.outputs` holds one `CompletionOutput` per sample; with a list of
 prompts the choice index is `prompt_index * n + sample_index` (OpenAI's convention).
-Log-probabilities come from `CompletionOutput.logprobs` (RAW: see `engine/outputs.py`):
+Log-probabilities come from `CompletionOutput.logprobs` (RAW: see `arcjax/outputs.py`):
 one dict {token id: Logprob} per generated token, holding the sampled token and the top k.
 
 - /v1/completions (`logprobs: k`): {"tokens", "token_logprobs", "top_logprobs",

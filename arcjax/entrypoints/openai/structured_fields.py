@@ -85,7 +85,7 @@ def constraint_from_body(body: dict, tool_constraint: StructuredOutputsParams | 
 
     Args:
       body: the decoded request.
-      tool_constraint: what `tools` + `tool_choice` require (`tools.ToolPlan.constraint`).
+      tool_constraint: what `tools` + `tool_choice` require (`tool_calls.ToolPlan.constraint`).
 
     Raises:
       ResponseFormatError / StructuredOutputsError naming the request's field.

@@ -5,12 +5,12 @@ generated text -> `tool_calls` (whole, or as streamed deltas).
 definitions and returns a `ToolPlan`:
   "none"      the output is content; the tools are still shown to the chat template
               (vLLM's default).
-  "auto"      unconstrained; the model's own format is parsed (`tool_parsers.py`).
+  "auto"      unconstrained; the model's own format is parsed (`tool_parsers/`).
   "required"  constrained to a JSON array of one or more {"name", "parameters"} calls of
               the offered functions (at most one with `parallel_tool_calls: false`).
   named       (`{"type": "function", "function": {"name": N}}`) constrained to N's
               parameters; the whole output is N's arguments.
-`plan.parser` reads the completion in every mode (one interface, `tool_parsers.Parsed`),
+`plan.parser` reads the completion in every mode (one interface, `ToolParser`),
 and `ToolCallStream` turns a growing completion into OpenAI `delta.tool_calls` chunks.
 `template_messages` prepares a conversation with `tool_calls` and `role: "tool"` messages
 for a chat template (arguments as objects, as Hugging Face templates expect them).
@@ -26,7 +26,9 @@ from collections.abc import Sequence
 
 from arcjax.errors import RequestError
 from arcjax.sampling_params import StructuredOutputsParams
-from arcjax.entrypoints.openai.tool_parsers import Parsed, ToolCall, get_parser
+from arcjax.entrypoints.openai.tool_parsers import get_parser
+from arcjax.entrypoints.openai.tool_parsers.abstract_tool_parser import (Parsed, ToolCall,
+                                                                         ToolParser)
 
 _NAME = re.compile(r"^[a-zA-Z0-9_.\-]{1,64}$")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -43,7 +45,7 @@ class Tool:
     definition: dict  # the request's tool object, as given (for the chat template)
 
 
-class RequiredCallsParser:
+class RequiredCallsParser(ToolParser):
     """Reads the output of `tool_choice: "required"`: a JSON array of {"name",
     "parameters"}; each element is a call once it is complete."""
 
@@ -72,7 +74,7 @@ class RequiredCallsParser:
         return Parsed(None, tuple(calls))
 
 
-class NamedCallParser:
+class NamedCallParser(ToolParser):
     """Reads the output of a named `tool_choice`: the whole text is the function's
     arguments (streamed as they grow)."""
 
@@ -85,7 +87,7 @@ class NamedCallParser:
         return Parsed(None, (ToolCall(self.function, text),))
 
 
-class ContentParser:
+class ContentParser(ToolParser):
     """`tool_choice: "none"` (or no tools): everything is content."""
 
     def parse(self, text: str, final: bool = True) -> Parsed:
@@ -106,7 +108,7 @@ class ToolPlan:
     mode: str
     tools: tuple[dict, ...] | None
     constraint: StructuredOutputsParams | None
-    parser: object
+    parser: ToolParser
 
     def finish_reason(self, reason: str | None, calls: Sequence[ToolCall]) -> str | None:
         """OpenAI's finish reason: "tool_calls" when the model chose to call ("auto" with

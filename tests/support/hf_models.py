@@ -7,7 +7,8 @@ reference implementation only; arcjax never imports them at run time.
 from __future__ import annotations
 
 import functools
-import tempfile
+
+from support.scratch import scratch_dir
 
 ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # Mixtures of experts, Gemma, and sliding windows. Windows are short (the tests' prompts run
@@ -66,7 +67,7 @@ def tiny_model_dir(arch: str = "LlamaForCausalLM", seed: int = 0) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    path = tempfile.mkdtemp(prefix=f"arcjax-{arch}-")
+    path = scratch_dir(f"arcjax-{arch}-")
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -85,7 +86,7 @@ def tiny_llama_8_heads_dir(seed: int = 0) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    path = tempfile.mkdtemp(prefix="arcjax-Llama8Heads-")
+    path = scratch_dir("arcjax-Llama8Heads-")
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -132,7 +133,7 @@ def tiny_model_with_tokenizer(arch: str = "LlamaForCausalLM") -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     src = tiny_model_dir(arch)
-    path = tempfile.mkdtemp(prefix=f"arcjax-tok-{arch}-")
+    path = scratch_dir(f"arcjax-tok-{arch}-")
     for f in os.listdir(src):
         shutil.copy(os.path.join(src, f), path)
     tok = Tokenizer(models.BPE())
@@ -156,7 +157,7 @@ def tiny_model_with_chat_template(template: str | None, arch: str = "LlamaForCau
     import shutil
 
     src = tiny_model_with_tokenizer(arch)
-    path = tempfile.mkdtemp(prefix="arcjax-chat-")
+    path = scratch_dir("arcjax-chat-")
     for f in os.listdir(src):
         shutil.copy(os.path.join(src, f), path)
     cfg_path = os.path.join(path, "tokenizer_config.json")

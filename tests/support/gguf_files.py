@@ -16,9 +16,10 @@ import functools
 import json
 import os
 import re
-import tempfile
 
 import numpy as np
+
+from support.scratch import scratch_dir
 
 QK_K = 256
 _ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
@@ -194,7 +195,7 @@ def write_gguf(hf_dir: str, qtype_name: str, path: str | None = None, *,
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = json.load(f)
     arch = _ARCH[cfg["architectures"][0]]
-    path = path or os.path.join(tempfile.mkdtemp(prefix="arcjax-gguf-"),
+    path = path or os.path.join(scratch_dir("arcjax-gguf-"),
                                 f"model-{qtype_name}.gguf")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -335,6 +336,6 @@ def tiny_gguf_model_dir(arch: str = "LlamaForCausalLM", seed: int = 0) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    path = tempfile.mkdtemp(prefix=f"arcjax-gguf-src-{arch}-")
+    path = scratch_dir(f"arcjax-gguf-src-{arch}-")
     model.save_pretrained(path, safe_serialization=True)
     return path

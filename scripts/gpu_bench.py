@@ -1,0 +1,158 @@
+"""Timing and the reference figures of `scripts/gpu_check.py` (tasks run by gpu_child.py).
+
+  - `time_call`: the way FlashAttention's benchmarks time a kernel: N calls back to back
+    and one synchronization, the median of several such runs (JAX 0.11 exposes no CUDA
+    events, so the clock is the host's around the N calls: dispatch overlaps the device's
+    work and only one sync is paid per N); also the median of single synchronized calls,
+    which shows what dispatch and glue add to a small case.
+  - `ceilings`: the machine's own ceilings, in the same run: an 8192^3 bf16 matmul
+    (TFLOP/s) and a large device copy (bytes read + written per second).
+  - `cudnn_reference`: cuDNN's fused attention (`jax.nn.dot_product_attention(...,
+    implementation="cudnn")`) on the dense shapes of the kernel table's prefill cases.
+  - `moe_grouped_gemm`: one Mixtral-8x7B-shaped MoE layer (`arcjax.model.moe.moe_mlp`)
+    with `ragged_dot` and the tiled grouped GEMM, at decode and prefill token counts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_child import Emitter, Task
+
+DATASHEET = dict(tflops=989.0, tbps=4.8)  # H200 SXM: dense bf16, HBM3e
+
+
+def time_call(fn, args, *, smoke: bool, target_s: float = 0.05, reps: int = 5) -> dict:
+    """{"ms": back-to-back median per call, "ms_synced": single synchronized call median,
+    "n": calls per run, "reps"}; `fn` is compiled by the first call (untimed)."""
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile and warm
+    synced = []
+    for _ in range(1 if smoke else 3):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        synced.append(time.perf_counter() - start)
+    one = statistics.median(synced)
+    if smoke:
+        return dict(ms=1e3 * one, ms_synced=1e3 * one, n=1, reps=1)
+    n = max(3, min(500, int(target_s / max(one, 1e-6))))
+    runs = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        out = None
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - start) / n)
+    return dict(ms=1e3 * statistics.median(runs), ms_synced=1e3 * one, n=n, reps=reps)
+
+
+def ceilings(task: Task, emit: Emitter) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    n = 256 if task.smoke else 8192
+    emit.start(f"matmul_{n}")
+    ka, kb = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (n, n), jnp.bfloat16)
+    b = jax.random.normal(kb, (n, n), jnp.bfloat16)
+    t = time_call(jax.jit(lambda x, y: x @ y), (a, b), smoke=task.smoke)
+    emit.row(dict(impl="xla", case=f"matmul_{n}", what="bf16 matmul", **t,
+                  tflops=2.0 * n**3 / t["ms"] / 1e9))
+    del a, b
+    elems = 2**20 if task.smoke else 2**30  # 2 MiB / 2 GiB of bf16
+    emit.start("copy")
+    x = jnp.ones((elems,), jnp.bfloat16)
+    t = time_call(jax.jit(lambda v: v * 2), (x,), smoke=task.smoke)
+    moved = 2.0 * elems * 2  # read once, written once
+    emit.row(dict(impl="xla", case=f"copy_{elems * 2 >> 20}MiB", what="device copy (x * 2)",
+                  **t, tbps=moved / t["ms"] / 1e9))
+    return {}
+
+
+def _dense_prefill_cases(smoke: bool) -> list[tuple[str, int, tuple[int, int, int]]]:
+    """(name, T, (Hq, Hkv, D)): the kernel table's prefill cases as one dense sequence."""
+    from gpu_kernels import kernel_cases
+
+    return [(c.name, c.seqs[0][0], c.heads) for c in kernel_cases(smoke) if c.kind == "prefill"]
+
+
+def cudnn_reference(task: Task, emit: Emitter) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import testing
+
+    # cuDNN needs a GPU; the CPU smoke runs XLA's implementation through the same code.
+    impl = "xla" if task.smoke else "cudnn"
+    for name, t, (hq, hkv, d) in _dense_prefill_cases(task.smoke):
+        emit.start(name)
+        kq, kk, kv = jax.random.split(jax.random.key(t), 3)
+        q = jax.random.normal(kq, (1, t, hq, d), jnp.bfloat16)  # [B, T, N, H]
+        k = jax.random.normal(kk, (1, t, hkv, d), jnp.bfloat16)
+        v = jax.random.normal(kv, (1, t, hkv, d), jnp.bfloat16)
+        fn = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(
+            a, b, c, is_causal=True, implementation=impl))
+        row = dict(impl=impl, case=name, kind="prefill")
+        try:
+            timing = time_call(fn, (q, k, v), smoke=task.smoke)
+        except Exception as e:  # noqa: BLE001 - a reference that cannot run is a result
+            emit.row(row | dict(error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+        flops, _ = testing.attention_work([(t, t)], num_heads=hq, num_kv_heads=hkv,
+                                          head_dim=d, itemsize=2)
+        emit.row(row | timing | dict(tflops=flops / timing["ms"] / 1e9))
+    return {}
+
+
+def _moe_layer(hidden: int, width: int, experts: int, key):
+    import jax
+    import jax.numpy as jnp
+
+    ks = jax.random.split(key, 4)
+    scale = hidden**-0.5
+    lp = {"router": jax.random.normal(ks[0], (hidden, experts), jnp.bfloat16) * scale}
+    shapes = {"we_gate": (1, experts, hidden, width), "we_up": (1, experts, hidden, width),
+              "we_down": (1, experts, width, hidden)}
+    weights = {name: jax.random.normal(k, shape, jnp.bfloat16) * scale
+               for (name, shape), k in zip(shapes.items(), ks[1:])}
+    return lp, weights
+
+
+def moe_grouped_gemm(task: Task, emit: Emitter) -> dict:
+    """ragged_dot vs the tiled grouped GEMM on one MoE layer (Mixtral-8x7B: H 4096, 8
+    experts of width 14,336, top 2), TFLOP/s of the routed work."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from arcjax.model import moe
+
+    hidden, width, experts, top_k = (64, 128, 4, 2) if task.smoke else (4096, 14336, 8, 2)
+    lp, weights = _moe_layer(hidden, width, experts, jax.random.key(1))
+    for tokens in ((16,) if task.smoke else (128, 2048)):
+        h = jax.random.normal(jax.random.key(tokens), (tokens, hidden), jnp.bfloat16)
+        valid = jnp.ones((tokens,), bool)
+        for impl in ("ragged_dot", "tiled"):
+            case = f"{impl}_t{tokens}"
+            emit.start(case)
+            fn = jax.jit(functools.partial(
+                moe.moe_mlp, num_experts=experts, top_k=top_k, renormalize=True, act="silu",
+                valid=valid, impl=impl))
+            row = dict(impl=impl, case=f"moe_t{tokens}", tokens=tokens, experts=experts,
+                       top_k=top_k, hidden=hidden, width=width)
+            layer = jnp.int32(0)  # traced, as in the step
+            try:
+                timing = time_call(lambda x: fn(x, lp, weights, layer)[0], (h,),
+                                   smoke=task.smoke)
+            except Exception as e:  # noqa: BLE001 - an implementation that fails is a result
+                emit.row(row | dict(error=f"{type(e).__name__}: {str(e)[:300]}"))
+                continue
+            flops = 2.0 * tokens * top_k * 3 * hidden * width  # gate, up, down
+            emit.row(row | timing | dict(tflops=flops / timing["ms"] / 1e9))
+    return {}
