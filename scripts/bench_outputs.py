@@ -1,6 +1,6 @@
 """Output-building cost per step, at a short and a long generated length, per output kind.
 
-One request is driven through the engine's own output path (`engine/output.py`:
+One request is driven through the engine's own output path (`engine/output_processor.py`:
 `append_token` with the packaged model's detokenizer, a logprob entry of top-k per token,
 then `request_output`) without a device: per step one token is appended and the step's
 output built. Measured per kind (DELTA, CUMULATIVE) at each --lengths point: the mean

@@ -800,8 +800,6 @@ def test_citations_exist():
     assert not problems, "stale citations:\n" + "\n".join(problems)
 
 
-@pytest.mark.xfail(strict=True, reason="WORKSPACE.md still cites pre-layout paths and names; "
-                   "the lead rewrites it (then this marker goes: a pass fails the run)")
 def test_workspace_citations_exist():
     problems = check_document(WORKSPACE)
     assert not problems, "stale citations:\n" + "\n".join(problems)

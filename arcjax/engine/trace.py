@@ -13,7 +13,7 @@ outputs, detokenizing, the caller's own code).
 Device idle time between consecutive steps (`device_idle_gaps`) is the time from one
 step's completion on the device to the next step's dispatch, when positive. The
 completion time is exact when the runner watches completions (`ModelRunner.
-watch_completion`, what scripts/bench_throughput.py --idle_gap turns on); otherwise it
+watch_completion`, which scripts/bench_throughput.py turns on); otherwise it
 is when the host received the tokens, which overlapped scheduling reads only after the
 next dispatch (so unwatched overlapped gaps read 0).
 """

@@ -2,9 +2,9 @@
 validated before anything is loaded, and the proposer interface.
 
   {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-   "prompt_lookup_max": 4}                                prompt lookup on the host (ngram.py)
+   "prompt_lookup_max": 4}                          prompt lookup on the host (ngram_proposer.py)
   {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}
-                                                          a smaller model (draft_model.py)
+                                                    a smaller model (draft_model.py)
 
 Both accept "disable_by_batch_size": speculation is off in any step that starts with more
 running requests than that (verification then costs more than it saves). A missing "method"
