@@ -17,7 +17,7 @@ from scheduler.scheduler_errors import (CommitError, ConfigError, DuplicateReque
                               UnknownRequestError)
 
 __all__ = ["CommitError", "ConfigError", "DuplicateRequestError", "EngineConfigError",
-           "EngineDeadError",
+           "EngineDeadError", "LoRAAdapterError",
            "InputError", "ModelConfigError", "ModelFileError", "QuantizationConfigError",
            "RequestError",
            "RequestTooLargeError", "SamplingParamsError", "StepOrderError",
@@ -48,6 +48,26 @@ class StructuredOutputsError(SamplingParamsError):
     """A structured-output constraint that is malformed or cannot compile into a grammar
     (field: "structured_outputs.<kind>", e.g. "structured_outputs.json"; the server maps it
     to its own field: response_format, tools, guided_json, ...)."""
+
+
+class LoRAAdapterError(RequestError):
+    """A LoRA adapter refused when its request is submitted: `.adapter` names the adapter
+    (its `lora_name`), `.field` what is wrong: a field of the request ("lora_request",
+    "lora_request.lora_path", ...) or of the adapter's files ("adapter_config.json:r",
+    "adapter_model.safetensors:<tensor name>"). No other request is disturbed."""
+
+    def __init__(self, adapter: str, field: str, message: str, *,
+                 limit: int | float | None = None):
+        super().__init__(field, f"adapter {adapter!r}: {message}", limit=limit)
+        self.adapter = adapter
+        self.reason = message
+
+    def __reduce__(self):
+        return _rebuild_lora, (type(self), self.adapter, self.field, self.reason, self.limit)
+
+
+def _rebuild_lora(cls, adapter, field, message, limit):
+    return cls(adapter, field, message, limit=limit)
 
 
 class ModelFileError(ValueError):

@@ -133,6 +133,11 @@ class CompletionOutput:
     cumulative_logprob: float | None  # sum of the sampled tokens' logprobs (when asked)
     logprobs: Sequence[PositionLogprobs] | None  # one entry per token of `token_ids`, or None
     finish_reason: str | None
+    # With the engine's reasoning parser (`arcjax.reasoning`): the thinking and the answer
+    # in `text` (markers left out; DELTA: what is new); None: the request is not split, or
+    # (cumulative) no such part yet.
+    reasoning: str | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:

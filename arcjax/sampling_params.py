@@ -249,6 +249,18 @@ class SamplingParams:
         structured_outputs, of the logits after the grammar's mask (as vLLM: tokens the
         grammar forbids have -inf).
       skip_special_tokens / spaces_between_special_tokens: detokenization of the output.
+      include_stop_str_in_output: the stop string that ended the request stays in the text
+        (and the stop token's own text, as vLLM); nothing is held back for stop strings then.
+      logit_bias: {token id: bias in [-100, 100]} added to the logits before penalties,
+        temperature and filters (OpenAI's -100 bans a token in practice, +100 all but forces
+        it); greedy rows too. Raw logprobs are taken before it (vLLM).
+      allowed_token_ids: None, or the only token ids the request may sample (every other
+        id gets -inf, as logit_bias does).
+      bad_words: words never generated: each is tokenized with and without a leading
+        space (vLLM's rule); a one-token word is banned at every position, a longer one's
+        last token is banned right after the output ends with its other tokens.
+      truncate_prompt_tokens: None, or keep only the last k prompt tokens (-1: the last
+        max_model_len); applied when the request is submitted, before the length checks.
       output_kind: a `RequestOutputKind` (CUMULATIVE, DELTA or FINAL_ONLY; its int value is
         accepted too).
       structured_outputs: None, or a `StructuredOutputsParams` (or a mapping of its fields)
@@ -277,6 +289,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: bool = False
+    logit_bias: Mapping[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] = ()
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -311,7 +328,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 self._check_int(name, 0, MAX_LOGPROBS)
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                     "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise SamplingParamsError(name, f"must be a bool, got {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -322,6 +340,55 @@ class SamplingParams:
         object.__setattr__(self, "output_kind", RequestOutputKind(int(kind)))
         object.__setattr__(self, "structured_outputs",
                            StructuredOutputsParams.coerce(self.structured_outputs))
+        self._check_token_fields()
+
+    def _check_token_fields(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words, truncate_prompt_tokens (the vocabulary
+        and max_model_len are the engine's checks)."""
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, Mapping):
+                raise SamplingParamsError("logit_bias", f"must be a mapping of token id to "
+                                          f"bias, got {bias!r}")
+            clean = {}
+            for token, value in bias.items():
+                if not _is_int(token) or not 0 <= token <= INT32_MAX:
+                    raise SamplingParamsError("logit_bias", f"keys must be token ids (ints "
+                                              f">= 0), got {token!r}")
+                if not _is_number(value) or not -100 <= value <= 100:
+                    raise SamplingParamsError("logit_bias", f"biases must be numbers in "
+                                              f"[-100, 100], got {value!r} for token {token}",
+                                              limit=100)
+                clean[int(token)] = float(value)
+            object.__setattr__(self, "logit_bias", clean or None)
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if isinstance(allowed, (str, bytes)) or not isinstance(allowed, Sequence) or not (
+                    all(_is_int(t) and 0 <= t <= INT32_MAX for t in allowed)):
+                raise SamplingParamsError("allowed_token_ids", f"must be a list of token ids "
+                                          f"(ints >= 0), got {allowed!r}")
+            if not allowed:
+                raise SamplingParamsError("allowed_token_ids", "must not be empty", limit=1)
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in allowed))
+        words = self.bad_words
+        if isinstance(words, str) or not isinstance(words, Sequence) or not all(
+                isinstance(w, str) and w.strip() for w in words):
+            raise SamplingParamsError("bad_words", f"must be a list of non-empty strings, got "
+                                      f"{words!r}")
+        object.__setattr__(self, "bad_words", tuple(words))
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or 1 <= k <= INT32_MAX)):
+            raise SamplingParamsError("truncate_prompt_tokens", f"must be -1 or an int >= 1, "
+                                      f"got {k!r}", limit=1)
+        if k is not None:
+            object.__setattr__(self, "truncate_prompt_tokens", int(k))
+
+    @property
+    def uses_token_bias(self) -> bool:
+        """Whether sampling adds the request's bias row (logit_bias, allowed_token_ids,
+        bad_words) to the logits."""
+        return (self.logit_bias is not None or self.allowed_token_ids is not None
+                or bool(self.bad_words))
 
     @property
     def uses_penalty_state(self) -> bool:

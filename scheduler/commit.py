@@ -47,7 +47,7 @@ from scheduler import spec
 from scheduler.blocks import BlockPool
 from scheduler.scheduler_errors import CommitError, StepOrderError
 from scheduler.step_plan import StepPlan
-from scheduler.prefix import ROOT_DIGEST, block_hash, chain_hashes
+from scheduler.prefix import block_hash, chain_hashes, root_digest
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId, Sequence
 from scheduler.state import PLACEHOLDER, DecodeRow, DecodeTable, Partial, SchedulerState
 from scheduler.state import Unfilled, abort, gen_chunk
@@ -124,7 +124,7 @@ def _decoded_blocks(dec: DecodeTable, rows: SequenceOf[int],
     for i in full:
         b = computed[i] // block_size - 1  # the block holding positions computed - bs .. - 1
         chain = hashes[i] if len(hashes[i]) == b else hashes[i][:b]
-        digest = block_hash(chain[-1] if chain else ROOT_DIGEST,
+        digest = block_hash(chain[-1] if chain else root_digest(dec.seqs[i].request.adapter),
                             dec.last_tokens(i, block_size + 1)[:-1])
         hashes[i] = chain + (digest,)
         pairs.append((dec.tables[i][b], digest))
@@ -328,7 +328,8 @@ def _filled(seq: Sequence, token: int, block_size: int) -> Sequence:
     tokens = seq.tokens[:-1] + (token,)
     hashes = seq.block_hashes
     if hashes and len(tokens) % block_size == 0 and len(hashes) == len(tokens) // block_size:
-        parent = hashes[-2] if len(hashes) > 1 else ROOT_DIGEST  # the last block held it
+        # the last block held it
+        parent = hashes[-2] if len(hashes) > 1 else root_digest(seq.request.adapter)
         hashes = hashes[:-1] + chain_hashes(tokens, block_size, parent, len(hashes) - 1)
     return Sequence(request=seq.request, key=seq.key, tokens=tokens, block_hashes=hashes,
                     cached_tokens=seq.cached_tokens)
@@ -403,7 +404,7 @@ def _fill(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...], now: 
         config=state.config, waiting=waiting, partial=state.partial, decoding=dec, pool=pool,
         step=state.step, decode_steps_since_prefill=state.decode_steps_since_prefill,
         next_ticket=state.next_ticket, in_flight=state.in_flight, unfilled=None,
-        held=held), tuple(finished)
+        held=held, lora_drain=state.lora_drain), tuple(finished)
 
 
 def _replaced(state: SchedulerState, dec: DecodeTable, pool: BlockPool,
@@ -415,4 +416,5 @@ def _replaced(state: SchedulerState, dec: DecodeTable, pool: BlockPool,
     return SchedulerState(
         config=state.config, waiting=state.waiting, partial=partial, decoding=dec, pool=pool,
         step=state.step, decode_steps_since_prefill=state.decode_steps_since_prefill,
-        next_ticket=state.next_ticket, in_flight=False, unfilled=unfilled, held=held)
+        next_ticket=state.next_ticket, in_flight=False, unfilled=unfilled, held=held,
+        lora_drain=state.lora_drain)

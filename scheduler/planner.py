@@ -13,7 +13,9 @@ order and then assembles the plan:
      sequences are preempted, but only when that makes room. A partial is never preempted for
      itself: it waits, holding its blocks.
   3. admit: waiting sequences in key order (FCFS within a priority), stopping at the first that
-     cannot be admitted so nobody overtakes it. Admissions need blocks beyond the watermark, never
+     cannot be admitted so nobody overtakes it, except a LoRA sequence waiting for an adapter
+     slot, which later ones may pass (scheduler/lora_slots.py: a drain keeps it from starving).
+     Admissions need blocks beyond the watermark, never
      preempt, and do not happen in a step that preempted or held a partial back. With prefix
      caching a sequence first takes the longest cached prefix of its tokens (whole blocks, at most
      len(tokens) - 1 tokens, so its last token is computed and yields logits) and computes from
@@ -40,8 +42,9 @@ from operator import mod, not_
 
 from scheduler.blocks import BlockTable, blocks_for
 from scheduler.scheduler_config import SchedulerConfig
+from scheduler.lora_slots import SlotGate
 from scheduler.step_plan import Engaged, NOTHING_ENGAGED, StepPlan
-from scheduler.prefix import ROOT_DIGEST, chain_hashes
+from scheduler.prefix import chain_hashes, root_digest
 from scheduler.request import Sequence, SeqKey
 from scheduler.spec import Drafts, allocate_drafts
 from scheduler.state import PLACEHOLDER, Partial, SchedulerState, gen_chunk
@@ -68,6 +71,8 @@ class StepBuilder:
         self.cached: list[int] = []  # per prefill row: tokens served from the cache (admissions)
         self.admitted: list[Partial] = []
         self.waiting_from = 0  # state.waiting[waiting_from:] is still waiting
+        self.passed: list[Sequence] = []  # before waiting_from, passed over for an adapter slot
+        self.lora_drain = state.lora_drain
         self.preempted: list[Sequence] = []
         self.preempted_unfilled: list = []  # of them, ids whose newest token is a placeholder
         self.partials_after = len(state.partial)  # mid-prefill once this step commits
@@ -169,7 +174,7 @@ class StepBuilder:
                 self.preempted_unfilled.append(seq.request_id)
             hashes = dec.hashes[-1]
             if self.pool.cache is not None:  # digests of the kept tokens' full blocks
-                parent = hashes[-1] if hashes else ROOT_DIGEST
+                parent = hashes[-1] if hashes else root_digest(seq.request.adapter)
                 hashes += chain_hashes(kept, self.config.block_size, parent, len(hashes))
             self.preempted.append(Sequence(request=seq.request, key=seq.key, tokens=kept,
                                            block_hashes=hashes, cached_tokens=seq.cached_tokens))
@@ -313,6 +318,7 @@ class StepBuilder:
         config = self.config
         cap = config.prefill_max_seqs
         held = len(self.state.verifying)  # running, out of the table until their fill
+        gate = None  # built when the first sequence of an adapter is considered
         i = 0
         while i < len(waiting):
             if (len(self.dec) + len(self.partial) + len(self.admitted) + held
@@ -323,10 +329,18 @@ class StepBuilder:
                 self._note("cap_deferred", len(waiting) - i)
                 break
             seq = waiting[i]
+            if seq.request.adapter is not None or gate is not None:
+                gate = gate or self._slot_gate()
+                if not gate.admits(seq):  # waits for an adapter slot; others may pass it
+                    self.passed.append(seq)
+                    i += 1
+                    continue
             hits = self._cache_hits(seq)
             n = self._admission_chunk(seq, whole, hits)
             if not n:
                 break
+            if gate is not None:
+                gate.admitted(seq)
             cached = len(hits) * config.block_size
             if seq.cached_tokens is None and self.pool.cache is not None:  # first admission
                 seq = Sequence(request=seq.request, key=seq.key, tokens=seq.tokens,
@@ -339,6 +353,16 @@ class StepBuilder:
                 self.partials_after += 1
             i += 1
         self.waiting_from = i
+        if gate is not None:
+            self.lora_drain = gate.drain
+            if gate.deferred:
+                self._note("lora_deferred", gate.deferred)
+
+    def _slot_gate(self) -> SlotGate:
+        """The adapter-slot gate of this step's admissions (phases 1 and 2 are done)."""
+        running = [*self.dec.seqs, *(p.seq for p in self.partial),
+                   *(p.seq for p in self.admitted), *(row.seq for row in self.state.verifying)]
+        return SlotGate(self.config.max_loras, running, self.state.waiting, self.lora_drain)
 
     def _cache_hits(self, seq: Sequence) -> BlockTable:
         """Blocks of the longest cached prefix of `seq.tokens`: whole blocks, at most
@@ -402,6 +426,8 @@ class StepBuilder:
         else:  # no chunk ran, nobody was preempted: the partial prefills are unchanged
             partial = state.partial
         waiting = state.waiting[self.waiting_from:]
+        if self.passed:  # each passed sequence ranks before every one not reached
+            waiting = tuple(self.passed) + waiting
         if self.preempted:
             preempted = sorted(self.preempted, key=_key_of_seq)
             waiting = tuple(heapq.merge(preempted, waiting, key=_key_of_seq))
@@ -413,7 +439,7 @@ class StepBuilder:
             config=state.config, waiting=waiting, partial=partial, decoding=dec, pool=self.pool,
             step=state.step + 1, decode_steps_since_prefill=since,
             next_ticket=state.next_ticket, in_flight=bool(k or rows), unfilled=unfilled,
-            held=state.held)
+            held=state.held, lora_drain=self.lora_drain)
         preempted_ids = tuple(seq.request_id for seq in self.preempted)
         if preempted_ids:
             self._note("preempted", preempted_ids)

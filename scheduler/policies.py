@@ -34,7 +34,7 @@ work, and a shared block is freed only when its last holder releases it.
 
 from __future__ import annotations
 
-from scheduler.scheduler_config import SchedulerConfig
+from scheduler.scheduler_config import GEOMETRY_FIELDS, SchedulerConfig
 from scheduler.scheduler_errors import ConfigError, StepOrderError
 from scheduler.step_plan import StepPlan
 from scheduler.planner import StepBuilder
@@ -49,7 +49,7 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
     Args:
       state: the state after the previous commit (not one with a plan in flight).
       config: the knobs for this step; may differ from the state's config except for the cache
-        geometry (block_size, num_blocks, enable_prefix_caching).
+        geometry and the adapter slots (`scheduler_config.GEOMETRY_FIELDS`).
       spec_token_ids: speculative decoding: draft tokens proposed for decode-ready requests
         (by id; others are ignored). A decode row verifies as many of its drafts as what is
         left of the budget and of the free blocks above the watermark allows, never past
@@ -62,16 +62,13 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
       InputError: a draft that is not a sequence of int token ids >= 0.
       StepOrderError: `state` already has a plan in flight.
       ConfigError: `config` describes another KV cache than the state's (block_size, num_blocks,
-        enable_prefix_caching or sliding_window differ; the error names the field).
+        enable_prefix_caching, sliding_window or max_loras differ; the error names the field).
     """
     if state.in_flight:
         raise StepOrderError(f"step {state.step}: commit the plan in flight before scheduling")
     if config is not state.config and not config.same_cache(state.config):
-        field = next(f for f in ("num_blocks", "block_size", "enable_prefix_caching",
-                                 "sliding_window")
-                     if getattr(config, f) != getattr(state.config, f))
-        raise ConfigError(field, "block_size, num_blocks, enable_prefix_caching and "
-                                 "sliding_window must match the state's config")
+        field = next(f for f in GEOMETRY_FIELDS if getattr(config, f) != getattr(state.config, f))
+        raise ConfigError(field, f"{', '.join(GEOMETRY_FIELDS)} must match the state's config")
     if spec_token_ids:
         check_drafts(spec_token_ids)
     builder = StepBuilder(state, config, spec_token_ids)

@@ -3,7 +3,9 @@
   1. Every FULL KV block is named by `block_hash(parent_digest, its token ids)`: blake2b over the
      parent's digest and the ids packed little-endian as int64, so a digest is the same in every
      process and on every host (several hosts compare plan hashes). The first block's parent is
-     ROOT_DIGEST.
+     `root_digest(adapter)`: ROOT_DIGEST for the base model, a digest of the LoRA adapter's key
+     otherwise, so blocks computed with two adapters (or with one and without) never share a
+     name: their KV differs.
   2. `PrefixCache` maps digests to blocks (`index`) and keeps a record per cached block: its
      digest, how many live sequences hold it (`refs`) and when it was last released (`stamp`).
   3. A cached block whose refs drop to 0 stays cached (reusable) and joins the eviction queue; a
@@ -37,6 +39,16 @@ from typing import NamedTuple
 ROOT_DIGEST = b"\x00" * 16
 _BIG_ENDIAN = sys.byteorder == "big"  # digests hash little-endian ids on every host
 _QUEUE_PAGE = 256
+
+
+def root_digest(adapter: int | None) -> bytes:
+    """The parent of a sequence's first block: ROOT_DIGEST for the base model (adapter None),
+    else blake2b-128 of b"adapter" and the adapter key as int64 little-endian."""
+    if adapter is None:
+        return ROOT_DIGEST
+    digest = hashlib.blake2b(b"adapter", digest_size=16)
+    digest.update(int(adapter).to_bytes(8, "little", signed=True))
+    return digest.digest()
 
 
 def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:

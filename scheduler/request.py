@@ -25,6 +25,11 @@ class Request:
       max_tokens: tokens to generate at most.
       arrival_time: when it arrived (seconds on the caller's clock); orders FCFS.
       priority: smaller is served first (vLLM convention); equal priorities are FCFS.
+      adapter: None (the base model), or the key of the LoRA adapter the request runs with
+        (an int >= 0 the engine gives each adapter it loads). Requests of one adapter share
+        a device slot and prefix-cache blocks; two adapters never share a block (their block
+        digests chain from different roots), and at most `max_loras` adapters run at once
+        (scheduler/lora_slots.py).
     """
 
     request_id: RequestId
@@ -32,6 +37,7 @@ class Request:
     max_tokens: int
     arrival_time: float = 0.0
     priority: int = 0
+    adapter: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.prompt_token_ids, tuple):

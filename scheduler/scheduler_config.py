@@ -27,7 +27,14 @@ _INT_MINIMUMS = (
     ("block_size", 1),
     ("num_blocks", 1),
     ("watermark_blocks", 0),
+    ("max_loras", 1),
 )
+
+
+# The fields that describe the device's KV cache and adapter slots: they cannot change
+# between steps (`SchedulerConfig.same_cache`).
+GEOMETRY_FIELDS = ("num_blocks", "block_size", "enable_prefix_caching", "sliding_window",
+                   "max_loras")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,6 +65,8 @@ class SchedulerConfig:
         position p reads keys (p - W, p]): blocks wholly behind a running sequence's window go
         back to the pool (scheduler/window.py). Part of the cache geometry. None for models
         with a global layer (they read every key).
+      max_loras: LoRA adapters (`Request.adapter`) running at once: the device's adapter
+        slots (scheduler/lora_slots.py). Part of the cache geometry (the slots are).
     """
 
     policy: str = "token_budget"
@@ -73,6 +82,7 @@ class SchedulerConfig:
     watermark_blocks: int = 0
     enable_prefix_caching: bool = True
     sliding_window: int | None = None
+    max_loras: int = 1
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -138,8 +148,6 @@ class SchedulerConfig:
         return (self.num_blocks - self.watermark_blocks) * self.block_size + 1
 
     def same_cache(self, other: "SchedulerConfig") -> bool:
-        """Whether `other` describes the same KV cache (knobs may differ between steps)."""
-        return ((self.block_size, self.num_blocks, self.enable_prefix_caching,
-                 self.sliding_window)
-                == (other.block_size, other.num_blocks, other.enable_prefix_caching,
-                    other.sliding_window))
+        """Whether `other` describes the same KV cache and adapter slots (knobs may differ
+        between steps)."""
+        return all(getattr(self, f) == getattr(other, f) for f in GEOMETRY_FIELDS)

@@ -29,7 +29,7 @@ from itertools import chain
 from scheduler.blocks import BlockPool, BlockTable, blocks_for
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.scheduler_errors import CommitError, InputError
-from scheduler.prefix import ROOT_DIGEST, block_hash
+from scheduler.prefix import block_hash, root_digest
 from scheduler.request import FINISH_LENGTH, FINISH_STOP, Finished, RequestId
 from scheduler.state import DecodeRow, DecodeTable, gen_chunk, last_tokens
 
@@ -137,7 +137,7 @@ def accept(row: DecodeRow, tokens: SequenceOf[int], block_size: int, caching: bo
     if caching and last > first:
         span = last_tokens(row.seq.tokens, older, recent, new + 1 - first * block_size)
         hashes = hashes[:first]
-        parent = hashes[-1] if hashes else ROOT_DIGEST
+        parent = hashes[-1] if hashes else root_digest(row.seq.request.adapter)
         for b in range(first, last):
             parent = block_hash(parent, span[(b - first) * block_size:(b - first + 1) * block_size])
             hashes += (parent,)

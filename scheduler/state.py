@@ -17,6 +17,7 @@ NOTE: invariants (checked by tests every step):
     decoding row has num_computed == len(tokens) + len(generated) - 1 (its last token is unfed);
   * every nesting is of bounded depth (no cons lists): states pickle, print and deep-copy;
   * len(partial) <= max_num_partial_prefills outside a step;
+  * running sequences use at most `config.max_loras` LoRA adapters (scheduler/lora_slots.py);
   * with prefix caching, a sequence's block_hashes / a decoding row's hashes are the digests of
     its full blocks' tokens, and a block appears in two live tables only if it is cached (shared,
     never written again); the pool's counts say how many hold it (scheduler/prefix.py).
@@ -31,7 +32,7 @@ from typing import NamedTuple
 
 from scheduler.blocks import BlockPool, BlockTable
 from scheduler.scheduler_config import SchedulerConfig
-from scheduler.prefix import chain_hashes
+from scheduler.prefix import chain_hashes, root_digest
 from scheduler.scheduler_errors import DuplicateRequestError, RequestError, RequestTooLargeError
 from scheduler.scheduler_errors import UnknownRequestError
 from scheduler.request import Finished, Request, RequestId, Sequence, SeqKey
@@ -245,6 +246,9 @@ class SchedulerState:
         (overlapped scheduling: at most one such step; see scheduler/commit.py).
       held: the ids of `request_ids()`, as a set: `add_request`'s duplicate check in O(1)
         (a frozenset copy per change, C speed, instead of walking every queue per call).
+      lora_drain: the LoRA adapter whose waiting sequences are held back until its running
+        ones finish and free its slot for a slot-blocked one (scheduler/lora_slots.py), or
+        None.
     """
 
     config: SchedulerConfig
@@ -258,6 +262,7 @@ class SchedulerState:
     in_flight: bool = False
     unfilled: Unfilled | None = None
     held: frozenset = frozenset()
+    lora_drain: int | None = None
 
     @classmethod
     def empty(cls, config: SchedulerConfig) -> "SchedulerState":
@@ -351,6 +356,10 @@ def validate_request(request: Request, config: SchedulerConfig) -> None:
         raise RequestError("max_tokens", f"must be an int >= 1, got {max_tokens!r}", limit=1)
     if not isinstance(request.priority, int) or isinstance(request.priority, bool):
         raise RequestError("priority", f"must be an int, got {request.priority!r}")
+    adapter = request.adapter
+    if adapter is not None and (not isinstance(adapter, int) or isinstance(adapter, bool)
+                                or adapter < 0):
+        raise RequestError("adapter", f"must be None or an int >= 0, got {adapter!r}")
     if not isinstance(request.arrival_time, (int, float)) or request.arrival_time != request.arrival_time:
         raise RequestError("arrival_time", f"must be a number, got {request.arrival_time!r}")
     limit = config.max_request_tokens
@@ -380,7 +389,8 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
     _validate(request, state)
     key = (request.priority, float(request.arrival_time), state.next_ticket)
     config = state.config
-    hashes = (chain_hashes(request.prompt_token_ids, config.block_size)
+    hashes = (chain_hashes(request.prompt_token_ids, config.block_size,
+                           root_digest(request.adapter))
               if config.enable_prefix_caching else ())
     seq = Sequence(request=request, key=key, tokens=request.prompt_token_ids, block_hashes=hashes)
     i = bisect.bisect_right(state.waiting, key, key=_key_of)

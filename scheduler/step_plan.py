@@ -74,6 +74,8 @@ class Engaged:
       oversize_prompt: legacy whole-prompt prefill ran one lone prompt longer than the budget.
       drafts_trimmed: decode rows whose draft tokens the budget or the KV blocks (watermark
         kept) shortened or dropped.
+      lora_deferred: waiting sequences of LoRA adapters passed over: no adapter slot was
+        free, or their adapter drains to free one (scheduler/lora_slots.py).
     """
 
     cap_deferred: int = 0
@@ -89,6 +91,7 @@ class Engaged:
     block_limited: bool = False
     oversize_prompt: bool = False
     drafts_trimmed: int = 0
+    lora_deferred: int = 0
 
     def as_dict(self) -> dict[str, object]:
         """Every knob and its detail (JSON-friendly: tuples become lists)."""

@@ -15,7 +15,9 @@
      after (for in-process runs, the engine trace's engagement over the run).
   5. --out JSON, --plot PNG (TTFT CDF and per-user timelines), a table on stdout.
   6. --hostile_mb=6: for servers, a small request's latency alone and while another client
-     sends a 6 MB prompt, in alternating pairs (the event loop must not block on one request).
+     sends a 6 MB body, in alternating pairs (the event loop must not block on one request),
+     for each of --hostile_kinds: `text` (a text prompt), `ids` (a prompt of token ids),
+     `chat` (one chat message), `messages` (many short chat messages).
 
   python scripts/bench_serve.py --launch --inprocess --num_users=32 --prompt_words=256 \
       --arms=token_budget:budget=512,prefill_first,prefill_first:cap=4 \
@@ -72,10 +74,15 @@ _WARMUP_ALL = flags.DEFINE_bool("warmup_all", True, "--launch/--inprocess: compi
                                  "bucket first (`arcjax serve --warmup`, runner.warmup()), so "
                                  "no measured run compiles")
 _CACHE = flags.DEFINE_string("compilation_cache_dir", None, "JAX persistent compilation cache")
+_SERVER_ROOT = flags.DEFINE_string("server_root", None, "--launch: run the server of another "
+                                   "arcjax checkout (default: this one), e.g. to measure the "
+                                   "hostile bodies before a change")
 _HOSTILE_MB = flags.DEFINE_float("hostile_mb", 0.0, "servers: also time a small request "
                                   "alone and while another client sends a prompt of this "
                                   "many MB (0 = skip)")
 _HOSTILE_REPEATS = flags.DEFINE_integer("hostile_repeats", 10, "pairs for --hostile_mb")
+_HOSTILE_KINDS = flags.DEFINE_list("hostile_kinds", ["text"], "--hostile_mb bodies: text, ids, "
+                                   "chat, messages")
 _OUT = flags.DEFINE_string("out", None, "write every run as JSON here")
 _PLOT = flags.DEFINE_string("plot", None, "write the TTFT CDF and user timelines (PNG) here")
 
@@ -162,15 +169,15 @@ async def _inproc_user(llm, prompt: str, user: User) -> None:
             user.done = True
 
 
-async def _post(url: str, body: bytes) -> tuple[int, float]:
-    """One non-streaming POST /v1/completions over a raw connection: (status, seconds)."""
+async def _post(url: str, body: bytes, path: str = "/v1/completions") -> tuple[int, float]:
+    """One non-streaming POST of `path` over a raw connection: (status, seconds)."""
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)
     t0 = time.perf_counter()
     reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
     try:
-        writer.write(f"POST {parts.path.rstrip('/')}/v1/completions HTTP/1.1\r\n"
+        writer.write(f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\n"
                      f"Host: {parts.netloc}\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
         writer.write(body)
@@ -182,33 +189,57 @@ async def _post(url: str, body: bytes) -> tuple[int, float]:
         writer.close()
 
 
+def _hostile_body(kind: str, model: str, size: float) -> tuple[str, bytes]:
+    """(path, body) of a hostile request of about `size` bytes."""
+    words = "lorem ipsum dolor sit amet "
+    text = words * int(size / len(words))
+    if kind == "text":
+        return "/v1/completions", json.dumps({"model": model, "prompt": text,
+                                              "max_tokens": 2}).encode()
+    if kind == "ids":
+        return "/v1/completions", json.dumps({"model": model, "max_tokens": 2,
+                                              "prompt": [7] * int(size / 3)}).encode()
+    if kind == "chat":
+        return "/v1/chat/completions", json.dumps({
+            "model": model, "max_tokens": 2,
+            "messages": [{"role": "user", "content": text}]}).encode()
+    if kind == "messages":
+        return "/v1/chat/completions", json.dumps({
+            "model": model, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}] * int(size / 32)}).encode()
+    raise ValueError(f"--hostile_kinds: unknown kind {kind!r}")
+
+
 async def _hostile(url: str, model: str) -> dict:
-    """A small request's latency alone and while another client sends a --hostile_mb
-    prompt (sent 5 ms before it), in alternating pairs."""
+    """A small request's latency alone and while another client sends each
+    --hostile_kinds body of --hostile_mb MB (sent 5 ms before it), in alternating pairs."""
     small = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 2,
                         "temperature": 0}).encode()
-    words = "lorem ipsum dolor sit amet "
-    big = json.dumps({"model": model, "prompt": words * int(_HOSTILE_MB.value * 1e6 / len(words)),
-                      "max_tokens": 2}).encode()
-    alone, beside, big_runs = [], [], []
     await _post(url, small)  # warm
-    for _ in range(_HOSTILE_REPEATS.value):
-        alone.append((await _post(url, small))[1])
-        hostile = asyncio.ensure_future(_post(url, big))
-        await asyncio.sleep(0.005)
-        beside.append((await _post(url, small))[1])
-        big_runs.append(await hostile)
-    med_alone, med_beside = statistics.median(alone), statistics.median(beside)
-    return {"big_prompt_bytes": len(big), "small_alone_s": alone, "small_beside_s": beside,
-            "small_alone_median_s": med_alone, "small_beside_median_s": med_beside,
-            "ratio": med_beside / med_alone,
-            "big_status_and_s": big_runs}
+    out = {}
+    for kind in _HOSTILE_KINDS.value:
+        path, big = _hostile_body(kind, model, _HOSTILE_MB.value * 1e6)
+        alone, beside, big_runs = [], [], []
+        for _ in range(_HOSTILE_REPEATS.value):
+            alone.append((await _post(url, small))[1])
+            hostile = asyncio.ensure_future(_post(url, big, path))
+            await asyncio.sleep(0.005)
+            beside.append((await _post(url, small))[1])
+            big_runs.append(await hostile)
+        med_alone, med_beside = statistics.median(alone), statistics.median(beside)
+        out[kind] = {"big_body_bytes": len(big), "small_alone_s": alone,
+                     "small_beside_s": beside, "small_alone_median_s": med_alone,
+                     "small_beside_median_s": med_beside, "ratio": med_beside / med_alone,
+                     "big_status_and_s": big_runs}
+    return out
 
 
-def _report_hostile(label: str, h: dict) -> None:
-    print(f"{label}: small request alone {1000 * h['small_alone_median_s']:.1f} ms, beside a "
-          f"{h['big_prompt_bytes'] / 1e6:.1f} MB prompt {1000 * h['small_beside_median_s']:.1f}"
-          f" ms (x{h['ratio']:.2f}); the big one: {h['big_status_and_s'][0]}")
+def _report_hostile(label: str, hostile: dict) -> None:
+    for kind, h in hostile.items():
+        print(f"{label}: small request alone {1000 * h['small_alone_median_s']:.1f} ms, beside "
+              f"a {h['big_body_bytes'] / 1e6:.1f} MB {kind} body "
+              f"{1000 * h['small_beside_median_s']:.1f} ms (x{h['ratio']:.2f}); the big one: "
+              f"{h['big_status_and_s'][0]}")
 
 
 def _arrivals(n: int) -> list[float]:
@@ -319,7 +350,8 @@ class ServerProcess:
             cmd.append(f"--compilation-cache-dir={_CACHE.value}")
         if _WARMUP_ALL.value:
             cmd.append("--warmup")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = (os.path.abspath(_SERVER_ROOT.value) if _SERVER_ROOT.value
+                else os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(cmd, env=env, cwd=root)
         import httpx

@@ -87,3 +87,19 @@ def test_packaged_model_has_a_simple_template():
         CONVERSATIONS[1], tokenize=False, add_generation_prompt=True)
     assert ours.startswith("<|endoftext|><|system|>\nBe brief.\n") and ours.endswith(
         "<|assistant|>\n")
+
+
+def test_continue_final_message_matches_transformers():
+    import transformers
+
+    path = _model_with_template(CHATML)
+    hf = transformers.AutoTokenizer.from_pretrained(path)
+    messages = [*CONVERSATIONS[1][:3], {"role": "assistant", "content": "The answer is "}]
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
+                                      continue_final_message=True)
+    ours = ChatTemplate.from_dir(path).render(messages, add_generation_prompt=False,
+                                              continue_final_message=True)
+    assert ours == expected and ours.rstrip().endswith("The answer is")
+    with pytest.raises(ChatTemplateError):  # a template that drops the final message
+        ChatTemplate("{{ 'nothing' }}").render(messages, add_generation_prompt=False,
+                                               continue_final_message=True)

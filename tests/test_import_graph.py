@@ -4,8 +4,8 @@ the layers entrypoints -> engine -> structured -> parallel -> runtime -> model -
 pallas_kernels, with the scheduler importing only the standard library, and no cycle
 between modules.
 
-A feature that spans layers has one package (`arcjax/spec_decode/`), and each of its
-modules sits at the layer of the code it extends (`FEATURE_LAYERS`). Two more rules keep
+A feature that spans layers has one package (`arcjax/spec_decode/`, `arcjax/lora/`), and
+each of its modules sits at the layer of the code it extends (`FEATURE_LAYERS`). Two more rules keep
 the names honest: no two modules share a file name across packages, and a name is
 imported from the module that defines it, never through one that only imports it (package
 `__init__` files and the public error facade `arcjax.errors` are the exceptions)."""
@@ -43,6 +43,16 @@ FEATURE_LAYERS = {
     "arcjax.spec_decode.draft_model": "arcjax.runtime",
     "arcjax.spec_decode.speculator": "arcjax.engine",
     "arcjax.spec_decode": "arcjax.engine",  # the package itself
+    # reasoning formats and the gate that starts a grammar after the reasoning: used by the
+    # engine (outputs, grammars) and the server
+    "arcjax.reasoning": "arcjax.structured",
+    "arcjax.lora.lora_request": "arcjax.sampling_params",  # a public request type
+    "arcjax.lora.lora_delta": "arcjax.model",
+    "arcjax.lora.peft_adapter": "arcjax.model",
+    "arcjax.lora.lora_config": "arcjax.runtime",
+    "arcjax.lora.slot_table": "arcjax.runtime",
+    "arcjax.lora.adapter_cache": "arcjax.runtime",
+    "arcjax.lora": "arcjax.engine",  # the package itself
 }
 
 

@@ -216,7 +216,7 @@ def test_large_vocabulary_logits_only_at_the_rows_that_need_them():
     from arcjax.runtime.batching import empty_batch
     from arcjax.runtime.buckets import Bucket
     from arcjax.runtime.step_output import PromptTargets
-    from arcjax.runtime.penalties import TokenCounts
+    from arcjax.runtime.penalties import TokenCounts, TokenTables
     from arcjax.runtime.sampling import SamplingBatch
 
     vocab, t = 262_144, 512
@@ -228,7 +228,8 @@ def test_large_vocabulary_logits_only_at_the_rows_that_need_them():
     bucket = Bucket(t, 8, t)
     batch = empty_batch(bucket, max_blocks=64, block_size=8, num_blocks=80)
     sampling = SamplingBatch.build([], 8)
-    counts = jax.ShapeDtypeStruct((9, vocab), jnp.int32)
+    counts = TokenTables(jax.ShapeDtypeStruct((9, vocab), jnp.int32),
+                         jax.ShapeDtypeStruct((9, vocab), jnp.float32))
     prompt = PromptTargets(np.zeros(8, np.int32), np.zeros(t, np.int32))
     every_row = dataclasses.replace(batch, logits_rows=np.arange(t, dtype=np.int32))
     for with_prompt in (None, prompt):  # a prompt-logprobs step reads every row (`prepare`)

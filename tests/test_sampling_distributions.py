@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from arcjax import SamplingParams
-from arcjax.runtime.penalties import table_row
+from arcjax.runtime.penalties import TokenTables, table_row
 from arcjax.runtime.sampling import SamplingBatch, sample_step
 
 V, N = 12, 4000
@@ -37,7 +37,7 @@ def _draws(p: SamplingParams, table_row_=None):
     if table_row_ is not None:
         table[0] = table_row_
     sp = SamplingBatch.build(rows, N, spare_slot=1)
-    tokens, _, _ = _step(np.repeat(LOGITS[None], N, axis=0), sp, table)
+    tokens, _, _ = _step(np.repeat(LOGITS[None], N, axis=0), sp, TokenTables.unbiased(table))
     return np.bincount(np.asarray(tokens), minlength=V)
 
 
@@ -89,7 +89,7 @@ def test_batch_independent_with_every_feature_on():
         sp = SamplingBatch.build(batch_rows, size, spare_slot=len(tables))
         lg = np.zeros((size, V), np.float32)
         lg[:len(logit_rows)] = logit_rows
-        tokens, lp, _ = jax.jit(sample_step)(lg, sp, table)
+        tokens, lp, _ = jax.jit(sample_step)(lg, sp, TokenTables.unbiased(table))
         return np.asarray(tokens), np.asarray(lp.logprob)
 
     alone_t, alone_lp = run([(full, 9, 2, 0)], [row], logits[3:4], 8)
@@ -131,10 +131,11 @@ def test_unfiltered_rows_do_not_depend_on_filtered_neighbours():
     plain = SamplingParams(temperature=1.0, seed=5)
     rows = [(plain, 5, c) for c in range(N // 8)]
     lg = np.repeat(logits[:1], len(rows), axis=0)
-    alone, _, _ = _step(lg, SamplingBatch.build(rows, len(rows)), np.zeros((2, v), np.int32))
+    alone, _, _ = _step(lg, SamplingBatch.build(rows, len(rows)),
+                        TokenTables.unbiased(np.zeros((2, v), np.int32)))
     mixed_rows = rows + [(SamplingParams(temperature=1.0, top_k=3), 1, 0)]
     lg2 = np.concatenate([lg, logits[1:]])
     mixed, _, _ = _step(lg2, SamplingBatch.build(mixed_rows, len(mixed_rows)),
-                        np.zeros((2, v), np.int32))
+                        TokenTables.unbiased(np.zeros((2, v), np.int32)))
     np.testing.assert_array_equal(np.asarray(mixed)[:len(rows)], np.asarray(alone))
     assert len(set(np.asarray(alone).tolist())) > 64  # not cut to the top 64 candidates

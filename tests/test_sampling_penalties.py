@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from arcjax import LLM, SamplingParams
-from arcjax.runtime.penalties import TokenCounts, apply_penalties, table_row
+from arcjax.runtime.penalties import TokenCounts, TokenTables, apply_penalties, table_row
 from arcjax.runtime.sampling import SamplingBatch, sample_step
 from support.hf_models import hf_logits, tiny_model_dir
 
@@ -57,8 +57,8 @@ def test_device_penalties_equal_the_reference():
     for i, (p, (prompt, out, stop)) in enumerate(zip(params, hist)):
         np.testing.assert_allclose(got[i], reference_logits(logits[i], prompt, out, p, stop),
                                    rtol=1e-6, atol=1e-6)
-    tokens, _, new = jax.jit(sample_step)(logits, sp, table)
-    tokens, new = np.asarray(tokens), np.asarray(new)
+    tokens, _, new = jax.jit(sample_step)(logits, sp, TokenTables.unbiased(table))
+    tokens, new = np.asarray(tokens), np.asarray(new.counts)
     for i, (p, (prompt, out, stop)) in enumerate(zip(params, hist)):
         assert tokens[i] == np.argmax(reference_logits(logits[i], prompt, out, p, stop))
         if p.uses_penalty_state:  # the sampled token was counted into the row's slot
@@ -75,7 +75,7 @@ def test_slots_are_reused_and_rebuilt_after_eviction():
     c = counts.slot("c", {"c", "b"}, [5], [5], ())  # takes a's slot (a is not running)
     assert c == a and counts.writes == 3
     assert counts.slot("a", {"a", "c"}, [1, 2], [3], ()) == b  # a rebuilt in b's slot
-    np.testing.assert_array_equal(np.asarray(counts.table)[b], table_row(10, [1, 2], [3], ()))
+    np.testing.assert_array_equal(np.asarray(counts.table.counts)[b], table_row(10, [1, 2], [3], ()))
     counts.release("c")
     assert counts.slot("d", {"d"}, [], [], ()) == c
 
@@ -121,3 +121,42 @@ def test_engine_penalties_and_min_tokens_equal_the_reference(schedule):
     assert len(outs[2].token_ids) > 4 and not stop2 & set(outs[2].token_ids[:4])
     assert list(outs[0].token_ids) != list(plain[0].token_ids)
     assert llm.engine.blocks_in_use() == 0 and not llm.engine.runner.counts._slot_of
+
+
+def test_device_biases_equal_the_reference():
+    """logit_bias, allowed_token_ids and banned ids (the bias table) on the device: added to
+    the logits before the penalties, greedy rows included; raw logprobs come before it."""
+    from arcjax.errors import SamplingParamsError
+    from arcjax.runtime.penalties import bias_row
+
+    rs = np.random.RandomState(1)
+    V, S = 40, 4
+    logits = rs.randn(S, V).astype(np.float32) * 3
+    params = [SamplingParams(temperature=0, logit_bias={int(np.argmax(logits[0])): -100}),
+              SamplingParams(temperature=0, logit_bias={7: 100}, repetition_penalty=1.5),
+              SamplingParams(temperature=0, allowed_token_ids=[3, 5, 9], logprobs=0),
+              SamplingParams(temperature=0)]
+    counts = np.zeros((S + 1, V), np.int32)
+    bias = np.zeros((S + 1, V), np.float32)
+    rows = []
+    for i, p in enumerate(params):
+        counts[i] = table_row(V, [7], [], ())
+        bias[i] = bias_row(V, p.logit_bias, p.allowed_token_ids, [11] if i == 2 else ())
+        rows.append((p, 0, 0, i if (p.uses_token_bias or p.uses_penalty_state) else None))
+    sp = SamplingBatch.build(rows, S, spare_slot=S)
+    tokens, lp, _ = jax.jit(sample_step)(logits, sp, TokenTables(counts, bias))
+    tokens = np.asarray(tokens)
+    assert tokens[0] != np.argmax(logits[0])  # -100 bans the greedy token
+    assert tokens[1] == 7  # +100 wins even after the repetition penalty on 7 (a prompt id)
+    assert tokens[2] in (3, 5, 9)
+    assert tokens[3] == np.argmax(logits[3])  # an unbiased row is untouched
+    raw = logits[2] - np.log(np.exp(logits[2]).sum())
+    np.testing.assert_allclose(float(lp.logprob[2]), raw[tokens[2]], rtol=1e-5)
+    for bad, field in ((dict(logit_bias={1: 101}), "logit_bias"),
+                       (dict(logit_bias={-1: 1}), "logit_bias"),
+                       (dict(allowed_token_ids=[]), "allowed_token_ids"),
+                       (dict(bad_words=[""]), "bad_words"),
+                       (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens")):
+        with pytest.raises(SamplingParamsError) as e:
+            SamplingParams(**bad)
+        assert e.value.field == field

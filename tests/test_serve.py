@@ -396,10 +396,10 @@ BAD_REQUESTS = [
     ({"prompt": "x", "n": "2"}, "n"),
     ({"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "presence_penalty": 5.0}, "presence_penalty"),  # outside [-2, 2]
-    ({"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 200}}, "logit_bias"),  # outside [-100, 100]
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_k": -1}, "top_k"),
@@ -448,8 +448,8 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
-      "max_completion_tokens": 4}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "continue_final_message": True},
+     "continue_final_message"),  # with add_generation_prompt (vLLM refuses both)
     ({"messages": [{"role": "user", "content": "x " * 300}]}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": "json"},
      "response_format"),
@@ -718,7 +718,7 @@ def test_max_queued_requests_is_exact_under_concurrency(llm):
 def test_hostile_bodies_are_refused_cheaply(llm):
     """413 before parsing (declared or counted), a text prompt too long to ever fit is
     refused without tokenizing it, and parsing and tokenizing run off the event loop."""
-    import arcjax.entrypoints.openai.protocol as proto
+    import arcjax.entrypoints.openai.serving_completion as proto  # where the endpoint parses
 
     running = RunningServer(OpenAIServer(llm, ServeConfig(served_model_name=MODEL,
                                                           max_request_bytes=4096)))
@@ -780,7 +780,9 @@ def test_a_dead_engine_ends_streams_and_health_says_503(monkeypatch):
             monkeypatch.setattr(runner, "reset_cache", lambda: (_ for _ in ()).throw(
                 RuntimeError("no memory for a new KV cache")))
             rest = [line for line in lines if line.startswith("data: ")]
-        assert "engine_dead" in rest[-1] and "no memory" in rest[-1]
+        # the error event, then [DONE] (as vLLM ends a failed stream)
+        assert "engine_dead" in rest[-2] and "no memory" in rest[-2]
+        assert rest[-1] == "data: [DONE]"
         health = httpx.get(running.url + "/health", timeout=10)
         assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
         again = httpx.post(running.url + "/v1/completions", timeout=10,

@@ -1,16 +1,54 @@
 """The pure core of the server: OpenAI request bodies -> prompts and SamplingParams (no I/O)."""
 
+import json
+
 import pytest
 
 from arcjax import InputError, SamplingParams
 from arcjax.outputs import RequestMetrics, RequestOutput
-from arcjax.entrypoints.openai import protocol as proto
+from arcjax.entrypoints.openai import request_params, responses
+from arcjax.entrypoints.openai.chat_output import read_output
+from arcjax.entrypoints.openai.response_logprobs import (ChoiceDelta, choice_logprobs,
+                                                         completions_of)
+from arcjax.entrypoints.openai.tool_calls import tool_calls_json
+
+
+class proto:  # the request parsers over JSON bodies, as the server calls them
+    @staticmethod
+    def parse_completion(body, **kw):
+        return request_params.parse_completion(json.dumps(body).encode(), **kw)
+
+    @staticmethod
+    def parse_chat(body, **kw):
+        return request_params.parse_chat(json.dumps(body).encode(), **kw)
+
+
+def completion_response(rid, created, model, outs, n=1, logprobs=None):
+    """The completions body of these final outputs (as serving_completion builds it)."""
+    choices = [responses.completion_choice(i * n + c.index, c.text,
+                                           choice_logprobs(c, logprobs, chat=False),
+                                           c.finish_reason)
+               for i, o in enumerate(outs) for c in completions_of(o)]
+    tokens = sum(len(c.token_ids) for o in outs for c in completions_of(o))
+    return responses.completion_body(rid, created, model, choices, responses.usage(outs, tokens))
+
+
+def chat_response(rid, created, model, outs, n=1, logprobs=None):
+    """The chat body of one prompt's final output (as serving_chat builds it)."""
+    plan = proto.parse_chat({"messages": [{"role": "user", "content": "x"}]}).tools
+    choices = [responses.chat_choice(
+        c.index, responses.chat_message(read_output(c, plan), tool_calls_json(
+            read_output(c, plan).calls, plan.parser), True),
+        choice_logprobs(c, logprobs, chat=True), c.finish_reason)
+        for c in completions_of(outs[0])]
+    tokens = sum(len(c.token_ids) for c in completions_of(outs[0]))
+    return responses.chat_body(rid, created, model, choices, responses.usage(outs, tokens))
 
 
 def test_completion_defaults_and_prompt_forms():
     p = proto.parse_completion({"model": "m", "prompt": "hi"})
     assert p.prompts == ("hi",) and p.params == SamplingParams(max_tokens=16)
-    assert not p.stream and not p.include_usage and p.model == "m"
+    assert not p.stream and not p.include_usage and p.request.model == "m"
     assert proto.parse_completion({"prompt": [1, 2, 3]}).prompts == ((1, 2, 3),)
     assert proto.parse_completion({"prompt": ["a", "b"]}).prompts == ("a", "b")
     assert proto.parse_completion({"prompt": [[1], [2, 3]]}).prompts == ((1,), (2, 3))
@@ -54,6 +92,17 @@ def test_sampling_fields_map_to_sampling_params():
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": None}, "prompt"),
     ("prompt", "body"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "x", "bad_words": [""]}, "bad_words"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"prompt": "x", "truncation_side": "right"}, "truncation_side"),
+    ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": "x", "stream_interval": 4}, "stream_interval"),
+    ({"prompt": "x", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "x", "cache_salt": "s3cret"}, "cache_salt"),
+    ({"prompt": "x", "tools": [{"type": "function"}]}, "tools"),
 ])
 def test_completion_refusals_name_the_field(body, field):
     with pytest.raises(InputError) as e:
@@ -71,7 +120,7 @@ def test_chat_parsing():
     assert p.max_tokens_field == "max_completion_tokens"
     p = proto.parse_chat({"messages": [{"role": "developer", "content": "x"}],
                           "prompt": "x", "zeta": 1})
-    assert not p.max_tokens_given and p.add_generation_prompt
+    assert not p.max_tokens_given and p.request.add_generation_prompt
     assert p.messages == ({"role": "system", "content": "x"},)  # developer renders as system
     assert p.ignored == ("prompt", "zeta")  # not chat fields: accepted and ignored
     for body, field in [({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
@@ -94,15 +143,15 @@ def _out(text, ids, prompt_ids, reason, cached=0):
 
 def test_response_shapes():
     outs = [_out("ab", [1, 2], [5, 6, 7], "length", cached=2), _out("c", [3], [8], "stop")]
-    r = proto.completion_response("cmpl-1", 7, "m", outs)
+    r = completion_response("cmpl-1", 7, "m", outs)
     assert r["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
                           "prompt_tokens_details": {"cached_tokens": 2}}
     assert [c["text"] for c in r["choices"]] == ["ab", "c"]
     assert r["choices"][1]["finish_reason"] == "stop" and r["object"] == "text_completion"
-    c = proto.chat_response("chatcmpl-1", 7, "m", outs[:1])
+    c = chat_response("chatcmpl-1", 7, "m", outs[:1])
     assert c["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
-    assert proto.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'
-    assert proto.error_body("bad", "invalid_request_error", "n") == {
+    assert responses.sse({"a": "é"}) == 'data: {"a":"é"}\n\n'
+    assert responses.error_body("bad", "invalid_request_error", "n") == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}}
 
 
@@ -158,7 +207,7 @@ def test_choices_and_logprob_shapes():
             CompletionOutput(1, "b", (8,), -2.0, [{8: Logprob(-2.0, 2, "b"),
                                                     7: Logprob(-0.1, 1, "a")}], "stop"))
     o = RequestOutput("r", None, (1, 2), "aé", (7, 9), True, "length", m, outputs=outs)
-    r = proto.completion_response("c", 1, "m", [o, o], n=2, logprobs=2)
+    r = completion_response("c", 1, "m", [o, o], n=2, logprobs=2)
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in r["choices"]] == ["aé", "b", "aé", "b"]
     assert r["usage"]["completion_tokens"] == 6 and r["usage"]["prompt_tokens"] == 4
@@ -167,12 +216,12 @@ def test_choices_and_logprob_shapes():
     assert lp0["text_offset"] == [0, 1]
     assert [list(t.items()) for t in lp0["top_logprobs"]] == [
         [("a", -0.1), ("b", -2.0)], [("c", -0.5), ("d", -1.0), ("é", -3.0)]]
-    c = proto.chat_response("c", 1, "m", [o], n=2, logprobs=1)
+    c = chat_response("c", 1, "m", [o], n=2, logprobs=1)
     content = c["choices"][0]["logprobs"]["content"]
     assert content[1] == {"token": "é", "logprob": -3.0, "bytes": [0xC3, 0xA9],
                           "top_logprobs": [{"token": "c", "logprob": -0.5, "bytes": [99]}]}
     assert c["choices"][1]["message"]["content"] == "b"
-    assert proto.completion_response("c", 1, "m", [o])["choices"][0]["logprobs"] is None
+    assert completion_response("c", 1, "m", [o])["choices"][0]["logprobs"] is None
 
 
 def test_choice_stream_deltas():
@@ -181,20 +230,22 @@ def test_choice_stream_deltas():
 
     e = {t: {t: Logprob(-float(t), 1, s)} for t, s in [(1, "ab"), (2, "\ufffd"), (3, "é")]}
     s = ChoiceStream(0, chat=False)  # it reads DELTA outputs: what is new in each
-    assert s.delta(0, CompletionOutput(0, "ab", (1,), -1.0, [e[1]], None)) == (
-        "ab", {"tokens": ["ab"], "token_logprobs": [-1.0], "top_logprobs": [{"ab": -1.0}],
-               "text_offset": [0]}, None)
+    assert s.delta(0, CompletionOutput(0, "ab", (1,), -1.0, [e[1]], None)) == ChoiceDelta(
+        0, "ab", None, None, (1,),
+        {"tokens": ["ab"], "token_logprobs": [-1.0], "top_logprobs": [{"ab": -1.0}],
+         "text_offset": [0]}, None)
     # a token whose text is held back sends nothing; it rides with the next chunk
     assert s.delta(0, CompletionOutput(0, "", (2,), -3.0, [e[2]], None)) is None
     assert s.delta(1, CompletionOutput(1, "", (), 0.0, [], None)) is None  # another choice
-    text, lps, reason = s.delta(0, CompletionOutput(0, "é", (3,), -6.0, [e[3]], "length"))
-    assert (text, reason) == ("é", "length")
+    d = s.delta(0, CompletionOutput(0, "é", (3,), -6.0, [e[3]], "length"))
+    text, lps, reason = d.text, d.logprobs, d.finish_reason
+    assert (text, reason) == ("é", "length") and d.token_ids == (2, 3)
     assert lps["tokens"] == ["\ufffd", "é"] and lps["text_offset"] == [2, 3]
     assert s.delta(0, CompletionOutput(0, "", (), -6.0, None, "length")) is None  # done
     assert s.tokens == {0: 3, 1: 0}
     plain = ChoiceStream(None, chat=True)  # logprobs off: text deltas only
-    assert plain.delta(0, CompletionOutput(0, "x", (1,), None, None, "stop")) == ("x", None,
-                                                                                  "stop")
+    d = plain.delta(0, CompletionOutput(0, "x", (1,), None, None, "stop"))
+    assert (d.text, d.logprobs, d.finish_reason) == ("x", None, "stop")
 
 
 def test_unknown_fields_are_listed_and_stop_strings_are_capped():
@@ -211,5 +262,53 @@ def test_unknown_fields_are_listed_and_stop_strings_are_capped():
                           "stop": ["s", "t", "u"]}, max_stop_strings=2)
     assert e.value.field == "stop" and e.value.limit == 2
     with pytest.raises(InputError) as e:  # known but not supported: still refused by name
-        proto.parse_completion({"prompt": "x", "echo": True, "unknown": 1})
-    assert e.value.field == "echo"
+        proto.parse_completion({"prompt": "x", "use_beam_search": True, "unknown": 1})
+    assert e.value.field == "use_beam_search"
+
+
+def test_generation_config_defaults(tmp_path):
+    from arcjax.entrypoints.openai.serving_models import generation_defaults
+    from arcjax.errors import EngineConfigError
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1, "max_new_tokens": 7,
+         "do_sample": True, "eos_token_id": 2}))
+    d = generation_defaults("auto", tmp_path)
+    assert dict(d.values) == {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1}
+    assert d.max_tokens == 7 and generation_defaults("vllm", tmp_path).values == {}
+    p = proto.parse_completion({"prompt": "x", "top_p": 0.5}, defaults=d)
+    assert (p.params.temperature, p.params.top_p, p.params.repetition_penalty) == (0.6, 0.5, 1.1)
+    assert generation_defaults("auto", tmp_path / "none").values == {}  # no file: OpenAI's
+    with pytest.raises(EngineConfigError) as e:
+        generation_defaults(str(tmp_path / "none"), None)
+    assert e.value.field == "generation_config"
+
+
+def test_vllm_flag_names_are_accepted_or_refused_by_name(capsys):
+    from arcjax.entrypoints.cli import parse_serve
+
+    cmd = parse_serve(["serve", "/m", "--gpu-memory-utilization", "0.9", "--max-model-len", "4k",
+                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                       "--enable-prefix-caching", "--trust-remote-code", "-tp", "1",
+                       "--dtype", "half", "-pp", "1", "--served-model-name", "a", "b",
+                       "--reasoning-parser", "qwen3", "--no-async-scheduling",
+                       "--generation-config", "vllm", "--enable-chunked-prefill",
+                       "--kv-cache-dtype", "fp8_e4m3", "--uvicorn-log-level", "info"])
+    assert cmd.model_dir == "/m" and cmd.engine_options == {
+        "max_model_len": 4000, "gpu_memory_utilization": 0.9, "tensor_parallel_size": 1,
+        "dtype": "float16", "async_scheduling": False, "reasoning_parser": "qwen3",
+        "kv_cache_dtype": "fp8", "enable_prefix_caching": True}
+    c = cmd.config
+    assert c.served_model_names == ("a", "b") and c.enable_auto_tool_choice
+    assert (c.tool_call_parser, c.generation_config, c.log_level) == ("hermes", "vllm", "info")
+    assert parse_serve(["serve", "--model", "/x", "--max-model-len", "4K",
+                        "--dtype", "auto"]).engine_options == {"max_model_len": 4096}
+    for argv, name in ((["--swap-space", "4"], "--swap-space"),
+                       (["--pipeline-parallel-size=2"], "--pipeline-parallel-size"),
+                       (["--enable-lora"], "--enable-lora"),
+                       (["--enable-chunked-prefill", "false"], "--enable-chunked-prefill"),
+                       (["--no-such-flag"], "--no-such-flag"),
+                       (["--enable-prefix"], "--enable-prefix")):  # no abbreviations
+        with pytest.raises(SystemExit):
+            parse_serve(["serve", *argv])
+        assert name in capsys.readouterr().err

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from arcjax.spec_decode import verification
-from arcjax.runtime.penalties import COUNT_SHIFT, apply_penalties, table_row
+from arcjax.runtime.penalties import COUNT_SHIFT, TokenTables, apply_penalties, table_row
 from arcjax.runtime.sampling import SamplingBatch, sample
 from arcjax.sampling_params import SamplingParams
 
@@ -23,7 +23,7 @@ WIDTH = 4  # 3 drafts per row
 
 @functools.partial(jax.jit, static_argnames=("width",))
 def _verify(logits, sp, spec, counts, width):
-    return verification.verify(logits, sp, spec, counts, width)
+    return verification.verify(logits, sp, spec, TokenTables.unbiased(counts), width)
 
 
 def _pack(drafts, rows, num_seqs):
@@ -86,7 +86,7 @@ def test_each_position_samples_what_plain_decoding_would(greedy):
     for s in range(4):
         assert tokens[s, :yielded[s]].tolist() == plain[s][:yielded[s]]
     # the count table gained exactly the yielded tokens of the penalized rows
-    grew = (np.asarray(table) - counts) >> COUNT_SHIFT
+    grew = (np.asarray(table.counts) - counts) >> COUNT_SHIFT
     assert grew[1].sum() == 2 and grew[2].sum() == 1 and grew[[0, 3, 4]].sum() == 0
     assert grew[1, tokens[1, 0]] >= 1 and grew[2, tokens[2, 0]] == 1
 
@@ -122,7 +122,7 @@ def test_rejection_sampler_keeps_the_target_distribution():
                                              width=2, spare_slot=0)
     logits = jnp.asarray(np.tile(logit, (2 * n, 1)))
     tokens, yielded, _, _ = jax.jit(verification.verify, static_argnames=("width",))(
-        logits, sp, spec, jnp.zeros((1, vocab), jnp.int32), width=2)
+        logits, sp, spec, TokenTables.unbiased(jnp.zeros((1, vocab), jnp.int32)), width=2)
     first = np.asarray(tokens).reshape(n, 2)[:, 0]
     observed = np.bincount(first, minlength=vocab)
     critical = stats.chi2.ppf(1 - alpha, vocab - 1)

@@ -3,6 +3,7 @@ its cache, bitmask filling against a per-token check, the device mask against nu
 tool-call parsers (whole and streamed in any split), tool_choice translation, and the
 OpenAI request fields. No engine: fast."""
 
+import json
 import re
 
 import jax
@@ -13,10 +14,14 @@ import tokenizers
 from hypothesis import given
 from hypothesis import strategies as st
 
-from arcjax import RequestError, SamplingParams, StructuredOutputsError, StructuredOutputsParams
+from arcjax import (InputError, RequestError, SamplingParams, StructuredOutputsError,
+                    StructuredOutputsParams)
+from arcjax.runtime.penalties import TokenTables
 from arcjax.runtime.sampling import SamplingBatch, apply_bitmask, bitmask_words, sample_step
 from arcjax.structured import GrammarCompiler, MaskFiller
-from arcjax.entrypoints.openai.structured_fields import constraint_from_body
+from arcjax.entrypoints.openai.protocol import ChatCompletionRequest, ToolParam, parse_body
+from arcjax.entrypoints.openai.request_params import parse_chat
+from arcjax.entrypoints.openai.structured_fields import constraint_from_request
 from arcjax.entrypoints.openai.tool_calls import (ToolCallStream, ToolsError, plan_tools,
                                                   template_messages)
 from arcjax.entrypoints.openai.tool_parsers import PARSERS, get_parser, guess_parser
@@ -155,7 +160,8 @@ def test_device_mask_matches_numpy_and_masks_before_sampling():
     sp = SamplingBatch.build([(p, 0, 0) for p in params], rows)
     mask[2] = -1
     step = jax.jit(sample_step)
-    tokens, lp, _ = step(jnp.asarray(logits), sp, jnp.zeros((1, vocab), jnp.int32), mask)
+    tokens, lp, _ = step(jnp.asarray(logits), sp,
+                         TokenTables.unbiased(jnp.zeros((1, vocab), jnp.int32)), mask)
     tokens = np.asarray(tokens)
     assert allowed[0, tokens[0]] and allowed[1, tokens[1]]
     assert tokens[0] == np.argmax(np.where(allowed[0], logits[0], -np.inf))
@@ -225,7 +231,8 @@ def test_the_registry_builds_each_format_and_refuses_unknown_names():
     """Every format module's parser is registered under its own name, implements the one
     interface and shows itself in templates; an unknown name is a typed error naming the
     flag."""
-    assert list(PARSERS) == ["hermes", "llama3_json"]
+    assert list(PARSERS) == ["qwen3_coder", "hermes", "mistral", "deepseek_v3", "openai",
+                             "llama3_json", "pythonic"]
     for name, cls in PARSERS.items():
         assert issubclass(cls, ToolParser) and cls.name == name and cls.template_markers
         assert type(get_parser(name)) is cls
@@ -235,10 +242,11 @@ def test_the_registry_builds_each_format_and_refuses_unknown_names():
 
 
 # --- tool_choice -> constraint ------------------------------------------------------------
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+TOOL_DICTS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
     "required": ["city"]}}},
     {"type": "function", "function": {"name": "time"}}]
+TOOLS = [ToolParam.model_validate(t) for t in TOOL_DICTS]  # as the request model holds them
 
 
 def test_tool_choice_modes():
@@ -246,7 +254,7 @@ def test_tool_choice_modes():
     assert plan_tools(TOOLS, None, parser="hermes").mode == "auto"
     assert plan_tools(TOOLS, "none").constraint is None
     named = plan_tools(TOOLS, {"type": "function", "function": {"name": "get_weather"}})
-    assert named.constraint.schema == TOOLS[0]["function"]["parameters"]
+    assert named.constraint.schema == TOOL_DICTS[0]["function"]["parameters"]
     call = named.parser.parse('{"city": "Oslo"}')
     assert call.calls == (ToolCall("get_weather", '{"city": "Oslo"}'),) and call.content is None
     assert named.finish_reason("stop", call.calls) == "stop"
@@ -263,15 +271,17 @@ def test_tool_choice_modes():
 @pytest.mark.parametrize("tools, choice, field", [
     ("x", None, "tools"),
     ([{"type": "function", "function": {"name": "bad name"}}], None, "tools[0].function.name"),
-    ([TOOLS[1], TOOLS[1]], "required", "tools[1].function.name"),
-    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    ([TOOL_DICTS[1], TOOL_DICTS[1]], "required", "tools[1].function.name"),
+    (TOOL_DICTS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
     (None, "required", "tool_choice"),
-    (TOOLS, "sometimes", "tool_choice"),
-    (TOOLS, "auto", "tool_choice"),  # no parser configured
+    (TOOL_DICTS, "sometimes", "tool_choice"),
+    (TOOL_DICTS, "auto", "tool_choice"),  # no parser configured
 ])
 def test_tool_fields_refused_naming_the_field(tools, choice, field):
-    with pytest.raises(ToolsError) as e:
-        plan_tools(tools, choice)
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools,
+            "tool_choice": choice}
+    with pytest.raises(InputError) as e:  # the request's path: its model, then the plan
+        parse_chat(json.dumps(body).encode())
     assert e.value.field == field
 
 
@@ -289,6 +299,13 @@ def test_template_messages_decode_arguments():
 
 
 # --- request fields ---------------------------------------------------------------------
+def constraint_from_body(body: dict, tool=None):
+    """The constraint of a chat request with these fields (validated as the server does)."""
+    req = parse_body(ChatCompletionRequest, json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], **body}).encode())
+    return constraint_from_request(req, tool)
+
+
 def test_request_fields_map_to_one_constraint():
     c = constraint_from_body({"response_format": {"type": "json_schema", "json_schema": {
         "name": "w", "schema": {"type": "object"}, "strict": True}},

@@ -11,6 +11,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from arcjax.engine.tokenizer import (
     IncrementalDetokenizer,
+    StreamingDetokenizer,
     Tokenizer,
     TokenizerFileError,
     TokenizerFileNotFoundError,
@@ -127,58 +128,77 @@ def test_corrupt_generation_config_and_unknown_token(tmp_path, backend):
             Tokenizer.from_dir(d)
 
 
-def _stream(tok, ids, prompt_ids=()):
-    detok = IncrementalDetokenizer(tok, prompt_ids)
+@pytest.fixture(scope="module", params=[IncrementalDetokenizer, StreamingDetokenizer],
+                ids=["window", "decode_stream"])
+def detok_cls(request):
+    """Both detokenizers keep the same guarantees (every streaming test runs both)."""
+    return request.param
+
+
+def _stream(cls, tok, ids, prompt_ids=()):
+    detok = cls(tok, prompt_ids)
     deltas = [detok.add(i) for i in ids]
     tail = detok.flush()
     assert detok.text == "".join(deltas) + tail
     return deltas, tail
 
 
-def test_stream_of_encoded_text_never_emits_partial_characters(tok):
+def test_stream_of_encoded_text_never_emits_partial_characters(detok_cls, tok):
     ids = tok.encode(TEXT[:400], add_special_tokens=False)
-    deltas, tail = _stream(tok, ids)
+    deltas, tail = _stream(detok_cls, tok, ids)
     assert "".join(deltas) == TEXT[:400] and tail == ""
     assert all("\ufffd" not in d for d in deltas)
     assert any(d == "" for d in deltas)  # some tokens were held back mid-character
 
 
-def test_stream_emits_character_once_complete(tok):
+def test_stream_emits_character_once_complete(detok_cls, tok):
     ids = tok.encode("😀", add_special_tokens=False)
     assert len(ids) > 1
-    detok = IncrementalDetokenizer(tok)
+    detok = detok_cls(tok)
     assert [detok.add(i) for i in ids] == [""] * (len(ids) - 1) + ["😀"]
 
 
-def test_flush_emits_unfinished_character(tok):
+def test_flush_emits_unfinished_character(detok_cls, tok):
     ids = tok.encode("a😀", add_special_tokens=False)
-    deltas, tail = _stream(tok, ids[:-1])
+    deltas, tail = _stream(detok_cls, tok, ids[:-1])
     assert "".join(deltas) == "a" and tail == tok.decode(ids[:-1])[1:] and "\ufffd" in tail
 
 
 @given(st.lists(st.integers(0, 299), max_size=40))
-def test_deltas_concatenate_to_decode_for_random_ids(tok, ids):
+def test_deltas_concatenate_to_decode_for_random_ids(detok_cls, tok, ids):
     # Random ids include special tokens (skipped) and invalid byte sequences.
     ids = [i % tok.vocab_size for i in ids]
-    deltas, tail = _stream(tok, ids)
+    deltas, tail = _stream(detok_cls, tok, ids)
     assert "".join(deltas) + tail == tok.decode(ids)
 
 
-def test_deltas_with_prompt_context(tok):
+def test_deltas_with_prompt_context(detok_cls, tok):
     rng = random.Random(0)
     prompt = tok.encode("你好 world", add_special_tokens=False)
     for _ in range(50):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))]
-        deltas, tail = _stream(tok, ids, prompt)
+        deltas, tail = _stream(detok_cls, tok, ids, prompt)
         full = tok.decode(prompt + ids)
         assert "".join(deltas) + tail == full[len(tok.decode(prompt)):]
 
 
-def test_random_multibyte_text_streams_exactly(tok):
+def test_random_multibyte_text_streams_exactly(detok_cls, tok):
     rng = random.Random(1)
     alphabet = "ab 😀你好€ñ👋🏽\n한"
     for _ in range(50):
         text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
-        deltas, tail = _stream(tok, tok.encode(text, add_special_tokens=False))
+        deltas, tail = _stream(detok_cls, tok, tok.encode(text, add_special_tokens=False))
         assert "".join(deltas) == text and tail == ""
         assert all("\ufffd" not in d for d in deltas)
+
+
+def test_snapshot_restore_rolls_text_back(tok, detok_cls):
+    ids = tok.encode("ab 😀 cd", add_special_tokens=False)
+    detok = detok_cls(tok, tok.encode("x", add_special_tokens=False))
+    for t in ids[:3]:
+        detok.add(t)
+    snap, text = detok.snapshot(), detok.text
+    rest = [detok.add(t) for t in ids[3:]]
+    detok.restore(snap)
+    assert detok.text == text and [detok.add(t) for t in ids[3:]] == rest
+    assert detok.text + detok.flush() == "ab 😀 cd"

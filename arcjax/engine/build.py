@@ -19,6 +19,7 @@ from arcjax.model.formats.hub import ModelSource, resolve_model
 from arcjax.model.formats.loader import load_model, model_config
 from arcjax.model.kv_scales import calibrated_kv_scales, calibration_ids
 from arcjax.parallel import StepSync, TensorParallel, follow
+from arcjax.reasoning.model_reasoning import ModelReasoning
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.executable_cache import SHARED_EXECUTABLES
 from arcjax.runtime.runner import ModelRunner
@@ -55,14 +56,27 @@ def _overlap_pays() -> bool:
 
 
 def _default_num_blocks(cfg, dtype, block_size: int, max_blocks: int, max_num_seqs: int,
-                        fraction: float, tp: int = 1) -> int:
+                        fraction: float, tp: int = 1, utilization: float | None = None) -> int:
+    """Blocks for the KV cache: `fraction` of the device's free memory, or (vLLM's
+    gpu_memory_utilization) what `utilization` of its whole memory leaves once the
+    weights are in; on a device that reports no memory (CPU), room for max_num_seqs
+    sequences (at most CPU_KV_CACHE_BYTES)."""
     # Per device: the cache is split by KV head over tp devices (cfg: the sharded config).
     per_block = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
                  * dtype.itemsize) // tp
-    if _on_gpu():
-        stats = jax.devices()[0].memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        return max(max_blocks, int(free * fraction) // per_block)
+    stats = (jax.devices()[0].memory_stats() or {}) if _on_gpu() else {}
+    if stats.get("bytes_limit"):
+        limit, used = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+        if utilization is None:
+            return max(max_blocks, int((limit - used) * fraction) // per_block)
+        budget = utilization * limit - used
+        if budget < max_blocks * per_block:  # vLLM refuses too: no memory for the cache
+            raise EngineConfigError("gpu_memory_utilization",
+                                    f"{utilization} of {limit} bytes leaves "
+                                    f"{max(int(budget), 0)} for the KV cache once the weights "
+                                    f"({used} bytes) are in: less than one max_model_len "
+                                    f"sequence needs ({max_blocks * per_block})")
+        return int(budget) // per_block
     return max(max_blocks, min(max_blocks * max_num_seqs, CPU_KV_CACHE_BYTES // per_block))
 
 
@@ -103,7 +117,9 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     model = load_model(source, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel,
                        quantization=config.quantization)
     cfg, params = model.cfg, model.params
-    if source.is_gguf:
+    if config.tokenizer is not None:
+        tokenizer = Tokenizer.from_dir(config.tokenizer)
+    elif source.is_gguf:
         tokenizer = (Tokenizer.from_gguf(model.gguf_file)
                      if has_tokenizer(model.gguf_file) else None)
     else:
@@ -119,7 +135,7 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.kv_cache_dtype == "fp8" else dtype
     num_blocks = config.num_kv_blocks or _default_num_blocks(
         cfg, kv_dtype, config.scheduler.block_size, max_blocks, config.scheduler.max_num_seqs,
-        config.kv_memory_fraction, config.tensor_parallel_size)
+        config.kv_memory_fraction, config.tensor_parallel_size, config.gpu_memory_utilization)
     sched = config.scheduler_config(num_blocks, cfg.sliding_window if cfg.all_sliding else None)
     step_tokens = max(sched.max_num_batched_tokens,
                       max_model_len if sched.policy == "prefill_first" else 0)
@@ -139,7 +155,9 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                   else not multi_host and _overlap_pays())
     engine = Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
                     model_dir=model_dir, trace_capacity=config.trace_capacity,
-                    async_scheduling=overlapped, speculator=speculator, **options)
+                    async_scheduling=overlapped, speculator=speculator,
+                    reasoning=ModelReasoning.create(config.reasoning_parser, tokenizer),
+                    **options)
     if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
     return engine

@@ -55,13 +55,15 @@ class Engine:
       async_scheduling: the overlapped step (plan step N+1 while step N runs) or the serial
         one; chosen here, once.
       speculator: speculative decoding (`arcjax.spec_decode.speculator.Speculator`), or None.
+      reasoning: splits outputs into reasoning and content and starts grammars after the
+        reasoning (`arcjax.reasoning.model_reasoning.ModelReasoning`), or None.
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None,
                  sched_config: scheduler.SchedulerConfig, *, max_model_len: int,
                  seed: int = 0, clock=time.perf_counter, model_dir=None,
                  trace_capacity: int = 10_000, async_scheduling: bool = False,
-                 speculator=None):
+                 speculator=None, reasoning=None):
         self.runner, self.tokenizer, self.model_dir = runner, tokenizer, model_dir
         self.sched_config, self.max_model_len, self.clock = sched_config, max_model_len, clock
         eos = tokenizer.eos_token_ids if tokenizer else runner.cfg.eos_token_ids
@@ -71,7 +73,7 @@ class Engine:
             tokenizer.to_json if tokenizer is not None else None, runner.cfg.vocab_size,
             sorted(self.eos_token_ids))
         self.inputs = InputProcessor(tokenizer, runner.cfg.vocab_size, max_model_len,
-                                     sched_config, seed, self.structured)
+                                     sched_config, seed, self.structured, reasoning)
         self.core = EngineCore(runner, tokenizer, sched_config, clock=clock,
                                trace_capacity=trace_capacity,
                                async_scheduling=async_scheduling,

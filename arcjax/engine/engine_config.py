@@ -21,6 +21,8 @@ from collections.abc import Mapping
 
 import scheduler
 from arcjax.errors import ConfigError, EngineConfigError
+from arcjax.reasoning import NO_PARSER
+from arcjax.reasoning import PARSERS as REASONING_PARSERS
 from arcjax.spec_decode.speculative_config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -73,9 +75,16 @@ class EngineConfig:
         them, else 1.0), about twice the tokens in the same memory.
       dtype: "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU.
       max_model_len: longest prompt + output; None = min(model's limit, 4096).
-      num_kv_blocks: KV cache size in blocks; None = from kv_memory_fraction of the device's
-        memory on GPU, room for max_num_seqs full sequences (at most 256 MiB) on CPU.
+      num_kv_blocks: KV cache size in blocks; None = from gpu_memory_utilization (or
+        kv_memory_fraction) of the device's memory on a device that reports it (GPU), room
+        for max_num_seqs full sequences (at most 256 MiB) on CPU.
       kv_memory_fraction: share of free device memory the KV cache takes (GPU default).
+      gpu_memory_utilization: vLLM's: the share of the device's whole memory this engine
+        may use, weights and all; the KV cache gets what is left of it once the weights are
+        loaded (None: kv_memory_fraction decides). Devices that report no memory (CPU)
+        keep their default cache.
+      tokenizer: a directory with the tokenizer (tokenizer.json, its configs and chat
+        template) to use instead of the model's; None = the model's.
       attention_impl: "auto" (per bucket, what this installation runs best: a GPU kernel
         on a GPU, xla elsewhere; the trace summary names it) | "xla" | "pallas_gpu"
         (Pallas-Triton) | "triton" (the Triton kernel through jax-triton). A GPU kernel
@@ -100,6 +109,12 @@ class EngineConfig:
         {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}, optionally
         "disable_by_batch_size" (`arcjax.spec_decode.speculative_config.SpeculativeConfig`; a dict or
         its JSON text is turned into one); None = off. Outputs are the same either way.
+      reasoning_parser: how outputs split into reasoning and content (`CompletionOutput.
+        reasoning` / `.content`) and where structured outputs start (after the reasoning):
+        "deepseek_r1", "qwen3", "openai_gptoss" (vLLM's names; the vocabulary must have
+        the format's markers), "none", or None: implied by each prompt (a request whose
+        prompt shows a `<think>` block is split as deepseek_r1 splits; see
+        `arcjax.reasoning.model_reasoning`).
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
         prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
@@ -116,6 +131,8 @@ class EngineConfig:
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
     kv_memory_fraction: float = 0.5
+    gpu_memory_utilization: float | None = None
+    tokenizer: str | None = None
     attention_impl: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
@@ -124,6 +141,7 @@ class EngineConfig:
     expert_parallel_size: int = 1
     async_scheduling: bool | None = None
     speculative_config: SpeculativeConfig | Mapping | str | None = None
+    reasoning_parser: str | None = None
     scheduler: scheduler.SchedulerConfig = dataclasses.field(default_factory=default_scheduler)
 
     def __post_init__(self):
@@ -159,6 +177,17 @@ class EngineConfig:
                 or not math.isfinite(frac) or not 0 < frac <= 1):
             raise EngineConfigError("kv_memory_fraction", f"must be in (0, 1], got {frac!r}",
                                     limit=1)
+        util = self.gpu_memory_utilization
+        if util is not None and (not isinstance(util, (int, float)) or isinstance(util, bool)
+                                 or not math.isfinite(util) or not 0 < util <= 1):
+            raise EngineConfigError("gpu_memory_utilization", f"must be in (0, 1], got "
+                                                              f"{util!r}", limit=1)
+        if self.tokenizer is not None:
+            if not isinstance(self.tokenizer, (str, os.PathLike)) or not os.path.isfile(
+                    os.path.join(os.fspath(self.tokenizer), "tokenizer.json")):
+                raise EngineConfigError("tokenizer", f"must be a directory with a "
+                                                     f"tokenizer.json, got {self.tokenizer!r}")
+            object.__setattr__(self, "tokenizer", os.fspath(self.tokenizer))
         if self.attention_impl not in ATTENTION_IMPLS:
             raise EngineConfigError(
                 "attention_impl", f"must be one of {ATTENTION_IMPLS} (the 'reference' oracle "
@@ -182,6 +211,10 @@ class EngineConfig:
                                     "processes yet")
         if self.cache_dir is not None:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+        names = (*REASONING_PARSERS, NO_PARSER)
+        if self.reasoning_parser is not None and self.reasoning_parser not in names:
+            raise EngineConfigError("reasoning_parser", f"must be one of {names} or None, got "
+                                                        f"{self.reasoning_parser!r}")
 
     def __getattr__(self, name: str):
         """The scheduling knobs read through: `config.max_num_seqs` is

@@ -1,12 +1,14 @@
 """Input processing: a request as submitted -> validated, tokenized engine state.
 
-1. `check(prompt, params)`: the prompt is tokenized (text) or type-checked (token ids) and
-   checked against the model (vocabulary, max_model_len); every refusal is a
-   `RequestError` naming the field and the limit.
+1. `check(prompt, params)`: the prompt is tokenized (text) or type-checked (token ids),
+   cut to its last `truncate_prompt_tokens` tokens when asked, and checked against the
+   model (vocabulary, max_model_len; the token ids of logit_bias, allowed_token_ids,
+   stop_token_ids); every refusal is a `RequestError` naming the field and the limit.
    A structured-output constraint is compiled here (or found in the grammar cache): one
    that cannot compile is a `StructuredOutputsError` naming its field.
-2. `build(...)`: the request's `RequestState` (with its incremental detokenizer and, for
-   structured outputs, its own grammar matcher) and its
+2. `build(...)`: the request's `RequestState` (with its incremental detokenizer, its
+   reasoning split, its bad words' ids and its host mask: the structured-output grammar,
+   behind the reasoning gate, stacked with multi-token bad words) and its
    `scheduler.Request`, or, for n > 1, the `RequestGroup` of its n children (child i has
    seed `seed + i`; with prefix caching only child 0 enters the scheduler at once, the
    others once its prompt is computed, so they hit the prefix cache: `engine/group.py`).
@@ -24,10 +26,14 @@ import numpy as np
 import scheduler
 from arcjax.engine.group import RequestGroup, child_id, child_seed
 from arcjax.engine.request_state import RequestState
-from arcjax.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from arcjax.engine.tokenizer import Tokenizer, make_detokenizer
 from arcjax.errors import RequestError, StructuredOutputsError
+from arcjax.reasoning.abstract_reasoning_parser import PROMPT_TAIL_TOKENS
+from arcjax.reasoning.model_reasoning import ModelReasoning
 from arcjax.sampling_params import SamplingParams
 from arcjax.structured import StructuredOutputManager
+from arcjax.structured.bad_words import BadWordsMask, bad_word_ids
+from arcjax.structured.mask_source import stack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,13 +62,16 @@ class InputProcessor:
       sched_config: the scheduler's config (its own request checks).
       seed: seeds requests whose SamplingParams have no seed (with the request id).
       structured: compiles structured-output constraints (None: they are refused).
+      reasoning: the model's reasoning parser (`arcjax.reasoning.model_reasoning`), or None.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
                  sched_config: scheduler.SchedulerConfig, seed: int = 0,
-                 structured: StructuredOutputManager | None = None):
+                 structured: StructuredOutputManager | None = None,
+                 reasoning: ModelReasoning | None = None):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.sched_config, self.seed, self.structured = sched_config, seed, structured
+        self.reasoning = reasoning
 
     def check(self, prompt, params: SamplingParams) -> tuple[str | None, tuple[int, ...]]:
         """Validates a request without queueing it. Returns (prompt text, token ids).
@@ -72,8 +81,11 @@ class InputProcessor:
         """
         if not isinstance(params, SamplingParams):
             raise RequestError("params", f"must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        text, ids = self._tokenize(prompt, check_length=keep is None)
         vocab, limit = self.vocab_size, self.max_model_len
+        if keep is not None:  # vLLM: the last k tokens (-1: max_model_len of them)
+            ids = ids[-(limit if keep == -1 else keep):]
         if len(ids) > limit:
             raise RequestError("prompt", f"{len(ids)} tokens, more than max_model_len "
                                f"{limit}", limit=limit)
@@ -85,19 +97,25 @@ class InputProcessor:
         if bad is not None:
             raise RequestError("prompt", f"token id {bad} is outside the vocabulary "
                                f"[0, {vocab})", limit=vocab)
-        if any(not t < vocab for t in params.stop_token_ids):
-            raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab})",
-                               limit=vocab)
+        for field, tokens in (("stop_token_ids", params.stop_token_ids),
+                              ("logit_bias", params.logit_bias or ()),
+                              ("allowed_token_ids", params.allowed_token_ids or ())):
+            if any(not t < vocab for t in tokens):
+                raise RequestError(field, f"token ids must be in [0, {vocab})", limit=vocab)
+        if params.bad_words and self.tokenizer is None:
+            raise RequestError("bad_words", "needs the model's tokenizer")
         if params.structured_outputs is not None:
             if self.structured is None:
                 raise StructuredOutputsError("structured_outputs", "not available here")
             self.structured.check(params.structured_outputs)
         return text, ids
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> tuple[int, ...]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               check_length: bool = True) -> tuple[int, ...]:
         """The token ids of a text prompt. A text too long to fit max_model_len whatever
         its tokens is refused before it is tokenized: no token covers more characters than
-        the vocabulary's longest entry (twice that, for normalizers that merge characters).
+        the vocabulary's longest entry (twice that, for normalizers that merge characters);
+        `check_length=False` skips that (the prompt is truncated afterwards).
 
         Raises:
           RequestError (field "prompt"): no tokenizer, text that cannot be encoded, empty,
@@ -105,11 +123,8 @@ class InputProcessor:
         """
         if self.tokenizer is None:
             raise RequestError("prompt", "a string prompt needs a tokenizer; pass token ids")
-        chars = 2 * self.tokenizer.max_token_chars
-        if len(text) > chars * self.max_model_len:
-            raise RequestError("prompt", f"{len(text)} characters: more than {len(text) // chars}"
-                               f" tokens, more than max_model_len {self.max_model_len}",
-                               limit=self.max_model_len)
+        if check_length:
+            self.check_text_length(len(text))
         try:
             text.encode("utf-8")
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
@@ -119,9 +134,36 @@ class InputProcessor:
             raise RequestError("prompt", "must not be empty", limit=1)
         return ids
 
-    def _tokenize(self, prompt) -> tuple[str | None, tuple[int, ...]]:
+    @property
+    def max_text_chars(self) -> int | None:
+        """Characters no prompt that fits max_model_len can exceed: no token covers more
+        than the vocabulary's longest entry (twice that, for normalizers that merge
+        characters); None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        return 2 * self.tokenizer.max_token_chars * self.max_model_len
+
+    def check_text_length(self, chars: int, field: str = "prompt") -> None:
+        """Refuses text of `chars` characters that cannot fit max_model_len, before it is
+        tokenized (or rendered).
+
+        Raises:
+          RequestError (`field`): too long whatever its tokens.
+        """
+        limit = self.max_text_chars
+        if limit is not None and chars > limit:
+            per_token = limit // self.max_model_len
+            raise RequestError(field, f"{chars} characters: more than {chars // per_token} "
+                               f"tokens, more than max_model_len {self.max_model_len}",
+                               limit=self.max_model_len)
+
+    def _tokenize(self, prompt, check_length: bool = True) -> tuple[str | None, tuple[int, ...]]:
         if isinstance(prompt, str):
-            return prompt, self.encode(prompt)
+            return prompt, self.encode(prompt, check_length=check_length)
+        if check_length and isinstance(prompt, (list, tuple, np.ndarray)) and (
+                len(prompt) > self.max_model_len):  # refused before it is read token by token
+            raise RequestError("prompt", f"{len(prompt)} tokens, more than max_model_len "
+                               f"{self.max_model_len}", limit=self.max_model_len)
         if isinstance(prompt, np.ndarray):
             if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
                 raise RequestError("prompt", f"a token-id array must be 1-D integers, got "
@@ -183,13 +225,27 @@ class InputProcessor:
     def state(self, rid: str, text, ids, params: SamplingParams, seed: int,
               arrival: float) -> RequestState:
         """A fresh request state (with its detokenizer when there is a tokenizer)."""
-        detok = IncrementalDetokenizer(
+        detok = make_detokenizer(
             self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         ) if self.tokenizer else None
         state = RequestState(rid, text, ids, params, seed, float(arrival), detok)
+        if self.reasoning is not None:
+            tail = self.tokenizer.decode(ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+            state.reasoning = self.reasoning.request(tail, params.skip_special_tokens)
+        grammar = None
         if params.structured_outputs is not None:
-            state.grammar = self.structured.grammar(params.structured_outputs)
+            grammar = self.structured.grammar(params.structured_outputs)
+            if state.reasoning is not None:
+                grammar = state.reasoning.gate(grammar)
+        bad_words = None
+        if params.bad_words:
+            sequences = [s for s in bad_word_ids(params.bad_words, lambda w: self.tokenizer.encode(
+                w, add_special_tokens=False)) if max(s) < self.vocab_size]  # others never sampled
+            state.banned_ids = tuple(s[0] for s in sequences if len(s) == 1)
+            if any(len(s) > 1 for s in sequences):
+                bad_words = BadWordsMask(sequences)
+        state.grammar = stack(grammar, bad_words)
         return state
 
     # --- multi-host wire form ------------------------------------------------------------

@@ -12,12 +12,14 @@ import numpy as np
 
 from arcjax.outputs import Logprob, PositionLogprobs
 from arcjax.engine.request_state import RequestState
-from arcjax.runtime.penalties import TokenCounts
+from arcjax.runtime.penalties import TokenCounts, bias_row
 
 
 def sampling_rows(plan, reqs: list[RequestState], counts: TokenCounts,
                   eos_token_ids: frozenset, ahead: set | None = None) -> list[tuple]:
-    """(params, seed, tokens generated so far, count-table slot or None) per plan row.
+    """(params, seed, tokens generated so far, token-table slot or None) per plan row. A
+    row gets a slot when it uses penalties, min_tokens or a bias (logit_bias,
+    allowed_token_ids, one-token bad words); its bias row is built when it gets one.
 
     `ahead`: rows whose newest token was sampled by the step still in flight (overlapped
     scheduling: their input is a placeholder): it counts as generated although the host has
@@ -26,11 +28,15 @@ def sampling_rows(plan, reqs: list[RequestState], counts: TokenCounts,
     rows = []
     for i, (req, samples) in enumerate(zip(reqs, plan.samples)):
         p, slot = req.params, None
-        if samples and p.uses_penalty_state:
+        if samples and (p.uses_penalty_state or p.uses_token_bias):
             stop = set(p.stop_token_ids) if p.min_tokens else set()
             if p.min_tokens and not p.ignore_eos:
                 stop |= eos_token_ids
-            slot = counts.slot(req.request_id, busy, req.prompt_ids, req.token_ids, stop)
+            bias = None
+            if p.uses_token_bias and not counts.has_slot(req.request_id):
+                bias = bias_row(counts.vocab, p.logit_bias, p.allowed_token_ids,
+                                req.banned_ids)
+            slot = counts.slot(req.request_id, busy, req.prompt_ids, req.token_ids, stop, bias)
         made = len(req.token_ids) + (1 if ahead and i in ahead else 0)
         rows.append((p, req.seed, made, slot))
     return rows

@@ -13,6 +13,10 @@
    final output is out is released. A child of an n > 1 request is reported through its
    group's one output.
 
+With a reasoning parser (`RequestState.reasoning`), every output also carries the split of
+its text into `reasoning` and `content`; text that may still be a marker is held back like
+text that may begin a stop string.
+
 NOTE: building an output costs O(what changed in this step), never O(tokens so far): DELTA
 slices only the new tokens (and forgets the logprob entries it hands out: a DELTA request
 holds none it has sent); CUMULATIVE and FINAL_ONLY share the request's lists through
@@ -66,7 +70,9 @@ def append_token(req: RequestState, token: int, now: float, eos_token_ids: froze
             req.text += req.detok.add(token)
         return _grammar_complete(req)
     if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
-        if req.detok is not None:  # the stop token's own text is left out (as vLLM)
+        if req.detok is not None:  # the stop token's own text is left out (as vLLM) ...
+            if p.include_stop_str_in_output:  # ... unless asked for
+                req.text += req.detok.add(token)
             req.text += req.detok.flush()
         req.finish_reason = FINISH_STOP
         return True
@@ -76,7 +82,7 @@ def append_token(req: RequestState, token: int, now: float, eos_token_ids: froze
         for s in p.stop:
             cut = req.text.find(s, max(0, old_len - len(s) + 1))
             if cut >= 0:
-                req.text = req.text[:cut]
+                req.text = req.text[:cut + (len(s) if p.include_stop_str_in_output else 0)]
                 req.finish_reason = FINISH_STOP
                 return True
     return _grammar_complete(req)
@@ -98,6 +104,14 @@ def _take(req: RequestState, kind: RequestOutputKind) -> tuple[CompletionOutput,
     n, start = len(req.token_ids), req.emitted_tokens
     upto = len(req.text) if req.finished else max(req.emitted_len,
                                                   len(req.text) - req.stop_hold)
+    reasoning = content = None
+    if req.reasoning is not None:
+        seen = req.text if upto == len(req.text) else req.text[:upto]
+        split = req.reasoning.split(seen, req.finished)
+        upto = max(req.emitted_len, split.decided)
+        r, c, any_r, any_c = split.parts(seen, req.emitted_len if kind is DELTA else 0, upto)
+        reasoning, content = ((r, c) if kind is DELTA else
+                              (r if any_r else None, c if any_c else None))
     delta = req.text[req.emitted_len:upto]
     lps = req.logprobs
     if kind is DELTA:
@@ -111,7 +125,8 @@ def _take(req: RequestState, kind: RequestOutputKind) -> tuple[CompletionOutput,
         entries = Prefix(lps, n) if lps is not None else None
     req.emitted_tokens, req.emitted_len = n, upto
     cumulative = req.cumulative_logprob if lps is not None else None
-    return CompletionOutput(req.index, text, ids, cumulative, entries, req.finish_reason), delta
+    return CompletionOutput(req.index, text, ids, cumulative, entries, req.finish_reason,
+                            reasoning, content), delta
 
 
 def _metrics(req: RequestState) -> RequestMetrics:

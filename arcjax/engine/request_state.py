@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 
 from arcjax.outputs import PositionLogprobs
-from arcjax.engine.tokenizer import IncrementalDetokenizer
+from arcjax.engine.tokenizer import IncrementalDetokenizer, StreamingDetokenizer
+from arcjax.reasoning.model_reasoning import RequestReasoning
 from arcjax.sampling_params import SamplingParams
-from arcjax.structured import RequestGrammar
+from arcjax.structured.mask_source import MaskSource
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
 
@@ -33,7 +34,7 @@ class RequestState:
     params: SamplingParams
     seed: int
     arrival: float
-    detok: IncrementalDetokenizer | None
+    detok: StreamingDetokenizer | IncrementalDetokenizer | None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     token_times: list[float] = dataclasses.field(default_factory=list)
@@ -54,14 +55,20 @@ class RequestState:
     stop_hold: int = 0  # chars held back while they may begin a stop string
     num_draft_tokens: int = 0  # speculative decoding: draft tokens its rows verified
     num_accepted_tokens: int = 0  # of them, accepted
-    grammar: RequestGrammar | None = None  # structured outputs: advanced by each token
+    # the host mask (structured outputs' grammar, behind the reasoning gate, and
+    # multi-token bad words): advanced by each token
+    grammar: MaskSource | None = None
+    banned_ids: tuple[int, ...] = ()  # one-token bad words (-inf in the bias row)
+    reasoning: RequestReasoning | None = None  # splits the text into reasoning and content
 
     def __post_init__(self):
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(self.prompt_ids)
-        self.stop_hold = max((len(s) for s in self.params.stop), default=1) - 1
+        # with include_stop_str_in_output whatever is emitted precedes the stop's end
+        self.stop_hold = 0 if self.params.include_stop_str_in_output else max(
+            (len(s) for s in self.params.stop), default=1) - 1
 
     @property
     def finished(self) -> bool:

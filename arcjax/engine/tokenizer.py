@@ -8,11 +8,17 @@
   - `config.json` (optional): `eos_token_id` / `bos_token_id`, used only when neither file above
     names them.
 
-`IncrementalDetokenizer` turns a stream of token ids into text deltas for streaming output.
+`make_detokenizer(...)` turns a stream of token ids into text deltas for streaming output:
+a `StreamingDetokenizer` (the `tokenizers` library's `decoders.DecodeStream`) wherever its
+options allow, else an `IncrementalDetokenizer` (a decoded window of recent tokens, for
+`spaces_between_special_tokens` with special tokens kept, which DecodeStream cannot do).
+Both give the same text and the same guarantees (decision records 0004 and 0014 in
+docs/decisions/).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -20,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import tokenizers
+from tokenizers.decoders import DecodeStream
 
 from arcjax.errors import ModelFileError
 
@@ -86,7 +93,10 @@ class Tokenizer:
         # ourselves only when add_bos_token asks for it and the post-processor does not.
         post_adds_bos = bos_token_id is not None and tokenizer.encode("").ids[:1] == [bos_token_id]
         self._prepend_bos = add_bos_token and bos_token_id is not None and not post_adds_bos
-        self.added_token_ids = frozenset(tokenizer.get_added_tokens_decoder())
+        added = tokenizer.get_added_tokens_decoder()
+        self.added_token_ids = frozenset(added)
+        # the texts of special added tokens (skip_special_tokens drops them from outputs)
+        self.special_texts = frozenset(t.content for t in added.values() if t.special)
         self._token_text: dict[int, str] = {}
 
     def to_json(self) -> str:
@@ -285,3 +295,78 @@ class IncrementalDetokenizer:
                          self._spaces)
         full = decode(self._ids[self._prefix_offset :], self._skip, self._spaces)
         return emitted, full
+
+
+class StreamingDetokenizer:
+    """`IncrementalDetokenizer`'s interface on `tokenizers.decoders.DecodeStream`: one call
+    into the library per token (it holds back a partial UTF-8 character itself), with the
+    prompt's last tokens as context. `flush` decodes what the stream still holds (an
+    unfinished character: U+FFFD); `snapshot` copies the stream's small state (O(1): it
+    keeps only the tokens since its last complete text).
+
+    NOTE: the same invariant as `IncrementalDetokenizer`: "".join(deltas) + flush() ==
+    decode(ids) for byte-level tokenizers (tests/test_tokenizer.py runs both).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *,
+                 skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._context = context  # tokens before `_pending` (for flush)
+        self._pending: list[int] = []  # tokens whose text the stream still holds
+        self._pieces: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._pieces)
+
+    def add(self, token_id: int) -> str:
+        """Appends one token id; returns the newly completed text (possibly "")."""
+        delta = self._stream.step(self._tok._tok, int(token_id))
+        self._pending.append(int(token_id))
+        if not delta:
+            return ""
+        self._context = (self._context + self._pending)[-_CONTEXT_TOKENS:]
+        self._pending = []
+        self._pieces.append(delta)
+        return delta
+
+    def flush(self) -> str:
+        """Emits whatever is held back (an unfinished character decodes to U+FFFD)."""
+        if not self._pending:
+            return ""
+        decode = self._tok.decode
+        before = decode(self._context, self._skip)
+        full = decode(self._context + self._pending, self._skip)
+        delta = full[len(before):] if full.startswith(before) else ""
+        self._context = (self._context + self._pending)[-_CONTEXT_TOKENS:]
+        self._pending = []
+        self._stream = DecodeStream(ids=list(self._context), skip_special_tokens=self._skip)
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+    def snapshot(self) -> tuple:
+        """The state `add`/`flush` change, in O(1)."""
+        return (copy.copy(self._stream), tuple(self._context), tuple(self._pending),
+                len(self._pieces))
+
+    def restore(self, snap: tuple) -> None:
+        stream, context, pending, n_pieces = snap
+        self._stream = copy.copy(stream)
+        self._context, self._pending = list(context), list(pending)
+        del self._pieces[n_pieces:]
+
+
+def make_detokenizer(tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), *,
+                     skip_special_tokens: bool = True,
+                     spaces_between_special_tokens: bool = True):
+    """The detokenizer of one request: DecodeStream's, unless special tokens are kept and
+    spaced (`spaces_between_special_tokens`, which only the window decoder does)."""
+    if not skip_special_tokens and spaces_between_special_tokens and tokenizer.added_token_ids:
+        return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=False,
+                                      spaces_between_special_tokens=True)
+    return StreamingDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)

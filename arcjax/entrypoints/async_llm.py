@@ -48,7 +48,9 @@ class _Merged:
         self.newest, self.delta, self.count = out, delta, 1
         self.first = out
         self.deltas: list[str] = []
-        self.parts: dict[int, tuple[list, list, list | None]] = {}
+        # per completion: texts, token ids, logprob entries (or None), reasoning and
+        # content deltas (None: not split)
+        self.parts: dict[int, tuple[list, list, list | None, list | None, list | None]] = {}
 
     def add(self, out: RequestOutput) -> None:
         if self.count == 1:
@@ -61,12 +63,17 @@ class _Merged:
         self.deltas.append(out.delta_text)
         if self.delta:
             for c in out.outputs:
-                texts, ids, entries = self.parts.setdefault(
-                    c.index, ([], [], [] if c.logprobs is not None else None))
+                texts, ids, entries, reasoning, content = self.parts.setdefault(
+                    c.index, ([], [], [] if c.logprobs is not None else None,
+                              [] if c.reasoning is not None else None,
+                              [] if c.content is not None else None))
                 texts.append(c.text)
                 ids.extend(c.token_ids)
                 if entries is not None and c.logprobs is not None:
                     entries.extend(c.logprobs)
+                for parts, part in ((reasoning, c.reasoning), (content, c.content)):
+                    if parts is not None and part is not None:
+                        parts.append(part)
 
     def result(self) -> RequestOutput:
         if self.count == 1:
@@ -74,10 +81,14 @@ class _Merged:
         out, delta_text = self.newest, "".join(self.deltas)
         if not self.delta:
             return dataclasses.replace(out, delta_text=delta_text)
-        comps = tuple(CompletionOutput(c.index, "".join(self.parts[c.index][0]),
-                                       tuple(self.parts[c.index][1]), c.cumulative_logprob,
-                                       self.parts[c.index][2], c.finish_reason)
-                      for c in out.outputs)
+        def joined(parts):
+            return None if parts is None else "".join(parts)
+
+        comps = tuple(CompletionOutput(c.index, "".join(texts), tuple(ids), c.cumulative_logprob,
+                                       entries, c.finish_reason, joined(reasoning),
+                                       joined(content))
+                      for c in out.outputs
+                      for texts, ids, entries, reasoning, content in [self.parts[c.index]])
         return dataclasses.replace(out, text=comps[0].text, token_ids=comps[0].token_ids,
                                    delta_text=delta_text, outputs=comps,
                                    prompt_logprobs=self.first.prompt_logprobs)
@@ -206,11 +217,12 @@ class AsyncLLM:
 
     # --- requests (event-loop side) -------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None,
-               request_id: str | None = None) -> "RequestStream":
+               request_id: str | None = None, priority: int = 0) -> "RequestStream":
         """Queues a request now, synchronously (call it from the event loop), and returns
         the async iterator of its outputs (`async for out in stream`); `await
         stream.aclose()` before its final output aborts the request. A server decides
         admission and queues in one step with it (no other coroutine runs in between).
+        `priority`: smaller is served first (the scheduler's order, vLLM's convention).
 
         Raises:
           RequestError subclasses: a bad request. EngineDeadError: the engine is dead.
@@ -224,7 +236,8 @@ class AsyncLLM:
         try:
             if self._stopping:
                 raise EngineDeadError("AsyncLLM.shutdown() was called")
-            rid = self.engine.add_request(prompt, params, request_id, sink=collector.put)
+            rid = self.engine.add_request(prompt, params, request_id, sink=collector.put,
+                                          priority=priority)
             if not self._thread.is_alive():  # stopped between the check and the add
                 raise self.engine.dead or EngineDeadError("the engine thread has stopped")
         except BaseException:
@@ -234,7 +247,8 @@ class AsyncLLM:
         return RequestStream(self, rid, collector)
 
     async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields this request's outputs (as `params.output_kind` says; `delta_text` is the
         new text in each) until the final one. Leaving early aborts the request.
 
@@ -242,7 +256,7 @@ class AsyncLLM:
           RequestError subclasses: a bad request (at the first iteration).
           EngineDeadError: the engine is dead, or died while this request ran.
         """
-        stream = self.submit(prompt, params, request_id)
+        stream = self.submit(prompt, params, request_id, priority)
         try:
             async for out in stream:
                 yield out

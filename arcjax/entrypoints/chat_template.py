@@ -2,9 +2,13 @@
 
 `ChatTemplate.from_dir(model_dir)` reads `chat_template.jinja` or the `chat_template` entry of
 `tokenizer_config.json` (a string, or a list of {"name", "template"} with a "default"), plus
-the special tokens (`bos_token`, `eos_token`, ...) the template may print. `render(messages,
-add_generation_prompt=True)` returns the prompt text; tokenize it without adding special
-tokens (the template prints them), as transformers does.
+the special tokens (`bos_token`, `eos_token`, ...) the template may print;
+`ChatTemplate.from_source(text_or_path, specials)` is a template given on its own (a server's
+`--chat-template`, a request's `chat_template`). `render(messages,
+add_generation_prompt=True, continue_final_message=False, **kwargs)` returns the prompt
+text; tokenize it without adding special tokens (the template prints them), as
+transformers does. `continue_final_message` leaves the last message open (the text ends
+with its content, as transformers cuts it) so the model continues it.
 
 NOTE: templates come from model files, i.e. untrusted code: they run in jinja2's
 `ImmutableSandboxedEnvironment` with transformers' environment (trim_blocks, lstrip_blocks,
@@ -22,6 +26,8 @@ from collections.abc import Mapping, Sequence
 
 from arcjax.errors import RequestError
 
+# transformers' marker of where a continued final message ends in the rendered text
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token",
                       "cls_token", "mask_token")
 
@@ -111,14 +117,42 @@ class ChatTemplate:
         specials = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(cfg.get(k)))}
         return cls(source if isinstance(source, str) else None, specials)
 
+    @classmethod
+    def from_source(cls, source: str, special_tokens: Mapping[str, str] | None = None
+                    ) -> "ChatTemplate":
+        """A template from `source`: a file's path (`.jinja` or any readable file), or the
+        template text itself (vLLM's `--chat-template` takes either)."""
+        if "{" not in source and os.path.isfile(source):
+            with open(source, encoding="utf-8") as f:
+                source = f.read()
+        return cls(source, special_tokens)
+
     def render(self, messages: Sequence[Mapping], *, add_generation_prompt: bool = True,
-               **kwargs) -> str:
+               continue_final_message: bool = False, **kwargs) -> str:
         """The prompt text of a conversation (`messages`: dicts with "role" and "content").
 
         Raises:
           ChatTemplateError: the model has no chat template, or the template rejected the
-            conversation or failed.
+            conversation or failed, or (continue_final_message) the final message does not
+            appear in the rendered text.
         """
+        if not continue_final_message:
+            return self._render(messages, add_generation_prompt, kwargs)
+        final = messages[-1].get("content") if messages else None
+        if not isinstance(final, str):
+            raise ChatTemplateError("messages", "continue_final_message: the final message "
+                                                "has no text content to continue")
+        marked = [*messages[:-1], {**messages[-1], "content": final + _CONTINUE_TAG}]
+        text = self._render(marked, add_generation_prompt, kwargs)
+        if final.strip() not in text or _CONTINUE_TAG.strip() not in text:
+            raise ChatTemplateError("messages", "continue_final_message: the final message "
+                                                "does not appear in the rendered chat")
+        at = text.rindex(_CONTINUE_TAG.strip())  # transformers' cut
+        return text[:at] if text[at:at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else (
+            text[:at].rstrip())
+
+    def _render(self, messages: Sequence[Mapping], add_generation_prompt: bool,
+                kwargs: Mapping) -> str:
         import jinja2
 
         if self.source is None:

@@ -155,14 +155,21 @@ class LLM:
         return [final[rid] for rid in ids]
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, **template_kwargs) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: Mapping | None = None,
+             tools: list | None = None, **template_kwargs) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} dicts) or a
         list of conversations; returns one output per conversation, in order.
 
         The model's chat template (tokenizer_config.json `chat_template`, or
-        chat_template.jinja) is rendered in jinja2's sandbox as transformers'
-        `apply_chat_template` does (`arcjax.entrypoints.chat_template`), then tokenized without
-        adding special tokens (the template prints them). `output.prompt` is the rendered text.
+        chat_template.jinja; `chat_template`: another one, its text or file) is rendered in
+        jinja2's sandbox as transformers' `apply_chat_template` does
+        (`arcjax.entrypoints.chat_template`), with `tools`, `chat_template_kwargs` (vLLM's:
+        e.g. {"enable_thinking": False}) and any other keyword, then tokenized without adding
+        special tokens (the template prints them). `continue_final_message` leaves the last
+        message open for the model to continue. `output.prompt` is the rendered text; with a
+        reasoning parser (the engine's `reasoning_parser`) each completion carries
+        `reasoning` and `content`.
 
         Raises:
           ChatTemplateError (field "messages"): no template, or the template refused the
@@ -181,9 +188,16 @@ class LLM:
             raise RequestError("messages", "must be a conversation (a non-empty list of "
                                "message dicts) or a list of conversations")
         if self._chat_template is None:
-            self._chat_template = ChatTemplate.from_dir(self.model_dir)
-        texts = [self._chat_template.render(c, add_generation_prompt=add_generation_prompt,
-                                            **template_kwargs) for c in conversations]
+            self._chat_template = ChatTemplate.from_dir(self.engine_config.tokenizer
+                                                        or self.model_dir)
+        template = (self._chat_template if chat_template is None else ChatTemplate.from_source(
+            chat_template, self._chat_template.special_tokens))
+        kwargs = {**(chat_template_kwargs or {}), **template_kwargs}
+        if tools is not None:
+            kwargs["tools"] = tools
+        texts = [template.render(c, add_generation_prompt=add_generation_prompt,
+                                 continue_final_message=continue_final_message, **kwargs)
+                 for c in conversations]
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
         return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts)]

@@ -1,4 +1,5 @@
-"""The model: its config, parameter/cache specs, the decoder; checkpoint formats in `formats/`."""
+"""The model: its config, its layers (`layers`: flax.nnx modules, imported where a model is
+built, not here), parameter/cache specs, the decoder; checkpoint formats in `formats/`."""
 
 from arcjax.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from arcjax.model.decoder import StepBatch, forward, forward_dense, forward_with_stats, lm_head

@@ -1,6 +1,9 @@
-"""The decoder: pure functions over a params pytree.
+"""The decoder's two modes: the engine's paged step and the dense forward, over a params pytree.
 
-Two entry points share every layer's code and differ only in attention:
+The layers are `flax.nnx` modules (`arcjax.model.layers`: embedding, attention, MLP or
+experts, norms, head); each function here takes the plain params pytree, puts it into the
+module tree while tracing (`_model`), and runs the same layers in one of two ways that
+differ only in attention:
 
 1. `forward(params, cache, batch, cfg=..., attn_impl=...)`: the engine's step. A flat
    ragged batch of T tokens from S sequences (decode rows and prompt chunks mixed),
@@ -10,12 +13,14 @@ Two entry points share every layer's code and differ only in attention:
 2. `forward_dense(params, cfg, token_ids)`: plain causal attention over whole
    sequences `[B, L]`, for training and as an independent check.
 
-Per-layer differences ride along the layer scan as arrays: each layer's attention window
-(sliding or global, `ModelConfig.layer_windows`) and which rope it uses (Gemma 3's local
-and global bases). Mixture-of-experts layers (`arcjax.model.moe`) also return how many
-tokens each expert received, per layer (`forward_with_stats`).
+The layer loop is one `lax.scan` over the stacked layers (`Decoder.scan_layers`). Per-layer
+differences ride along it as arrays: each layer's attention window (sliding or global,
+`ModelConfig.layer_windows`) and which rope it uses (Gemma 3's local and global bases).
+Mixture-of-experts layers (`arcjax.model.moe`) also return how many tokens each expert
+received, per layer (`forward_with_stats`).
 
-Params and cache layouts are declared once in `arcjax.model.specs`.
+Every parameter is declared once, by its module (`arcjax.model.layers`); the cache layout
+in `arcjax.model.specs`.
 """
 
 from __future__ import annotations
@@ -27,9 +32,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels.backends import Choice
-from arcjax.model import moe
 from arcjax.model.model_config import ModelConfig, rope_inv_freq
-from arcjax.model.quant import dense, embedding_rows, float_dtype, tied_head
 from arcjax.model.specs import Cache, Params
 
 KV_AXES = (None, "kv_heads", None)  # logical axes of this step's keys / values [T, Hkv, D]
@@ -50,31 +53,6 @@ class StepBatch:
     logits_rows: jax.Array  # [S] int32, token row whose logits sequence s needs
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
-    """RMSNorm in float32, scaled by `w` (by `1 + w` with `unit_offset`, Gemma's)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    scale = w.astype(jnp.float32)
-    return (xf * (1.0 + scale if unit_offset else scale)).astype(x.dtype)
-
-
-def _norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
-    return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_unit_offset)
-
-
-def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig,
-         inv_freq: jax.Array | None = None) -> jax.Array:
-    """Rotary embedding, Hugging Face's rotate-half layout. x: [..., T, Hx, D];
-    inv_freq: [D/2] (default: the model's global rope)."""
-    if inv_freq is None:
-        inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)  # [D/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
-    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
-
-
 def layer_constants(cfg: ModelConfig) -> dict:
     """What differs between layers besides their weights, stacked on the layer axis:
     `window` [L] int32 (only when some layer slides) and `inv_freq` [L, D/2] float32."""
@@ -92,104 +70,18 @@ def layer_constants(cfg: ModelConfig) -> dict:
     return out
 
 
-def _qkv(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, inv_freq: jax.Array):
-    """Projections, q/k norm and rope. x: [..., T, H] -> q [..., T, Hq, D], k/v [..., T, Hkv, D]."""
-    dt = x.dtype
-    # dense(): a quantized weight (FP8/INT8) is dequantized here, inside the step.
-    q, k, v = x @ dense(lp["wq"], dt), x @ dense(lp["wk"], dt), x @ dense(lp["wv"], dt)
-    if cfg.qkv_bias:
-        q, k, v = q + lp["bq"].astype(dt), k + lp["bk"].astype(dt), v + lp["bv"].astype(dt)
-    lead = x.shape[:-1]
-    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
-        q, k = _norm(q, lp["q_norm"], cfg), _norm(k, lp["k_norm"], cfg)
-    return rope(q, positions, cfg, inv_freq), rope(k, positions, cfg, inv_freq), v
+def _model(cfg: ModelConfig, params: Params):
+    """The decoder module of `cfg` holding `params` (`arcjax.model.binding.bind`), built where
+    a step is traced: flax is imported here, not by `import arcjax`."""
+    from arcjax.model import binding
 
-
-def feed_forward(lp: dict, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_impl: str,
-                 parallel, experts: dict, layer: jax.Array
-                 ) -> tuple[jax.Array, jax.Array | None]:
-    """One layer's MLP: the dense gated MLP, or the mixture of experts.
-
-    Args:
-      lp: the layer's params; h: [..., H] normalized hidden states; valid: [...] bool, real
-        tokens (experts skip padding); moe_impl, parallel: see `forward_with_stats`;
-      experts, layer: every layer's stacked expert weights (`split_experts`; {} for a dense
-        model) and this layer's index.
-
-    Returns:
-      (out [..., H], tokens per expert [E] int32, or None for a dense MLP).
-    """
-    if cfg.is_moe:
-        lead = h.shape[:-1]
-        out, counts = moe.moe_mlp(h.reshape(-1, h.shape[-1]), lp, experts, layer,
-                                  num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
-                                  renormalize=cfg.norm_topk_prob, act=cfg.hidden_act,
-                                  valid=valid.reshape(-1), impl=moe_impl, parallel=parallel)
-        return out.reshape(*lead, -1), counts
-    dt = h.dtype
-    h = moe.activation(h @ dense(lp["w_gate"], dt), cfg.hidden_act) * (h @ dense(lp["w_up"], dt))
-    return h @ dense(lp["w_down"], dt), None
-
-
-def split_experts(layers: dict) -> tuple[dict, dict]:
-    """(the layer weights the scan hands out layer by layer, the stacked expert weights read
-    by (layer, expert) beside it: see `moe`'s NOTE)."""
-    experts = {k: layers[k] for k in moe.EXPERT_WEIGHTS if k in layers}
-    return {k: v for k, v in layers.items() if k not in experts}, experts
-
-
-def _block(lp: dict, x: jax.Array, positions: jax.Array, cfg: ModelConfig, attend,
-           inv_freq: jax.Array, mlp):
-    """One decoder layer. `attend(q, k, v) -> ([..., T, Hq, D], aux)` is the only difference
-    between the paged and dense modes; `mlp(lp, h) -> (out, stats)`."""
-    dt = x.dtype
-    with jax.named_scope("qkv"):
-        q, k, v = _qkv(lp, _norm(x, lp["attn_norm"], cfg), positions, cfg, inv_freq)
-    with jax.named_scope("attention"):
-        attn, aux = attend(q, k, v)
-    with jax.named_scope("o_proj"):
-        out = attn.reshape(*attn.shape[:-2], -1) @ dense(lp["wo"], dt)
-        if cfg.o_bias:
-            out = out + lp["bo"].astype(dt)
-        if cfg.sandwich_norms:
-            out = _norm(out, lp["post_attn_norm"], cfg)
-        x = x + out
-    with jax.named_scope("mlp"):
-        h, stats = mlp(lp, _norm(x, lp["mlp_norm"], cfg))
-        if cfg.sandwich_norms:
-            h = _norm(h, lp["post_mlp_norm"], cfg)
-        x = x + h
-    return x, aux, stats
-
-
-def _embed(params: Params, cfg: ModelConfig, token_ids: jax.Array, dtype) -> jax.Array:
-    x = embedding_rows(params["embed"], token_ids, dtype)
-    if cfg.scale_embeddings:  # Gemma: sqrt(hidden) rounded to the params' dtype, as HF does
-        x = x * jnp.asarray(cfg.hidden_size ** 0.5,
-                            float_dtype(params["embed"], dtype)).astype(dtype)
-    return x
+    return binding.bind(cfg, params)
 
 
 def lm_head(params: Params, cfg: ModelConfig, h: jax.Array, parallel=None) -> jax.Array:
     """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last
     layer's output) -> logits [..., V] float32, whole rows on every device."""
-    h = _norm(h, params["final_norm"], cfg)
-    w = (tied_head(params["embed"], h.dtype) if cfg.tie_word_embeddings
-         else dense(params["lm_head"], h.dtype))
-    logits = (h @ w).astype(jnp.float32)
-    if cfg.final_logit_softcap is not None:
-        cap = cfg.final_logit_softcap
-        logits = cap * jnp.tanh(logits / cap)
-    if parallel is not None:
-        # Keep the projection split by vocabulary (else GSPMD may all-gather a tied
-        # embedding's whole table), then gather the rows: sampling reads whole rows.
-        axes = (None,) * (logits.ndim - 1) + ("vocab",)
-        logits = jax.lax.with_sharding_constraint(logits, parallel.sharding(axes))
-        logits = jax.lax.with_sharding_constraint(logits, parallel.replicated)
-    return logits
+    return _model(cfg, params).head(h, parallel)
 
 
 def _attention_inputs(cfg: ModelConfig, *, q: jax.Array, k_pages: jax.Array,
@@ -273,8 +165,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     `parallel` (static; an `arcjax.parallel.TensorParallel` or None): with it, `write_kv`
     and attention run under `shard_map` over the KV-head axis (a Pallas kernel cannot be
     partitioned by GSPMD), experts under `shard_map` over the expert axis
-    (`moe.moe_mlp`), and the logits are gathered to every device.
-    `moe_impl` (static): the grouped GEMM of expert layers (`moe.IMPLS`).
+    (`arcjax.model.moe.moe_mlp`), and the logits are gathered to every device.
+    `moe_impl` (static): the grouped GEMM of expert layers (`arcjax.model.moe.IMPLS`).
     `head` (static): False returns the last layer's hidden states at `batch.logits_rows`
     [S, H] instead of logits, for a caller that applies `lm_head` to a few rows at a time
     (prompt log-probabilities over a 256k vocabulary).
@@ -283,12 +175,12 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
       logits [S, V] float32 at `batch.logits_rows` (or hidden states, see `head`), the
       updated cache, and tokens per expert [L, E] int32 (None for a dense model).
     """
-    x = _embed(params, cfg, batch.token_ids, dtype)  # [T, H]
+    model = _model(cfg, params)
+    x = model.embed(batch.token_ids, dtype)  # [T, H]
     block_size = cache["k"].shape[1]
     num_blocks = cache["k"].shape[0] // cfg.num_layers  # blocks per layer
     layer_slots = num_blocks * block_size
     valid_slot = batch.slot_mapping < layer_slots  # padding rows carry an out-of-range slot
-    scanned, experts = split_experts(params["layers"])
 
     scaled = "k_scale" in cache  # FP8 pages: one K and one V scale per layer
 
@@ -302,13 +194,9 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
             dataclasses.replace(inputs, k_pages=kc, v_pages=vc), impl=attn_impl)
         return out.astype(inputs.q.dtype), kc, vc
 
-    def layer(carry, xs):
+    def layer(block, carry, xs):
         x, k_cache, v_cache = carry
-        lp, l, const = xs
-
-        def mlp(lp, h):
-            return feed_forward(lp, h, cfg, valid_slot, moe_impl, parallel, experts, l)
-
+        l, const = xs
         slots = jnp.where(valid_slot, batch.slot_mapping + l * layer_slots,
                           cfg.num_layers * layer_slots)  # [T]; still out of range if padding
 
@@ -328,15 +216,16 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                                                      args_axes=(KV_AXES, KV_AXES, ()))
             return out, (kc, vc)
 
-        x, (k_cache, v_cache), stats = _block(lp, x, batch.positions, cfg, attend,
-                                              const["inv_freq"], mlp)
+        x, (k_cache, v_cache), stats = block(x, batch.positions, const["inv_freq"], attend,
+                                             valid=valid_slot, layer=l, moe_impl=moe_impl,
+                                             parallel=parallel)
         return (x, k_cache, v_cache), stats
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_new, v_new), stats = jax.lax.scan(layer, (x, cache["k"], cache["v"]),
-                                            (scanned, layer_ids, layer_constants(cfg)))
+    (x, k_new, v_new), stats = model.scan_layers(layer, (x, cache["k"], cache["v"]),
+                                                 (layer_ids, layer_constants(cfg)))
     x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
-    out = lm_head(params, cfg, x, parallel) if head else x
+    out = model.head(x, parallel) if head else x
     return out, {**cache, "k": k_new, "v": v_new}, stats
 
 
@@ -353,16 +242,12 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
     FP8 KV cache's calibration, `arcjax.model.kv_scales`)."""
     B, L = token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    x = _embed(params, cfg, token_ids, dtype)  # [B, L, H]
+    model = _model(cfg, params)
+    x = model.embed(token_ids, dtype)  # [B, L, H]
     valid = jnp.ones((B, L), bool)
-    scanned, experts = split_experts(params["layers"])
 
-    def layer(x, xs):
-        lp, index, const = xs
-
-        def mlp(lp, h):
-            return feed_forward(lp, h, cfg, valid, moe_impl, None, experts, index)
-
+    def layer(block, x, xs):
+        index, const = xs
         allowed = dense_mask(L, const.get("window", jnp.int32(L)))
 
         def attend(q, k, v):  # q [B, L, Hq, D], k/v [B, L, Hkv, D]
@@ -377,10 +262,11 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
             amax = jnp.stack([jnp.max(jnp.abs(k)), jnp.max(jnp.abs(v))]).astype(jnp.float32)
             return jnp.einsum("bhqk,bkhd->bqhd", p, v), amax
 
-        x, amax, _ = _block(lp, x, positions, cfg, attend, const["inv_freq"], mlp)
+        x, amax, _ = block(x, positions, const["inv_freq"], attend, valid=valid, layer=index,
+                           moe_impl=moe_impl, parallel=None)
         return x, amax
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    x, amax = jax.lax.scan(layer, x, (scanned, layer_ids, layer_constants(cfg)))  # [L, 2]
-    logits = lm_head(params, cfg, x)
+    x, amax = model.scan_layers(layer, x, (layer_ids, layer_constants(cfg)))  # [L, 2]
+    logits = model.head(x)
     return (logits, amax.T) if kv_amax else logits

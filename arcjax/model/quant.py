@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 
 from arcjax.model.packed import PackedWeight
-from arcjax.model.specs import ParamSpec
 
 FP8 = jnp.float8_e4m3fn
 FORMATS = {"fp8": (FP8, 448.0), "int8": (jnp.int8, 127.0)}  # format -> (dtype, max |q|)
@@ -205,10 +204,12 @@ def quantized_specs(specs: dict, params: dict, degree=None) -> dict:
     axes; scales per `scale_axes`; a packed weight's arrays per `PackedWeight.leaf_axes`
     under `degree`). A packed embedding is stored transposed ([H, V]): its axes too."""
 
+    # NOTE: specs made from the weight's own (dataclasses.replace), so quant does not
+    # import specs: specs reads the modules (layers), which import quant.
     def spec_of(w, spec, axes):
         tree = weight_axes(w, axes, degree)
-        return jax.tree.map(lambda x, a: ParamSpec(tuple(x.shape), "zeros", tuple(a)), w,
-                            tree)
+        return jax.tree.map(lambda x, a: dataclasses.replace(
+            spec, shape=tuple(x.shape), init="zeros", axes=tuple(a)), w, tree)
 
     layers = dict(specs["layers"])
     for name, w in params["layers"].items():

@@ -1,7 +1,9 @@
 """One spec per array: the parameter tree and the paged KV cache, described once.
 
-Every weight and the cache are declared here with shape, initializer and logical axes
-(`layers`, `embed`, `heads`, `kv_heads`, `mlp`, `vocab`, `expert`, `moe_mlp`, ...).
+Every weight is declared by the `flax.nnx` module that uses it (`arcjax.model.layers`)
+with its shape, initializer and logical axes (`layers`, `embed`, `heads`, `kv_heads`,
+`mlp`, `vocab`, `expert`, `moe_mlp`, ...); `param_specs` reads them into a tree of
+`ParamSpec`s shaped like the params. The cache is declared here (`cache_specs`).
 Initialization, loading, export and cache allocation all derive from these trees; a mesh
 that maps logical axes to devices derives shardings from them too, so no shape is
 written twice. Expert weights are stacked `[L, E, ...]`: their `expert` axis is what
@@ -43,54 +45,17 @@ def is_spec(x) -> bool:
 
 
 def param_specs(cfg: ModelConfig) -> dict:
-    """The parameter tree as specs (same structure as the params)."""
-    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    """The parameter tree as specs (same structure as the params), read from the decoder's
+    modules, where each parameter is declared (`arcjax.model.binding.declarations`)."""
+    from arcjax.model import binding  # flax: imported where a model is built
 
-    def s(shape, init, *axes):
-        return ParamSpec(tuple(shape), init, tuple(axes))
-
-    # (1 + w) RMSNorms (Gemma) start at zero: every norm starts as the identity scale.
-    norm = "zeros" if cfg.norm_unit_offset else "ones"
-    layers = {
-        "attn_norm": s((L, H), norm, "layers", "embed"),
-        "wq": s((L, H, q_dim), "normal", "layers", "embed", "heads"),
-        "wk": s((L, H, kv_dim), "normal", "layers", "embed", "kv_heads"),
-        "wv": s((L, H, kv_dim), "normal", "layers", "embed", "kv_heads"),
-        "wo": s((L, q_dim, H), "normal", "layers", "heads", "embed"),
-        "mlp_norm": s((L, H), norm, "layers", "embed"),
-    }
-    if cfg.is_moe:
-        E, Im, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-        layers |= {"router": s((L, H, E), "normal", "layers", "embed", None),
-                   "we_gate": s((L, E, H, Im), "normal", "layers", "expert", "embed", "moe_mlp"),
-                   "we_up": s((L, E, H, Im), "normal", "layers", "expert", "embed", "moe_mlp"),
-                   "we_down": s((L, E, Im, H), "normal", "layers", "expert", "moe_mlp", "embed")}
-        if Is:
-            layers |= {"ws_gate": s((L, H, Is), "normal", "layers", "embed", "mlp"),
-                       "ws_up": s((L, H, Is), "normal", "layers", "embed", "mlp"),
-                       "ws_down": s((L, Is, H), "normal", "layers", "mlp", "embed"),
-                       "ws_router": s((L, H, 1), "normal", "layers", "embed", None)}
-    else:
-        layers |= {"w_gate": s((L, H, I), "normal", "layers", "embed", "mlp"),
-                   "w_up": s((L, H, I), "normal", "layers", "embed", "mlp"),
-                   "w_down": s((L, I, H), "normal", "layers", "mlp", "embed")}
-    if cfg.sandwich_norms:
-        layers |= {"post_attn_norm": s((L, H), norm, "layers", "embed"),
-                   "post_mlp_norm": s((L, H), norm, "layers", "embed")}
-    if cfg.qkv_bias:
-        layers |= {"bq": s((L, q_dim), "zeros", "layers", "heads"),
-                   "bk": s((L, kv_dim), "zeros", "layers", "kv_heads"),
-                   "bv": s((L, kv_dim), "zeros", "layers", "kv_heads")}
-    if cfg.o_bias:
-        layers["bo"] = s((L, H), "zeros", "layers", "embed")
-    if cfg.qk_norm:
-        layers |= {"q_norm": s((L, cfg.head_dim), norm, "layers", None),
-                   "k_norm": s((L, cfg.head_dim), norm, "layers", None)}
-    specs = {"embed": s((V, H), "normal", "vocab", "embed"), "layers": layers,
-             "final_norm": s((H,), norm, "embed")}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = s((H, V), "normal", "embed", "vocab")
+    specs: dict = {}
+    for d in binding.declarations(cfg):
+        *parents, name = d.key
+        node = specs
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[name] = ParamSpec(d.shape, d.init, d.axes)
     return specs
 
 
@@ -118,17 +83,19 @@ def is_scaled(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1
 
 
-def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32, std: float = 0.02) -> Params:
-    """Random params (normal(0, std) weights, unit norms, zero biases)."""
+def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
+                std: float | None = None) -> Params:
+    """Random params: each array drawn by its declared initializer (normal(0, std) weights,
+    std None: `layers.NORMAL_STD`; unit norms, zero biases), one key per array in the specs'
+    order."""
+    from arcjax.model import layers  # flax: imported where a model is built
+
+    std = layers.NORMAL_STD if std is None else std
     leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
-    out = []
-    for spec, k in zip(leaves, keys):
-        if spec.init == "normal":
-            out.append((std * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype))
-        else:
-            out.append(jnp.full(spec.shape, 1.0 if spec.init == "ones" else 0.0, dtype))
-    return jax.tree.unflatten(treedef, out)
+    return jax.tree.unflatten(treedef, [
+        layers.initializer(spec.init, std)(k, spec.shape, jnp.float32).astype(dtype)
+        for spec, k in zip(leaves, keys)])
 
 
 def make_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,

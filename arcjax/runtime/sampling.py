@@ -4,8 +4,9 @@ One jitted step samples every row with no host round trip (`sample_step`):
   0. the grammar bitmask (structured outputs): tokens a constrained row's grammar forbids
      get -inf; only when some row is constrained (the others' rows are all ones);
   1. raw log-probabilities (log_softmax of those logits), only when a row asks;
-  2. penalties and min_tokens from the token-count table (`penalties.py`), only when a
-     row uses them;
+  2. the row's bias (logit_bias, allowed_token_ids, bad words: the bias table), then
+     penalties and min_tokens from the token-count table (`penalties.py`), each only when
+     a row uses it;
   3. temperature, top-k / top-p / min-p, Gumbel-max draw (greedy rows: argmax);
   4. the sampled tokens are counted into the table (rows that use it).
 Each optional stage sits behind a `lax.cond` on "some row needs it", so a greedy batch
@@ -21,12 +22,13 @@ only the row's own table row, so they keep that property.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arcjax.runtime.penalties import apply_penalties, count_sampled
+from arcjax.runtime.penalties import TokenTables, apply_bias, apply_penalties, count_sampled
 from arcjax.sampling_params import MAX_LOGPROBS
 
 
@@ -45,15 +47,16 @@ class SamplingBatch:
     frequency: jax.Array  # [S] float32 frequency_penalty
     repetition: jax.Array  # [S] float32 repetition_penalty
     min_tokens: jax.Array  # [S] int32
-    slot: jax.Array  # [S] int32 row of the token-count table (the spare row when unused)
-    penalized: jax.Array  # [S] bool: reads and updates its table row
+    slot: jax.Array  # [S] int32 row of the token tables (the spare row when unused)
+    penalized: jax.Array  # [S] bool: reads and updates its count-table row
     logprobs: jax.Array  # [S] bool: returns log-probabilities
     constrained: jax.Array  # [S] bool: structured output (its bitmask row is not all ones)
+    biased: jax.Array  # [S] bool: adds its bias-table row to its logits
 
     @classmethod
     def build(cls, rows: list[tuple], size: int, spare_slot: int = 0) -> "SamplingBatch":
         """rows: (params, seed, counter[, slot]) per sequence, `slot` None or absent when the
-        row does not use the count table; padded to `size` with greedy rows."""
+        row uses no token table; padded to `size` with greedy rows."""
         temp = np.zeros(size, np.float32)
         top_k = np.zeros(size, np.int32)
         top_p = np.ones(size, np.float32)
@@ -68,18 +71,21 @@ class SamplingBatch:
         penalized = np.zeros(size, bool)
         logprobs = np.zeros(size, bool)
         constrained = np.zeros(size, bool)
+        biased = np.zeros(size, bool)
         for i, row in enumerate(rows):
             p, s, c = row[:3]
             temp[i], top_k[i], top_p[i], min_p[i] = p.temperature, p.top_k, p.top_p, p.min_p
             seed[i], counter[i] = s, c
             logprobs[i] = p.logprobs is not None
-            constrained[i] = p.structured_outputs is not None
+            # a grammar, or multi-token bad words (the host mask: engine/input_processor.py)
+            constrained[i] = p.structured_outputs is not None or bool(p.bad_words)
             if len(row) > 3 and row[3] is not None:
-                slot[i], penalized[i] = row[3], True
+                slot[i] = row[3]
+                penalized[i], biased[i] = p.uses_penalty_state, p.uses_token_bias
                 presence[i], frequency[i] = p.presence_penalty, p.frequency_penalty
                 repetition[i], min_tokens[i] = p.repetition_penalty, p.min_tokens
         return cls(temp, top_k, top_p, min_p, seed, counter, presence, frequency, repetition,
-                   min_tokens, slot, penalized, logprobs, constrained)
+                   min_tokens, slot, penalized, logprobs, constrained, biased)
 
 
 @jax.tree_util.register_dataclass
@@ -218,22 +224,34 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
-def sample_step(logits: jax.Array, sp: SamplingBatch, counts: jax.Array,
+def adjust_logits(logits: jax.Array, sp: SamplingBatch, tables: TokenTables,
+                  pending: Callable[[], jax.Array] | None = None) -> jax.Array:
+    """The biases, then the penalties and min_tokens, each only when some row uses it.
+    `pending`: builds `apply_penalties`' pending counts (speculative verification), inside
+    the penalties' branch only."""
+    logits = jax.lax.cond(jnp.any(sp.biased), lambda: apply_bias(logits, tables.bias, sp),
+                          lambda: logits)
+    return jax.lax.cond(
+        jnp.any(sp.penalized),
+        lambda: apply_penalties(logits, tables.counts, sp, pending() if pending else None),
+        lambda: logits)
+
+
+def sample_step(logits: jax.Array, sp: SamplingBatch, tables: TokenTables,
                 bitmask: jax.Array | None = None):
-    """The step's sampling. logits [S, V] float32; counts: the token-count table
-    [slots + 1, V] int32 (donated by the caller); bitmask: [S, ceil(V / 32)] int32, the
-    tokens each row may sample (all ones for rows without structured outputs), or None
-    (no row is constrained: known when tracing).
+    """The step's sampling. logits [S, V] float32; tables: the token tables (`penalties.py`,
+    donated by the caller); bitmask: [S, ceil(V / 32)] int32, the tokens each row may sample
+    (all ones for rows without structured outputs), or None (no row is constrained: known
+    when tracing).
 
     Returns:
       (tokens [S] int32, TokenLogprobs of the sampled tokens (zeros unless some row asked),
-       the updated count table).
+       the updated tables).
     """
     if bitmask is not None:
         logits = jax.lax.cond(jnp.any(sp.constrained),
                               lambda: apply_bitmask(logits, bitmask), lambda: logits)
-    adjusted = jax.lax.cond(jnp.any(sp.penalized),
-                            lambda: apply_penalties(logits, counts, sp), lambda: logits)
-    tokens = sample(adjusted, sp)
+    tokens = sample(adjust_logits(logits, sp, tables), sp)
     logprobs = logprobs_if(jnp.any(sp.logprobs), logits, tokens)
-    return tokens, logprobs, count_sampled(counts, sp.slot, tokens, sp.penalized)
+    counts = count_sampled(tables.counts, sp.slot, tokens, sp.penalized)
+    return tokens, logprobs, dataclasses.replace(tables, counts=counts)

@@ -35,8 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arcjax.runtime.penalties import apply_penalties, count_sampled
-from arcjax.runtime.sampling import (SamplingBatch, TokenLogprobs, apply_bitmask, logprobs_if,
+from arcjax.runtime.penalties import TokenTables, count_sampled
+from arcjax.runtime.sampling import (SamplingBatch, TokenLogprobs, adjust_logits, apply_bitmask,
+                                     logprobs_if,
                                      sample)
 
 
@@ -93,7 +94,7 @@ def _draft_counts(spec: SpecInputs, width: int, vocab: int) -> jax.Array:
     return (jnp.cumsum(seen, axis=1) - seen).reshape(-1, vocab)
 
 
-def verify(logits: jax.Array, sp: SamplingBatch, spec: SpecInputs, counts: jax.Array,
+def verify(logits: jax.Array, sp: SamplingBatch, spec: SpecInputs, tables: TokenTables,
            width: int, bitmask: jax.Array | None = None
            ) -> tuple[jax.Array, jax.Array, TokenLogprobs, jax.Array]:
     """Samples every position and accepts each row's longest matching draft prefix.
@@ -102,7 +103,7 @@ def verify(logits: jax.Array, sp: SamplingBatch, spec: SpecInputs, counts: jax.A
       logits: [R, V] float32 at the sampled positions (R = S * width).
       sp: per-position sampling inputs [R].
       spec: the drafts.
-      counts: the token-count table (penalties.py), donated by the caller.
+      tables: the token tables (penalties.py), donated by the caller.
       width: W (static).
       bitmask: [R, ceil(V / 32)] int32, the tokens each position may take (structured
         outputs: the grammar's state after the drafts before it; all ones elsewhere), or None.
@@ -110,20 +111,19 @@ def verify(logits: jax.Array, sp: SamplingBatch, spec: SpecInputs, counts: jax.A
     Returns:
       (target tokens [R] int32, tokens each sequence yields [S] int32 (1 + accepted drafts;
        the yielded tokens are its first positions' targets), raw log-probabilities of the
-       targets [R] (zeros unless some row asked), the count table with the yielded tokens).
+       targets [R] (zeros unless some row asked), the tables with the yielded tokens
+       counted).
     """
     vocab = logits.shape[-1]
     if bitmask is not None:  # as plain sampling: before penalties and raw logprobs
         logits = jax.lax.cond(jnp.any(sp.constrained),
                               lambda: apply_bitmask(logits, bitmask), lambda: logits)
-    adjusted = jax.lax.cond(
-        jnp.any(sp.penalized),
-        lambda: apply_penalties(logits, counts, sp, _draft_counts(spec, width, vocab)),
-        lambda: logits)
+    adjusted = adjust_logits(logits, sp, tables, lambda: _draft_counts(spec, width, vocab))
     tokens = sample(adjusted, sp)  # [R]
     match = (spec.has_draft & (tokens == spec.next_draft)).reshape(-1, width)  # [S, W]
     accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)  # [S]
     yielded = jnp.arange(width)[None, :] <= accepted[:, None]  # [S, W]
     logprobs = logprobs_if(jnp.any(sp.logprobs), logits, tokens)
-    counts = count_sampled(counts, sp.slot, tokens, sp.penalized & yielded.reshape(-1))
-    return tokens, (accepted + 1).astype(jnp.int32), logprobs, counts
+    counts = count_sampled(tables.counts, sp.slot, tokens, sp.penalized & yielded.reshape(-1))
+    return (tokens, (accepted + 1).astype(jnp.int32), logprobs,
+            dataclasses.replace(tables, counts=counts))

@@ -9,8 +9,10 @@
    (`deep_copy`, microseconds): one per request (per sample with n > 1).
 3. Each step, `MaskFiller.fill(rows, size)` writes the packed bitmask of every constrained
    row, `[size, ceil(vocab / 32)]` int32 (bit t of word t // 32 set = token t allowed),
-   every other row all ones; llguidance computes the rows on its own threads, without the
-   GIL. The jitted step applies it to the logits (`runtime/sampling.py`).
+   every other row all ones, from each row's `MaskSource.mask_plan` (`mask_source.py`: a
+   grammar, a grammar behind a reasoning gate, bad words); llguidance computes the
+   grammars' rows on its own threads, without the GIL. The jitted step applies the mask to
+   the logits (`runtime/sampling.py`).
 4. Every committed token advances its request's matcher (`accept`); a step rolled back
    rolls it back (`rollback`). A matcher that is stopped allows only EOS: the engine then
    finishes the request with "stop".
@@ -30,6 +32,7 @@ import numpy as np
 from arcjax.errors import StructuredOutputsError
 from arcjax.runtime.sampling import bitmask_words
 from arcjax.sampling_params import StructuredOutputsParams
+from arcjax.structured.mask_source import MaskPlan, MaskSource
 
 CACHE_SIZE = 256  # compiled templates kept (each holds its lexer: KBs to a few MBs)
 # JSON whitespace between two tokens when the request does not say: at most one space or
@@ -63,7 +66,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         raise StructuredOutputsError(params.field, f"cannot be parsed: {e}") from None
 
 
-class RequestGrammar:
+class RequestGrammar(MaskSource):
     """One request's matcher, advanced by its committed tokens (stepping thread only)."""
 
     def __init__(self, matcher, field: str):
@@ -93,6 +96,9 @@ class RequestGrammar:
         """How many of `tokens` (draft tokens) the grammar accepts in a row from here; the
         matcher is left as it was."""
         return self.matcher.validate_tokens([int(t) for t in tokens])
+
+    def mask_plan(self, index: int, drafts) -> MaskPlan:
+        return MaskPlan(fills=[(self.matcher, int(index), [int(t) for t in drafts])])
 
     @property
     def is_stopped(self) -> bool:
@@ -192,27 +198,35 @@ class MaskFiller:
         self._executor = None  # its threads start on first use
 
     def fill(self, rows: Sequence[tuple], size: int) -> np.ndarray:
-        """The bitmask of one step: `rows` are (index, grammar) or (index, grammar, drafts)
-        of the constrained rows; every other of the `size` rows is all ones. A row with
-        draft tokens (speculative decoding) gets len(drafts) + 1 masks, at index .. index +
-        len(drafts): the grammar's state after the drafts before each, up to the first draft
-        it refuses (the positions after it stay all ones: verification rejects that draft,
-        so they are never yielded). Returns [size, words] int32."""
+        """The bitmask of one step: `rows` are (index, source) or (index, source, drafts) of
+        the constrained rows (a `MaskSource` each); every other of the `size` rows is all
+        ones. A row with draft tokens (speculative decoding) gets len(drafts) + 1 masks, at
+        index .. index + len(drafts): the source's state after the drafts before each; a
+        grammar's up to the first draft it refuses (the positions after it stay all ones:
+        verification rejects that draft, so they are never yielded). Returns [size, words]
+        int32."""
         import llguidance.numpy as llnp
 
         mask = np.full((size, self.words), -1, np.int32)
-        if rows:
+        plan = MaskPlan()
+        for row in rows:
+            plan.extend(row[1].mask_plan(int(row[0]), row[2] if len(row) > 2 else ()))
+        if plan.fills:
             if self._executor is None:
                 import llguidance
 
                 self._executor = llguidance.LLExecutor(self._num_threads)
-            drafted = [(row[1].matcher, int(row[0]), [int(t) for t in row[2]])
-                       for row in rows if len(row) > 2 and row[2]]
-            plain = [(row[1].matcher, int(row[0])) for row in rows if len(row) < 3 or not row[2]]
+            drafted = [f for f in plan.fills if f[2]]
+            plain = [(m, i) for m, i, d in plan.fills if not d]
             if drafted:  # (llguidance refuses an empty draft list)
                 llnp.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, mask)
             if plain:
                 llnp.fill_next_token_bitmask_par(self._executor, plain, mask)
+        for position, token in plan.allow:
+            mask[position, token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
+        for position, token in plan.ban:
+            mask[position, token >> 5] &= np.int32(np.uint32(~(1 << (token & 31)) & 0xFFFFFFFF
+                                                             ).view(np.int32))
         return mask
 
 

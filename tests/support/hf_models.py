@@ -169,3 +169,59 @@ def tiny_model_with_chat_template(template: str | None, arch: str = "LlamaForCau
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     return path
+
+
+# The think block's markers, added to a test tokenizer as ordinary (non-special) tokens, as
+# Qwen3's and DeepSeek-R1's tokenizers have them.
+MARKER_TOKENS = ("<think>", "</think>")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_reasoning_model(template: str, arch: str = "LlamaForCausalLM") -> str:
+    """`tiny_model_dir(arch)` with a byte-level BPE tokenizer whose last ids are
+    `MARKER_TOKENS` (within the model's 384), BOS added to text prompts, and `template` as
+    its chat template."""
+    import json
+    import os
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    src = tiny_model_dir(arch)
+    path = scratch_dir(f"arcjax-reasoning-{arch}-")
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), path)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_COMMON["vocab_size"] - len(MARKER_TOKENS),
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_TOKENIZER_TEXT], trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
+    assert tok.get_vocab_size() <= _COMMON["vocab_size"]  # the text holds fewer merges
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
+                   "chat_template": template}, f)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def with_context(model_dir: str, max_position_embeddings: int) -> str:
+    """`model_dir` copied with a longer context in its config.json."""
+    import json
+    import os
+    import shutil
+
+    path = scratch_dir("arcjax-context-")
+    for f in os.listdir(model_dir):
+        shutil.copy(os.path.join(model_dir, f), path)
+    cfg_path = os.path.join(path, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["max_position_embeddings"] = max_position_embeddings
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+    return path

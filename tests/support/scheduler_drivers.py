@@ -15,7 +15,7 @@ from hypothesis.control import currently_in_test_context
 from scheduler import PLACEHOLDER, Request, SchedulerConfig, SchedulerState
 from scheduler import abort, add_request, advance, commit, schedule
 from support.scheduler_invariants import GhostCache, check_blocks, check_drafts_use_leftovers
-from support.scheduler_invariants import check_plan, check_state
+from support.scheduler_invariants import check_adapters, check_plan, check_state
 from support.scheduler_workloads import Workload, fake_token, verified
 
 @dataclasses.dataclass(kw_only=True)
@@ -28,6 +28,10 @@ class Mirror:
 
     def tokens(self) -> tuple[int, ...]:
         return self.request.prompt_token_ids + tuple(self.outputs)
+
+    @property
+    def adapter(self) -> int | None:
+        return self.request.adapter
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -151,9 +155,10 @@ def drive(workload: Workload, *, step_limit: int | None = None, purity: bool = F
 
 @dataclasses.dataclass
 class _Truth:
-    """What the ghost cache needs of a request: its true token list."""
+    """What the ghost cache needs of a request: its true token list and its adapter."""
 
     tokens_: tuple[int, ...]
+    adapter: int | None = None
 
     def tokens(self) -> tuple[int, ...]:
         return self.tokens_
@@ -204,7 +209,7 @@ def drive_overlapped(workload, overlap: list[bool], abort_points: list[tuple[int
     config = workload.config
     requests = {r.request_id: r for r in workload.requests}
     stop_after = {r.request_id: s for r, s in zip(workload.requests, workload.stop_after)}
-    truth = {rid: _Truth(_truth(r)) for rid, r in requests.items()}
+    truth = {rid: _Truth(_truth(r), r.adapter) for rid, r in requests.items()}
     ghost = GhostCache(block_size=config.block_size, window=config.sliding_window)
     pending = list(workload.requests)
     status = {rid: "pending" for rid in requests}
@@ -250,6 +255,8 @@ def drive_overlapped(workload, overlap: list[bool], abort_points: list[tuple[int
 
     def launch(plan, feeds):
         _check_plan(plan, config, truth, feeds)
+        adapters = {truth[rid].adapter for rid in plan.request_ids} - {None}
+        assert len(adapters) <= config.max_loras, "a step with more adapters than max_loras"
         ghost.run(plan, plan.state, truth)
         check_blocks(plan.state, config, exact=False)
 
@@ -301,6 +308,7 @@ def drive_overlapped(workload, overlap: list[bool], abort_points: list[tuple[int
                 in_flight = plan
         state = aborts(step, 2, state)
         check_blocks(state, config, exact=False)
+        check_adapters(state, config)
         assert state.held == frozenset(state.request_ids())
         step += 1
     assert all(s in ("finished", "aborted") for s in status.values()), status

@@ -1,8 +1,9 @@
 """What every scheduler plan and committed state must satisfy, checked independently of the
 planner's code: budgets, row order, cursors, chunk tiles, sampling rows, token ids, block
 slots, admissions (cap, FCFS), preemptions, stall-freedom (token_budget); blocks partitioned
-into free, cached and held; sliding windows; and a ghost KV cache that writes every row's
-tokens through its block table and checks what each row reads."""
+into free, cached and held; sliding windows; LoRA adapter slots; and a ghost KV cache that
+writes every row's tokens (and the adapter that computed them) through its block table and
+checks what each row reads."""
 
 from __future__ import annotations
 
@@ -13,8 +14,34 @@ from hypothesis.control import currently_in_test_context
 
 from scheduler import SchedulerConfig, SchedulerState
 from scheduler import blocks_for, schedule
-from scheduler.prefix import chain_hashes
+from scheduler.lora_slots import adapter_counts
+from scheduler.prefix import chain_hashes, root_digest
 from scheduler.window import first_needed
+
+
+def running_sequences(state: SchedulerState) -> list:
+    """The running sequences: mid-prefill, decoding, verifying."""
+    return [*(p.seq for p in state.partial), *state.decoding.seqs,
+            *(row.seq for row in state.verifying)]
+
+
+def check_adapters(state: SchedulerState, config: SchedulerConfig) -> None:
+    """Running sequences use at most max_loras adapters; a drain names a running one."""
+    counts = adapter_counts(running_sequences(state))
+    assert len(counts) <= config.max_loras, f"{len(counts)} adapters > max_loras"
+    if counts and currently_in_test_context():
+        event(f"{len(counts)} adapters running (max_loras {config.max_loras})")
+
+
+def _waits_for_slot(state: SchedulerState, config: SchedulerConfig, seq) -> bool:
+    """Whether a waiting sequence may be passed over for want of an adapter slot: its
+    adapter holds none and every slot is taken, or its adapter drains."""
+    adapter = seq.request.adapter
+    if adapter is None:
+        return False
+    counts = adapter_counts(running_sequences(state))
+    return adapter == state.lora_drain or (adapter not in counts
+                                           and len(counts) >= config.max_loras)
 
 def _all_keys(state: SchedulerState) -> dict:
     keys = {s.request_id: s.key for s in state.waiting}
@@ -87,7 +114,8 @@ class GhostCache:
 
     block_size: int
     window: int | None = None  # the sliding window: rows read only the keys inside it
-    slots: dict = dataclasses.field(default_factory=dict)  # (block, offset) -> token
+    # (block, offset) -> (token, adapter that computed it)
+    slots: dict = dataclasses.field(default_factory=dict)
     digests: dict = dataclasses.field(default_factory=dict)  # block -> expected digest
 
     def run(self, plan, state: SchedulerState, mirror: dict) -> None:
@@ -97,6 +125,7 @@ class GhostCache:
         for i, rid in enumerate(plan.request_ids):
             start, length, table = plan.starts[i], plan.lengths[i], plan.block_tables[i]
             tokens = mirror[rid].tokens()
+            adapter = mirror[rid].adapter
             drafts = plan.row_spec_token_ids(i)
             if drafts:  # the row feeds its newest token, then the drafts
                 tokens = tokens[:start + 1] + drafts
@@ -107,16 +136,18 @@ class GhostCache:
                 assert state.pool.ref_count(block) is None, "wrote into a cached block"
                 assert not any(block in t for other, t in tables.items() if other != rid), \
                     "wrote into a block another sequence holds"
-                self.slots[block, p % bs] = tokens[p]
+                self.slots[block, p % bs] = tokens[p], adapter
                 if p % bs == bs - 1:
-                    self.digests[block] = chain_hashes(tokens[:p + 1], bs)[-1]
+                    self.digests[block] = chain_hashes(tokens[:p + 1], bs,
+                                                       root_digest(adapter))[-1]
                 else:
                     self.digests.pop(block, None)
             kv_len = start + length
             # the keys this chunk's first query sees (all of them without a window)
             first = 0 if self.window is None else max(0, start - self.window + 1)
             read = [self.slots.get((table[p // bs], p % bs)) for p in range(first, kv_len)]
-            assert read == list(tokens[first:kv_len]), "a row attends over the wrong KV"
+            assert read == [(t, adapter) for t in tokens[first:kv_len]], \
+                "a row attends over the wrong KV (tokens, or another adapter's)"
 
     def check(self, state: SchedulerState) -> None:
         """Every cached block's digest is the one its content and its prefix give."""
@@ -203,10 +234,12 @@ def check_plan(pre: SchedulerState, plan, config: SchedulerConfig, mirror: dict)
                     s.request_id == rid for s in plan.state.waiting)]
         assert all(key < keys[v] for v in plan.preempted for key in idle), "wrong victim"
     # FCFS: no admission overtakes an earlier waiting request of the same priority, including
-    # one preempted in this very step
+    # one preempted in this very step, unless that one waits for a LoRA adapter slot
     for rid in admitted:
         key = waiting_before[rid].key
-        assert not any(s.key[0] == key[0] and s.key < key for s in plan.state.waiting), "overtaken"
+        assert not any(s.key[0] == key[0] and s.key < key
+                       and not _waits_for_slot(plan.state, config, s)
+                       for s in plan.state.waiting), "overtaken"
     # an admitted prompt that gets no chunk holds newcomers back (no starvation by later arrivals)
     if admitted:
         assert all(p.seq.request_id in plan.request_ids for p in pre.partial)
@@ -226,11 +259,15 @@ def check_plan(pre: SchedulerState, plan, config: SchedulerConfig, mirror: dict)
             assert set(plan.request_ids[:k]) | set(plan.preempted) >= set(dec.ids)
     check_blocks(plan.state, config, exact=False)
     check_window(plan.state, config, planned=True)
+    check_adapters(plan.state, config)
+    rows = {mirror[rid].adapter for rid in plan.request_ids} - {None}
+    assert len(rows) <= config.max_loras, "a step with more adapters than max_loras"
 
 
 def check_state(state: SchedulerState, config: SchedulerConfig, mirror: dict) -> None:
     check_blocks(state, config, exact=True)
     check_window(state, config, planned=False)
+    check_adapters(state, config)
     ids = state.request_ids()
     assert len(ids) == len(set(ids))
     assert state.held == frozenset(ids)

@@ -45,10 +45,12 @@ class Workload:
 
 @st.composite
 def workloads(draw, *, policy=None, pressure=True, aborts=False, stops=True, priorities=True,
-              max_requests=10, shared=None, windows=False, **fixed):
+              max_requests=10, shared=None, windows=False, adapters=False, **fixed):
     """Random workloads. With `shared` (drawn when None) prompts start with one of a few common
     prefixes of random lengths (block-aligned or not; a prompt may be all prefix, so a later
-    identical prompt is entirely cached). With `windows`, a sliding window of 1 to 20 keys."""
+    identical prompt is entirely cached). With `windows`, a sliding window of 1 to 20 keys.
+    With `adapters`, 1 to 3 LoRA slots and each request on the base model or one of up to 5
+    adapters (prompts sharing a prefix across adapters)."""
     tile = draw(st.sampled_from([1, 2, 4, 8, 16]))
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     watermark = draw(st.integers(0, 2))
@@ -62,6 +64,10 @@ def workloads(draw, *, policy=None, pressure=True, aborts=False, stops=True, pri
             length = draw(st.sampled_from([block_size, 2 * block_size, 3 * block_size + 1])
                           | st.integers(1, 40))
             prefixes.append(tuple(7000 + 50 * p + j for j in range(length)))
+    lora = {}
+    if adapters:
+        lora["max_loras"] = draw(st.integers(1, 3))
+        choices = [None] + list(range(draw(st.integers(1, 5))))
     requests = []
     for i in range(n):
         prefix = draw(st.sampled_from(prefixes))
@@ -71,7 +77,8 @@ def workloads(draw, *, policy=None, pressure=True, aborts=False, stops=True, pri
             prompt_token_ids=prefix + tuple((i * 97 + j) % 5000 for j in range(suffix_len)),
             max_tokens=draw(st.integers(1, 12)),
             arrival_time=float(draw(st.integers(0, 8))),
-            priority=draw(st.integers(0, 2)) if use_priority else 0))
+            priority=draw(st.integers(0, 2)) if use_priority else 0,
+            adapter=draw(st.sampled_from(choices)) if adapters else None))
     requests.sort(key=lambda r: r.arrival_time)  # added in arrival order
     needs = [blocks_for(len(r.prompt_token_ids) + r.max_tokens - 1, block_size) for r in requests]
     if pressure:
@@ -88,7 +95,7 @@ def workloads(draw, *, policy=None, pressure=True, aborts=False, stops=True, pri
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, tile, 2 * tile + 1])),
         max_num_partial_prefills=draw(st.integers(1, 3)),
         block_size=block_size, num_blocks=num_blocks, watermark_blocks=watermark,
-        enable_prefix_caching=draw(st.booleans()))
+        enable_prefix_caching=draw(st.booleans()), **lora)
     if windows:
         values["sliding_window"] = draw(st.sampled_from([1, 2, 3, 5, 8, 13, 20]))
     values.update(fixed)

@@ -3,16 +3,20 @@
 1. `OpenAIServer(llm, ServeConfig)` builds the FastAPI app and one serving object per
    endpoint: `serving_completion.OpenAIServingCompletion` (/v1/completions),
    `serving_chat.OpenAIServingChat` (/v1/chat/completions, messages rendered by
-   `chat_template.ChatTemplate`), `serving_models.OpenAIServingModels` (/v1/models and
-   the `model` checks); they share a `serving_engine.ServingContext`.
+   `chat_template.ChatTemplate`), `serving_tokenization.OpenAIServingTokenization`
+   (/tokenize, /detokenize), `serving_models.OpenAIServingModels` (/v1/models, the
+   `model` checks, generation_config.json's defaults); they share a
+   `serving_engine.ServingContext`. The request models (`protocol.py`) and `openai`'s
+   response types give the OpenAPI schema (/openapi.json, /docs).
 2. A generation request is admitted here (`_admit`: the API key, draining, and the body
    read under a size cap: 413 before parsing), then handed to its endpoint, which prepares
    it in a worker pool (never on the event loop), queues it and answers, whole or streamed
    (`serving_engine`). Errors are typed: an `InputError` is a 400 naming its field
    (`param`), an `HTTPError` carries its status, a dead engine is a 503.
-3. Metrics (`server_metrics.ServerMetrics`): the engine's `trace_sink` counts every step's
-   knob engagement and preemptions; finished requests feed latency histograms and token
-   counters; gauges are read from `Engine.stats()` at scrape time (`/metrics`).
+3. Metrics (`server_metrics.ServerMetrics`, and vLLM's names in `vllm_metrics.py`): the
+   engine's `trace_sink` counts every step's knob engagement and preemptions; finished
+   requests feed latency histograms and token counters; gauges are read from
+   `Engine.stats()` at scrape time (`/metrics`).
 4. Shutdown (SIGTERM/SIGINT, or `request_shutdown()`): the server keeps listening but answers
    503 (`/health` too), waits up to `shutdown_timeout` for requests in flight, aborts the
    rest (their responses end with finish_reason "abort"), then uvicorn exits and the engine
@@ -31,6 +35,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
@@ -41,12 +46,15 @@ from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.chat_template import ChatTemplate
 from arcjax.entrypoints.openai.http_server import (HTTPError, TraceFanout, build_server,
                                                    error_response, too_large)
-from arcjax.entrypoints.openai.protocol import DEFAULT_MAX_STOP_STRINGS
+from arcjax.entrypoints.openai.openapi import document, install_schema
+from arcjax.entrypoints.openai.request_params import DEFAULT_MAX_STOP_STRINGS
 from arcjax.entrypoints.openai.server_metrics import ServerMetrics
 from arcjax.entrypoints.openai.serving_chat import OpenAIServingChat
 from arcjax.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from arcjax.entrypoints.openai.serving_engine import RequestTracker, ServingContext
-from arcjax.entrypoints.openai.serving_models import OpenAIServingModels
+from arcjax.entrypoints.openai.serving_models import (GENERATION_CONFIGS, OpenAIServingModels,
+                                                      generation_defaults)
+from arcjax.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from arcjax.entrypoints.openai.tool_parsers import PARSERS, guess_parser
 from arcjax.errors import EngineDeadError, InputError, UnknownRequestError
 
@@ -59,9 +67,11 @@ class ServeConfig:
 
     Attributes:
       host, port: where to listen.
-      api_key: if set, /v1/* requests need `Authorization: Bearer <api_key>`.
-      served_model_name: the model id clients send and /v1/models lists; None = the model
-        directory as given, or "arcjax-default" for the packaged model.
+      api_key: if set, /v1/* (and /tokenize, /detokenize) requests need
+        `Authorization: Bearer <api_key>`.
+      served_model_name: the model id clients send and /v1/models lists, or several (the
+        first is the one responses carry); None = the model directory as given, or
+        "arcjax-default" for the packaged model.
       max_queued_requests: refuse (429) a request that would make more than this many
         requests wait in the engine; None = no limit. Exact under concurrency: the check
         and the queueing happen in one step.
@@ -69,22 +79,38 @@ class ServeConfig:
       max_stop_strings: a request asking for more stop strings is refused (400, "stop").
       shutdown_timeout: seconds requests in flight may take to finish after SIGTERM/SIGINT.
       log_level: uvicorn's log level.
-      tool_call_parser: how `tool_choice: "auto"` reads the model's tool calls ("hermes",
-        "llama3_json"); None = the format the chat template shows, if it shows one.
+      tool_call_parser: how `tool_choice: "auto"` reads the model's tool calls (a
+        `tool_parsers.PARSERS` name); None = the format the chat template shows, if it
+        shows one (arcjax's fallback: vLLM refuses "auto" without the flag).
+      enable_auto_tool_choice: vLLM's flag; here it asks that a parser be known at start
+        (given, or shown by the chat template): "auto" works whenever one is.
+      chat_template: a template (its text, or a file) instead of the model's.
+      generation_config: "auto" (the model's generation_config.json gives the sampling
+        defaults), "vllm" (OpenAI's defaults) or a folder holding a generation_config.json.
+      return_tokens_as_token_ids: logprob tokens as "token_id:<id>" unless a request says.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
-    served_model_name: str | None = None
+    served_model_name: str | tuple[str, ...] | None = None
     max_queued_requests: int | None = None
     max_request_bytes: int = 8 << 20
     max_stop_strings: int = DEFAULT_MAX_STOP_STRINGS
     shutdown_timeout: float = 30.0
     log_level: str = "warning"
     tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    chat_template: str | None = None
+    generation_config: str = "auto"
+    return_tokens_as_token_ids: bool = False
 
     def __post_init__(self):
+        names = self.served_model_name
+        if isinstance(names, (list, tuple)):
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"served_model_name must be non-empty names, got {names!r}")
+            object.__setattr__(self, "served_model_name", tuple(names))
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got "
                              f"{self.tool_call_parser!r}")
@@ -96,6 +122,15 @@ class ServeConfig:
             raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.generation_config not in GENERATION_CONFIGS and not os.path.isdir(
+                self.generation_config):
+            raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS} or a "
+                             f"folder, got {self.generation_config!r}")
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        names = self.served_model_name
+        return () if names is None else (names,) if isinstance(names, str) else names
 
 
 PREPARE_WORKERS = 4  # threads that parse, render and tokenize requests
@@ -108,7 +143,7 @@ class OpenAIServer:
         self.llm = llm
         self.config = config or ServeConfig()
         engine = llm.engine
-        self.models = OpenAIServingModels(llm, self.config.served_model_name)
+        self.models = OpenAIServingModels(llm, self.config.served_model_names)
         self.model_name = self.models.model_name
         self.metrics = ServerMetrics(engine, self.model_name)
         self._fanout = TraceFanout.install(engine)
@@ -118,17 +153,31 @@ class OpenAIServer:
         # parsing, chat rendering and tokenization run here, never on the event loop
         self._pool = ThreadPoolExecutor(max_workers=PREPARE_WORKERS,
                                         thread_name_prefix="arcjax-prepare")
+        cfg = self.config
         context = ServingContext(llm=llm, models=self.models, metrics=self.metrics,
                                  tracker=self.tracker, pool=self._pool,
-                                 max_queued_requests=self.config.max_queued_requests,
-                                 max_stop_strings=self.config.max_stop_strings)
-        chat_template = (ChatTemplate.from_dir(engine.model_dir)
-                         if engine.model_dir is not None else ChatTemplate(None))
+                                 max_queued_requests=cfg.max_queued_requests,
+                                 max_stop_strings=cfg.max_stop_strings,
+                                 defaults=generation_defaults(cfg.generation_config,
+                                                              engine.model_dir),
+                                 tokens_as_ids=cfg.return_tokens_as_token_ids)
+        chat_template = self._chat_template(llm.engine_config.tokenizer or engine.model_dir)
+        tool_parser = cfg.tool_call_parser or guess_parser(chat_template.source)
+        if cfg.enable_auto_tool_choice and tool_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the chat "
+                             "template shows no format arcjax knows)")
         self.completion = OpenAIServingCompletion(context)
-        self.chat = OpenAIServingChat(
-            context, chat_template,
-            self.config.tool_call_parser or guess_parser(chat_template.source))
+        self.chat = OpenAIServingChat(context, chat_template, tool_parser)
+        self.tokenization = OpenAIServingTokenization(context, self.chat)
         self.app = self._build_app()
+
+    def _chat_template(self, model_dir) -> ChatTemplate:
+        """The chat template of the model (or of its `tokenizer` directory), or
+        `--chat-template`'s (with the model's special tokens)."""
+        own = ChatTemplate.from_dir(model_dir) if model_dir is not None else ChatTemplate(None)
+        if self.config.chat_template is None:
+            return own
+        return ChatTemplate.from_source(self.config.chat_template, own.special_tokens)
 
     def close(self) -> None:
         """Stops counting engine steps (the engine may outlive this server)."""
@@ -137,7 +186,8 @@ class OpenAIServer:
 
     # --- the app ----------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="arcjax", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="arcjax", docs_url="/docs", redoc_url=None,
+                      openapi_url="/openapi.json")
         app.state.server = self
 
         @app.exception_handler(InputError)
@@ -165,11 +215,15 @@ class OpenAIServer:
             return error_response(500, f"internal error: {e!r}", "internal_error")
 
         app.get("/health")(self.health)
+        app.get("/version")(self.version)
         app.get("/metrics")(self.metrics_endpoint)
         app.get("/v1/models")(self.show_available_models)
         app.get("/v1/models/{model:path}")(self.show_model)
-        app.post("/v1/completions")(self.create_completion)
-        app.post("/v1/chat/completions")(self.create_chat_completion)
+        document(app, "/v1/completions", self.create_completion)
+        document(app, "/v1/chat/completions", self.create_chat_completion)
+        document(app, "/tokenize", self.tokenize)
+        document(app, "/detokenize", self.detokenize)
+        install_schema(app)
         return app
 
     # --- routes -------------------------------------------------------------------------
@@ -179,7 +233,15 @@ class OpenAIServer:
             return error_response(503, str(dead), "service_unavailable", code="engine_dead")
         if self.draining or not self.llm.is_running():
             return error_response(503, "shutting down", "service_unavailable", code="shutting_down")
-        return JSONResponse({"status": "ok"})
+        return Response(status_code=200)  # an empty body, as vLLM's
+
+    async def version(self) -> Response:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return JSONResponse({"version": version("arcjax")})
+        except PackageNotFoundError:  # run from a checkout that is not installed
+            return JSONResponse({"version": "unknown"})
 
     async def metrics_endpoint(self) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -199,6 +261,12 @@ class OpenAIServer:
 
     async def create_chat_completion(self, request: Request) -> Response:
         return await self.chat.create_chat_completion(request, await self._admit(request))
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self.tokenization.tokenize(await self._admit(request))
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self.tokenization.detokenize(await self._admit(request))
 
     # --- admission ----------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:

@@ -1,18 +1,17 @@
 """The HTTP plumbing of `arcjax serve` (api_server.py holds the app, serving_*.py the
-endpoints): OpenAI-shaped error responses, bodies parsed as JSON, an SSE response that
-always closes what it streams, the client-disconnect watch, the trace fan-out shared by
+endpoints): OpenAI-shaped error responses, an SSE response that always closes what it
+streams, the client-disconnect watch, the trace fan-out shared by
 servers of one engine, and the uvicorn server whose SIGTERM / SIGINT drains gracefully.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from arcjax.entrypoints.openai import protocol as proto
+from arcjax.entrypoints.openai.responses import error_body
 
 
 class HTTPError(Exception):
@@ -26,15 +25,7 @@ class HTTPError(Exception):
 
 
 def error_response(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
-    return JSONResponse(proto.error_body(message, type_, param, code), status_code=status)
-
-
-def parse_json(raw: bytes):
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HTTPError(400, f"the body is not valid JSON ({e})", "invalid_request_error",
-                        "body") from None
+    return JSONResponse(error_body(message, type_, param, code), status_code=status)
 
 
 def too_large(size: int, limit: int) -> HTTPError:

@@ -9,6 +9,9 @@
   histograms; prompt, generated and prefix-cache-hit token counters; requests by finish reason.
 - At scrape time: gauges from `Engine.stats()` (running, waiting, KV blocks in use / total).
 
+vLLM's names (`vllm:*`) are exported beside these from the same events
+(`vllm_metrics.VllmMetrics`).
+
 NOTE: the registry belongs to the server object (no process-global state), so tests can run
 several servers in one process. prometheus_client metrics are thread-safe.
 """
@@ -20,7 +23,9 @@ import dataclasses
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from arcjax.entrypoints.openai.vllm_metrics import VllmMetrics
 from arcjax.outputs import RequestOutput
+from arcjax.sampling_params import SamplingParams
 from scheduler.metrics import StepRecord
 from scheduler.step_plan import Engaged
 
@@ -95,11 +100,13 @@ class ServerMetrics:
         self._knob_family = knob
         self._labels = labels
         r.register(_EngineGauges(engine))
+        self.vllm = VllmMetrics(r, engine, model_name)
 
     # --- engine thread ----------------------------------------------------------------
     def on_step(self, record: StepRecord) -> None:
         """`Engine.trace_sink`: counts the step, its preemptions and engaged knobs."""
         self.steps.inc()
+        self.vllm.on_step(record)
         if record.spec_drafts:
             self.spec_drafts.inc(record.spec_drafts)
             self.spec_draft_tokens.inc(record.spec_draft_tokens)
@@ -119,8 +126,9 @@ class ServerMetrics:
                 child.inc()
 
     # --- event loop -------------------------------------------------------------------
-    def on_finished(self, out: RequestOutput) -> None:
-        """Records one finished request."""
+    def on_finished(self, out: RequestOutput, params: SamplingParams | None = None) -> None:
+        """Records one finished request (`params`: its sampling parameters, when known)."""
+        self.vllm.on_finished(out, params)
         m = out.metrics
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
@@ -135,3 +143,8 @@ class ServerMetrics:
         child = self.requests.get(out.finish_reason)
         if child is not None:
             child.inc()
+
+    def on_aborted(self) -> None:
+        """A request the server aborted (its client left) before its final output."""
+        self.requests["abort"].inc()
+        self.vllm.success["abort"].inc()

@@ -3,18 +3,21 @@ off the event loop, queueing under one admission step, collecting or streaming o
 
 1. An endpoint (`serving_completion`, `serving_chat`) gets the raw body from the app (auth,
    draining and the size cap are checked there) and prepares it in the worker pool
-   (`_in_pool`): parsed by `protocol` (typed errors name the field), every prompt
-   tokenized and checked by `Engine.check` (`_engine_check`: all or nothing).
+   (`_in_pool`): validated by `protocol` and turned into engine inputs by
+   `request_params` (typed errors name the field), every prompt tokenized and checked by
+   `Engine.check` (`_engine_check`: all or nothing).
 2. `_serve`: back on the loop, one synchronous step checks the queue limit and queues
-   every prompt (`_submit`, `AsyncLLM.submit`) under a server-chosen request id
-   ("<prefix>-<hex>-<prompt index>"); with `n` > 1 the engine returns n completions per
-   prompt, choice index prompt_index * n + sample index.
+   every prompt (`_submit`, `AsyncLLM.submit`, with the request's `priority`) under the
+   request id ("<prefix>-<request_id or hex>-<prompt index>"); with `n` > 1 the engine
+   returns n completions per prompt, choice index prompt_index * n + sample index.
 3. Non-streaming (FINAL_ONLY outputs): outputs are collected while a watcher waits for the
    client's `http.disconnect`, then the endpoint's `_response` builds the body. Streaming
    (DELTA outputs): the first output is awaited under the same watcher (so a bad request
    still gets its 400 before any header), then the endpoint's `_chunks` reads the outputs
-   through `StreamedChoices` (per-choice deltas, the usage chunk) and `event_stream` frames
-   them as server-sent events. Either way the request streams are closed when the
+   through `StreamedChoices` (per-choice deltas, the usage chunk; `streamed_choices.py`) and
+   `event_stream` frames
+   them as server-sent events (an error event, then `[DONE]`, ends a stream that fails,
+   as vLLM's). Either way the request streams are closed when the
    response ends, however it ends, which aborts the requests not finished: their KV blocks
    are freed at the start of the next engine step at the latest.
 
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -41,20 +43,31 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from arcjax.entrypoints.async_llm import AsyncLLM, RequestStream
-from arcjax.entrypoints.openai import protocol as proto
 from arcjax.entrypoints.openai.http_server import (EventStream, HTTPError, close_outputs,
                                                    until_disconnect)
-from arcjax.entrypoints.openai.response_logprobs import ChoiceStream, completions_of
+from arcjax.entrypoints.openai.request_params import GenerationDefaults, ParsedRequest
+from arcjax.entrypoints.openai.response_logprobs import TokenNames
 from arcjax.entrypoints.openai.server_metrics import ServerMetrics
 from arcjax.entrypoints.openai.serving_models import OpenAIServingModels
+from arcjax.entrypoints.openai.streamed_choices import (ServedRequest, StreamedChoices,
+                                                        event_stream)
 from arcjax.entrypoints.openai.structured_fields import rename_field
-from arcjax.errors import EngineDeadError, InputError, RequestError, StructuredOutputsError
+from arcjax.errors import RequestError, StructuredOutputsError
 from arcjax.outputs import RequestOutput
-from arcjax.sampling_params import RequestOutputKind
+from arcjax.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
 IGNORED_FIELDS_HEADER = "X-Ignored-Fields"  # the unknown request fields that were ignored
+BODY_PROMPTS = 64  # prompts of max_model_len token ids `max_body_values` leaves room for
+
+
+def max_body_values(engine) -> int:
+    """The most JSON values a request body may hold: room for BODY_PROMPTS prompts of
+    max_model_len token ids, for every token id of the vocabulary twice (allowed_token_ids,
+    logit_bias), and for the longest text prompt if every character were a comma."""
+    return max(BODY_PROMPTS * engine.max_model_len, 2 * engine.runner.cfg.vocab_size,
+               engine.inputs.max_text_chars or 0)
 
 
 class RequestTracker:
@@ -71,7 +84,7 @@ class RequestTracker:
         self.in_flight = 0
         self.ignored_logged: set[str] = set()
 
-    def ignored_header(self, parsed: proto.ParsedRequest) -> dict:
+    def ignored_header(self, parsed: ParsedRequest) -> dict:
         """Logs each unknown field name once; the response header listing this request's."""
         for name in parsed.ignored:
             if name not in self.ignored_logged:
@@ -92,6 +105,8 @@ class ServingContext:
       pool: where requests are prepared (parsing, rendering, tokenization).
       max_queued_requests: 429 for a request that would make more wait; None = no limit.
       max_stop_strings: a request asking for more stop strings is refused.
+      defaults: sampling defaults (generation_config.json) for fields a request leaves unset.
+      tokens_as_ids: `return_tokens_as_token_ids` for requests that do not say.
     """
 
     llm: AsyncLLM
@@ -101,104 +116,13 @@ class ServingContext:
     pool: ThreadPoolExecutor
     max_queued_requests: int | None
     max_stop_strings: int
+    defaults: GenerationDefaults = GenerationDefaults()
+    tokens_as_ids: bool = False
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ServedRequest:
-    """One generation request as its response sees it.
-
-    Attributes:
-      parsed: what the request asked for.
-      request_id: the response's id; the engine's request ids add "-<prompt index>".
-      created: the response's creation time (Unix seconds).
-      model: the served model's name.
-      num_prompts: how many prompts were queued (choices: num_prompts * n).
-    """
-
-    parsed: proto.ParsedRequest
-    request_id: str
-    created: int
-    model: str
-    num_prompts: int
-
-
-@dataclasses.dataclass(frozen=True)
-class ChoiceDelta:
-    """What one streamed choice has new: its index (prompt_index * n + sample index), the
-    text, its log-probabilities (None: not asked, or nothing new) and the finish reason
-    (None: still running)."""
-
-    index: int
-    text: str
-    logprobs: dict | None
-    finish_reason: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class OutputDeltas:
-    """One engine output of a streamed request: its choices' deltas, and the error event to
-    send when the output ends its prompt's generation in failure (else None)."""
-
-    choices: tuple[ChoiceDelta, ...]
-    failure: dict | None
-
-
-class StreamedChoices:
-    """The outputs of a streamed request read per choice: `async for step in choices`
-    gives one `OutputDeltas` per engine output (a choice appears when it has something to
-    send: text held back by the detokenizer rides, with its logprobs, in the next one).
-    Remembers each prompt's final output and counts the choices' tokens for
-    `usage_chunk`."""
-
-    def __init__(self, served: ServedRequest, first: tuple[int, RequestOutput],
-                 rest: AsyncIterator[tuple[int, RequestOutput]], *, chat: bool):
-        self._served, self._first, self._rest = served, first, rest
-        self._choices = ChoiceStream(served.parsed.params.logprobs, chat)
-        self._finals: list[RequestOutput | None] = [None] * served.num_prompts
-
-    def __aiter__(self) -> "StreamedChoices":
-        return self
-
-    async def __anext__(self) -> OutputDeltas:
-        if self._first is not None:
-            (i, out), self._first = self._first, None
-        else:
-            i, out = await self._rest.__anext__()  # StopAsyncIteration after the last
-        n = self._served.parsed.params.n
-        deltas = []
-        for c in completions_of(out):
-            index = i * n + c.index
-            new = self._choices.delta(index, c)
-            if new is not None:
-                deltas.append(ChoiceDelta(index, *new))
-        failure = None
-        if out.finished:
-            self._finals[i] = out
-            if out.finish_reason == "error":
-                failure = proto.error_body(f"generation failed: {out.error}", "internal_error")
-        return OutputDeltas(tuple(deltas), failure)
-
-    def usage_chunk(self, obj: str) -> dict:
-        """The chunk `stream_options.include_usage` asks for, after every choice's last
-        (`obj`: the endpoint's chunk object name)."""
-        s = self._served
-        return proto.usage_chunk(s.request_id, s.created, s.model, obj, self._finals,
-                                 sum(self._choices.tokens.values()))
-
-
-async def event_stream(chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """The SSE body of a streamed response: each chunk as one event, then `[DONE]`. An
-    error that ends the stream early (a prompt refused when queued, after the first output;
-    a dead engine) is its last event instead. Closing the body closes `chunks`."""
-    async with contextlib.aclosing(chunks):
-        try:
-            async for chunk in chunks:
-                yield proto.sse(chunk)
-            yield proto.sse("[DONE]")
-        except InputError as e:
-            yield proto.sse(proto.error_body(str(e), "invalid_request_error", e.field))
-        except EngineDeadError as e:
-            yield proto.sse(proto.error_body(str(e), "service_unavailable", code="engine_dead"))
+async def in_pool(pool: ThreadPoolExecutor, fn: Callable[[bytes], object], raw: bytes):
+    """`fn(raw)` in the worker pool: the event loop serves everyone meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(pool, fn, raw)
 
 
 class OpenAIServing(abc.ABC):
@@ -215,15 +139,28 @@ class OpenAIServing(abc.ABC):
         self.metrics = context.metrics
         self.tracker = context.tracker
         self.max_stop_strings = context.max_stop_strings
+        self.defaults = context.defaults
+        self.tokens_as_ids = context.tokens_as_ids
         self._max_queued = context.max_queued_requests
         self._pool = context.pool
 
     # --- preparation (worker pool) ----------------------------------------------------------
-    async def _in_pool(self, fn: Callable[[bytes], tuple], raw: bytes):
-        """`fn(raw)` in the worker pool: the event loop serves everyone meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, raw)
+    async def _in_pool(self, fn: Callable[[bytes], object], raw: bytes):
+        return await in_pool(self._pool, fn, raw)
 
-    def _engine_check(self, prompt, params, parsed: proto.ParsedRequest,
+    def check_body_values(self, raw: bytes) -> None:
+        """Refuses, before it is parsed, a body with more JSON values than any request this
+        model can serve holds (`max_body_values`): counted as commas, in C, so a body of
+        millions of token ids never becomes millions of Python objects (validating those
+        holds the GIL, and so stalls the event loop, for a second or more)."""
+        count = raw.count(b",")
+        limit = max_body_values(self.llm.engine)
+        if count > limit:
+            raise RequestError("body", f"about {count} values: more than {limit}, what "
+                               f"{BODY_PROMPTS} prompts of max_model_len tokens, the vocabulary "
+                               f"or the longest text prompt need", limit=limit)
+
+    def _engine_check(self, prompt, params, parsed: ParsedRequest,
                       prompt_field: str) -> tuple[int, ...]:
         """`Engine.check` with the request's own field names. Returns the prompt's ids."""
         try:
@@ -244,19 +181,38 @@ class OpenAIServing(abc.ABC):
     def _chunks(self, served: ServedRequest, choices: StreamedChoices) -> AsyncIterator[dict]:
         """The stream's chunks, in order (the SSE framing is `event_stream`'s)."""
 
-    async def _serve(self, request: Request, parsed: proto.ParsedRequest,
-                     prompts: Sequence[tuple[int, ...]]) -> Response:
-        """Queues the prompts and answers: the whole response, or its event stream."""
-        served = ServedRequest(parsed=parsed, request_id=f"{self.REQUEST_ID_PREFIX}-"
-                                                        f"{uuid.uuid4().hex}",
+    def fill_max_tokens(self, parsed: ParsedRequest, params: SamplingParams,
+                        prompt: Sequence[int]) -> SamplingParams:
+        """`params` with max_tokens up to the context left after `prompt` when the request
+        leaves it to the server (capped by generation_config's max_new_tokens)."""
+        if not parsed.fill_max_tokens:
+            return params
+        limit = self.llm.engine.max_model_len
+        keep = params.truncate_prompt_tokens
+        length = len(prompt) if keep is None else min(len(prompt), limit if keep == -1 else keep)
+        room = max(limit - length, 1)
+        return dataclasses.replace(params, max_tokens=min(room, self.defaults.max_tokens
+                                                          or room))
+
+    async def _serve(self, request: Request, parsed: ParsedRequest,
+                     prompts: Sequence[tuple[int, ...]], params: Sequence[SamplingParams],
+                     prompt_text: str | None = None) -> Response:
+        """Queues the prompts (each with its params) and answers: the whole response, or
+        its event stream."""
+        rid = parsed.request.request_id or uuid.uuid4().hex
+        as_ids = parsed.request.return_tokens_as_token_ids
+        served = ServedRequest(parsed=parsed, request_id=f"{self.REQUEST_ID_PREFIX}-{rid}",
                                created=int(time.time()), model=self.models.model_name,
-                               num_prompts=len(prompts))
+                               prompts=tuple(tuple(p) for p in prompts),
+                               names=TokenNames(self.tokens_as_ids if as_ids is None
+                                                else as_ids), prompt_text=prompt_text)
         headers = self.tracker.ignored_header(parsed)
         # streams carry what is new in each step; a whole response needs the final only
         kind = RequestOutputKind.DELTA if parsed.stream else RequestOutputKind.FINAL_ONLY
         streams = self._submit(served.request_id, prompts,
-                               dataclasses.replace(parsed.params, output_kind=kind))
-        outputs = self._outputs(streams)
+                               [dataclasses.replace(p, output_kind=kind) for p in params],
+                               parsed.request.priority)
+        outputs = self._outputs(streams, params)
         self.tracker.in_flight += 1
         handed_over = False
         try:
@@ -287,29 +243,30 @@ class OpenAIServing(abc.ABC):
                 await close_outputs(outputs, streams)
                 self.tracker.in_flight -= 1
 
-    def _submit(self, rid: str, prompts, params) -> list[RequestStream]:
+    def _submit(self, rid: str, prompts, params: Sequence[SamplingParams],
+                priority: int) -> list[RequestStream]:
         """Checks the queue limit and queues every prompt in one step (no other request
         is admitted in between: exact under concurrency); all or nothing."""
         with self.llm.admission_lock:
             limit = self._max_queued
-            n = len(prompts) * params.n
+            n = sum(p.n for p in params)
             if limit is not None and self.llm.engine.stats()["waiting"] + n > limit:
                 raise HTTPError(429, f"too many requests waiting (limit {limit}); retry later",
                                 "rate_limit_error", code="queue_full")
             streams: list[RequestStream] = []
             try:
-                for i, p in enumerate(prompts):
-                    streams.append(self.llm.submit(p, params, f"{rid}-{i}"))
+                for i, (p, sp) in enumerate(zip(prompts, params)):
+                    streams.append(self.llm.submit(p, sp, f"{rid}-{i}", priority))
             except BaseException:
                 for s in streams:
                     s.cancel()
                 raise
         return streams
 
-    async def _outputs(self, gens: list[RequestStream]
+    async def _outputs(self, gens: list[RequestStream], params: Sequence[SamplingParams]
                        ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) of every prompt, as they come. Leaving early aborts the
-        requests still running (their streams are closed)."""
+        """(prompt index, output) of every prompt (queued with `params[i]`), as they come.
+        Leaving early aborts the requests still running (their streams are closed)."""
         rids = [g.request_id for g in gens]
         self.tracker.active.update(rids)
         finished: set[int] = set()
@@ -319,7 +276,7 @@ class OpenAIServing(abc.ABC):
                 async for out in gens[0]:
                     if out.finished:
                         finished.add(0)
-                        self.metrics.on_finished(out)
+                        self.metrics.on_finished(out, params[0])
                     yield 0, out
                 return
             queue: asyncio.Queue = asyncio.Queue()
@@ -338,7 +295,7 @@ class OpenAIServing(abc.ABC):
                     raise err
                 if out.finished:
                     finished.add(i)
-                    self.metrics.on_finished(out)
+                    self.metrics.on_finished(out, params[i])
                 yield i, out
         finally:
             for t in tasks:
@@ -351,7 +308,7 @@ class OpenAIServing(abc.ABC):
             for i, gen in enumerate(gens):
                 if i not in finished:
                     await gen.aclose()  # aborts it
-                    self.metrics.requests["abort"].inc()
+                    self.metrics.on_aborted()
             self.tracker.active.difference_update(rids)
 
     @staticmethod

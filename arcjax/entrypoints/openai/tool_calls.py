@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
-import uuid
 from collections.abc import Sequence
 
+from arcjax.entrypoints.openai.protocol import ToolParam
+from arcjax.entrypoints.openai.tool_parsers import get_parser
 from arcjax.errors import RequestError
 from arcjax.sampling_params import StructuredOutputsParams
-from arcjax.entrypoints.openai.tool_parsers import get_parser
 from arcjax.entrypoints.openai.tool_parsers.abstract_tool_parser import (Parsed, ToolCall,
                                                                          ToolParser)
 
-_NAME = re.compile(r"^[a-zA-Z0-9_.\-]{1,64}$")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -81,6 +79,7 @@ class NamedCallParser(ToolParser):
     streams_arguments = True
 
     def __init__(self, function: str):
+        super().__init__()
         self.function = function
 
     def parse(self, text: str, final: bool = True) -> Parsed:
@@ -100,7 +99,7 @@ class ToolPlan:
 
     Attributes:
       mode: "none" | "auto" | "required" | "named".
-      tools: the request's tool objects (passed to the chat template), or None.
+      tools: the request's tool objects as dicts (passed to the chat template), or None.
       constraint: what the output must match ("required", named), else None.
       parser: reads the completion: `.parse(text, final) -> Parsed`.
     """
@@ -109,6 +108,11 @@ class ToolPlan:
     tools: tuple[dict, ...] | None
     constraint: StructuredOutputsParams | None
     parser: ToolParser
+    single: bool = False  # parallel_tool_calls false with "auto": the first call only
+
+    def calls_of(self, calls: Sequence[ToolCall]) -> tuple[ToolCall, ...]:
+        """The calls the response carries (the first only, with `single`)."""
+        return tuple(calls[:1]) if self.single else tuple(calls)
 
     def finish_reason(self, reason: str | None, calls: Sequence[ToolCall]) -> str | None:
         """OpenAI's finish reason: "tool_calls" when the model chose to call ("auto" with
@@ -118,30 +122,17 @@ class ToolPlan:
         return reason
 
 
-def _check_tools(tools) -> list[Tool]:
-    if not isinstance(tools, list):
-        raise ToolsError("tools", f"must be a list of tool objects, got {tools!r}")
+def _check_tools(tools: Sequence[ToolParam]) -> list[Tool]:
+    """The offered functions (their shapes are the request model's checks)."""
     out, seen = [], set()
     for i, t in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(t, dict) or t.get("type", "function") != "function":
-            raise ToolsError(where, "must be {\"type\": \"function\", \"function\": {...}}")
-        fn = t.get("function")
-        if not isinstance(fn, dict):
-            raise ToolsError(f"{where}.function", "must be an object with a name")
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise ToolsError(f"{where}.function.name", f"must be 1-64 characters of a-z, "
-                                                       f"A-Z, 0-9, _ . -; got {name!r}")
-        if name in seen:
-            raise ToolsError(f"{where}.function.name", f"{name!r} is offered twice")
-        seen.add(name)
-        params = fn.get("parameters")
-        if params is None:
-            params = _EMPTY_PARAMETERS
-        if not isinstance(params, dict):
-            raise ToolsError(f"{where}.function.parameters", "must be a JSON schema object")
-        out.append(Tool(name, params, t))
+        fn = t.function
+        if fn.name in seen:
+            raise ToolsError(f"tools[{i}].function.name", f"{fn.name!r} is offered twice")
+        seen.add(fn.name)
+        definition = {"type": "function", **t.model_dump(exclude_unset=True)}
+        out.append(Tool(fn.name, fn.parameters if fn.parameters is not None
+                        else _EMPTY_PARAMETERS, definition))
     return out
 
 
@@ -168,12 +159,12 @@ def _required_schema(tools: list[Tool], parallel: bool) -> dict:
     return schema
 
 
-def plan_tools(tools, tool_choice, parallel_tool_calls=None,
+def plan_tools(tools: Sequence[ToolParam] | None, tool_choice, parallel_tool_calls=None,
                parser: str | None = None) -> ToolPlan:
     """Validates a chat request's tool fields. Returns its `ToolPlan`.
 
     Args:
-      tools: the request's `tools` (None: none offered).
+      tools: the request's `tools` (`protocol.ToolParam`s; None: none offered).
       tool_choice: None (= "auto" with tools, "none" without), "none", "auto", "required",
         or {"type": "function", "function": {"name": N}}.
       parallel_tool_calls: None or bool; False allows at most one call ("required").
@@ -184,9 +175,6 @@ def plan_tools(tools, tool_choice, parallel_tool_calls=None,
       ToolsError (a RequestError naming the field).
     """
     offered = _check_tools(tools) if tools is not None else []
-    if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
-        raise ToolsError("parallel_tool_calls", f"must be a boolean, got "
-                                                f"{parallel_tool_calls!r}")
     defs = tuple(t.definition for t in offered) or None
     if tool_choice is None:
         tool_choice = "auto" if offered else "none"
@@ -198,7 +186,8 @@ def plan_tools(tools, tool_choice, parallel_tool_calls=None,
         if parser is None:
             raise ToolsError("tool_choice", "\"auto\" needs a tool-call parser: start the "
                                             "server with --tool-call-parser")
-        return ToolPlan("auto", defs, None, get_parser(parser))
+        return ToolPlan("auto", defs, None, get_parser(parser, defs),
+                        single=parallel_tool_calls is False)
     if tool_choice == "required":
         schema = _required_schema(offered, parallel_tool_calls is not False)
         return ToolPlan("required", defs, StructuredOutputsParams(json=schema),
@@ -217,13 +206,9 @@ def plan_tools(tools, tool_choice, parallel_tool_calls=None,
                                     f"...}}}}, got {tool_choice!r}")
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def tool_calls_json(calls: Sequence[ToolCall]) -> list[dict]:
-    """`message.tool_calls` in OpenAI's shape (fresh ids)."""
-    return [{"id": new_call_id(), "type": "function",
+def tool_calls_json(calls: Sequence[ToolCall], parser: ToolParser) -> list[dict]:
+    """`message.tool_calls` in OpenAI's shape (fresh ids in the parser's format)."""
+    return [{"id": parser.new_call_id(), "type": "function",
              "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
@@ -247,7 +232,7 @@ class ToolCallStream:
         items = []
         for i, call in enumerate(parsed.calls):
             if i >= len(self.sent):
-                call_id = new_call_id()
+                call_id = self.parser.new_call_id()
                 self.sent.append((call_id, len(call.arguments)))
                 items.append({"index": i, "id": call_id, "type": "function",
                               "function": {"name": call.name, "arguments": call.arguments}})

@@ -13,6 +13,9 @@
    (`HF_TOKEN`, `huggingface-cli login`) are the library's own lookup.
 3. Offline and not cached, a repository or revision that does not exist, or no network:
    `HubModelError` (a `ModelFileError`) naming the id and the revision.
+
+`snapshot(repo_id, revision, patterns)` is the one download: LoRA adapters
+(`arcjax.lora.peft_adapter`) fetch their own files through it.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def resolve_model(model: str | os.PathLike, revision: str | None = None) -> Mode
         return _local(path, name)
     if not _HUB_ID.match(name) or name.endswith(".gguf"):
         raise ModelFileError(path, "no such file or directory (and not a Hub id 'org/name')")
-    return _local(Path(_snapshot(name, revision)), name)
+    return _local(Path(snapshot(name, revision)), name)
 
 
 def gguf_in_distribution(distribution: str) -> Path | None:
@@ -119,7 +122,18 @@ def gguf_in_distribution(distribution: str) -> Path | None:
     return Path(dist.locate_file(files[0])) if files else None
 
 
-def _snapshot(repo_id: str, revision: str | None) -> str:
+def snapshot(repo_id: str, revision: str | None,
+             patterns: tuple[str, ...] = HUB_PATTERNS) -> str:
+    """The local directory of a Hub repository's files matching `patterns` (downloaded
+    into the Hub cache, or found there offline).
+
+    Raises:
+      ModelFileError: `repo_id` is not shaped like a Hub id ('org/name').
+      HubModelError: the id cannot be resolved (names the id and why).
+    """
+    if not _HUB_ID.match(repo_id):
+        raise ModelFileError(Path(repo_id), "no such file or directory (and not a Hub id "
+                                            "'org/name')")
     import huggingface_hub
     from huggingface_hub import errors
 
@@ -128,7 +142,7 @@ def _snapshot(repo_id: str, revision: str | None) -> str:
     try:
         return huggingface_hub.snapshot_download(
             repo_id, revision=revision, cache_dir=hub_cache_dir(), local_files_only=offline,
-            allow_patterns=list(HUB_PATTERNS))
+            allow_patterns=list(patterns))
     except errors.LocalEntryNotFoundError as e:
         reason = ("HF_HUB_OFFLINE is set and it is not in the Hub cache" if offline
                   else "the Hub cannot be reached and it is not in the Hub cache")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+import uuid
+from collections.abc import Sequence
 from typing import ClassVar
 
 
@@ -39,13 +41,38 @@ class ToolParser(abc.ABC):
     A format in the registry (`tool_parsers.PARSERS`) also names itself and the text its
     chat templates show, so the server can pick it from the template.
 
+    Args:
+      tools: the request's tool definitions (dicts, OpenAI's shape), for formats whose
+        arguments are typed by the functions' schemas; None: none given.
+
     Attributes:
       name: the `--tool-call-parser` value (vLLM's name for the format).
       template_markers: text that a chat template using this format contains.
+      markers: the format's marker texts (the server keeps special tokens in the output
+        when one of them is a special token of the model's vocabulary).
+      reads_whole_output: the parser reads the whole output, reasoning included (harmony
+        keeps its channels apart itself); otherwise it reads the content after it.
     """
 
     name: ClassVar[str]
     template_markers: ClassVar[tuple[str, ...]] = ()
+    markers: ClassVar[tuple[str, ...]] = ()
+    reads_whole_output: ClassVar[bool] = False
+
+    def __init__(self, tools: Sequence[dict] | None = None):
+        self.tools = tuple(tools or ())
+
+    def new_call_id(self) -> str:
+        """A fresh tool-call id (OpenAI's shape)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    def parameter_schema(self, function: str) -> dict:
+        """The `properties` of `function`'s parameters schema ({} when unknown)."""
+        for t in self.tools:
+            fn = t.get("function") or {}
+            if fn.get("name") == function:
+                return (fn.get("parameters") or {}).get("properties") or {}
+        return {}
 
     @abc.abstractmethod
     def parse(self, text: str, final: bool = True) -> Parsed:
@@ -53,20 +80,23 @@ class ToolParser(abc.ABC):
         (nothing is held back any more)."""
 
 
-def call_from_json(obj, args_keys: tuple[str, ...] = ("arguments",)) -> ToolCall | None:
-    """A ToolCall from a decoded {"name": ..., "arguments": {...}} object (the arguments
-    under the first of `args_keys` present), else None."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
+def json_arguments(args) -> str | None:
+    """Arguments (an object, or its JSON text) as JSON text, or None if not an object."""
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
         except json.JSONDecodeError:
             return None
-    if not isinstance(args, dict):
+    return json.dumps(args, ensure_ascii=False) if isinstance(args, dict) else None
+
+
+def call_from_json(obj, args_keys: tuple[str, ...] = ("arguments",)) -> ToolCall | None:
+    """A ToolCall from a decoded {"name": ..., "arguments": {...}} object (the arguments
+    under the first of `args_keys` present), else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    args = json_arguments(next((obj[k] for k in args_keys if k in obj), {}))
+    return None if args is None else ToolCall(obj["name"], args)
 
 
 def held_prefix(text: str, marker: str) -> int:

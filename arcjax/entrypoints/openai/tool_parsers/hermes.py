@@ -17,8 +17,9 @@ class HermesToolParser(ToolParser):
     """`<tool_call>{json}</tool_call>` blocks (Hermes, Qwen)."""
 
     name = "hermes"
-    template_markers = ("<tool_call>",)
     START, END = "<tool_call>", "</tool_call>"
+    template_markers = (START,)
+    markers = (START, END)
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def parse(self, text: str, final: bool = True) -> Parsed:

@@ -17,12 +17,15 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     PYTHON_TAG = "<|python_tag|>"
     template_markers = (PYTHON_TAG, "<|eom_id|>")
+    markers = (PYTHON_TAG,)
     _DECODER = json.JSONDecoder()
 
     def parse(self, text: str, final: bool = True) -> Parsed:
         body = text.lstrip()
         if body.startswith(self.PYTHON_TAG):
             body = body[len(self.PYTHON_TAG):].lstrip()
+            if not body and not final:
+                return Parsed(None)  # the tag: a call comes next
         elif not body or self.PYTHON_TAG.startswith(body):
             return Parsed(text if final else None)  # undecided until more text comes
         if not body.startswith("{"):

@@ -1,0 +1,336 @@
+"""The decoder's layers as `flax.nnx` modules, each declaring its own parameters.
+
+Every parameter is declared once, where its layer uses it: its shape (one layer's), its
+initializer and the logical name of each axis (`nnx.with_partitioning`). The layer stack is
+one `Block` built under `nnx.vmap`, which prefixes every layer parameter with the `layers`
+axis. The module tree:
+
+  Decoder
+    embed           Embed      embedding [V, H] (vocab, embed)
+    layers          Block      every parameter stacked [L, ...] (layers, ...)
+      attn_norm       RMSNorm  scale [H] (embed)
+      attn            Attention  wq [H, Hq*D] (embed, heads), wk, wv [H, Hkv*D] (embed,
+                               kv_heads), wo [Hq*D, H] (heads, embed); Qwen2: bq, bk, bv;
+                               Llama's attention_bias: bo; Qwen3: q_norm, k_norm [D] (None)
+      post_attn_norm  RMSNorm  (Gemma's sandwich norms)
+      mlp_norm        RMSNorm
+      mlp             MLP      w_gate, w_up [H, I] (embed, mlp), w_down [I, H] (mlp, embed)
+                      or MoE   router [H, E] (embed, None); we_gate, we_up [E, H, Im],
+                               we_down [E, Im, H] (expert, embed/moe_mlp), `ExpertWeight`s;
+                               Qwen2-MoE's shared expert ws_gate, ws_up, ws_down, ws_router
+      post_mlp_norm   RMSNorm  (Gemma)
+    final_norm      RMSNorm
+    lm_head         LMHead     kernel [H, V] (embed, vocab); None when tied to the embedding
+
+The params pytree (`arcjax.model.specs.Params`: what every loader produces and every step
+takes) is this tree's state laid out flat per layer; `arcjax.model.binding` maps one to the
+other (`binding.bind` inside a traced step, `binding.declarations` for the specs).
+
+NOTE: flax is imported by this module and `binding` alone, and they only where a model is
+built or traced (`decoder`, `specs.param_specs`): `import flax.nnx` imports optax, which
+`import arcjax` must not load.
+
+NOTE: a stacked `ExpertWeight` ([L, E, ...]) is not sliced by the layer scan: the scan hands
+each layer its slice of every other parameter and the experts whole, read by (layer, expert)
+where they are used (see `arcjax.model.moe`'s NOTE).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from arcjax.model import moe
+from arcjax.model.model_config import ModelConfig, rope_inv_freq
+from arcjax.model.quant import dense, embedding_rows, float_dtype, tied_head
+
+NORMAL_STD = 0.02  # the "normal" initializer's standard deviation
+
+
+def initializer(name: str, std: float = NORMAL_STD):
+    """The initializer a parameter declares by name: "normal" (0, std), "ones", "zeros"."""
+    return {"normal": nnx.initializers.normal(std), "ones": nnx.initializers.ones,
+            "zeros": nnx.initializers.zeros}[name]
+
+
+class ExpertWeight(nnx.Param):
+    """An expert weight, stacked [L, E, ...]: the layer scan passes it whole (see the NOTE)."""
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], init: str, axes: tuple[str | None, ...],
+           kind: type[nnx.Param] = nnx.Param) -> nnx.Param:
+    """A parameter (one layer's, for a layer): `shape` drawn by `init`, each axis named by
+    `axes`. eager_sharding=False: the names are logical, mapped to a mesh by
+    `arcjax.parallel`'s rules when the params are placed, not when a module is built."""
+    initial = nnx.with_partitioning(initializer(init), axes)(rngs.params(), shape, jnp.float32)
+    return kind(initial, init=init, eager_sharding=False)
+
+
+def value(param: nnx.Variable):
+    """A parameter's value: an array, or a quantized weight (`arcjax.model.quant`).
+    (flax 0.12 reads it with `get_value`; earlier versions with `.value`.)"""
+    return param.get_value() if hasattr(param, "get_value") else param.value
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, unit_offset: bool = False) -> jax.Array:
+    """RMSNorm in float32, scaled by `w` (by `1 + w` with `unit_offset`, Gemma's)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    scale = w.astype(jnp.float32)
+    return (xf * (1.0 + scale if unit_offset else scale)).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig,
+         inv_freq: jax.Array | None = None) -> jax.Array:
+    """Rotary embedding, Hugging Face's rotate-half layout. x: [..., T, Hx, D];
+    inv_freq: [D/2] (default: the model's global rope)."""
+    if inv_freq is None:
+        inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)  # [D/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
+    cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis (width `dim`, logical axis `axis`); Gemma's (1 + w) form
+    starts at zero, every other at one: each starts as the identity scale."""
+
+    def __init__(self, cfg: ModelConfig, dim: int, axis: str | None, *, rngs: nnx.Rngs):
+        self.eps, self.unit_offset = cfg.rms_norm_eps, cfg.norm_unit_offset
+        self.scale = _param(rngs, (dim,), "zeros" if cfg.norm_unit_offset else "ones", (axis,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, value(self.scale), self.eps, self.unit_offset)
+
+
+class Embed(nnx.Module):
+    """Token embeddings [V, H]; Gemma scales them by sqrt(hidden)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embedding = _param(rngs, (cfg.vocab_size, cfg.hidden_size), "normal",
+                                ("vocab", "embed"))
+
+    def __call__(self, token_ids: jax.Array, dtype) -> jax.Array:
+        """token_ids [...] int32 -> [..., H] in `dtype`."""
+        table = value(self.embedding)  # [V, H]; packed: [H, V] (`quant.embedding_rows`)
+        x = embedding_rows(table, token_ids, dtype)
+        if self.cfg.scale_embeddings:  # sqrt(hidden) rounded to the table's dtype, as HF does
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5,
+                                float_dtype(table, dtype)).astype(dtype)
+        return x
+
+
+class Attention(nnx.Module):
+    """Projections, q/k norms, rope, and the output projection around an `attend` function
+    (the paged or the dense attention: the only difference between the two modes)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        H = cfg.hidden_size
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.wq = _param(rngs, (H, q_dim), "normal", ("embed", "heads"))
+        self.wk = _param(rngs, (H, kv_dim), "normal", ("embed", "kv_heads"))
+        self.wv = _param(rngs, (H, kv_dim), "normal", ("embed", "kv_heads"))
+        self.wo = _param(rngs, (q_dim, H), "normal", ("heads", "embed"))
+        bias = cfg.qkv_bias
+        self.bq = _param(rngs, (q_dim,), "zeros", ("heads",)) if bias else None
+        self.bk = _param(rngs, (kv_dim,), "zeros", ("kv_heads",)) if bias else None
+        self.bv = _param(rngs, (kv_dim,), "zeros", ("kv_heads",)) if bias else None
+        self.bo = _param(rngs, (H,), "zeros", ("embed",)) if cfg.o_bias else None
+        norm = functools.partial(RMSNorm, cfg, cfg.head_dim, None, rngs=rngs)
+        self.q_norm = norm() if cfg.qk_norm else None
+        self.k_norm = norm() if cfg.qk_norm else None
+
+    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
+        """x: [..., T, H] normalized -> q [..., T, Hq, D], k and v [..., T, Hkv, D]."""
+        cfg, dt = self.cfg, x.dtype
+        # dense(): a quantized weight (FP8/INT8) is dequantized here, inside the step.
+        q, k, v = (x @ dense(value(self.wq), dt), x @ dense(value(self.wk), dt),
+                   x @ dense(value(self.wv), dt))
+        if self.bq is not None:
+            q, k, v = (q + value(self.bq).astype(dt), k + value(self.bk).astype(dt),
+                       v + value(self.bv).astype(dt))
+        lead = x.shape[:-1]
+        q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rope(q, positions, cfg, inv_freq), rope(k, positions, cfg, inv_freq), v
+
+    def out(self, attn: jax.Array, dtype) -> jax.Array:
+        """attn [..., T, Hq, D] -> [..., T, H]; the weights in `dtype` (the layer input's)."""
+        out = attn.reshape(*attn.shape[:-2], -1) @ dense(value(self.wo), dtype)
+        if self.bo is not None:
+            out = out + value(self.bo).astype(dtype)
+        return out
+
+
+class MLP(nnx.Module):
+    """The gated MLP: act(h @ w_gate) * (h @ w_up) @ w_down (SwiGLU or GeGLU)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.act = cfg.hidden_act
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.w_gate = _param(rngs, (H, I), "normal", ("embed", "mlp"))
+        self.w_up = _param(rngs, (H, I), "normal", ("embed", "mlp"))
+        self.w_down = _param(rngs, (I, H), "normal", ("mlp", "embed"))
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        """h [..., H] -> [..., H]."""
+        dt = h.dtype
+        h = (moe.activation(h @ dense(value(self.w_gate), dt), self.act)
+             * (h @ dense(value(self.w_up), dt)))
+        return h @ dense(value(self.w_down), dt)
+
+
+class MoE(nnx.Module):
+    """A mixture of experts (`arcjax.model.moe.moe_mlp`: route, grouped GEMMs), plus
+    Qwen2-MoE's sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        H, E, Im = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.router = _param(rngs, (H, E), "normal", ("embed", None))
+        expert = functools.partial(_param, rngs, init="normal", kind=ExpertWeight)
+        self.we_gate = expert((E, H, Im), axes=("expert", "embed", "moe_mlp"))
+        self.we_up = expert((E, H, Im), axes=("expert", "embed", "moe_mlp"))
+        self.we_down = expert((E, Im, H), axes=("expert", "moe_mlp", "embed"))
+        Is = cfg.shared_expert_intermediate_size
+        shared = bool(Is)
+        self.ws_gate = _param(rngs, (H, Is), "normal", ("embed", "mlp")) if shared else None
+        self.ws_up = _param(rngs, (H, Is), "normal", ("embed", "mlp")) if shared else None
+        self.ws_down = _param(rngs, (Is, H), "normal", ("mlp", "embed")) if shared else None
+        self.ws_router = _param(rngs, (H, 1), "normal", ("embed", None)) if shared else None
+
+    def __call__(self, h: jax.Array, *, valid: jax.Array, layer: jax.Array, impl: str,
+                 parallel) -> tuple[jax.Array, jax.Array]:
+        """h [..., H]; valid [...] bool, real tokens (padding goes to no expert); layer: []
+        int32, which layer's experts (they are stacked [L, E, ...]); impl: `moe.IMPLS`;
+        parallel: an `arcjax.parallel.TensorParallel` or None.
+        Returns (out [..., H], tokens per expert [E] int32)."""
+        cfg = self.cfg
+        weights = {"router": value(self.router)}
+        if self.ws_gate is not None:
+            weights |= {name: value(getattr(self, name))
+                        for name in ("ws_gate", "ws_up", "ws_down", "ws_router")}
+        experts = {name: value(getattr(self, name)) for name in moe.EXPERT_WEIGHTS}
+        lead = h.shape[:-1]
+        out, counts = moe.moe_mlp(h.reshape(-1, h.shape[-1]), weights, experts, layer,
+                                  num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                                  renormalize=cfg.norm_topk_prob, act=cfg.hidden_act,
+                                  valid=valid.reshape(-1), impl=impl, parallel=parallel)
+        return out.reshape(*lead, -1), counts
+
+
+class Block(nnx.Module):
+    """One decoder layer: attention and MLP (or experts), each behind its norm, residuals."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        norm = functools.partial(RMSNorm, cfg, cfg.hidden_size, "embed", rngs=rngs)
+        sandwich = cfg.sandwich_norms
+        self.attn_norm = norm()
+        self.attn = Attention(cfg, rngs=rngs)
+        self.post_attn_norm = norm() if sandwich else None
+        self.mlp_norm = norm()
+        self.mlp = MoE(cfg, rngs=rngs) if cfg.is_moe else MLP(cfg, rngs=rngs)
+        self.post_mlp_norm = norm() if sandwich else None
+
+    def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend, *,
+                 valid: jax.Array, layer: jax.Array, moe_impl: str, parallel):
+        """x [..., T, H] -> (x, aux, tokens per expert [E] or None).
+
+        `attend(q, k, v) -> ([..., T, Hq, D], aux)` is the only difference between the paged
+        and dense modes; positions [..., T]; inv_freq [D/2] (this layer's rope); valid,
+        layer, moe_impl, parallel: for the experts (`MoE`)."""
+        with jax.named_scope("qkv"):
+            q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq)
+        with jax.named_scope("attention"):
+            attn, aux = attend(q, k, v)
+        with jax.named_scope("o_proj"):
+            out = self.attn.out(attn, x.dtype)
+            if self.post_attn_norm is not None:
+                out = self.post_attn_norm(out)
+            x = x + out
+        with jax.named_scope("mlp"):
+            h = self.mlp_norm(x)
+            if isinstance(self.mlp, MoE):
+                h, stats = self.mlp(h, valid=valid, layer=layer, impl=moe_impl,
+                                    parallel=parallel)
+            else:
+                h, stats = self.mlp(h), None
+            if self.post_mlp_norm is not None:
+                h = self.post_mlp_norm(h)
+            x = x + h
+        return x, aux, stats
+
+
+class LMHead(nnx.Module):
+    """The vocabulary projection of an untied model."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.kernel = _param(rngs, (cfg.hidden_size, cfg.vocab_size), "normal",
+                             ("embed", "vocab"))
+
+
+class Decoder(nnx.Module):
+    """The whole model: embedding, the stacked layers, final norm and head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(cfg, rngs=rngs)
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stack(key):
+            return Block(cfg, rngs=nnx.Rngs(params=key))
+
+        self.layers = stack(jax.random.split(rngs.params(), cfg.num_layers))
+        self.final_norm = RMSNorm(cfg, cfg.hidden_size, "embed", rngs=rngs)
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg, rngs=rngs)
+
+    def scan_layers(self, step, carry, xs):
+        """`jax.lax.scan` of `step(block, carry, x) -> (carry, y)` over the layers, where
+        `block` is one layer's `Block` (its expert weights whole, see the NOTE) and `x` the
+        layer's slice of `xs` ([L, ...] arrays). Returns (carry, ys stacked [L, ...])."""
+        graphdef, experts, stacked = self._split_layers()
+
+        def body(carry, xs):
+            layer_state, x = xs
+            return step(nnx.merge(graphdef, experts, layer_state), carry, x)
+
+        return jax.lax.scan(body, carry, (stacked, xs))
+
+    def block(self, index: int) -> Block:
+        """Layer `index`'s `Block` alone (its slice of each layer parameter, the experts
+        whole), for a caller that runs one layer outside the scan (a benchmark)."""
+        graphdef, experts, stacked = self._split_layers()
+        return nnx.merge(graphdef, experts, jax.tree.map(lambda w: w[index], stacked))
+
+    def _split_layers(self):
+        """(one Block's graph, the stacked expert weights, every other layer parameter)."""
+        return nnx.split(self.layers, ExpertWeight, ...)
+
+    def head(self, h: jax.Array, parallel=None) -> jax.Array:
+        """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last
+        layer's output) -> logits [..., V] float32, whole rows on every device."""
+        cfg = self.cfg
+        h = self.final_norm(h)
+        w = (tied_head(value(self.embed.embedding), h.dtype) if self.lm_head is None
+             else dense(value(self.lm_head.kernel), h.dtype))  # [H, V]
+        logits = (h @ w).astype(jnp.float32)
+        if cfg.final_logit_softcap is not None:
+            cap = cfg.final_logit_softcap
+            logits = cap * jnp.tanh(logits / cap)
+        if parallel is not None:
+            # Keep the projection split by vocabulary (else GSPMD may all-gather a tied
+            # embedding's whole table), then gather the rows: sampling reads whole rows.
+            axes = (None,) * (logits.ndim - 1) + ("vocab",)
+            logits = jax.lax.with_sharding_constraint(logits, parallel.sharding(axes))
+            logits = jax.lax.with_sharding_constraint(logits, parallel.replicated)
+        return logits
