@@ -30,8 +30,8 @@ def _check_impl(impl: str) -> None:
     require(impl in IMPLS, "impl", f"unknown implementation {impl!r}; expected one of {IMPLS}")
 
 
-# Options the Pallas GPU kernel implements (k/v scales: FP8 pages; windows; soft-caps).
-PALLAS_GPU_OPTIONS = ("k_scale", "v_scale", "sliding_window", "logit_softcap")
+# Options the Pallas GPU kernel implements (k/v scales: FP8 pages; windows; soft-caps; sinks).
+PALLAS_GPU_OPTIONS = ("k_scale", "v_scale", "sliding_window", "logit_softcap", "sinks")
 
 
 def _is_gpu(platform: str) -> bool:
@@ -71,8 +71,8 @@ def choose_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | N
         impl: one of `IMPLS`.
         head_dim, block_size: D and the cache's page size.
         max_q_len: the static chunk bound (1: a decode-only batch); None if unknown.
-        plain: no sliding_window, logit_softcap or k/v scales (the kernels that lack
-            them are picked only for plain calls).
+        plain: no sliding_window, logit_softcap, k/v scales or sinks (the kernels that
+            lack them are picked only for plain calls).
         dtype, kv_dtype, num_heads, num_kv_heads: q's and the pages' dtypes (kv_dtype
             defaults to dtype), Hq and Hkv: what the Mosaic GPU kernel takes.
         pallas_gpu_ok: the Pallas GPU kernel implements every option of the call (None:
@@ -89,7 +89,7 @@ def choose_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | N
     shape = None if options is None else verified.ShapeClass(
         head_dim=head_dim, page_size=block_size, gqa=max(1, num_heads // num_kv_heads),
         window="sliding_window" in options, softcap="logit_softcap" in options,
-        fp8=jnp.dtype(kv_dtype).itemsize == 1)
+        fp8=jnp.dtype(kv_dtype).itemsize == 1, sinks="sinks" in options)
     if impl != "auto":
         return backends.verification(impl, shape)
     on_gpu = _is_gpu(platform or jax.default_backend())
@@ -110,7 +110,7 @@ def resolve_call(impl: str, q, k_pages, **call) -> str:
 
 def choose_call(impl: str, q, k_pages, *, max_q_len: int | None = None,
                 sliding_window=None, logit_softcap=None, k_scale=None, v_scale=None,
-                platform: str | None = None) -> backends.Choice:
+                sinks=None, platform: str | None = None) -> backends.Choice:
     """The implementation `ragged_paged_attention(q, k_pages, ..., impl=impl,
     max_q_len=max_q_len, <options>)` runs on `platform`, and whether a recorded GPU pass
     vouches for it: what a caller reports without tracing a call (the engine's trace
@@ -121,14 +121,14 @@ def choose_call(impl: str, q, k_pages, *, max_q_len: int | None = None,
         q, k_pages: arrays or `jax.ShapeDtypeStruct`s ([T, Hq, D] and [num_blocks,
             block_size, Hkv, D]; only shapes and dtypes are read).
         max_q_len: as `ragged_paged_attention`'s (None: T).
-        sliding_window, logit_softcap, k_scale, v_scale: only whether each is given
-            (not None) matters.
+        sliding_window, logit_softcap, k_scale, v_scale, sinks: only whether each is
+            given (not None) matters.
         platform: where the call runs; None = the default backend.
 
     Returns:
         A `backends.Choice` whose impl is one of `IMPLS` other than "auto".
     """
-    values = (sliding_window, logit_softcap, k_scale, v_scale)  # in the order of OPTIONS
+    values = (sliding_window, logit_softcap, k_scale, v_scale, sinks)  # OPTIONS' order
     given = frozenset(name for name, value in zip(OPTIONS, values, strict=True)
                       if value is not None)
     t = q.shape[0]
@@ -224,7 +224,7 @@ def _mosaic_gpu(inputs: AttentionInputs, plan: gpu_plan_lib.GpuPlan, interpret: 
             f'impl="mosaic_gpu" serves decode-only batches (max_q_len=1), got {inputs.max_q_len}')
     require(not inputs.options(), "impl",
             'impl="mosaic_gpu" does not support sliding_window, '
-            'logit_softcap or k_scale/v_scale; use impl="triton"')
+            'logit_softcap, k_scale/v_scale or sinks; use impl="triton"')
     require(reason is None, "impl", reason)
     q, k_pages = inputs.q, inputs.k_pages
     reason = backends.mosaic_gpu_unsupported(
@@ -291,6 +291,7 @@ def ragged_paged_attention(
     logit_softcap: float | None = None,
     k_scale: jax.Array | float | None = None,
     v_scale: jax.Array | float | None = None,
+    sinks: jax.Array | None = None,  # [Hq]
     impl: str = "auto",
     interpret: bool = False,
     max_q_len: int | None = None,
@@ -317,6 +318,9 @@ def ragged_paged_attention(
         k_scale, v_scale: None, or float32 scalars (traced or not): the pages hold
             `value / scale` (e.g. float8_e4m3fn pages); attention reads
             `float32(page) * scale`.
+        sinks: None, or `[Hq]` floats (traced): each query head's sink logit, one more
+            term of every softmax denominator that attends to nothing (gpt-oss); a raw
+            logit (not scaled by sm_scale, not soft-capped).
         impl: "reference" (host-side oracle, not for jit), "xla", "pallas_gpu"
             (Pallas-Triton), "triton" (a Triton kernel through jax_triton),
             "mosaic_gpu" (decode-only batches), or "auto" (`resolve_impl`: a GPU
@@ -337,5 +341,5 @@ def ragged_paged_attention(
         q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables, kv_lens=kv_lens,
         cu_seqlens_q=cu_seqlens_q, num_seqs=num_seqs, sm_scale=sm_scale,
         sliding_window=sliding_window, logit_softcap=logit_softcap, k_scale=k_scale,
-        v_scale=v_scale, max_q_len=max_q_len)
+        v_scale=v_scale, sinks=sinks, max_q_len=max_q_len)
     return paged_attention(inputs, impl=impl, interpret=interpret)

@@ -20,9 +20,15 @@ The options past plain causal attention:
   `cap * tanh(s / cap)` before masking (Gemma 2).
 - `k_scale`, `v_scale` (float32 scalars, may be traced): the pages hold
   `value / scale` (e.g. float8_e4m3fn); attention reads `float32(page) * scale`.
+- `sinks` (float32 `[Hq]`, traced: one row per layer inside the decoder's scan): a
+  learned logit per query head that joins every softmax denominator (gpt-oss) and
+  attends to nothing: row weights are `exp(s_k) / (sum_j exp(s_j) + exp(sink))`. The
+  sink is a raw logit (neither scaled by `sm_scale` nor soft-capped); with a window it
+  joins the windowed softmax.
 
-Its methods `in_window`, `visible`, `softcap` and `dequantize` are the only places these
-semantics are written for the jnp paths; kernels that need the raw values read the fields.
+Its methods `in_window`, `visible`, `softcap`, `dequantize` and `normalize` are the only
+places these semantics are written for the jnp paths; kernels that need the raw values
+read the fields.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import numpy as np
 from pallas_kernels.kernel_errors import KernelArgumentError, require
 
 # The options past plain causal attention (None: not used by the call).
-OPTIONS = ("sliding_window", "logit_softcap", "k_scale", "v_scale")
+OPTIONS = ("sliding_window", "logit_softcap", "k_scale", "v_scale", "sinks")
 
 
 def _static():
@@ -66,6 +72,7 @@ class AttentionInputs:
     sliding_window: jax.Array | None = None  # [] int32
     k_scale: jax.Array | None = None  # [] float32
     v_scale: jax.Array | None = None  # [] float32
+    sinks: jax.Array | None = None  # [Hq] float32
     sm_scale: float = _static()
     max_q_len: int = _static()  # bound on any chunk's length, <= T (1: decode-only)
     logit_softcap: float | None = dataclasses.field(default=None, metadata=dict(static=True))
@@ -86,6 +93,7 @@ class AttentionInputs:
         logit_softcap: float | None = None,
         k_scale: jax.Array | float | None = None,
         v_scale: jax.Array | float | None = None,
+        sinks: jax.Array | None = None,  # [Hq]
         max_q_len: int | None = None,
     ) -> AttentionInputs:
         """Validates one call's inputs and returns them normalized.
@@ -98,6 +106,8 @@ class AttentionInputs:
             logit_softcap: None, or a positive Python float (static).
             k_scale, v_scale: None, or scalars (traced or not): the pages hold
                 `value / scale`.
+            sinks: None, or a floating `[Hq]` array (traced or not): each query head's
+                sink logit.
             max_q_len: static upper bound on any chunk's length (a positive int;
                 defaults to T, clipped to T). A chunk longer than it gives undefined results.
 
@@ -106,7 +116,12 @@ class AttentionInputs:
         """
         _check_arrays(q, k_pages, v_pages, block_tables, kv_lens, cu_seqlens_q, num_seqs)
         _check_options(sliding_window, logit_softcap, k_scale, v_scale)
-        t, _, d = q.shape
+        t, hq, d = q.shape
+        if sinks is not None:
+            require(_shape(sinks) == (hq,), "sinks",
+                    f"expected one logit per query head, shape ({hq},), got {_shape(sinks)}")
+            require(jnp.issubdtype(_dtype(sinks), jnp.floating), "sinks",
+                    f"expected a floating dtype, got {_dtype(sinks)}")
         if sm_scale is None:
             sm_scale = d**-0.5
         require(isinstance(sm_scale, numbers.Real) and not isinstance(sm_scale, bool)
@@ -121,7 +136,8 @@ class AttentionInputs:
                    block_tables=_cast(block_tables, i32), kv_lens=_cast(kv_lens, i32),
                    cu_seqlens_q=_cast(cu_seqlens_q, i32), num_seqs=_cast(num_seqs, i32),
                    sliding_window=_cast(sliding_window, i32), k_scale=_cast(k_scale, f32),
-                   v_scale=_cast(v_scale, f32), sm_scale=float(sm_scale),
+                   v_scale=_cast(v_scale, f32), sinks=_cast(sinks, f32),
+                   sm_scale=float(sm_scale),
                    max_q_len=min(max_q_len, t),
                    logit_softcap=None if logit_softcap is None else float(logit_softcap))
 
@@ -186,6 +202,26 @@ class AttentionInputs:
         if self.v_scale is not None:
             v = v * self.v_scale
         return k, v
+
+    def normalize(self, acc: jax.Array, m: jax.Array, l: jax.Array,
+                  sinks: jax.Array | None) -> jax.Array:
+        """The softmax-weighted values of an online softmax's state, float32.
+
+        Args:
+            acc: [..., D] sum of `exp(s - m) * v`; m: [...] running max of the natural-log
+                scores (-inf: no key yet); l: [...] sum of `exp(s - m)`.
+            sinks: None, or [...] each row's sink logit (`self.sinks` laid out like m).
+
+        Returns:
+            [..., D] `acc / l`, with `exp(sink)` in the denominator when given; rows with
+            neither keys nor a sink are 0.
+        """
+        if sinks is None:
+            return acc / jnp.where(l > 0, l, 1)[..., None]
+        top = jnp.maximum(m, sinks)  # finite: sinks are
+        rescale = jnp.exp(m - top)  # 0 for a row without keys
+        den = l * rescale + jnp.exp(sinks - top)
+        return acc * (rescale / den)[..., None]
 
 
 def _shape(x) -> tuple[int, ...]:

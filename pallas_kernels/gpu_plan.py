@@ -19,12 +19,14 @@ tokens starting at token `t0` is then the contiguous rows
 """
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import plan as plan_lib
 
+LOG2E = math.log2(math.e)
 MIN_DOT = 16  # smallest matmul dimension the GPU lowering accepts
 NUM_SMS = 132  # H200; only steers the split-K heuristic
 
@@ -141,21 +143,41 @@ def unpack_output(o: jax.Array, num_tokens: int, num_heads: int) -> jax.Array:
     return o.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, d)
 
 
-def combine_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+def packed_sinks(sinks: jax.Array | None, plan: GpuPlan, num_kv_heads: int,
+                 num_rows: int) -> jax.Array:
+    """`[Hq]` sink logits -> `[Hkv, num_rows]` float32 base-2 logits of packed rows (row
+    `r` of KV head h is query head `h * Hq/Hkv + r % group`; rows of a padded group get
+    0); zeros when `sinks` is None (the kernels then never read them)."""
+    if sinks is None:
+        return jnp.zeros((num_kv_heads, num_rows), jnp.float32)
+    g = sinks.shape[0] // num_kv_heads
+    per_group = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, g) * LOG2E,
+                        ((0, 0), (0, plan.group - g)))  # [Hkv, group]
+    return jnp.tile(per_group, (1, -(-num_rows // plan.group)))[:, :num_rows]
+
+
+def combine_splits(o: jax.Array, m: jax.Array, l: jax.Array,
+                   sinks: jax.Array | None = None) -> jax.Array:
     """Merges split-K partials (base-2 log domain) into normalized output.
 
     Args:
         o: [P, Hkv, R, D] unnormalized partial outputs.
         m: [P, Hkv, R] running maxima of the base-2 scores.
         l: [P, Hkv, R] partial softmax denominators.
+        sinks: None, or [Hkv, R] base-2 sink logits (`packed_sinks`), one more
+            denominator term per row, taken once here.
 
     Returns:
         [Hkv, R, D] float32.
     """
     m_max = jnp.max(m, axis=0)
+    if sinks is not None:
+        m_max = jnp.maximum(m_max, sinks)
     m_max = jnp.where(jnp.isfinite(m_max), m_max, 0)
     w = jnp.exp2(m - m_max[None])  # [P, Hkv, R]; empty splits have m=-inf, weight 0
     den = jnp.sum(w * l, axis=0)
+    if sinks is not None:
+        den = den + jnp.exp2(sinks - m_max)
     num = jnp.sum(w[..., None] * o, axis=0)
     return num / jnp.where(den > 0, den, 1)[..., None]
 

@@ -52,19 +52,26 @@ def write_kv(
         raise KernelArgumentError(
             "slot_mapping", f"expected an integer dtype, got {slot_mapping.dtype}")
 
+    block, offset = drop_padding_slots(slot_mapping, num_blocks, block_size)
+    k_pages = k_pages.at[block, offset].set(quantize_kv(k, k_pages.dtype, k_scale), mode="drop")
+    v_pages = v_pages.at[block, offset].set(quantize_kv(v, v_pages.dtype, v_scale), mode="drop")
+    return k_pages, v_pages
+
+
+def drop_padding_slots(slot_mapping: jax.Array, num_blocks: int,
+                       block_size: int) -> tuple[jax.Array, jax.Array]:
+    """(block [T], offset [T]) of each slot, for a `mode="drop"` scatter into pages
+    `[num_blocks, block_size, ...]`: slots outside the pages (padding) land past the end."""
     num_slots = num_blocks * block_size
     slots = slot_mapping.astype(jnp.int32)
     # NOTE: jnp indexing wraps negative indices before mode="drop" applies, so a
     # negative slot is moved past the end to be dropped like any other padding.
     slots = jnp.where(slots < 0, num_slots, slots)  # [T]
-    # NOTE: scatter into the 4-D pages by (block, offset). Scattering into a flat
+    # NOTE: scatter into the pages by (block, offset). Scattering into a flat
     # [num_slots, Hkv, D] reshape of the pages made XLA copy the whole cache (twice) in
     # every layer of the scanned decoder: the reshape of a loop-carried buffer defeats
     # in-place update (a lone decode step on the CPU: 2.4 ms -> see RESULTS.md).
-    block, offset = slots // block_size, slots % block_size
-    k_pages = k_pages.at[block, offset].set(quantize_kv(k, k_pages.dtype, k_scale), mode="drop")
-    v_pages = v_pages.at[block, offset].set(quantize_kv(v, v_pages.dtype, v_scale), mode="drop")
-    return k_pages, v_pages
+    return slots // block_size, slots % block_size
 
 
 def quantize_kv(x: jax.Array, dtype, scale: jax.Array | float | None) -> jax.Array:

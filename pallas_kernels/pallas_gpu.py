@@ -21,6 +21,10 @@ Dataflow:
        combines and scatters into place; every other tile writes final rows.
     5. Padding rows (never written) are set to zero.
 
+Attention sinks (`sinks`, gpt-oss): each packed row's sink logit (base 2) is one more term
+of the final denominator, `l * 2**(m - top) + 2**(sink - top)` with `top = max(m, sink)`;
+a split row's partials take it once, in the combine (`gpu_plan.combine_splits`).
+
 Quantized pages (float8_e4m3fn, `k_scale`/`v_scale`): each step upcasts the loaded K/V
 tile to q's dtype (exact: e4m3 values are bf16 values); `k_scale` folds into the score
 scale and `v_scale` multiplies the accumulator before it is written, so no scaled copy
@@ -71,6 +75,7 @@ def _attention_kernel(
     window_ref,  # [1] int32 sliding window (read only when `windowed`)
     tables_ref,  # [S, cols] int32 page ids
     scales_ref,  # [2] float32: k_scale, v_scale (1.0 for plain pages)
+    sinks_ref,  # [rows] float32 base-2 sink logit of each packed row (read only with sinks)
     q_ref,  # [rows_total, D] packed queries of this KV head
     k_ref,  # [num_blocks, page_size, D] this KV head's key pages
     v_ref,  # [num_blocks, page_size, D]
@@ -80,6 +85,7 @@ def _attention_kernel(
     precision,  # dot_precision of the inputs
     windowed: bool,
     softcap: float | None,
+    has_sinks: bool,
 ):
     tiles = plan.tiles
     rows, group, bk, pps = plan.rows, plan.group, tiles.block_k, tiles.pages_per_step
@@ -163,7 +169,13 @@ def _attention_kernel(
         col_ok = (jnp.arange(head_dim) < head_dim)[None, :]  # [1, D] broadcasts masks
         final_ok = row_ok & ~is_split
         o_ref = out_refs[0]
-        o = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        if has_sinks:  # one more denominator term: 2**sink, no value
+            sink = sinks_ref[...]  # [M]
+            top = jnp.maximum(m, sink)
+            rescale = jnp.exp2(m - top)
+            o = acc * (rescale / (l * rescale + jnp.exp2(sink - top)))[:, None]
+        else:
+            o = acc / jnp.where(l > 0, l, 1.0)[:, None]
         plgpu.store(o_ref.at[pl.ds(q_start * group, rows), :], o.astype(o_ref.dtype),
                     mask=final_ok[:, None] & col_ok)
         if plan.num_splits > 1:
@@ -175,9 +187,9 @@ def _attention_kernel(
             plgpu.store(lp_ref.at[slot], l, mask=part_ok)
 
 
-def _launch(meta, is_split, window, tables, scales, q_packed, k_pages, v_pages, *,
+def _launch(meta, is_split, window, tables, scales, sinks, q_packed, k_pages, v_pages, *,
             plan: gpu_plan_lib.GpuPlan, sm_scale: float, softcap: float | None,
-            interpret: bool):
+            has_sinks: bool, interpret: bool):
     num_blocks, page_size, hkv, head_dim = k_pages.shape
     rows_total = q_packed.shape[1]
     grid = (hkv, plan.num_splits, plan.tiles.num_tiles)
@@ -191,6 +203,7 @@ def _launch(meta, is_split, window, tables, scales, q_packed, k_pages, v_pages, 
                 (window if windowed else jnp.int32(0)).reshape(1))
     in_specs = [whole(x) for x in metadata] + [
         whole(tables), whole(scales),
+        pl.BlockSpec((None, plan.rows), lambda h, p, w: (h, 0)),
         pl.BlockSpec((None, rows_total, head_dim), lambda h, p, w: (h, 0, 0)),
         pl.BlockSpec((num_blocks, page_size, None, head_dim), lambda h, p, w: (0, 0, h, 0)),
         pl.BlockSpec((num_blocks, page_size, None, head_dim), lambda h, p, w: (0, 0, h, 0)),
@@ -210,13 +223,13 @@ def _launch(meta, is_split, window, tables, scales, q_packed, k_pages, v_pages, 
             pl.BlockSpec((None, None, split_total), lambda h, p, w: (p, h, 0))]
     kernel = functools.partial(_attention_kernel, plan=plan, sm_scale=sm_scale,
                                precision=dot_precision(q_packed.dtype, interpret=interpret),
-                               windowed=windowed, softcap=softcap)
+                               windowed=windowed, softcap=softcap, has_sinks=has_sinks)
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
                                              num_stages=plan.num_stages),
         interpret=interpret, name="ragged_paged_attention",
-    )(*metadata, tables, scales, q_packed, k_pages, v_pages)
+    )(*metadata, tables, scales, sinks, q_packed, k_pages, v_pages)
 
 
 def ragged_paged_attention_pallas_gpu(inputs: AttentionInputs, plan: gpu_plan_lib.GpuPlan, *,
@@ -238,11 +251,17 @@ def ragged_paged_attention_pallas_gpu(inputs: AttentionInputs, plan: gpu_plan_li
     one = jnp.float32(1.0)
     scales = jnp.stack([one if inputs.k_scale is None else inputs.k_scale,
                         one if inputs.v_scale is None else inputs.v_scale])  # [2] float32
-    outs = _launch(meta, is_split, window, tables, scales, q_packed, k_pages, v_pages,
+    has_sinks = inputs.sinks is not None
+    sinks = gpu_plan_lib.packed_sinks(inputs.sinks, plan, hkv, plan.rows)  # [Hkv, M] base 2
+    outs = _launch(meta, is_split, window, tables, scales, sinks, q_packed, k_pages, v_pages,
                    plan=plan, sm_scale=inputs.sm_scale, softcap=inputs.logit_softcap,
-                   interpret=interpret)
+                   has_sinks=has_sinks, interpret=interpret)
     out = gpu_plan_lib.unpack_output(outs[0], t, hq)  # [T, Hq, D]
     if plan.num_splits > 1:
-        combined = gpu_plan_lib.combine_splits(*outs[1:])  # [Hkv, split_total, D]
+        split_sinks = None
+        if has_sinks:  # [Hkv, split_total]: split slots start at multiples of the group
+            split_sinks = gpu_plan_lib.packed_sinks(inputs.sinks, plan, hkv,
+                                                    outs[2].shape[-1])
+        combined = gpu_plan_lib.combine_splits(*outs[1:], sinks=split_sinks)
         out = gpu_plan_lib.scatter_split_rows(out, combined, plan, cu_seqlens_q, split)
     return gpu_plan_lib.padding_rows_to_zero(out, cu_seqlens_q, num_seqs)

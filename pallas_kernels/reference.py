@@ -29,6 +29,8 @@ def ragged_paged_attention_reference(inputs: AttentionInputs) -> jax.Array:  # [
         k_host = k_host * np.float32(k_scale)
     if v_scale is not None:
         v_host = v_host * np.float32(v_scale)
+    # [Hq] sink logits: one more term of every row's softmax denominator, no value.
+    sinks = None if inputs.sinks is None else np.asarray(inputs.sinks, np.float32)
     block_tables = np.asarray(inputs.block_tables)
     kv_lens = np.asarray(inputs.kv_lens)
     cu = np.asarray(inputs.cu_seqlens_q)
@@ -53,7 +55,13 @@ def ragged_paged_attention_reference(inputs: AttentionInputs) -> jax.Array:  # [
         if sliding_window is not None:  # keys in (position - window, position]
             allowed &= keys[None, :] > positions[:, None] - int(sliding_window)
         scores = np.where(allowed[None], scores, -np.inf)  # [Hq, q_len, K]
-        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
+        top = scores.max(axis=-1, keepdims=True)  # [Hq, q_len, 1]
+        if sinks is not None:
+            top = np.maximum(top, sinks[:, None, None])
+        probs = np.exp(scores - top)
+        den = probs.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            den = den + np.exp(sinks[:, None, None] - top)
+        probs /= den
         out[q_start:q_end] = np.einsum("hqk,khd->qhd", probs, v)
     return jnp.asarray(out).astype(q.dtype)

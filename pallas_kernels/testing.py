@@ -4,8 +4,10 @@
 `(q_len, kv_len)` pairs, the way the runner pads a step to its buckets:
 sequence rows past `num_seqs` and query rows past `cu_seqlens_q[num_seqs]`
 are padding. `Batch.args()` gives its arrays in `ragged_paged_attention`'s
-order, `Batch.inputs(...)` the `AttentionInputs` the implementations take. `make_device_batch`, `attention_work` and `time_ms` serve the
-benchmarks (`scripts/bench_kernels.py`, `scripts/gpu_check.py`).
+order, `Batch.inputs(...)` the `AttentionInputs` the implementations take.
+`make_mla_batch` is the same for latent attention (`MLABatch.inputs(...)`: `MLAInputs`).
+`make_device_batch`, `attention_work` and `time_ms` serve the benchmarks
+(`scripts/bench_kernels.py`, `scripts/gpu_check.py`).
 """
 
 import dataclasses
@@ -18,6 +20,7 @@ import numpy as np
 
 from pallas_kernels import paging, plan
 from pallas_kernels.attention_inputs import AttentionInputs
+from pallas_kernels.mla_inputs import MLAInputs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,6 +126,45 @@ def make_batch(
         q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k, dtype), v_pages=jnp.asarray(v, dtype),
         block_tables=jnp.asarray(tables), kv_lens=jnp.asarray(layout.kv_lens),
         cu_seqlens_q=jnp.asarray(layout.cu_seqlens_q), num_seqs=jnp.int32(layout.num_seqs))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLABatch:
+    q_latent: jax.Array  # [T, Hq, Dl]
+    q_rope: jax.Array  # [T, Hq, Dr]
+    latent_pages: jax.Array  # [num_blocks, block_size, Dl]
+    rope_pages: jax.Array  # [num_blocks, block_size, Dr]
+    block_tables: jax.Array  # [S, max_blocks] int32
+    kv_lens: jax.Array  # [S] int32
+    cu_seqlens_q: jax.Array  # [S + 1] int32
+    num_seqs: jax.Array  # scalar int32
+
+    def args(self) -> tuple[jax.Array, ...]:
+        """The arrays in `ragged_paged_mla`'s order."""
+        return (self.q_latent, self.q_rope, self.latent_pages, self.rope_pages,
+                self.block_tables, self.kv_lens, self.cu_seqlens_q, self.num_seqs)
+
+    def inputs(self, **settings) -> MLAInputs:
+        """The batch as one call's inputs; `settings`: sm_scale, max_q_len."""
+        return MLAInputs.create(
+            q_latent=self.q_latent, q_rope=self.q_rope, latent_pages=self.latent_pages,
+            rope_pages=self.rope_pages, block_tables=self.block_tables, kv_lens=self.kv_lens,
+            cu_seqlens_q=self.cu_seqlens_q, num_seqs=self.num_seqs, **settings)
+
+
+def make_mla_batch(seqs: list[tuple[int, int]], *, num_heads: int, latent_dim: int,
+                   rope_dim: int, block_size: int, **options) -> MLABatch:
+    """A ragged latent-attention batch: `make_batch`'s layout (the same `seqs`, buckets,
+    scrambled pages and NaN fill, from `options`) with one latent "head" of `latent_dim`
+    and rope keys of `rope_dim` per token."""
+    lat = make_batch(seqs, num_heads=num_heads, num_kv_heads=1, head_dim=latent_dim,
+                     block_size=block_size, **options)
+    # The same seed draws the same page order and tables; only the values differ.
+    pe = make_batch(seqs, num_heads=num_heads, num_kv_heads=1, head_dim=rope_dim,
+                    block_size=block_size, **options)
+    return MLABatch(q_latent=lat.q, q_rope=pe.q, latent_pages=lat.k_pages[:, :, 0],
+                    rope_pages=pe.k_pages[:, :, 0], block_tables=lat.block_tables,
+                    kv_lens=lat.kv_lens, cu_seqlens_q=lat.cu_seqlens_q, num_seqs=lat.num_seqs)
 
 
 def make_device_batch(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_heads: int,

@@ -3,7 +3,7 @@
 Dataflow (steps 1, 4 and 5 are the Pallas kernel's, from `plan.py` / `gpu_plan.py`):
     1. `plan.tile_metadata` assigns query tiles to sequences, `plan.longest_first`
        orders them, `gpu_plan.split_sequences` marks the decode rows whose keys split.
-    2. The metadata, the traced scalars (live tiles, window, k/v scales) and the arrays
+    2. The metadata, the traced scalars (live tiles, window, k/v scales, sinks) and the arrays
        go to one kernel launch over the grid `(Hkv, num_splits, num_tiles)`:
        - on a GPU, `jax_triton.triton_call` inside the jitted step (Triton compiles the
          kernel when the step is lowered; XLA launches it as a custom call);
@@ -51,7 +51,9 @@ def _kernel_args(inputs: AttentionInputs, plan: gpu_plan_lib.GpuPlan):
     v_scale = 1.0 if inputs.v_scale is None else inputs.v_scale
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32),
                         jnp.asarray(v_scale, jnp.float32)])  # [2]
-    return (metadata, scalars, scales, inputs.block_tables), split
+    sinks = (jnp.zeros((inputs.num_heads,), jnp.float32) if inputs.sinks is None
+             else inputs.sinks)  # [Hq]
+    return (metadata, scalars, scales, sinks, inputs.block_tables), split
 
 
 def launch_params(inputs: AttentionInputs, plan: gpu_plan_lib.GpuPlan, *,
@@ -68,7 +70,8 @@ def launch_params(inputs: AttentionInputs, plan: gpu_plan_lib.GpuPlan, *,
         SPLIT_TOTAL=split_total(plan, inputs.seq_bucket), SM_SCALE=float(inputs.sm_scale),
         HAS_WINDOW=inputs.sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         SOFTCAP=float(softcap or 0.0), PRECISION=_precision(q.dtype),
-        UPCAST_DOTS=interpret and jnp.dtype(q.dtype).itemsize < 4)
+        UPCAST_DOTS=interpret and jnp.dtype(q.dtype).itemsize < 4,
+        HAS_SINKS=inputs.sinks is not None)
 
 
 def split_total(plan: gpu_plan_lib.GpuPlan, num_seqs_bucket: int) -> int:
@@ -124,6 +127,8 @@ def ragged_paged_attention_triton(inputs: AttentionInputs, plan: gpu_plan_lib.Gp
         outs = _launch_jax_triton(arrays, shapes, grid_, params, plan)
     out = outs[0]
     if plan.num_splits > 1:
-        combined = gpu_plan_lib.combine_splits(*outs[1:])  # [Hkv, split_total, D]
+        sinks = None if inputs.sinks is None else gpu_plan_lib.packed_sinks(
+            inputs.sinks, plan, inputs.num_kv_heads, outs[2].shape[-1])  # [Hkv, split_total]
+        combined = gpu_plan_lib.combine_splits(*outs[1:], sinks=sinks)
         out = gpu_plan_lib.scatter_split_rows(out, combined, plan, inputs.cu_seqlens_q, split)
     return gpu_plan_lib.padding_rows_to_zero(out, inputs.cu_seqlens_q, inputs.num_seqs)

@@ -18,7 +18,8 @@ One program `(h, p, w)` of the grid `(Hkv, num_splits, num_tiles)` (see `gpu_pla
    that XLA combines (`gpu_plan.combine_splits`).
 
 Scores are `(q . k) * sm_scale * k_scale`, soft-capped (`cap * tanh(s / cap)`) before
-masking; the output is `softmax @ v * v_scale`. Pages may be float8: they are widened to
+masking; the output is `softmax @ v * v_scale`. With HAS_SINKS each query head's sink logit
+joins the final denominator (`2**(sink - top)`, base 2; a split row's once, in the combine). Pages may be float8: they are widened to
 q's dtype before each dot. Offsets into the pages are 64-bit (a cache holding every
 layer's pages easily exceeds 2**31 elements).
 
@@ -104,6 +105,7 @@ def ragged_paged_attention_kernel(
     meta_ptr,  # [6, W] int32: seq, q_start, q_end, first_pos, kv_len, split (1 = split tile)
     scalars_ptr,  # [2] int32: live tiles, sliding window
     scales_ptr,  # [2] float32: k_scale, v_scale
+    sinks_ptr,  # [Hq] float32 sink logits (read only with HAS_SINKS)
     tables_ptr,  # [S, COLS] int32 page ids
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [num_blocks, PAGE, Hkv, D]
@@ -118,7 +120,7 @@ def ragged_paged_attention_kernel(
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr,
     SPLIT_TOTAL: tl.constexpr, SM_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr,
+    UPCAST_DOTS: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     h = tl.program_id(0)
     split = tl.program_id(1)
@@ -195,7 +197,13 @@ def ragged_paged_attention_kernel(
     # `block_bool & scalar_bool` into int32, which its stores refuse as a mask.
     n_final = tl.where(is_split | (split != 0), 0, n_rows)
     final_ok = (token < n_final) & (g < Q_PER_KV)
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if HAS_SINKS:  # one more denominator term per row: 2**sink, no value
+        sink = tl.load(sinks_ptr + h * Q_PER_KV + g, mask=g < Q_PER_KV, other=0.0) * LOG2E
+        top = tl.maximum(m, sink)
+        rescale = tl.exp2(m - top)
+        o = acc * (rescale / (l * rescale + tl.exp2(sink - top)))[:, None]
+    else:
+        o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(o_ptr + q_ptrs, o.to(o_ptr.dtype.element_ty), mask=final_ok[:, None])
     if NUM_SPLITS > 1:
         part_ok = (token < tl.where(is_split, n_rows, 0)) & (g < Q_PER_KV)

@@ -12,7 +12,8 @@ passed there, writes one record per shape class its cases covered:
 
 A record vouches only for the same implementation, on the same kind of device, under the
 same jax/jaxlib and the implementation's own libraries (`library_versions`), for the same
-shape class (`ShapeClass`: head dim, page size, GQA ratio, window / soft-cap / FP8 pages),
+shape class (`ShapeClass`: head dim, page size, GQA ratio, window / soft-cap / FP8 pages /
+sinks),
 with the kernel's source byte for byte as it was (`source_digest`): edit the kernel and
 its records no longer count until the check passes again.
 
@@ -68,24 +69,25 @@ class ShapeClass:
     window: bool = False  # a sliding window
     softcap: bool = False  # a logit soft-cap
     fp8: bool = False  # 1-byte pages (with k/v scales)
+    sinks: bool = False  # per-head sink logits
 
     @property
     def key(self) -> str:
         """e.g. "d128-p16-g4" or "d128-p16-g4-window-softcap"."""
-        flags = [name for name in ("window", "softcap", "fp8") if getattr(self, name)]
+        flags = [name for name in ("window", "softcap", "fp8", "sinks") if getattr(self, name)]
         return "-".join([f"d{self.head_dim}", f"p{self.page_size}", f"g{self.gqa}", *flags])
 
     @classmethod
     def from_key(cls, key: str) -> "ShapeClass":
         """The class `key` names (the inverse of `key`); ValueError if it names none."""
-        match = re.fullmatch(r"d(\d+)-p(\d+)-g(\d+)((?:-window)?)((?:-softcap)?)((?:-fp8)?)",
-                             key)
+        match = re.fullmatch(r"d(\d+)-p(\d+)-g(\d+)((?:-window)?)((?:-softcap)?)((?:-fp8)?)"
+                             r"((?:-sinks)?)", key)
         if match is None:
             raise ValueError(f"shape_class: {key!r} is not like 'd128-p16-g4[-window]"
-                             f"[-softcap][-fp8]'")
-        d, p, g, window, softcap, fp8 = match.groups()
+                             f"[-softcap][-fp8][-sinks]'")
+        d, p, g, window, softcap, fp8, sinks = match.groups()
         return cls(head_dim=int(d), page_size=int(p), gqa=int(g), window=bool(window),
-                   softcap=bool(softcap), fp8=bool(fp8))
+                   softcap=bool(softcap), fp8=bool(fp8), sinks=bool(sinks))
 
 
 def local_path() -> str | None:

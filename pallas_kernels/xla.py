@@ -81,38 +81,63 @@ def _tile_attention(
     m_rows = rows * group
     init = (jnp.full((hkv, m_rows), -jnp.inf), jnp.zeros((hkv, m_rows)),
             jnp.zeros((hkv, m_rows, d)))
-    _, l, acc = jax.lax.fori_loop(start, total, step, init)
-    o = acc / jnp.where(l > 0, l, 1)[..., None]  # [Hkv, M, D]
+    m, l, acc = jax.lax.fori_loop(start, total, step, init)
+    sinks = None
+    if inputs.sinks is not None:  # [Hq] -> [Hkv, M], M row-major (row, g)
+        sinks = jnp.tile(inputs.sinks.reshape(hkv, 1, group), (1, rows, 1)).reshape(hkv, m_rows)
+    o = inputs.normalize(acc, m, l, sinks)  # [Hkv, M, D]
     return o.reshape(hkv, rows, group, d).transpose(1, 0, 2, 3).reshape(rows, hq, d)
 
 
-def ragged_paged_attention_xla(inputs: AttentionInputs,
-                               tiles: plan_lib.TilePlan) -> jax.Array:  # [T, Hq, D]
-    q = inputs.q  # [T, Hq, D]
-    t, hq, d = q.shape
+def walk_tiles(tiles: plan_lib.TilePlan, meta: plan_lib.TileMetadata, num_tokens: int,
+               row_shape: tuple[int, ...], dtype, attend) -> jax.Array:  # [T, *row_shape]
+    """Steps 2 and 4 of the dataflow: every live tile at the narrowest of `ROW_WIDTHS`
+    that holds its rows, its real rows written into a zeroed `[T, *row_shape]` output.
+
+    `attend(width, w, n_rows) -> [width, *row_shape]` computes tile `w` (a traced index into
+    `meta`) at the static `width`; rows at and past `n_rows` are discarded. Shared by the
+    paged attention here and the latent attention of `mla_xla`."""
     bq = tiles.block_q
-    meta = plan_lib.tile_metadata(tiles, inputs.kv_lens, inputs.cu_seqlens_q, inputs.num_seqs)
-    pad = (-inputs.max_blocks) % tiles.pages_per_step
-    # Clipping keeps table entries past kv_len (whatever they hold) in bounds.
-    tables = jnp.pad(jnp.clip(inputs.block_tables, 0, inputs.k_pages.shape[0] - 1),
-                     ((0, 0), (0, pad)))
-    q_pad = jnp.pad(q, ((0, bq), (0, 0), (0, 0)))  # [T + bq, Hq, D]
     widths = tuple(w for w in ROW_WIDTHS if w < bq) + (bq,)
 
-    def tile(w, out):  # out: [T + bq, Hq, D]
+    def tile(w, out):  # out: [T + bq, *row_shape]
         q_start = meta.q_start[w]
         n_rows = jnp.minimum(meta.q_end[w] - q_start, bq)
 
         def attend_and_write(width, out):
-            o = _tile_attention(width, tiles, inputs, q_pad, tables[meta.seq[w]], q_start,
-                                meta.first_pos[w], meta.kv_len[w], n_rows)
+            o = attend(width, w, n_rows)
             old = jax.lax.dynamic_slice_in_dim(out, q_start, width)
-            new = jnp.where((jnp.arange(width) < n_rows)[:, None, None], o.astype(out.dtype), old)
+            keep = (jnp.arange(width) < n_rows).reshape((width,) + (1,) * len(row_shape))
+            new = jnp.where(keep, o.astype(out.dtype), old)
             return jax.lax.dynamic_update_slice_in_dim(out, new, q_start, 0)
 
         which = jnp.searchsorted(jnp.array(widths), n_rows)  # narrowest width that fits
         branches = [functools.partial(attend_and_write, wd) for wd in widths]
         return jax.lax.switch(which, branches, out)
 
-    out = jax.lax.fori_loop(0, meta.num_live, tile, jnp.zeros((t + bq, hq, d), q.dtype))
-    return out[:t]
+    out = jax.lax.fori_loop(0, meta.num_live, tile,
+                            jnp.zeros((num_tokens + bq, *row_shape), dtype))
+    return out[:num_tokens]
+
+
+def padded_tables(tiles: plan_lib.TilePlan, block_tables: jax.Array,
+                  num_blocks: int) -> jax.Array:
+    """[S, max_blocks padded to whole key steps]: entries past a sequence's pages (they may
+    hold anything) clipped in bounds."""
+    pad = (-block_tables.shape[1]) % tiles.pages_per_step
+    return jnp.pad(jnp.clip(block_tables, 0, num_blocks - 1), ((0, 0), (0, pad)))
+
+
+def ragged_paged_attention_xla(inputs: AttentionInputs,
+                               tiles: plan_lib.TilePlan) -> jax.Array:  # [T, Hq, D]
+    q = inputs.q  # [T, Hq, D]
+    t, hq, d = q.shape
+    meta = plan_lib.tile_metadata(tiles, inputs.kv_lens, inputs.cu_seqlens_q, inputs.num_seqs)
+    tables = padded_tables(tiles, inputs.block_tables, inputs.k_pages.shape[0])
+    q_pad = jnp.pad(q, ((0, tiles.block_q), (0, 0), (0, 0)))  # [T + bq, Hq, D]
+
+    def attend(width, w, n_rows):
+        return _tile_attention(width, tiles, inputs, q_pad, tables[meta.seq[w]],
+                               meta.q_start[w], meta.first_pos[w], meta.kv_len[w], n_rows)
+
+    return walk_tiles(tiles, meta, t, (hq, d), q.dtype, attend)

@@ -154,7 +154,7 @@ def triton_source(v: Variant, triton):
     params = triton_gpu.launch_params(inputs, plan, interpret=False)
     outs = triton_gpu.output_shapes(inputs, plan)
     arrays = dict(meta_ptr=jnp.int32, scalars_ptr=jnp.int32, scales_ptr=jnp.float32,
-                  tables_ptr=jnp.int32, q_ptr=q.dtype, k_ptr=k_pages.dtype, v_ptr=v_pages.dtype,
+                  sinks_ptr=jnp.float32, tables_ptr=jnp.int32, q_ptr=q.dtype, k_ptr=k_pages.dtype, v_ptr=v_pages.dtype,
                   o_ptr=outs[0].dtype, op_ptr=outs[1].dtype, mp_ptr=outs[2].dtype,
                   lp_ptr=outs[3].dtype)
     fn = getattr(triton_kernel, triton_gpu.KERNEL_NAME)

@@ -82,6 +82,9 @@ def test_serve_takes_a_hub_id_and_revision(hub_cache):
         card = TestClient(server.app).get("/v1/models").json()["data"][0]
         assert card["id"] == REPO
         assert card["weight_dtype"] == "float32" and card["kv_cache_dtype"] == "float32"
+        cfg = llm.engine.runner.cfg  # per-head K and V of every layer, float32
+        assert card["kv_layout"] == "per_head" and card["kv_bytes_per_token"] == (
+            cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4)
         server.close()
     finally:
         llm.shutdown()

@@ -23,6 +23,7 @@ from arcjax.outputs import RequestOutput
 from arcjax.engine.trace import attention_report, summarize, write_jsonl
 from arcjax.entrypoints.chat_template import ChatTemplate, ChatTemplateError
 from arcjax.errors import EngineDeadError, RequestError
+from arcjax.model.kv_report import kv_cache_report
 from arcjax.model.quant import storage_dtypes
 from arcjax.sampling_params import SamplingParams
 from arcjax.sampling_params import RequestOutputKind
@@ -205,7 +206,7 @@ class LLM:
     # --- trace ------------------------------------------------------------------------
     def trace_summary(self, wall_time: float) -> dict:
         """The trace's run summary (`arcjax.engine.trace.summarize`) with the weights' and
-        KV pages' storage dtypes and the attention implementation the traced steps ran
+        KV pages' storage dtypes, the KV bytes per token (`kv_cache_report`) and the attention implementation the traced steps ran
         (`attention`, per bucket kind: `arcjax.engine.trace.attention_report`)."""
         configured = {k: v for k, v in self.scheduler_options.items()
                       if k in ("prefill_max_seqs", "prefill_floor_steps",
@@ -214,6 +215,7 @@ class LLM:
         summary = summarize(records, wall_time, configured)
         runner = self.engine.runner
         return {**summary, **storage_dtypes(runner.params, runner.cache),
+                **kv_cache_report(runner.cfg, runner.kv_cache_dtype),
                 "attention": attention_report(runner.attn_impl, dict(runner.attention_impls),
                                               records, dict(runner.attention_verified))}
 

@@ -9,17 +9,22 @@ rest, family by family:
             predates `layer_types`.
   rope      one (theta, scaling) pair, or a pair per layer type (Gemma 3's local and global
             bases), from `rope_parameters` or the legacy `rope_theta` / `rope_scaling` /
-            `rope_local_base_freq` fields.
+            `rope_local_base_freq` fields; scalings `linear`, `llama3` and `yarn` (with its
+            attention factor from `mscale` / `mscale_all_dim`, as transformers computes it).
   experts   Mixtral, Qwen2-MoE (with its gated shared expert) and Qwen3-MoE: expert count,
             experts per token, their width, and whether the top-k weights are renormalized.
   gemma     (1 + w) RMSNorm, pre/post norms around attention and MLP, sqrt(hidden) embedding
             scale, GeGLU, `query_pre_attn_scalar`, soft-capping (Gemma 2).
+
+gpt-oss (`gpt_oss_config`) and DeepSeek-V2/V3 (`deepseek_config`) read their own fields
+(sinks, the clamped SwiGLU, MLA, the router variants, mixed dense and expert layers).
 
 Every refusal is a `ModelConfigError` naming the field.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 from arcjax.errors import ModelConfigError
@@ -35,7 +40,12 @@ MODEL_TYPES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
+# transformers' `default_theta` where it is not 1e4 (a config.json without rope_theta).
+DEFAULT_THETA = {"GptOssForCausalLM": 150000.0}
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # hidden_act names -> the activation arcjax computes ("gelu_tanh": tanh-approximated GELU).
@@ -71,7 +81,7 @@ def _default_layer_types(d: Mapping, arch: str, num_layers: int) -> list[bool]:
     if arch == "Qwen2MoeForCausalLM":
         last = d.get("max_window_layers", 28)
         return [bool((i + 1) % 2) and i < last for i in range(num_layers)]
-    if arch == "Gemma2ForCausalLM":
+    if arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):  # sliding, full, sliding, ...
         return [bool((i + 1) % 2) for i in range(num_layers)]
     if arch == "Gemma3ForCausalLM":
         pattern = _positive_int(d, "sliding_window_pattern", 6)
@@ -104,7 +114,43 @@ def windows(d: Mapping, arch: str, num_layers: int) -> dict:
 
 # ---- rope ----------------------------------------------------------------------------------
 
-def _parse_rope_scaling(s: Mapping) -> tuple | None:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction `0.1 * mscale * ln(scale) + 1` (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _number(s: Mapping, name: str, default=None) -> float | None:
+    value = s.get(name, default)
+    if value is None:
+        return None
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ModelConfigError("config.json", f"rope_scaling {name} must be a number > 0, "
+                                              f"got {value!r}")
+    return float(value)
+
+
+def _yarn(s: Mapping, max_positions: int) -> tuple:
+    """("yarn", factor, original_max_positions, beta_fast, beta_slow, attention_factor,
+    truncate, mscale, mscale_all_dim): transformers' `_compute_yarn_parameters` inputs, the
+    attention factor (what cos and sin are multiplied by) computed as it does."""
+    orig = s.get("original_max_position_embeddings")
+    if not isinstance(orig, int) or isinstance(orig, bool) or orig < 1:
+        raise ModelConfigError("config.json", "rope_scaling original_max_position_embeddings "
+                                              f"must be an int >= 1, got {orig!r}")
+    factor = _number(s, "factor")
+    if factor is None:  # DeepSeek-V3's convention: the context ratio
+        factor = max_positions / orig
+    mscale, mscale_all = _number(s, "mscale"), _number(s, "mscale_all_dim")
+    attention = _number(s, "attention_factor")
+    if attention is None:
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else yarn_mscale(factor))
+    return ("yarn", factor, orig, _number(s, "beta_fast") or 32.0,
+            _number(s, "beta_slow") or 1.0, attention, bool(s.get("truncate", True)),
+            mscale or 0.0, mscale_all or 0.0)
+
+
+def _parse_rope_scaling(s: Mapping, max_positions: int) -> tuple | None:
     kind = s.get("rope_type", s.get("type", "default"))
     if kind in (None, "default"):
         return None
@@ -113,14 +159,17 @@ def _parse_rope_scaling(s: Mapping) -> tuple | None:
     if kind == "llama3":
         return ("llama3", float(s["factor"]), float(s["low_freq_factor"]),
                 float(s["high_freq_factor"]), int(s["original_max_position_embeddings"]))
+    if kind == "yarn":
+        return _yarn(s, max_positions)
     raise ModelConfigError("config.json", f"rope_scaling type {kind!r} is not supported; "
-                           "supported: default, linear, llama3")
+                           "supported: default, linear, llama3, yarn")
 
 
-def _rope_pair(params: Mapping, legacy: Mapping, theta: float) -> tuple[float, tuple | None]:
+def _rope_pair(params: Mapping, legacy: Mapping, theta: float,
+               max_positions: int) -> tuple[float, tuple | None]:
     theta = float(params.get("rope_theta", theta))
     scaling = {**legacy, **{k: v for k, v in params.items() if k != "rope_theta"}}
-    return theta, _parse_rope_scaling(scaling)
+    return theta, _parse_rope_scaling(scaling, max_positions)
 
 
 def rope(d: Mapping, arch: str) -> dict:
@@ -129,19 +178,22 @@ def rope(d: Mapping, arch: str) -> dict:
     params = dict(d.get("rope_parameters") or {})
     legacy = dict(d.get("rope_scaling") or {})
     per_type = "full_attention" in params or "sliding_attention" in params
+    positions = int(d.get("max_position_embeddings", 2048))
     if arch != "Gemma3ForCausalLM":
         if per_type:
             raise ModelConfigError("config.json", "rope_parameters per layer type are only "
                                                   "supported for Gemma3ForCausalLM")
-        theta, scaling = _rope_pair(params, legacy, float(d.get("rope_theta", 10000.0)))
+        theta, scaling = _rope_pair(params, legacy,
+                                    float(d.get("rope_theta", DEFAULT_THETA.get(arch, 1e4))),
+                                    positions)
         return {"rope_theta": theta, "rope_scaling": scaling,
                 "local_rope_theta": None, "local_rope_scaling": None}
     full = params.get("full_attention", {} if per_type else params) or {}
     local = params.get("sliding_attention") or {}
     theta, scaling = _rope_pair(full, {} if per_type else legacy,
-                                float(d.get("rope_theta", 1_000_000.0)))
+                                float(d.get("rope_theta", 1_000_000.0)), positions)
     local_theta, local_scaling = _rope_pair(local, {}, float(d.get("rope_local_base_freq",
-                                                                   10_000.0)))
+                                                                   10_000.0)), positions)
     return {"rope_theta": theta, "rope_scaling": scaling,
             "local_rope_theta": local_theta, "local_rope_scaling": local_scaling}
 
@@ -223,6 +275,12 @@ def _scaling_dict(scaling: tuple | None) -> dict:
     if scaling[0] == "freq_factors":
         raise ModelConfigError("rope_scaling", "per-frequency rope factors (from a GGUF file) "
                                "have no config.json spelling")
+    if scaling[0] == "yarn":
+        _, factor, orig, fast, slow, attention, truncate, mscale, mscale_all = scaling
+        out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": orig,
+               "beta_fast": fast, "beta_slow": slow, "truncate": truncate}
+        out |= {k: v for k, v in (("mscale", mscale), ("mscale_all_dim", mscale_all)) if v}
+        return out if mscale and mscale_all else out | {"attention_factor": attention}
     _, factor, low, high, orig = scaling
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
             "high_freq_factor": high, "original_max_position_embeddings": orig}

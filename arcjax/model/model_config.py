@@ -3,9 +3,12 @@
 `ModelConfig` is frozen and hashable so it can be a `jax.jit` static argument.
 It covers the decoder family arcjax runs: Llama, Mistral, Qwen2 (bias on q/k/v)
 and Qwen3 (RMSNorm on q and k), with GQA, explicit `head_dim`, rope scaling of
-type `llama3` and `linear`, and tied embeddings; the mixtures of experts Mixtral,
-Qwen2-MoE and Qwen3-MoE; Gemma 2 and Gemma 3 (text); per-layer sliding windows.
-What each family's fields mean is read in `arcjax.model.families`.
+type `llama3`, `linear` and `yarn`, and tied embeddings; the mixtures of experts Mixtral,
+Qwen2-MoE and Qwen3-MoE; Gemma 2 and Gemma 3 (text); per-layer sliding windows; gpt-oss
+(attention sinks, a biased router, experts with biases and a clamped SwiGLU) and
+DeepSeek-V2/V3 (multi-head latent attention, `MLAConfig`; grouped and corrected routing,
+`routing.RouterConfig`; shared experts; dense layers before the expert layers).
+What each family's fields mean is read in `arcjax.model.families` (and its family modules).
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import math
 from typing import Mapping
 
 from arcjax.errors import ModelConfigError
-from arcjax.model import families
+from arcjax.model import deepseek_config, families, gpt_oss_config
+from arcjax.model.deepseek_config import MLAConfig
+from arcjax.model.routing import RouterConfig
 
 SUPPORTED_ARCHITECTURES = tuple(families.MODEL_TYPES)
 # The window a global layer of a mixed local/global model passes to attention: longer than
@@ -67,6 +72,22 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is its ** -0.5
     attn_logit_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    # gpt-oss
+    attention_sinks: bool = False  # a learned logit per head in every softmax denominator
+    expert_bias: bool = False  # biases on every expert's gate, up and down projections
+    # The clamped SwiGLU of gpt-oss's experts (None: the experts use hidden_act):
+    # gate = min(gate, limit), up = clip(up, -limit, limit),
+    # out = (up + 1) * gate * sigmoid(alpha * gate).
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    # DeepSeek-V2/V3
+    mla: MLAConfig | None = None  # multi-head latent attention (None: per-head K/V)
+    sm_scale_factor: float = 1.0  # times head_dim ** -0.5 (YaRN's mscale_all_dim ** 2)
+    # Which layers are mixtures of experts when dense layers mix in (DeepSeek's
+    # first_k_dense_replace); () = every layer is of the model's kind.
+    moe_layers: tuple[bool, ...] = ()
+    shared_expert_gate: bool = False  # Qwen2-MoE gates its shared expert by a sigmoid
+    router: RouterConfig = RouterConfig()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -83,6 +104,18 @@ class ModelConfig:
                 "config.json",
                 f"architecture {self.architecture!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.moe_layers and (len(self.moe_layers) != self.num_layers or not self.is_moe
+                                or not any(self.moe_layers)):
+            raise ModelConfigError("config.json", f"moe_layers must give each of the "
+                                   f"{self.num_layers} layers a kind, an expert layer at "
+                                   "least, and only for a mixture of experts")
+        if self.router.grouped and (self.num_experts % self.router.n_group or (
+                self.router.topk_group * self.num_experts // self.router.n_group
+                < self.num_experts_per_tok)):
+            raise ModelConfigError("config.json", f"n_group ({self.router.n_group}) must "
+                                   f"divide n_routed_experts ({self.num_experts}) and "
+                                   f"topk_group ({self.router.topk_group}) groups must hold "
+                                   f"num_experts_per_tok ({self.num_experts_per_tok}) experts")
         if self.hidden_act not in ("silu", "gelu_tanh"):
             raise ModelConfigError("config.json", f"hidden_act {self.hidden_act!r} is not "
                                                   "supported; supported: silu, gelu_tanh")
@@ -115,9 +148,40 @@ class ModelConfig:
         return bool(self.sliding_layers) and all(self.sliding_layers)
 
     @property
+    def is_mla(self) -> bool:
+        return self.mla is not None
+
+    @property
+    def mixed_layers(self) -> bool:
+        """Dense and expert layers mix (`moe_layers`)."""
+        return bool(self.moe_layers) and not all(self.moe_layers)
+
+    @property
+    def expert_act(self) -> str:
+        """The experts' activation: "swiglu_oai" (gpt-oss's clamped SwiGLU) or hidden_act."""
+        return "swiglu_oai" if self.swiglu_limit is not None else self.hidden_act
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions rope rotates per head: head_dim, or MLA's qk_rope_head_dim."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
     def sm_scale(self) -> float:
         """The attention softmax scale."""
-        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5 * self.sm_scale_factor
+
+    def kv_values_per_token(self) -> int:
+        """Cache values one token holds per layer: MLA's latent and rope key, else a key
+        and a value per KV head (what sizes the cache, next to `per_head_kv_values`)."""
+        return self.mla.cache_width if self.mla is not None else self.per_head_kv_values()
+
+    def per_head_kv_values(self) -> int:
+        """Values per token and layer were keys and values stored per head (for MLA: the
+        16 * (192 + 128) of DeepSeek-V2-Lite's expanded heads)."""
+        if self.mla is not None:
+            return self.num_kv_heads * (self.mla.qk_head_dim + self.mla.v_head_dim)
+        return 2 * self.num_kv_heads * self.head_dim
 
     def layer_windows(self) -> tuple[int, ...] | None:
         """Each layer's attention window (`GLOBAL_WINDOW` for a full-attention layer of a
@@ -176,6 +240,8 @@ class ModelConfig:
         fields |= families.windows(d, arch, num_layers)
         fields |= families.experts(d, arch, num_layers)
         fields |= gemma
+        fields |= gpt_oss_config.fields(d, arch)
+        fields |= deepseek_config.fields(d, arch, fields["rope_scaling"])
         return cls(**fields)
 
     def to_hf_dict(self) -> dict:
@@ -221,6 +287,8 @@ class ModelConfig:
             d |= {"query_pre_attn_scalar": self.query_pre_attn_scalar,
                   "attn_logit_softcapping": self.attn_logit_softcap,
                   "final_logit_softcapping": self.final_logit_softcap}
+        d |= gpt_oss_config.hf_fields(self)
+        d |= deepseek_config.hf_fields(self)
         return d
 
 
@@ -233,7 +301,7 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> list[float]:
     theta, scaling = cfg.rope_theta, cfg.rope_scaling
     if local and cfg.local_rope_theta is not None:
         theta, scaling = cfg.local_rope_theta, cfg.local_rope_scaling
-    d = cfg.head_dim
+    d = cfg.rope_dim
     inv = [1.0 / (theta ** (i / d)) for i in range(0, d, 2)]
     if scaling is None:
         return inv
@@ -241,6 +309,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> list[float]:
         return [f / scaling[1] for f in inv]
     if scaling[0] == "freq_factors":
         return [f / float(s) for f, s in zip(inv, scaling[1:], strict=True)]
+    if scaling[0] == "yarn":
+        return _yarn_inv_freq(inv, d, theta, scaling)
     _, factor, low, high, orig = scaling
     low_wavelen, high_wavelen = orig / low, orig / high
     out = []
@@ -254,3 +324,33 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> list[float]:
             smooth = (orig / wavelen - low) / (high - low)
             out.append((1 - smooth) * f / factor + smooth * f)
     return out
+
+
+def _yarn_inv_freq(inv: list[float], dim: int, theta: float, scaling: tuple) -> list[float]:
+    """YaRN: each frequency between extrapolation (kept) and interpolation (/ factor) by a
+    linear ramp over the dims whose rotations at the original context fall between
+    beta_slow and beta_fast (transformers' `_compute_yarn_parameters`)."""
+    _, factor, orig, beta_fast, beta_slow, _, truncate, _, _ = scaling
+
+    def correction_dim(rotations):
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    out = []
+    for i, f in enumerate(inv):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        extrapolation = 1 - ramp
+        out.append(f / factor * (1 - extrapolation) + f * extrapolation)
+    return out
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """What rope's cos and sin are multiplied by (YaRN's attention factor; 1 otherwise):
+    both q's and k's rotated dims scale by it."""
+    scaling = cfg.rope_scaling
+    return scaling[5] if scaling is not None and scaling[0] == "yarn" else 1.0

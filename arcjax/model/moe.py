@@ -2,17 +2,23 @@
 
 Dataflow of one layer (`moe_mlp`), T tokens, E experts, k experts per token, A = T * k:
 
-  1. `route`: router logits [T, E] -> softmax (float32) -> top-k -> optionally renormalized
-     (`norm_topk_prob`; Mixtral always). Padding tokens are routed nowhere.
+  1. `route`: router logits [T, E] (float32) -> the family's router (`routing.select`:
+     softmax, sigmoid or gpt-oss's top-k-then-softmax; router bias, noaux_tc correction,
+     group-limited choice, renormalization, routed scaling). Padding tokens are routed
+     nowhere.
   2. `group`: the A (token, expert) assignments sorted by expert with ONE stable argsort of
      their expert ids (padding assignments carry id E and sort last); `sizes[e]` counts
      expert e's assignments. Row r of the packed layout is token `order[r] // k`.
-  3. `experts_ffn`: gather the packed rows, then gate/up/down as grouped GEMMs over the
-     `sizes` groups (`grouped_matmul`: `jax.lax.ragged_dot`, or the tiled loop below), scale
-     each row by its router weight and scatter-add it back to its token (float32).
+  3. `expert_ffn.experts_ffn`: gather the packed rows, then gate/up/down as grouped GEMMs
+     over the `sizes` groups (`jax.lax.ragged_dot`, or the tiled loop), the gated
+     activation (SwiGLU, GeGLU, gpt-oss's clamped SwiGLU with its gate/up biases), scale
+     each row by its router weight and scatter-add it back to its token (float32); the
+     experts' down biases (gpt-oss), weighted alike, join once (`down_bias_sum`).
   4. With a mesh (`parallel.experts_map`), step 3 runs per device on its own experts (and
      its slice of their width) and the partial outputs are summed across devices; steps 1-2
      run replicated (every device holds every token after attention's all-reduce).
+  5. Shared experts: Qwen2-MoE's sigmoid-gated one, DeepSeek's ungated ones (one MLP of
+     `n_shared_experts` widths), added to every token.
 
 `tokens per expert` (sizes over real tokens) come back per layer for the trace.
 
@@ -34,39 +40,39 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from arcjax.model.expert_ffn import ExpertAct, activation, dense_ffn, down_bias_sum, experts_ffn
 from arcjax.model.packed import PackedWeight
-from arcjax.model.quant import QuantizedWeight, dense, dense_at, weight_axes
+from arcjax.model.quant import QuantizedWeight, dense, weight_axes
+from arcjax.model.routing import RouterConfig, select
 
 IMPLS = ("auto", "ragged_dot", "tiled", "dense")
-# The stacked [L, E, ...] expert weights, read by (layer, expert) (see the NOTE above).
+# The stacked [L, E, ...] expert weights, read by (layer, expert) (see the NOTE above), and
+# gpt-oss's stacked expert biases ([L, E, I] gate and up, [L, E, H] down).
 EXPERT_WEIGHTS = ("we_gate", "we_up", "we_down")
-MAX_TILE = 128  # packed rows per tile of the tiled grouped GEMM
-MIN_TILE = 8
+EXPERT_BIASES = ("be_gate", "be_up", "be_down")
 
 
-def activation(x: jax.Array, kind: str) -> jax.Array:
-    """The gate's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
-    return jax.nn.silu(x) if kind == "silu" else jax.nn.gelu(x, approximate=True)
-
-
-def route(h: jax.Array, router: jax.Array, top_k: int, renormalize: bool
-          ) -> tuple[jax.Array, jax.Array]:
+def route(h: jax.Array, router: jax.Array, top_k: int, renormalize: bool,
+          cfg: RouterConfig = RouterConfig(), bias: jax.Array | None = None,
+          correction: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Router weights and experts of each token.
 
     Args:
       h: [T, H] normalized hidden states.
       router: [H, E] router weights.
       top_k: experts per token.
-      renormalize: scale the top-k probabilities to sum to 1.
+      renormalize: scale the chosen weights to sum to 1.
+      cfg: the family's router (`routing.RouterConfig`; default: softmax top-k).
+      bias, correction: [E] the router's bias and the noaux_tc correction, or None.
 
     Returns:
       (weights [T, k] float32, experts [T, k] int32), best expert first.
     """
-    logits = (h @ router.astype(h.dtype)).astype(jnp.float32)  # [T, E]
-    weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
+    if cfg.scoring == "sigmoid":  # DeepSeek-V3's router runs in float32 whatever the dtype
+        logits = h.astype(jnp.float32) @ router.astype(jnp.float32)
+    else:
+        logits = (h @ router.astype(h.dtype)).astype(jnp.float32)  # [T, E]
+    return select(logits, top_k, renormalize, cfg, bias, correction)
 
 
 def group(experts: jax.Array, valid: jax.Array, num_experts: int
@@ -86,112 +92,6 @@ def group(experts: jax.Array, valid: jax.Array, num_experts: int
     order = jnp.argsort(ids, stable=True).astype(jnp.int32)
     sizes = jnp.zeros(num_experts + 1, jnp.int32).at[ids].add(1)[:num_experts]
     return order, sizes
-
-
-def _tile_rows(num_rows: int, num_groups: int) -> int:
-    """Rows per tile: about a group's expected share, a power of two in [8, 128]."""
-    share = max(1, num_rows // max(1, num_groups))
-    return int(min(MAX_TILE, max(MIN_TILE, 1 << (share - 1).bit_length())))
-
-
-def _tiled_ffn(x: jax.Array, sizes: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-               w_down: jax.Array, act: str, layer: jax.Array) -> jax.Array:
-    """gate/up/down over packed rows x [A, H] grouped by `sizes` [E]: each group padded to
-    whole tiles; a loop over the live tiles computes each with its one expert's weights,
-    `w_*[layer, expert]` (w_*: [L, E, ...]). Rows past sum(sizes) come out 0. Returns [A, H]
-    float32."""
-    a, hidden = x.shape
-    e = sizes.shape[0]
-    tm = _tile_rows(a, e)
-    tiles = (sizes + tm - 1) // tm  # [E] tiles per expert
-    tile_end = jnp.cumsum(tiles)  # [E]
-    num_tiles = a // tm + e + 1  # static bound: sum(cdiv(s, tm)) <= A / tm + E
-    starts = jnp.cumsum(sizes) - sizes  # [E] first packed row of each group
-    r = jnp.arange(a)
-    owner = jnp.searchsorted(jnp.cumsum(sizes), r, side="right")  # [A] expert of row r
-    owner_c = jnp.minimum(owner, e - 1)
-    padded = (tile_end[owner_c] - tiles[owner_c]) * tm + r - starts[owner_c]  # [A]
-    padded = jnp.where(owner < e, padded, num_tiles * tm)  # rows past the groups: dropped
-    x_pad = jnp.zeros((num_tiles * tm, hidden), x.dtype).at[padded].set(x, mode="drop")
-    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(num_tiles), side="right"),
-                              e - 1)  # [num_tiles]
-
-    def body(i, y):
-        rows = jax.lax.dynamic_slice_in_dim(x_pad, i * tm, tm)  # [tm, H]
-        ex = tile_expert[i]
-        g, u, d = (dense_at(w, (layer, ex), x.dtype) for w in (w_gate, w_up, w_down))
-        out = (activation(rows @ g, act) * (rows @ u)) @ d  # [tm, H]
-        out = out.astype(jnp.float32)
-        return jax.lax.dynamic_update_slice_in_dim(y, out, i * tm, 0)
-
-    y = jax.lax.fori_loop(0, tile_end[-1], body, jnp.zeros((num_tiles * tm, hidden), jnp.float32))
-    return jnp.take(y, padded, axis=0, mode="fill", fill_value=0)
-
-
-def _ragged_ffn(x, sizes, w_gate, w_up, w_down, act, layer):
-    dt = x.dtype
-
-    def mm(lhs, w):  # w: [L, E, in, out]; the layer's [E, in, out]
-        return jax.lax.ragged_dot(lhs, dense_at(w, (layer,), dt), sizes,
-                                  preferred_element_type=jnp.float32)
-
-    h = (activation(mm(x, w_gate), act) * mm(x, w_up)).astype(dt)
-    return mm(h, w_down)  # [A, H] float32
-
-
-def experts_ffn(x: jax.Array, order: jax.Array, sizes: jax.Array, weights: jax.Array,
-                w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *, layer: jax.Array,
-                first: jax.Array, act: str, impl: str) -> jax.Array:
-    """The experts' output for every token: a sum over the experts `w_*` hold.
-
-    Args:
-      x: [T, H] normalized hidden states.
-      order, sizes: from `group` (sizes over all E experts).
-      weights: [T, k] float32 router weights.
-      w_gate, w_up: [L, E_local, H, I]; w_down: [L, E_local, I, H]: every layer's experts
-        first .. first + E_local - 1 (all of them on one device).
-      layer: scalar int32, the layer.
-      first: scalar int32, the first expert held.
-      act: "silu" | "gelu_tanh".
-      impl: "ragged_dot" | "tiled" (see the module docstring).
-
-    Returns:
-      [T, H] float32: sum over held experts e of weight(t, e) * expert_e(x[t]).
-    """
-    t = x.shape[0]
-    a = order.shape[0]
-    k = a // t
-    local = w_gate.shape[1]
-    local_sizes = jax.lax.dynamic_slice_in_dim(sizes, first, local)  # [E_local]
-    start = jnp.sum(jnp.where(jnp.arange(sizes.shape[0]) < first, sizes, 0))
-    r = jnp.arange(a)
-    live = r < jnp.sum(local_sizes)  # packed rows of the held experts
-    assignment = jnp.where(live, order[jnp.minimum(start + r, a - 1)], 0)  # [A]
-    token = assignment // k
-    xs = x[token]  # [A, H]
-    ffn = _tiled_ffn if impl == "tiled" else _ragged_ffn
-    y = ffn(xs, local_sizes, w_gate, w_up, w_down, act, layer)  # [A, H] float32
-    y = y * jnp.where(live, weights.reshape(-1)[assignment], 0.0)[:, None]
-    return jnp.zeros((t, x.shape[1]), jnp.float32).at[jnp.where(live, token, t)].add(
-        y, mode="drop")
-
-
-def dense_ffn(x: jax.Array, weights: jax.Array, experts: jax.Array, w_gate: jax.Array,
-              w_up: jax.Array, w_down: jax.Array, *, layer: jax.Array, act: str) -> jax.Array:
-    """The per-expert loop: every expert runs on every token, weighted by its router weight
-    (0 where not chosen). E / k times the routed FLOPs; the baseline of the benchmark and an
-    independent check of the grouped path. w_*: [L, E, ...]. Returns [T, H] float32."""
-    num_experts = w_gate.shape[1]
-    gate = jnp.sum(jnp.where(experts[..., None] == jnp.arange(num_experts), weights[..., None],
-                             0.0), axis=1)  # [T, E]
-    dt = x.dtype
-
-    def body(e, acc):
-        g, u, d = (dense_at(w, (layer, e), dt) for w in (w_gate, w_up, w_down))
-        h = activation(x @ g, act) * (x @ u)
-        return acc + gate[:, e, None] * (h @ d).astype(jnp.float32)
-
-    return jax.lax.fori_loop(0, num_experts, body, jnp.zeros(x.shape, jnp.float32))
 
 
 def _shardable(w, dtype, width_split: bool, row_split: int = 1):
@@ -222,43 +122,65 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
+def _shared_experts(h: jax.Array, lp: dict, act: str) -> jax.Array:
+    """[T, H] float32: the shared experts' MLP, sigmoid-gated when `ws_router` is given."""
+    dt = h.dtype
+    shared = activation(h @ dense(lp["ws_gate"], dt), act) * (h @ dense(lp["ws_up"], dt))
+    shared = shared @ dense(lp["ws_down"], dt)
+    if "ws_router" in lp:  # Qwen2-MoE: sigmoid(h @ gate) * shared MLP(h)
+        shared = jax.nn.sigmoid(h @ lp["ws_router"].astype(dt)) * shared
+    return shared.astype(jnp.float32)
+
+
 def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_experts: int,
-            top_k: int, renormalize: bool, act: str, valid: jax.Array, impl: str = "auto",
-            parallel=None) -> tuple[jax.Array, jax.Array]:
-    """One layer's mixture of experts (plus Qwen2-MoE's gated shared expert).
+            top_k: int, renormalize: bool, act: str | ExpertAct, valid: jax.Array,
+            impl: str = "auto", parallel=None, router: RouterConfig = RouterConfig(),
+            shared_act: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """One layer's mixture of experts (plus its shared experts).
 
     Args:
       h: [T, H] normalized hidden states.
-      lp: the layer's params: router [H, E]; optionally ws_gate/ws_up [H, Is], ws_down
-        [Is, H], ws_router [H, 1].
+      lp: the layer's params: router [H, E]; optionally router_bias [E] (gpt-oss),
+        router_correction [E] (DeepSeek-V3's e_score_correction_bias), ws_gate/ws_up
+        [H, Is], ws_down [Is, H] (shared experts) and ws_router [H, 1] (Qwen2-MoE's gate).
       experts: every layer's expert weights (`EXPERT_WEIGHTS`): we_gate/we_up [L, E, H, I],
         we_down [L, E, I, H]; arrays, `QuantizedWeight`s or `PackedWeight`s (scales
-        [L, E, ...]).
+        [L, E, ...]); with `EXPERT_BIASES` (gpt-oss) be_gate/be_up [L, E, I], be_down
+        [L, E, H].
       layer: scalar int32, this layer.
-      num_experts, top_k, renormalize, act: from the model config.
+      num_experts, top_k, renormalize: from the model config.
+      act: the experts' gated activation (a kind: "silu", "gelu_tanh"; or an ExpertAct).
       valid: [T] bool, real tokens.
       impl: "auto" | "ragged_dot" | "tiled" | "dense".
       parallel: an `arcjax.parallel.TensorParallel` or None.
+      router: the family's router variant.
+      shared_act: the shared experts' activation (the model's hidden_act; None: act's).
 
     Returns:
       (out [T, H] in h's dtype, tokens per expert [E] int32).
     """
     impl = resolve_impl(impl)
-    weights, chosen = route(h, lp["router"], top_k, renormalize)
+    act = act if isinstance(act, ExpertAct) else ExpertAct(act)
+    weights, chosen = route(h, lp["router"], top_k, renormalize, router,
+                            lp.get("router_bias"), lp.get("router_correction"))
     order, sizes = group(chosen, valid, num_experts)
     w = tuple(experts[name] for name in EXPERT_WEIGHTS)
+    b = tuple(experts[name] for name in EXPERT_BIASES[:2]) if "be_gate" in experts else None
     if impl == "dense":
-        out = dense_ffn(h, jnp.where(valid[:, None], weights, 0.0), chosen, *w, layer=layer,
+        out = dense_ffn(h, jnp.where(valid[:, None], weights, 0.0), chosen, w, b, layer=layer,
                         act=act)
     elif parallel is None:
-        out = experts_ffn(h, order, sizes, weights, *w, layer=layer, first=jnp.int32(0),
+        out = experts_ffn(h, order, sizes, weights, w, b, layer=layer, first=jnp.int32(0),
                           act=act, impl=impl)
     else:
+        biased = b is not None
+
         def local(x, route_, *w_local):
             order_, sizes_, weights_, layer_ = route_
             first = parallel.expert_offset(w_local[0].shape[1])
-            return experts_ffn(x, order_, sizes_, weights_, *w_local, layer=layer_,
-                               first=first, act=act, impl=impl), sizes_
+            return experts_ffn(x, order_, sizes_, weights_, w_local[:3],
+                               w_local[3:] if biased else None, layer=layer_, first=first,
+                               act=act, impl=impl), sizes_
 
         logical = (("layers", "expert", "embed", "moe_mlp"),) * 2 + (
             ("layers", "expert", "moe_mlp", "embed"),)
@@ -266,10 +188,11 @@ def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_expe
         w = tuple(_shardable(x, h.dtype, width_split, parallel.degree(a[-2]))
                   for x, a in zip(w, logical))
         axes = tuple(weight_axes(x, a, parallel.degree) for x, a in zip(w, logical))
+        if biased:  # gate and up biases split like their weights' columns
+            w, axes = w + b, axes + (("layers", "expert", "moe_mlp"),) * 2
         out, sizes = parallel.experts_map(local, axes)(h, (order, sizes, weights, layer), *w)
-    if "ws_gate" in lp:  # Qwen2-MoE: sigmoid(h @ gate) * shared MLP(h)
-        dt = h.dtype
-        shared = activation(h @ dense(lp["ws_gate"], dt), act) * (h @ dense(lp["ws_up"], dt))
-        shared = shared @ dense(lp["ws_down"], dt)
-        out = out + (jax.nn.sigmoid(h @ lp["ws_router"].astype(dt)) * shared).astype(jnp.float32)
+    if "be_down" in experts:  # gpt-oss: the chosen experts' down biases, added once
+        out = out + down_bias_sum(weights, chosen, experts["be_down"], layer, valid)
+    if "ws_gate" in lp:
+        out = out + _shared_experts(h, lp, shared_act or act.kind)
     return out.astype(h.dtype), sizes

@@ -21,6 +21,7 @@ from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.openai.http_server import HTTPError
 from arcjax.entrypoints.openai.request_params import DEFAULTED, GenerationDefaults
 from arcjax.errors import EngineConfigError
+from arcjax.model.kv_report import kv_cache_report
 from arcjax.model.quant import storage_dtypes
 
 DEFAULT_MODEL_NAME = "arcjax-default"  # the packaged model's id
@@ -73,8 +74,9 @@ class OpenAIServingModels:
 
     def model_card(self, name: str | None = None) -> dict:
         """A served name's card (vLLM's: root, parent, permission, max_model_len), with the
-        storage dtypes, the attention implementation of every bucket compiled so far (all
-        after a warm-up), and whether a recorded GPU pass vouches for each."""
+        storage dtypes, the KV bytes per token (`kv_cache_report`), the attention
+        implementation of every bucket compiled so far (all after a warm-up), and whether a
+        recorded GPU pass vouches for each."""
         engine = self.llm.engine
         runner = engine.runner
         name = name or self.model_name
@@ -87,6 +89,7 @@ class OpenAIServingModels:
                                 "allow_fine_tuning": False, "organization": "*",
                                 "group": None, "is_blocking": False}],
                 **storage_dtypes(runner.params, runner.cache),
+                **kv_cache_report(runner.cfg, runner.kv_cache_dtype),
                 "attention": attention_report(runner.attn_impl, dict(runner.attention_impls),
                                               verified=dict(runner.attention_verified))}
 

@@ -27,6 +27,16 @@ from arcjax.errors import ModelConfigError, WeightsError
 from arcjax.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from arcjax.model.specs import Params, is_spec, param_specs
 
+# Architectures whose config parses but whose layers the decoder does not assemble yet,
+# with what is missing: loading one is refused rather than run wrong.
+DECODER_PENDING = {
+    "GptOssForCausalLM": "attention sinks, router and expert biases, the clamped SwiGLU and "
+                         "YaRN's attention factor in the decoder's layers",
+    "DeepseekV2ForCausalLM": "multi-head latent attention over a latent paged cache in the "
+                             "decoder, and the dense-then-expert layer mix",
+    "DeepseekV3ForCausalLM": "multi-head latent attention over a latent paged cache in the "
+                             "decoder, and the dense-then-expert layer mix",
+}
 # arcjax name -> (Hugging Face name pattern, transpose). "{i}" is the layer index, "{e}" the
 # expert's (expert weights are stacked [L, E, ...] from one tensor per layer and expert).
 _LAYER_NAMES = {
@@ -55,6 +65,30 @@ _LAYER_NAMES = {
     "ws_down": ("model.layers.{i}.mlp.shared_expert.down_proj.weight", True),
     "ws_router": ("model.layers.{i}.mlp.shared_expert_gate.weight", True),
 }
+# gpt-oss stores each layer's experts fused: "<tensor>@<part>" names one expert's part of
+# one (`fused_name`), which `formats/fused_experts.py`'s reader answers: `gate.{e}` and
+# `up.{e}` the even and odd columns of expert e's gate_up, `{e}` expert e's row.
+FUSED = "@"
+_EXPERTS = "model.layers.{i}.mlp.experts."
+GPT_OSS_LAYER_NAMES = {
+    "sinks": ("model.layers.{i}.self_attn.sinks", False),
+    "router": ("model.layers.{i}.mlp.router.weight", True),
+    "router_bias": ("model.layers.{i}.mlp.router.bias", False),
+    "we_gate": (_EXPERTS + "gate_up_proj@gate.{e}", False),
+    "we_up": (_EXPERTS + "gate_up_proj@up.{e}", False),
+    "we_down": (_EXPERTS + "down_proj@{e}", False),
+    "be_gate": (_EXPERTS + "gate_up_proj_bias@gate.{e}", False),
+    "be_up": (_EXPERTS + "gate_up_proj_bias@up.{e}", False),
+    "be_down": (_EXPERTS + "down_proj_bias@{e}", False),
+}
+
+
+def fused_name(name: str) -> str:
+    """The checkpoint tensor a layer name is read from: the fused tensor of a
+    `GPT_OSS_LAYER_NAMES` part, the name itself otherwise."""
+    return name.split(FUSED, 1)[0]
+
+
 # Where an architecture names a weight differently.
 _ARCH_LAYER_NAMES = {
     "MixtralForCausalLM": {
@@ -70,6 +104,8 @@ _ARCH_LAYER_NAMES = {
         "post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
         "post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", False),
     } for arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")},
+    # gpt-oss: sinks, a biased router, experts fused per layer (`GPT_OSS_LAYER_NAMES`).
+    "GptOssForCausalLM": GPT_OSS_LAYER_NAMES,
 }
 # Top-level arrays: arcjax name -> (Hugging Face name, transpose).
 TOP_NAMES = {
@@ -118,18 +154,24 @@ def read_config(model_dir: str | os.PathLike) -> ModelConfig:
     """The model's config.json as a ModelConfig.
 
     Raises:
-      ModelConfigError: missing, unparsable, not a JSON object, missing fields or unsupported.
+      ModelConfigError: missing, unparsable, not a JSON object, missing fields, unsupported,
+        or an architecture the decoder does not run yet (`DECODER_PENDING`).
     """
     data = read_config_json(model_dir)
     path = Path(model_dir) / "config.json"
     try:
-        return ModelConfig.from_hf_dict(data)
+        cfg = ModelConfig.from_hf_dict(data)
     except ModelConfigError as e:
         raise ModelConfigError(path, e.reason) from e
     except KeyError as e:
         raise ModelConfigError(path, f"required field {e.args[0]!r} is missing") from e
     except (TypeError, ValueError) as e:
         raise ModelConfigError(path, f"a field has the wrong type ({e})") from e
+    if cfg.architecture in DECODER_PENDING:
+        raise ModelConfigError(path, f"architecture {cfg.architecture!r} is read (config, "
+                               "kernels, router, experts) but the decoder does not run it "
+                               f"yet: {DECODER_PENDING[cfg.architecture]}")
+    return cfg
 
 
 def layer_names(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
@@ -178,7 +220,8 @@ def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = 
     Args:
       cfg: the model config.
       read: `read(hf_name) -> np.ndarray | None`, a tensor in Hugging Face layout
-        (linear weights [out, in]); None when the checkpoint lacks it.
+        (linear weights [out, in]); None when the checkpoint lacks it. gpt-oss's fused
+        expert parts (`GPT_OSS_LAYER_NAMES`) too: `fused_experts.reader` wraps a reader.
       dtype: the params' dtype.
       where: `where(hf_name)`: the file errors about that tensor name.
       skip: weights ("wq", ..., or top-level "embed", "lm_head") left out of the tree
@@ -199,6 +242,7 @@ def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = 
         if arr is None:
             if name == "lm_head.weight" and cfg.tie_word_embeddings:
                 continue
+            name = fused_name(name)
             raise WeightsError(where(name), f"tensor {name} is missing from the checkpoint "
                                        f"(architecture {cfg.architecture})")
         arr = arr.T if transpose else arr
@@ -207,7 +251,8 @@ def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = 
         if tuple(arr.shape) != tuple(want):
             hf_shape = tuple(arr.shape[::-1]) if transpose else tuple(arr.shape)
             implied = tuple(want[::-1]) if transpose else tuple(want)
-            raise WeightsError(where(name), f"tensor {name} has shape {hf_shape}, the "
-                                            f"config implies {implied}")
+            raise WeightsError(where(fused_name(name)),
+                               f"tensor {name} has shape {hf_shape}, the config implies "
+                               f"{implied}")
         dst[index] = arr
     return host
