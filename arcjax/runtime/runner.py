@@ -241,15 +241,21 @@ class ModelRunner:
                 key = ("sample", bucket.sample_width, self.parallel, input_signature(args))
                 lower = functools.partial(fn.lower, *args, **width)
             else:  # compiled with the implementation "auto" resolves to for this bucket
-                impl = self._attention_impl(bucket)
-                key = (variant, self.cfg, impl, str(self.dtype), bucket.max_q_len,
-                       bucket.sample_width, self.parallel, self.kv, input_signature(args))
-                lower = functools.partial(fn.lower, *args, cfg=self.cfg, attn_impl=impl,
-                                          dtype=self.dtype, max_q_len=bucket.max_q_len,
-                                          parallel=self.parallel, kv=self.kv, **width)
+                statics = self.step_statics(bucket)
+                key = (variant, *(statics[name] for name in _STATIC), bucket.sample_width,
+                       input_signature(args))
+                lower = functools.partial(fn.lower, *args, **statics, **width)
             exe = self.executables.get_or_compile(key, lambda: lower().compile())
             self._compiled[(bucket, variant, prompt_given)] = exe
         return exe
+
+    def step_statics(self, bucket: Bucket) -> dict:
+        """The static arguments `bucket`'s forward is compiled with (`_STATIC`): the model,
+        the attention implementation ("auto" resolved), the dtype, the chunk bound, the mesh,
+        the KV layout. A tool that traces a bucket's forward again
+        (`arcjax.bench.step_replay`) reads them here."""
+        return dict(cfg=self.cfg, attn_impl=self._attention_impl(bucket), dtype=self.dtype,
+                    max_q_len=bucket.max_q_len, parallel=self.parallel, kv=self.kv)
 
     def _attention_impl(self, bucket: Bucket) -> str:
         """The attention implementation of `bucket`'s steps: `attn_impl`, "auto" resolved
