@@ -19,6 +19,7 @@ from arcjax.model.formats.hub import ModelSource, resolve_model
 from arcjax.model.formats.loader import load_model, model_config
 from arcjax.model.formats.pooler_config import read_pooler_config
 from arcjax.model.kv_layout import kv_layout
+from arcjax.model.kv_scales import calibrated_kv_scales, calibration_ids
 from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.reasoning.model_reasoning import ModelReasoning
 from arcjax.runtime.buckets import BucketSet
@@ -163,7 +164,7 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
                          parallel=parallel, kv_cache_dtype=kv_dtype,
-                         kv_scales=model.kv_scales if config.kv_cache_dtype == "fp8" else None,
+                         kv_scales=_kv_scales(config, model, tokenizer, dtype),
                          kv=kv, host_slots=host_blocks, pooling=config.runner == "pooling")
     speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
                   else None)
@@ -179,6 +180,17 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
     return engine
+
+
+def _kv_scales(config: EngineConfig, model, tokenizer, dtype):
+    """FP8 pages' [2, L] K and V scales: the checkpoint's, else calibrated from one
+    prefill of a fixed prompt (`arcjax.model.kv_scales`); None for other pages."""
+    if config.kv_cache_dtype != "fp8":
+        return None
+    if model.kv_scales is not None:
+        return model.kv_scales
+    return calibrated_kv_scales(model.cfg, model.params, calibration_ids(tokenizer, model.cfg),
+                                dtype)
 
 
 def _speculator(config: EngineConfig, draft: ModelSource | None, sched, max_model_len: int,

@@ -30,7 +30,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 # and the Triton kernel through jax-triton. Not engine-wide: "mosaic_gpu" (decode-only
 # batches: "auto" runs it in decode buckets once verified) and "reference" (host numpy).
 ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu", "triton")
-QUANTIZATIONS = ("fp8", "int8")  # weight formats a float checkpoint is quantized to at load
+# What `quantization` may ask at load: a float checkpoint quantized to FP8 / INT8, or every
+# weight of a quantized checkpoint or GGUF file dequantized to the compute dtype.
+QUANTIZATIONS = ("fp8", "int8", "dequantize")
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the compute dtype; "fp8": float8_e4m3fn pages
 # "generate": generation only; "pooling": embeddings too (vLLM's name), prefill-only rows
 # beside generation in the same steps (a decoder LM can embed)
@@ -65,10 +67,13 @@ class EngineConfig:
         fetched into the Hub cache; a local path of that name wins); None = the packaged
         default model.
       revision: a Hub id's branch, tag or commit (None = "main"); ignored for local paths.
-      quantization: None = the checkpoint's own weights (FP8/INT8 checkpoints stay
-        quantized); "fp8" (e4m3, per-channel scales) or "int8" (per-channel) quantizes a
-        float checkpoint at load. Weights stay quantized on the device; the step
-        dequantizes them inside the jitted matmuls.
+      quantization: None = the checkpoint's weights as stored (FP8/INT8 checkpoints stay
+        quantized; AWQ, GPTQ and compressed-tensors pack-quantized checkpoints and GGUF
+        files stay packed); "fp8" (e4m3, per-channel scales) or "int8" (per-channel)
+        quantizes a float checkpoint (or a GGUF file, dequantized first) at load;
+        "dequantize" stores every weight in the compute dtype (the comparison baseline).
+        Weights stay quantized or packed on the device; the step dequantizes them inside
+        the jitted matmuls.
       kv_cache_dtype: "auto" = the compute dtype; "fp8" = float8_e4m3fn pages with one
         scale per layer for K and one for V (the checkpoint's k_scale/v_scale when it has
         them, else 1.0), about twice the tokens in the same memory.
