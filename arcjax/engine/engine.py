@@ -38,7 +38,9 @@ from arcjax.errors import (DuplicateRequestError, EngineConfigError, EngineDeadE
                            RequestError, UnknownRequestError)
 from arcjax.lora.adapter_cache import AdapterCache
 from arcjax.lora.lora_request import LoRARequest
+from arcjax.model.formats.pooler_config import PoolerConfig
 from arcjax.parallel.multihost import FollowerStop
+from arcjax.pooling_params import PoolingParams
 from arcjax.runtime.runner import ModelRunner
 from arcjax.sampling_params import SamplingParams
 from arcjax.structured import StructuredOutputManager
@@ -59,13 +61,16 @@ class Engine:
       speculator: speculative decoding (`arcjax.spec_decode.speculator.Speculator`), or None.
       reasoning: splits outputs into reasoning and content and starts grammars after the
         reasoning (`arcjax.reasoning.model_reasoning.ModelReasoning`), or None.
+      pooler: how the model pools its hidden states (runner="pooling": embedding requests,
+        `PoolingParams`, are served beside generation); None = embeddings are refused.
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None,
                  sched_config: scheduler.SchedulerConfig, *, max_model_len: int,
                  seed: int = 0, clock=time.perf_counter, model_dir=None,
                  trace_capacity: int = 10_000, async_scheduling: bool = False,
-                 speculator=None, reasoning=None, adapters: AdapterCache | None = None):
+                 speculator=None, reasoning=None, pooler: PoolerConfig | None = None,
+                 adapters: AdapterCache | None = None):
         self.runner, self.tokenizer, self.model_dir = runner, tokenizer, model_dir
         self.sched_config, self.max_model_len, self.clock = sched_config, max_model_len, clock
         eos = tokenizer.eos_token_ids if tokenizer else runner.cfg.eos_token_ids
@@ -74,10 +79,11 @@ class Engine:
         self.structured = StructuredOutputManager(
             tokenizer.to_json if tokenizer is not None else None, runner.cfg.vocab_size,
             sorted(self.eos_token_ids))
+        self.pooler = pooler
         self.adapters = adapters  # LoRA: the loaded adapters (None: LoRA is off)
         self.inputs = InputProcessor(tokenizer, runner.cfg.vocab_size, max_model_len,
                                      sched_config, seed, self.structured, reasoning,
-                                     adapters=adapters)
+                                     pooler, runner.cfg.hidden_size, adapters=adapters)
         self.core = EngineCore(runner, tokenizer, sched_config, clock=clock,
                                trace_capacity=trace_capacity,
                                async_scheduling=async_scheduling,
@@ -140,7 +146,8 @@ class Engine:
         self.core.sync = sync
 
     # --- submission (any thread) --------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | Sequence[int],
+                    params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, *,
                     sink: Sink | None = None, priority: int = 0,
                     lora_request: LoRARequest | None = None) -> str:
@@ -148,7 +155,8 @@ class Engine:
 
         Args:
           prompt: text, or token ids (ints, or a 1-D numpy integer array).
-          params: sampling params; None = SamplingParams().
+          params: sampling params; None = SamplingParams(). `PoolingParams`: an embedding
+            request (its one output is a `PoolingRequestOutput`; runner="pooling" only).
           request_id: unique among unfinished requests; None = a fresh id.
           arrival_time: on the engine's clock; None = now.
           sink: receives every output of this request (from the stepping thread); without
@@ -167,6 +175,9 @@ class Engine:
         self.inputs.check_adapter(lora_request)
         arrival = self.clock() if arrival_time is None else arrival_time
         self.inputs.check_options(request_id, arrival, priority)
+        if self.sync is not None and isinstance(params, PoolingParams):
+            raise RequestError("params", "embeddings are not supported across several hosts "
+                               "yet")
         if self.sync is not None and params.n > 1:
             raise RequestError("n", "n > 1 is not supported across several hosts yet", limit=1)
         with self._lock:
@@ -185,7 +196,7 @@ class Engine:
             self._inbox.append(item)
         return request_id
 
-    def check(self, prompt, params: SamplingParams,
+    def check(self, prompt, params: SamplingParams | PoolingParams,
               lora_request: LoRARequest | None = None) -> tuple[str | None, tuple[int, ...]]:
         """Validates a request (and loads its adapter) without queueing it. Returns
         (prompt text, token ids)."""
