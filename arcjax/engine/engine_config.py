@@ -30,8 +30,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 # and the Triton kernel through jax-triton. Not engine-wide: "mosaic_gpu" (decode-only
 # batches: "auto" runs it in decode buckets once verified) and "reference" (host numpy).
 ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu", "triton")
-QUANTIZATIONS = ("fp8", "int8")  # weight formats a float checkpoint is quantized to at load
+# What `quantization` may ask at load: a float checkpoint quantized to FP8 / INT8, or every
+# weight of a quantized checkpoint or GGUF file dequantized to the compute dtype.
+QUANTIZATIONS = ("fp8", "int8", "dequantize")
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the compute dtype; "fp8": float8_e4m3fn pages
+# "generate": generation only; "pooling": embeddings too (vLLM's name), prefill-only rows
+# beside generation in the same steps (a decoder LM can embed)
+RUNNERS = ("generate", "pooling")
 
 # The SchedulerConfig fields a caller sets as engine options; the rest (the cache's size,
 # the model's window and KV cache groups, the host tier's size) `build_engine` derives.
@@ -62,10 +67,13 @@ class EngineConfig:
         fetched into the Hub cache; a local path of that name wins); None = the packaged
         default model.
       revision: a Hub id's branch, tag or commit (None = "main"); ignored for local paths.
-      quantization: None = the checkpoint's own weights (FP8/INT8 checkpoints stay
-        quantized); "fp8" (e4m3, per-channel scales) or "int8" (per-channel) quantizes a
-        float checkpoint at load. Weights stay quantized on the device; the step
-        dequantizes them inside the jitted matmuls.
+      quantization: None = the checkpoint's weights as stored (FP8/INT8 checkpoints stay
+        quantized; AWQ, GPTQ and compressed-tensors pack-quantized checkpoints and GGUF
+        files stay packed); "fp8" (e4m3, per-channel scales) or "int8" (per-channel)
+        quantizes a float checkpoint (or a GGUF file, dequantized first) at load;
+        "dequantize" stores every weight in the compute dtype (the comparison baseline).
+        Weights stay quantized or packed on the device; the step dequantizes them inside
+        the jitted matmuls.
       kv_cache_dtype: "auto" = the compute dtype; "fp8" = float8_e4m3fn pages with one
         scale per layer for K and one for V (the checkpoint's k_scale/v_scale when it has
         them, else 1.0), about twice the tokens in the same memory.
@@ -119,6 +127,10 @@ class EngineConfig:
         the format's markers), "none", or None: implied by each prompt (a request whose
         prompt shows a `<think>` block is split as deepseek_r1 splits; see
         `arcjax.reasoning.model_reasoning`).
+      runner: "generate" (generation requests only) or "pooling": embedding requests
+        (`PoolingParams`, `LLM.embed`) too, pooled as the model's
+        sentence-transformers files say (`arcjax.model.formats.pooler_config`), batched
+        with generation requests in the same steps.
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
         prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
@@ -148,6 +160,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     speculative_config: SpeculativeConfig | Mapping | str | None = None
     reasoning_parser: str | None = None
+    runner: str = "generate"
     scheduler: scheduler.SchedulerConfig = dataclasses.field(default_factory=default_scheduler)
 
     def __post_init__(self):
@@ -214,6 +227,8 @@ class EngineConfig:
                 f"is host-side numpy and cannot run in the jitted step; 'mosaic_gpu' serves "
                 f"decode-only batches, which 'auto' gives it on a GPU where it has passed "
                 f"scripts/gpu_check.sh), got {self.attention_impl!r}")
+        if self.runner not in RUNNERS:
+            raise EngineConfigError("runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _int("seed", self.seed, 0)
         _int("trace_capacity", self.trace_capacity, 1)
         _int("tensor_parallel_size", self.tensor_parallel_size, 1)

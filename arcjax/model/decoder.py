@@ -255,8 +255,10 @@ def dense_mask(length: int, window: jax.Array) -> jax.Array:
 
 
 def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
-                  dtype=jnp.float32, moe_impl: str = "auto") -> jax.Array:
-    """Causal full-sequence forward. token_ids [B, L] -> logits [B, L, V] float32."""
+                  dtype=jnp.float32, moe_impl: str = "auto", kv_amax: bool = False):
+    """Causal full-sequence forward. token_ids [B, L] -> logits [B, L, V] float32;
+    with `kv_amax` (static) also each layer's max |K| and max |V|, [2, L] float32 (the
+    FP8 KV cache's calibration, `arcjax.model.kv_scales`)."""
     B, L = token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     model = _model(cfg, params)
@@ -276,12 +278,14 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
                 s = cfg.attn_logit_softcap * jnp.tanh(s / cfg.attn_logit_softcap)
             s = jnp.where(allowed, s, -jnp.inf)
             p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-            return jnp.einsum("bhqk,bkhd->bqhd", p, v), None
+            amax = jnp.stack([jnp.max(jnp.abs(k)), jnp.max(jnp.abs(v))]).astype(jnp.float32)
+            return jnp.einsum("bhqk,bkhd->bqhd", p, v), amax
 
-        x, _, _ = block(x, positions, const["inv_freq"], attend, valid=valid, layer=index,
-                        moe_impl=moe_impl, parallel=None)
-        return x, None
+        x, amax, _ = block(x, positions, const["inv_freq"], attend, valid=valid, layer=index,
+                           moe_impl=moe_impl, parallel=None)
+        return x, amax
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    x, _ = model.scan_layers(layer, x, (layer_ids, layer_constants(cfg)))
-    return model.head(x)
+    x, amax = model.scan_layers(layer, x, (layer_ids, layer_constants(cfg)))  # [L, 2]
+    logits = model.head(x)
+    return (logits, amax.T) if kv_amax else logits
