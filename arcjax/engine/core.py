@@ -14,12 +14,18 @@ Each part runs named stages (quoted), each the work of the component that owns i
    (`scheduler.schedule`): the plan, kept as a `Launched` step.
 3. `_launch`: "pack" (`runner.prepare`: a `PreparedStep`; masks of constrained rows),
    "launch" (`runner.launch`; decode rows whose input is a placeholder take the token the
-   step in flight samples for them on the device: a `TokenFeed`).
-4. `_finish`: "collect" (`runner.collect`: `Collected`), "append"
+   step in flight samples for them on the device: a `TokenFeed`). The host tier's copies
+   the plan lists go around it: its stores before the launch, its loads right after
+   (`runner.store_blocks`, `runner.load_blocks`); a plan that only moves blocks (the
+   requests it admitted wait for their loads) runs "move blocks" and no step, and its
+   commit ("commit") has no tokens.
+4. `_finish`: "collect" (`runner.collect`: `Collected`; pooling rows' sums go into their
+   requests' `PooledState`, pooled_state.py), "append"
    (`OutputProcessor.append`: text, stops, grammars; a row that verified drafts yields
    1 + its accepted drafts: `Appended`), "commit" (`scheduler.commit`), "trace record"
-   (`StepTrace.step_record`), "trace sink", "finish" (the commit's finishes and draft
-   counts applied, the trace's tally, then the committed state).
+   (`StepTrace.step_record`), "trace sink", "finish" (the commit's finishes, a pooling
+   request's among them once its last chunk ran, and draft counts applied, the trace's
+   tally, then the committed state).
 The records are in step_records.py and output_processor.py.
 
 Structured outputs: a constrained row's grammar bitmask goes into the step with it. When
@@ -58,6 +64,7 @@ from arcjax.engine import logprobs
 from arcjax.engine.group import RequestGroup
 from arcjax.engine.input_processor import Abort, NewGroup, NewRequest
 from arcjax.engine.output_processor import Appended, OutputProcessor, SampledRow
+from arcjax.engine.pooled_state import add_pooled, pooling_rows
 from arcjax.engine.request_state import FINISH_ERROR, RequestState
 from arcjax.engine.step_records import Collected, Launched, PendingSampling, StepFailed
 from arcjax.engine.trace import StepTrace
@@ -149,14 +156,26 @@ class EngineCore:
         self.groups.clear()
 
     # --- monitoring ----------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """The scheduler's side of `Engine.stats` (any thread: it reads one immutable
-        state): requests waiting and running, KV blocks in use and in all, steps."""
+        state): requests waiting and running, KV blocks in use and in all, steps; with a
+        host tier its slots and what it moved."""
         state = self.state
-        return {"waiting": len(state.waiting), "running": state.num_running,
-                "kv_blocks_in_use": state.pool.num_in_use,
-                "kv_blocks_total": self.sched_config.num_blocks,
-                "steps": self.trace.num_steps}
+        out = {"waiting": len(state.waiting), "running": state.num_running,
+               "kv_blocks_in_use": state.pool.num_in_use,
+               "kv_blocks_total": self.sched_config.num_blocks,
+               "steps": self.trace.num_steps}
+        pool = self.runner.host_pool
+        if pool is not None:  # the host tier: blocks and bytes each way, load latency
+            tier = pool.stats
+            out |= {"kv_host_blocks_total": pool.num_host_slots,
+                    "kv_host_hit_blocks": tier.blocks_loaded,
+                    "kv_host_stored_blocks": tier.blocks_stored,
+                    "kv_bytes_to_host": tier.bytes_to_host,
+                    "kv_bytes_to_device": tier.bytes_to_device,
+                    "kv_load_seconds_sum": tier.load_seconds,
+                    "kv_loads_timed": tier.loads_timed}
+        return out
 
     def blocks_in_use(self) -> int:
         """KV blocks held by running sequences."""
@@ -235,6 +254,11 @@ class EngineCore:
         """Packs and dispatches `step`; decode rows whose input is a placeholder take the
         token `prev` samples for them on the device."""
         plan = step.plan
+        if plan.moves_only:
+            with self._stage("move blocks"):
+                self.runner.store_blocks(plan)
+                self.runner.load_blocks(plan)
+            return
         with self._stage("pack"):
             for req, cached in zip(step.reqs, plan.num_cached):
                 if req.first_scheduled is None:
@@ -244,7 +268,8 @@ class EngineCore:
             step.prompts = logprobs.prompt_rows(plan, step.reqs)
             rows = logprobs.sampling_rows(plan, step.reqs, self.runner.counts,
                                           self.eos_token_ids, fed_rows)
-            prepared = self.runner.prepare(plan, rows, step.prompts)
+            prepared = self.runner.prepare(plan, rows, step.prompts,
+                                           pooling_rows(plan, step.reqs))
             step.bucket = prepared.bucket
             feed = self._feed(step, prev, fed_rows) if fed_rows else None
             # constrained rows that sample (first position i * W; drafts: a mask each); a
@@ -257,11 +282,13 @@ class EngineCore:
                        else self.structured.bitmask(grammars, prepared.bucket.num_samples))
         with self._stage("launch"):
             compiled_before = self.runner.num_executables
+            self.runner.store_blocks(plan)  # out before the step may overwrite them
             if lagging:  # the forward now, the sampling once `prev` is committed
                 step.handle = self.runner.launch_forward(prepared, feed=feed)
                 step.pending = PendingSampling(prepared, grammars)
             else:
                 step.handle = self.runner.launch(prepared, feed=feed, bitmask=bitmask)
+            self.runner.load_blocks(plan)  # in after it, before the next step
             step.compiled = self.runner.num_executables > compiled_before
 
     @staticmethod
@@ -288,6 +315,12 @@ class EngineCore:
     def _finish(self, step: Launched, changed: dict) -> None:
         """Collects a launched step's tokens, appends them to their requests, commits them,
         records the step and applies its finishes (stages; see the module docstring)."""
+        if step.handle is None:  # it only moved blocks: nothing sampled, nothing to record
+            with self._stage("commit"):
+                state, _ = scheduler.commit(self.state, step.plan, [], self.clock())
+            self.state = state
+            self._touched.remove(step)
+            return
         collected = self._collect(step)
         appended = self._append(step, collected, changed)
         state, finished = self._commit(step, collected, appended)
@@ -309,6 +342,8 @@ class EngineCore:
             if prompt_lp is not None:
                 logprobs.record_prompt_logprobs(plan, reqs, step.prompts, prompt_lp,
                                                 self.tokenizer)
+            if out.pooled is not None:  # pooling rows' sums into their requests
+                add_pooled(plan, reqs, out.pooled)
             yielded = {i: row_tokens(out, plan, i, step.width)
                        for i, s in enumerate(plan.samples) if s}
             return Collected(out, yielded, lp, self.clock())
@@ -353,8 +388,9 @@ class EngineCore:
         request and its tokens to the trace's tally, then moves to the committed state."""
         plan, reqs, now = step.plan, step.reqs, collected.now
         with self._stage("finish", rollback=appended.rollback):
-            for f in finished:
+            for f in finished:  # (a pooling request's final chunk sampled nothing)
                 self.requests[f.request_id].finish(f.reason, now)
+                changed[f.request_id] = self.requests[f.request_id]
             for i in appended.kept:
                 drafts = plan.row_spec_token_ids(i)
                 if drafts:
