@@ -35,6 +35,7 @@ import ml_dtypes
 import numpy as np
 
 from arcjax.errors import ModelConfigError, WeightsError
+from arcjax.model.formats import fused_experts, mxfp4
 from arcjax.model.formats.hf_layout import (HostModel, assemble_host, hf_layer_name,
                                             read_config, read_config_json)
 from arcjax.model.quant import LINEAR_WEIGHTS, QuantizedWeight
@@ -53,7 +54,7 @@ class CheckpointQuant:
     """What a checkpoint's quantization_config says.
 
     Attributes:
-      fmt: "fp8" or "int8".
+      fmt: "fp8", "int8", or "mxfp4" (gpt-oss's experts, decoded at load: `fused_experts`).
       block: the block size of block-scaled weights (rows, columns) in [out, in] terms, or
         None when scales are per tensor or per channel.
     """
@@ -69,12 +70,17 @@ def checkpoint_quantization(model_dir: Path) -> CheckpointQuant | None:
       ModelConfigError: a bad config.json (`hf_layout.read_config`'s errors come first),
         or a quantization method or scheme arcjax cannot load.
     """
-    read_config(model_dir)  # the typed errors of a bad config.json
+    cfg = read_config(model_dir)  # the typed errors of a bad config.json
     where = Path(model_dir) / "config.json"
     q = read_config_json(model_dir).get("quantization_config")
     if not q:
         return None
     method = q.get("quant_method")
+    if method == mxfp4.QUANT_METHOD:
+        if cfg.architecture != fused_experts.ARCHITECTURE:
+            raise ModelConfigError(where, f"quantization method 'mxfp4' is supported for "
+                                          f"{fused_experts.ARCHITECTURE} only")
+        return CheckpointQuant(mxfp4.QUANT_METHOD, None)
     if method == "fp8":
         if q.get("fmt", "e4m3") != "e4m3":
             raise ModelConfigError(where, f"fp8 format {q.get('fmt')!r} is not supported "
@@ -100,7 +106,7 @@ def checkpoint_quantization(model_dir: Path) -> CheckpointQuant | None:
         blocks = {tuple(w["block_structure"]) for w in groups if w.get("block_structure")}
         return CheckpointQuant(kind, blocks.pop() if len(blocks) == 1 else None)
     raise ModelConfigError(where, f"quantization method {method!r} is not supported (fp8, "
-                                  "compressed-tensors FP8/INT8)")
+                                  "compressed-tensors FP8/INT8, mxfp4 for gpt-oss)")
 
 
 class RawSafetensors:
