@@ -18,7 +18,8 @@ from scheduler.scheduler_errors import (CommitError, ConfigError, DuplicateReque
 
 __all__ = ["CommitError", "ConfigError", "DuplicateRequestError", "EngineConfigError",
            "EngineDeadError", "LoRAAdapterError",
-           "InputError", "ModelConfigError", "ModelFileError", "RequestError",
+           "InputError", "ModelConfigError", "ModelFileError", "QuantizationConfigError",
+           "RequestError",
            "RequestTooLargeError", "SamplingParamsError", "StepOrderError",
            "StructuredOutputsError", "UnknownRequestError", "WeightsError"]
 
@@ -87,3 +88,16 @@ class WeightsError(ModelFileError):
 
 class ModelConfigError(ModelFileError):
     """A config.json that arcjax cannot run (names the field and why)."""
+
+
+class QuantizationConfigError(ModelConfigError):
+    """A `quantization_config` arcjax cannot load; `.field` names the option
+    ("quantization_config.bits", ...)."""
+
+    def __init__(self, path, field: str, reason: str):
+        super().__init__(path, f"{field}: {reason}")
+        self.field = field
+        self.detail = reason
+
+    def __reduce__(self):
+        return type(self), (self.path, self.field, self.detail)

@@ -15,6 +15,10 @@ evicts from that queue (least recently released first) only when the stack and t
 are empty. `num_free` counts every block usable for a new allocation: free plus cached-but-
 unreferenced. `num_in_use` is the rest: blocks some live sequence holds.
 
+With a host tier (`host`, scheduler/host_tier.py) an evicted cached block is not lost: `take`
+gives its key a host slot and appends (block, slot) to `stores`, which the planner moves into
+the step plan (the runner copies the block out before the step that reuses it).
+
 NOTE: invariants the tests check every step:
   * free, cached-unreferenced and referenced blocks partition [0, num_blocks);
   * a referenced block is in exactly one live block table, unless it is a cached full block,
@@ -29,6 +33,7 @@ from collections.abc import Iterable
 from itertools import chain
 from typing import TypeAlias
 
+from scheduler.host_tier import HostTier
 from scheduler.prefix import PrefixCache
 
 # Block ids by block index; with a sliding window, leading entries may be RELEASED (None).
@@ -56,6 +61,9 @@ class BlockPool:
       freed: blocks given back, as (table, first) entries, newest last; allocated (newest table
         first) before the fresh range.
       cache: the prefix cache; None when prefix caching is off.
+      host: the host tier evicted cached blocks move to; None when off.
+      stores: (device block, host slot) of every eviction copied to the host since the
+        planner last took them (within one `schedule` call; empty in every state).
     """
 
     num_blocks: int
@@ -63,12 +71,17 @@ class BlockPool:
     fresh: int = 0
     freed: FreedStack = ()
     cache: PrefixCache | None = None
+    host: HostTier | None = None
+    stores: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def full(cls, num_blocks: int, *, prefix_caching: bool = False) -> "BlockPool":
-        """All blocks free; block 0 is allocated first."""
+    def full(cls, num_blocks: int, *, prefix_caching: bool = False,
+             host_blocks: int = 0) -> "BlockPool":
+        """All blocks free; block 0 is allocated first. `host_blocks` > 0 adds a host tier of
+        that many slots (prefix caching only)."""
         cache = PrefixCache.empty(num_blocks) if prefix_caching else None
-        return cls(num_blocks=num_blocks, num_free=num_blocks, cache=cache)
+        host = HostTier.empty(host_blocks) if host_blocks and prefix_caching else None
+        return cls(num_blocks=num_blocks, num_free=num_blocks, cache=cache, host=host)
 
     @property
     def num_in_use(self) -> int:
@@ -107,13 +120,16 @@ class BlockPool:
             parts.append(tuple(range(fresh, fresh + n)))
             fresh += n
             need -= n
-        cache = self.cache
+        cache, host, stores = self.cache, self.host, self.stores
         if need:
             evicted, cache = cache.evicted(need)
             parts.append(evicted)
+            if host is not None:
+                host, stores = _stored(host, stores, self.cache, evicted)
         blocks = parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
         return blocks, BlockPool(num_blocks=self.num_blocks, num_free=self.num_free - count,
-                                 fresh=fresh, freed=freed, cache=cache)
+                                 fresh=fresh, freed=freed, cache=cache, host=host,
+                                 stores=stores)
 
     def give(self, blocks: Iterable[int | None]) -> "BlockPool":
         """Releases one block table: uncached blocks go back to the stack; cached ones lose a
@@ -125,7 +141,7 @@ class BlockPool:
         cache = self.cache
         if cache is None:
             return BlockPool(num_blocks=self.num_blocks, num_free=self.num_free + len(table),
-                             fresh=self.fresh, freed=_pushed(self.freed, table))
+                             fresh=self.fresh, freed=_pushed(self.freed, table))  # no host
         records = cache.records
         cached = [b for b in table if records[b] is not None]
         freed = self.freed
@@ -137,7 +153,8 @@ class BlockPool:
             cache, evictable = cache.released(cached)
         return BlockPool(num_blocks=self.num_blocks,
                          num_free=self.num_free + len(table) - len(cached) + evictable,
-                         fresh=self.fresh, freed=freed, cache=cache)
+                         fresh=self.fresh, freed=freed, cache=cache, host=self.host,
+                         stores=self.stores)
 
     def acquire(self, blocks: BlockTable) -> "BlockPool":
         """Cache hits: one more reference to each (cached) block (RELEASED entries skipped)."""
@@ -146,7 +163,8 @@ class BlockPool:
             return self
         cache, revived = self.cache.acquired(blocks)
         return BlockPool(num_blocks=self.num_blocks, num_free=self.num_free - revived,
-                         fresh=self.fresh, freed=self.freed, cache=cache)
+                         fresh=self.fresh, freed=self.freed, cache=cache, host=self.host,
+                         stores=self.stores)
 
     def register(self, pairs: list[tuple[int, bytes]]) -> "BlockPool":
         """Caches newly full blocks under their digests (see PrefixCache.registered)."""
@@ -184,6 +202,17 @@ class BlockPool:
         """References to a cached block, or None if the block is not cached."""
         rec = self.cache.records[block] if self.cache is not None else None
         return None if rec is None else rec.refs
+
+
+def _stored(host: HostTier, stores: tuple, cache: PrefixCache, evicted: BlockTable):
+    """The host tier and `stores` after the device evicted `evicted` (`cache`: before the
+    eviction, which still knows their keys)."""
+    stores = list(stores)
+    for block in evicted:
+        slot, host = host.stored(cache.records[block].digest)
+        if slot is not None:
+            stores.append((block, slot))
+    return host, tuple(stores)
 
 
 def _held(table: tuple) -> BlockTable:

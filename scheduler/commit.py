@@ -45,6 +45,7 @@ from operator import add, le
 
 from scheduler import spec
 from scheduler.blocks import BlockPool
+from scheduler.kv_groups import filled_pairs
 from scheduler.scheduler_errors import CommitError, StepOrderError
 from scheduler.step_plan import StepPlan
 from scheduler.prefix import block_hash, chain_hashes, root_digest
@@ -112,10 +113,11 @@ def _advance_decodes(dec: DecodeTable, plan: StepPlan, sampled: tuple[int, ...],
                               older=tuple(older_list)), rows, at_limit)
 
 
-def _decoded_blocks(dec: DecodeTable, rows: SequenceOf[int],
-                    block_size: int) -> tuple[DecodeTable, list[tuple[int, bytes]]]:
+def _decoded_blocks(dec: DecodeTable, rows: SequenceOf[int], block_size: int,
+                    groups: int) -> tuple[DecodeTable, list[tuple[int, bytes]]]:
     """Hashes the blocks that the decode rows `rows` just filled: the table with their digests
-    appended to the rows' chains, and the (block, digest) pairs to cache."""
+    appended to the rows' chains, and the (block, key) pairs to cache (one per KV cache
+    group)."""
     computed = dec.computed
     full = [i for i in rows if not computed[i] % block_size]
     if not full:
@@ -127,23 +129,23 @@ def _decoded_blocks(dec: DecodeTable, rows: SequenceOf[int],
         digest = block_hash(chain[-1] if chain else root_digest(dec.seqs[i].request.adapter),
                             dec.last_tokens(i, block_size + 1)[:-1])
         hashes[i] = chain + (digest,)
-        pairs.append((dec.tables[i][b], digest))
+        pairs += filled_pairs(dec.tables[i], hashes[i], b, b + 1, groups)
     return dec.with_progress(hashes=tuple(hashes)), pairs
 
 
 def _prefilled_blocks(state: SchedulerState, plan: StepPlan) -> list[tuple[int, bytes]]:
-    """(block, digest) of every block a prefill chunk filled (digests precomputed per sequence)."""
+    """(block, key) of every block a prefill chunk filled (digests precomputed per sequence),
+    in every KV cache group."""
     if plan.num_decode_rows == len(plan.request_ids):
         return []
-    bs = state.config.block_size
+    bs, groups = state.config.block_size, state.config.num_kv_groups
     partial = {p.seq.request_id: p for p in state.partial}
     pairs = []
     for r in range(plan.num_decode_rows, len(plan.request_ids)):
         part = partial.get(plan.request_ids[r])
         if part is not None:  # None: aborted after schedule
-            hashes, table = part.seq.block_hashes, part.table
-            pairs += [(table[b], hashes[b]) for b in range(
-                part.computed // bs, (part.computed + plan.lengths[r]) // bs)]
+            pairs += filled_pairs(part.table, part.seq.block_hashes, part.computed // bs,
+                                  (part.computed + plan.lengths[r]) // bs, groups)
     return pairs
 
 
@@ -200,12 +202,13 @@ def _commit(state: SchedulerState, plan: StepPlan, sampled: tuple, now: float,
         tokens = spec.entries(plan, sampled)
         prefill_pairs = _prefilled_blocks(state, plan) if pool.cache is not None else []
         dec, pool, finished, held = spec.commit_decodes(
-            state.decoding, plan, tokens[:k], stopped, now, pool, bs, prefill_pairs, hold)
+            state.decoding, plan, tokens[:k], stopped, now, pool, state.config, prefill_pairs,
+            hold)
         sampled = tuple(t[0] for t in tokens)  # prefill rows: one token each
     else:
         dec, rows, done = _advance_decodes(state.decoding, plan, sampled, gen_chunk(bs))
         if pool.cache is not None:  # cache every block this step filled, before any release
-            dec, pairs = _decoded_blocks(dec, rows, bs)
+            dec, pairs = _decoded_blocks(dec, rows, bs, state.config.num_kv_groups)
             pool = pool.register(pairs + _prefilled_blocks(state, plan))
         if stopped:
             done = sorted(set(done).union(i for i in rows if dec.ids[i] in stopped))
@@ -310,8 +313,9 @@ def abandon(state: SchedulerState, plans: SequenceOf[StepPlan]) -> SchedulerStat
 
 
 def forget_prefix_cache(state: SchedulerState) -> SchedulerState:
-    """The state with an empty prefix cache: every block free, no digest remembered (after the
-    engine lost or reset the KV cache those digests would point at). Pure.
+    """The state with an empty prefix cache: every block free, no digest remembered, the host
+    tier emptied too (after the engine lost or reset the KV cache those digests would point
+    at; the host copies came from it). Pure.
 
     Raises:
       StepOrderError: some sequence still holds blocks, or a plan is in flight.
@@ -320,7 +324,8 @@ def forget_prefix_cache(state: SchedulerState) -> SchedulerState:
         raise StepOrderError("the prefix cache can be forgotten only when no sequence holds "
                              "blocks and nothing is in flight")
     return dataclasses.replace(state, pool=BlockPool.full(
-        state.config.num_blocks, prefix_caching=state.config.enable_prefix_caching))
+        state.config.num_blocks, prefix_caching=state.config.enable_prefix_caching,
+        host_blocks=state.config.num_host_blocks))
 
 
 def _filled(seq: Sequence, token: int, block_size: int) -> Sequence:
@@ -380,7 +385,7 @@ def _fill(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...], now: 
     dec = dec.without(ended)
     if unfilled.verifying:  # rows that verified drafts: what they accepted
         dec, pool, done = spec.fill_verifying(dec, unfilled.verifying, yielded, stopped, now,
-                                              pool, bs)
+                                              pool, state.config)
         finished += done
     # sequences a later plan preempted before the fill (no blocks held)
     waiting = state.waiting

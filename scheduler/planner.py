@@ -12,14 +12,10 @@ order and then assembles the plan:
      chunk shrinks to the free blocks; if not even a minimal chunk fits, lower-ranked unscheduled
      sequences are preempted, but only when that makes room. A partial is never preempted for
      itself: it waits, holding its blocks.
-  3. admit: waiting sequences in key order (FCFS within a priority), stopping at the first that
-     cannot be admitted so nobody overtakes it, except a LoRA sequence waiting for an adapter
-     slot, which later ones may pass (scheduler/lora_slots.py: a drain keeps it from starving).
-     Admissions need blocks beyond the watermark, never
-     preempt, and do not happen in a step that preempted or held a partial back. With prefix
-     caching a sequence first takes the longest cached prefix of its tokens (whole blocks, at most
-     len(tokens) - 1 tokens, so its last token is computed and yields logits) and computes from
-     there: cached blocks cost no budget, and only those no one held leave the usable pool.
+  3. admit (scheduler/admission.py): waiting sequences in key order, FCFS, after their
+     cached prefix (prefix caching), loading what only the host tier holds; a LoRA sequence
+     waiting for an adapter slot may be passed (scheduler/lora_slots.py: a drain keeps it
+     from starving).
   4. build: draft tokens on the decode rows with what is left (`spec.allocate_drafts`), then the
      plan's columns and the post-schedule state.
 
@@ -30,7 +26,8 @@ NOTE: victims always come from the tail of a key-ordered collection, so the deco
 schedules are always a prefix of the (post-preemption) decode table; `commit` relies on it.
 NOTE: with `sliding_window` (every layer slides), each running sequence's blocks wholly behind
 its window are released before anything is allocated (scheduler/window.py), and admissions
-reuse a cached prefix as far as the window needs it.
+reuse a cached prefix as far as the window needs it; with `kv_cache_groups` the same happens
+per sliding group, and every block index takes one block per group (scheduler/kv_groups.py).
 """
 
 from __future__ import annotations
@@ -41,21 +38,23 @@ from itertools import compress, repeat
 from operator import mod, not_
 
 from scheduler.blocks import BlockTable, blocks_for
+from scheduler.admission import Admissions
+from scheduler.kv_groups import slide_groups
 from scheduler.scheduler_config import SchedulerConfig
-from scheduler.lora_slots import SlotGate
 from scheduler.step_plan import Engaged, NOTHING_ENGAGED, StepPlan
 from scheduler.prefix import chain_hashes, root_digest
 from scheduler.request import Sequence, SeqKey
 from scheduler.spec import Drafts, allocate_drafts
 from scheduler.state import PLACEHOLDER, Partial, SchedulerState, gen_chunk
-from scheduler.window import slide, window_prefix
+from scheduler.window import slide
 
 _key_of_seq = lambda seq: seq.key  # noqa: E731
 _key_of_partial = lambda part: part.seq.key  # noqa: E731
 
 
-class StepBuilder:
-    """Scratch space for one `schedule` call; never escapes it."""
+class StepBuilder(Admissions):
+    """Scratch space for one `schedule` call; never escapes it. Phase 3 (admissions) is
+    `Admissions`, scheduler/admission.py."""
 
     def __init__(self, state: SchedulerState, config: SchedulerConfig, drafts: Drafts = None):
         self.state = state
@@ -78,7 +77,14 @@ class StepBuilder:
         self.partials_after = len(state.partial)  # mid-prefill once this step commits
         self.engaged: dict[str, object] = {}
         self.slid = False  # a sliding window released blocks of some partial prefill
-        if config.sliding_window is not None:
+        self.groups = config.num_kv_groups  # blocks per block index (scheduler/kv_groups.py)
+        self.loads: list[tuple[int, int]] = []  # (host slot, device block) this plan loads
+        self.loading: list[Sequence] = []  # admitted, waiting for loads until the next step
+        self.loading_blocks: set[int] = set()  # device blocks this plan loads
+        if self.groups > 1:
+            self.dec, self.pool, self.slid = slide_groups(
+                self.dec, self.partial, self.pool, config.group_windows, config.block_size)
+        elif config.sliding_window is not None:
             self.dec, self.pool, self.slid = slide(self.dec, self.partial, self.pool,
                                                    config.sliding_window, config.block_size)
 
@@ -146,8 +152,10 @@ class StepBuilder:
         return remaining
 
     def _tokens_by_blocks(self, computed: int, table_len: int, free: int) -> int:
-        """Tokens a sequence can still schedule with its blocks plus `free` more."""
-        return (table_len + free) * self.config.block_size - computed
+        """Tokens a sequence can still schedule with its table's blocks plus `free` more (a
+        block index takes one block per KV cache group)."""
+        G = self.groups
+        return (table_len // G + free // G) * self.config.block_size - computed
 
     # ---- preemption --------------------------------------------------------------------------
 
@@ -205,12 +213,17 @@ class StepBuilder:
         # rows whose token opens a block (computed % bs == 0), iterated at C speed
         opening = list(compress(range(n), map(not_, map(mod, computed[:n], repeat(bs, n)))))
         self.opening = opening
-        if len(opening) <= self.pool.num_free:
+        G = self.groups
+        if len(opening) * G <= self.pool.num_free:
             if opening:
-                blocks, self.pool = self.pool.take(len(opening))
+                blocks, self.pool = self.pool.take(len(opening) * G)
                 tables = list(dec.tables)
-                for row, block in zip(opening, blocks):
-                    tables[row] += (block,)
+                if G == 1:
+                    for row, block in zip(opening, blocks):
+                        tables[row] += (block,)
+                else:  # one block per group, interleaved (scheduler/kv_groups.py)
+                    for j, row in enumerate(opening):
+                        tables[row] += blocks[j * G:(j + 1) * G]
                 self.dec = dec.with_progress(tables=tuple(tables))
         else:
             n = self._decodes_under_pressure(n, opening)
@@ -225,18 +238,19 @@ class StepBuilder:
                 self._note("budget_full_at")
 
     def _decodes_under_pressure(self, n: int, opening: list[int]) -> int:
-        """Allocates one block per opening row, preempting when the pool runs dry; returns rows."""
+        """Allocates one block index per opening row, preempting when the pool runs dry;
+        returns rows."""
         for row in opening:
             if row >= n:
                 break
-            while self.pool.num_free == 0:
+            while self.pool.num_free < self.groups:
                 where = self._lowest_victim(self.dec.keys[row], row + 1, 0)
                 if where is None:  # the row itself ranks lowest: it is the last decode row
                     self._preempt("decode")
                     return row
                 self._preempt(where)
                 n = min(n, len(self.dec))
-            block, self.pool = self.pool.take(1)
+            block, self.pool = self.pool.take(self.groups)
             dec = self.dec
             tables = dec.tables[:row] + (dec.tables[row] + block,) + dec.tables[row + 1:]
             self.dec = dec.with_progress(tables=tables)
@@ -257,9 +271,10 @@ class StepBuilder:
             n = self._partial_chunk(j, part, whole)
             if n:
                 table = self._grow(part.table, part.computed + n)
+                cached = part.num_cached  # an admission that waited for its loads reports them
                 part = Partial(seq=part.seq, computed=part.computed, table=table)
                 self.partial[j] = part
-                self._add_prefill_row(part, n)
+                self._add_prefill_row(part, n, cached)
                 if part.computed + n == len(part.seq.tokens):
                     self.partials_after -= 1
             else:
@@ -280,7 +295,9 @@ class StepBuilder:
                 self._use(reasons)
                 return 0
             minimal = min(remaining, self.config.chunk_tile)
-        need = blocks_for(part.computed + minimal, self.config.block_size) - len(part.table)
+        G = self.groups
+        need = (blocks_for(part.computed + minimal, self.config.block_size)
+                - len(part.table) // G) * G
         if need > self.pool.num_free:
             key = part.seq.key
             if self.pool.num_free + self._reclaimable(key, self.num_decode_rows, j + 1) < need:
@@ -297,7 +314,7 @@ class StepBuilder:
 
     def _grow(self, table: BlockTable, num_tokens: int) -> BlockTable:
         """`table` extended to hold `num_tokens` (the blocks must be free)."""
-        need = blocks_for(num_tokens, self.config.block_size) - len(table)
+        need = blocks_for(num_tokens, self.config.block_size) * self.groups - len(table)
         if need <= 0:
             return table
         blocks, self.pool = self.pool.take(need)
@@ -307,94 +324,6 @@ class StepBuilder:
         self.prefill_rows.append((part, n))
         self.cached.append(cached)
         self.budget -= n
-
-    # ---- 3. admissions -----------------------------------------------------------------------
-
-    def admit(self, whole: bool) -> None:
-        """Admits waiting sequences in key order until one cannot be admitted (no overtaking)."""
-        waiting = self.state.waiting
-        if not waiting or self.preempted or self.engaged.get("partials_held"):
-            return
-        config = self.config
-        cap = config.prefill_max_seqs
-        held = len(self.state.verifying)  # running, out of the table until their fill
-        gate = None  # built when the first sequence of an adapter is considered
-        i = 0
-        while i < len(waiting):
-            if (len(self.dec) + len(self.partial) + len(self.admitted) + held
-                    >= config.max_num_seqs):
-                self._note("seqs_full")
-                break
-            if cap and len(self.admitted) >= cap:
-                self._note("cap_deferred", len(waiting) - i)
-                break
-            seq = waiting[i]
-            if seq.request.adapter is not None or gate is not None:
-                gate = gate or self._slot_gate()
-                if not gate.admits(seq):  # waits for an adapter slot; others may pass it
-                    self.passed.append(seq)
-                    i += 1
-                    continue
-            hits = self._cache_hits(seq)
-            n = self._admission_chunk(seq, whole, hits)
-            if not n:
-                break
-            if gate is not None:
-                gate.admitted(seq)
-            cached = len(hits) * config.block_size
-            if seq.cached_tokens is None and self.pool.cache is not None:  # first admission
-                seq = Sequence(request=seq.request, key=seq.key, tokens=seq.tokens,
-                               block_hashes=seq.block_hashes, cached_tokens=cached)
-            self.pool = self.pool.acquire(hits)
-            part = Partial(seq=seq, computed=cached, table=self._grow(hits, cached + n))
-            self.admitted.append(part)
-            self._add_prefill_row(part, n, cached)
-            if cached + n < len(seq.tokens):
-                self.partials_after += 1
-            i += 1
-        self.waiting_from = i
-        if gate is not None:
-            self.lora_drain = gate.drain
-            if gate.deferred:
-                self._note("lora_deferred", gate.deferred)
-
-    def _slot_gate(self) -> SlotGate:
-        """The adapter-slot gate of this step's admissions (phases 1 and 2 are done)."""
-        running = [*self.dec.seqs, *(p.seq for p in self.partial),
-                   *(p.seq for p in self.admitted), *(row.seq for row in self.state.verifying)]
-        return SlotGate(self.config.max_loras, running, self.state.waiting, self.lora_drain)
-
-    def _cache_hits(self, seq: Sequence) -> BlockTable:
-        """Blocks of the longest cached prefix of `seq.tokens`: whole blocks, at most
-        len(tokens) - 1 tokens (the last token is always computed, for its logits); under a
-        sliding window, only the blocks its window still reads (`window_prefix`)."""
-        if self.pool.cache is None:
-            return ()
-        limit = (len(seq.tokens) - 1) // self.config.block_size
-        if self.config.sliding_window is not None:
-            return window_prefix(self.pool.cache, seq.block_hashes[:limit],
-                                 self.config.sliding_window, self.config.block_size)
-        return self.pool.cache.longest_prefix(seq.block_hashes[:limit])
-
-    def _admission_chunk(self, seq: Sequence, whole: bool, hits: BlockTable) -> int:
-        """First computed chunk of a waiting sequence after its cached blocks `hits`, or 0 if it
-        cannot be admitted this step. Hits that no one holds leave the usable pool; shared ones
-        cost nothing, and no hit counts against the token budget."""
-        total = len(seq.tokens) - len(hits) * self.config.block_size
-        revived = sum(b is not None and self.pool.ref_count(b) == 0 for b in hits)
-        usable = self.pool.num_free - revived - self.config.watermark_blocks
-        by_blocks = max(0, self._tokens_by_blocks(0, 0, usable))
-        if whole:
-            if total > self.budget and self.num_rows:
-                self._note("budget_full_at")
-                return 0
-            return self._whole(total, by_blocks)
-        n, reasons = self._size(total, by_blocks)
-        if n and n < total and self.partials_after >= self.config.max_num_partial_prefills:
-            self._note("partial_limit")
-            return 0
-        self._use(reasons)
-        return n
 
     def _decode_flush(self) -> tuple[int, ...]:
         """Decode rows whose fed position ends a generated-token chunk (a subset of `opening`)."""
@@ -421,7 +350,7 @@ class StepBuilder:
             since = state.decode_steps_since_prefill + 1
         else:
             since = state.decode_steps_since_prefill
-        if rows or self.slid or len(self.partial) != len(state.partial):
+        if rows or self.slid or self.admitted or len(self.partial) != len(state.partial):
             partial = tuple(heapq.merge(self.partial, self.admitted, key=_key_of_partial))
         else:  # no chunk ran, nobody was preempted: the partial prefills are unchanged
             partial = state.partial
@@ -435,11 +364,15 @@ class StepBuilder:
         if self.preempted_unfilled:
             unfilled = dataclasses.replace(unfilled, preempted=unfilled.preempted + tuple(
                 self.preempted_unfilled))
+        pool, stores = self.pool, self.pool.stores
+        if pool.host is not None and (stores or self.loads):
+            pool = dataclasses.replace(pool, stores=(), host=pool.host.unpinned(
+                [slot for slot, _ in self.loads]))
         new_state = SchedulerState(
-            config=state.config, waiting=waiting, partial=partial, decoding=dec, pool=self.pool,
+            config=state.config, waiting=waiting, partial=partial, decoding=dec, pool=pool,
             step=state.step + 1, decode_steps_since_prefill=since,
-            next_ticket=state.next_ticket, in_flight=bool(k or rows), unfilled=unfilled,
-            held=state.held, lora_drain=self.lora_drain)
+            next_ticket=state.next_ticket, in_flight=bool(k or rows or self.loads),
+            unfilled=unfilled, held=state.held, lora_drain=self.lora_drain)
         preempted_ids = tuple(seq.request_id for seq in self.preempted)
         if preempted_ids:
             self._note("preempted", preempted_ids)
@@ -467,4 +400,7 @@ class StepBuilder:
             _decode_recent=dec.recent[:k],
             _decode_flush=self._decode_flush(),
             _prefill_sources=tuple(part.seq.tokens for part in parts),
+            kv_stores=stores,
+            kv_loads=tuple(self.loads),
+            loading=tuple(seq.request_id for seq in self.loading),
         )

@@ -61,8 +61,9 @@ def schedule(state: SchedulerState, config: SchedulerConfig,
     Raises:
       InputError: a draft that is not a sequence of int token ids >= 0.
       StepOrderError: `state` already has a plan in flight.
-      ConfigError: `config` describes another KV cache than the state's (block_size, num_blocks,
-        enable_prefix_caching, sliding_window or max_loras differ; the error names the field).
+      ConfigError: `config` describes another KV cache than the state's (a field of
+        `GEOMETRY_FIELDS` differs: block_size, num_blocks, enable_prefix_caching, sliding_window,
+        kv_cache_groups, num_host_blocks or max_loras; the error names the field).
     """
     if state.in_flight:
         raise StepOrderError(f"step {state.step}: commit the plan in flight before scheduling")

@@ -21,6 +21,10 @@ size). The eviction queue is append-only with lazy deletion: a hit or an evictio
 (its stamp no longer matches the record) that popping skips; the queue is compacted when stale
 entries outnumber live ones.
 
+With several KV cache groups (scheduler/kv_groups.py) each group's block of the same tokens is
+cached apart, under `group_key(digest, group)`; the host tier (scheduler/host_tier.py) keys its
+slots the same way.
+
 NOTE: invariants (checked by tests): a record exists iff its block is indexed under its digest;
 refs == number of live block tables holding the block; refs == 0 iff the block is in the eviction
 queue with its record's stamp (num_evictable of them); a block with refs > 0 is never evicted.
@@ -82,6 +86,13 @@ def chain_hashes(tokens: Sequence[int], block_size: int, parent: bytes = ROOT_DI
         parent = digest.digest()
         out.append(parent)
     return tuple(out)
+
+
+def group_key(digest: bytes, group: int) -> bytes:
+    """The cache key of a block of KV cache group `group` holding the tokens `digest` names:
+    the digest itself for group 0 (so one group caches exactly as before), the digest and one
+    group byte otherwise (17 bytes: never equal to a 16-byte digest)."""
+    return digest + bytes((group,)) if group else digest
 
 
 _BITS = 6  # PagedArray pages hold 64 entries

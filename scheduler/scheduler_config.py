@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from scheduler.blocks import blocks_for
 from scheduler.scheduler_errors import ConfigError
 
 POLICIES = ("prefill_first", "alternate", "token_budget")
@@ -27,14 +28,12 @@ _INT_MINIMUMS = (
     ("block_size", 1),
     ("num_blocks", 1),
     ("watermark_blocks", 0),
+    ("num_host_blocks", 0),
     ("max_loras", 1),
 )
 
-
-# The fields that describe the device's KV cache and adapter slots: they cannot change
-# between steps (`SchedulerConfig.same_cache`).
-GEOMETRY_FIELDS = ("num_blocks", "block_size", "enable_prefix_caching", "sliding_window",
-                   "max_loras")
+# Cache groups are told apart by one byte in their prefix-cache keys (scheduler/prefix.py).
+MAX_KV_CACHE_GROUPS = 255
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -64,7 +63,15 @@ class SchedulerConfig:
       sliding_window: None, or the window W of a model whose every layer slides (a query at
         position p reads keys (p - W, p]): blocks wholly behind a running sequence's window go
         back to the pool (scheduler/window.py). Part of the cache geometry. None for models
-        with a global layer (they read every key).
+        with a global layer (they read every key), and whenever `kv_cache_groups` is set.
+      kv_cache_groups: () for one KV cache group (every layer shares one block table, with
+        `sliding_window`); else the attention window of each group, None for full attention
+        (a hybrid model: Gemma 2/3). Each running sequence then holds one block table per
+        group over the one pool; a sliding group releases the blocks behind its window
+        (scheduler/kv_groups.py). Part of the cache geometry.
+      num_host_blocks: blocks of the host-memory tier (0 = off; needs prefix caching): a cached
+        block the device evicts is copied there instead of being dropped, and a prefix hit on
+        it is loaded back (scheduler/host_tier.py). Part of the cache geometry.
       max_loras: LoRA adapters (`Request.adapter`) running at once: the device's adapter
         slots (scheduler/lora_slots.py). Part of the cache geometry (the slots are).
     """
@@ -82,6 +89,8 @@ class SchedulerConfig:
     watermark_blocks: int = 0
     enable_prefix_caching: bool = True
     sliding_window: int | None = None
+    kv_cache_groups: tuple[int | None, ...] = ()
+    num_host_blocks: int = 0
     max_loras: int = 1
 
     def __post_init__(self):
@@ -100,6 +109,10 @@ class SchedulerConfig:
         if window is not None and (not isinstance(window, int) or isinstance(window, bool)
                                    or window < 1):
             raise ConfigError("sliding_window", f"must be None or an int >= 1, got {window!r}")
+        self._check_groups()
+        if self.num_host_blocks and not self.enable_prefix_caching:
+            raise ConfigError("num_host_blocks", "the host tier keeps evicted prefix-cache "
+                              "blocks: it needs enable_prefix_caching=True")
         # NOTE: a non-final chunk must hold at least one tile, else a prompt longer than what is
         # left of the budget could never make progress (liveness).
         if self.max_num_batched_tokens < self.chunk_tile:
@@ -118,6 +131,34 @@ class SchedulerConfig:
                 "watermark_blocks",
                 f"must be < num_blocks ({self.num_blocks}), got {self.watermark_blocks}",
             )
+
+    def _check_groups(self) -> None:
+        groups = self.kv_cache_groups
+        if not isinstance(groups, tuple):
+            raise ConfigError("kv_cache_groups", f"must be a tuple, got {groups!r}")
+        if not groups:
+            return
+        if len(groups) > MAX_KV_CACHE_GROUPS:
+            raise ConfigError("kv_cache_groups", f"at most {MAX_KV_CACHE_GROUPS} groups, got "
+                              f"{len(groups)}", limit=MAX_KV_CACHE_GROUPS)
+        for window in groups:
+            if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                                       or window < 1):
+                raise ConfigError("kv_cache_groups",
+                                  f"each window must be None or an int >= 1, got {window!r}")
+        if self.sliding_window is not None:
+            raise ConfigError("sliding_window", "must be None when kv_cache_groups is set "
+                              "(the groups carry the windows)")
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...]:
+        """The attention window of every KV cache group (None: full attention)."""
+        return self.kv_cache_groups or (self.sliding_window,)
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Block tables per running sequence (one per KV cache group)."""
+        return len(self.kv_cache_groups) or 1
 
     @classmethod
     def from_env(cls, **overrides) -> "SchedulerConfig":
@@ -139,15 +180,60 @@ class SchedulerConfig:
         return cls(**values)
 
     @property
-    def max_request_tokens(self) -> int:
-        """Largest prompt + max_tokens a request may have: its KV must fit outside the watermark.
+    def max_request_tokens(self) -> int | None:
+        """Largest prompt + max_tokens a request may have: the most KV blocks it ever holds at
+        once must fit outside the watermark; None when no length reaches that (every group
+        slides and chunks are bounded).
 
         The last sampled token is never fed back, so a request computes at most
-        prompt + max_tokens - 1 positions.
+        prompt + max_tokens - 1 positions. Without a sliding window it holds one block per
+        block_size positions in every group; a sliding group holds at most the blocks of its
+        window plus one chunk (scheduler/kv_groups.py, `peak_blocks`).
         """
-        return (self.num_blocks - self.watermark_blocks) * self.block_size + 1
+        if self.sliding_window is None and not self.kv_cache_groups:
+            return (self.num_blocks - self.watermark_blocks) * self.block_size + 1
+        return max_request_tokens(self)
 
     def same_cache(self, other: "SchedulerConfig") -> bool:
         """Whether `other` describes the same KV cache and adapter slots (knobs may differ
         between steps)."""
         return all(getattr(self, f) == getattr(other, f) for f in GEOMETRY_FIELDS)
+
+
+# The fields that describe the device's KV cache and adapter slots: equal in every config a
+# state is scheduled with (`SchedulerConfig.same_cache`).
+GEOMETRY_FIELDS = ("num_blocks", "block_size", "enable_prefix_caching", "sliding_window",
+                   "kv_cache_groups", "num_host_blocks", "max_loras")
+
+
+def peak_blocks(config: SchedulerConfig, positions: int) -> int:
+    """The most blocks a request computing `positions` positions can need at once, alone.
+
+    A full-attention group holds one block per block_size positions. A sliding group of
+    window W holds, while a chunk of q tokens runs from cursor c, the blocks of positions
+    c - W + 1 .. c + q - 1: at most blocks_for(W + q + block_size - 2) (the worst offset of c
+    in its block), where q is the smallest chunk the planner shrinks to (chunk_tile; decodes
+    are 1) under the chunked policies, and the whole remainder under "prefill_first".
+    """
+    bs = config.block_size
+    full = blocks_for(positions, bs)
+    if config.policy == "prefill_first":  # whole prompts: a chunk may span every position
+        return full * config.num_kv_groups
+    return sum(full if w is None else min(full, blocks_for(w + config.chunk_tile + bs - 2, bs))
+               for w in config.group_windows)
+
+
+def max_request_tokens(config: SchedulerConfig) -> int | None:
+    """`SchedulerConfig.max_request_tokens` with a sliding window: the largest length whose peak
+    fits, by bisection over block counts (the peak never shrinks as a request grows)."""
+    room, bs = config.num_blocks - config.watermark_blocks, config.block_size
+    if peak_blocks(config, room * bs + 1) <= room:  # past room * bs only windows can fit
+        return None
+    lo, hi = 0, room  # lo * bs positions fit, (hi + 1) * bs do not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if peak_blocks(config, mid * bs) <= room:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * bs + 1

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence as SequenceOf
 from itertools import chain
 
 from scheduler.blocks import BlockPool, BlockTable, blocks_for
+from scheduler.kv_groups import filled_pairs
 from scheduler.scheduler_config import SchedulerConfig
 from scheduler.scheduler_errors import CommitError, InputError
 from scheduler.prefix import block_hash, root_digest
@@ -56,7 +57,7 @@ def allocate_drafts(dec: DecodeTable, num_rows: int, drafts: Drafts, pool: Block
       (table with grown block tables, pool, drafts per row, tokens used, rows trimmed by the
        budget or the blocks).
     """
-    bs = config.block_size
+    bs, G = config.block_size, config.num_kv_groups  # G blocks per block index
     spare = pool.num_free - config.watermark_blocks
     tables = None
     spec, used, trimmed = [], 0, 0
@@ -68,12 +69,12 @@ def allocate_drafts(dec: DecodeTable, num_rows: int, drafts: Drafts, pool: Block
         c = dec.computed[row]
         table = dec.tables[row] if tables is None else tables[row]
         wanted = min(len(proposed), dec.limits[row] - c - 1)  # never past max_tokens
-        n = min(wanted, budget - used, (len(table) + max(spare, 0)) * bs - c - 1)
+        n = min(wanted, budget - used, (len(table) // G + max(spare, 0) // G) * bs - c - 1)
         trimmed += n < wanted
         if n <= 0:
             spec.append(())
             continue
-        need = blocks_for(c + 1 + n, bs) - len(table)
+        need = (blocks_for(c + 1 + n, bs) - len(table) // G) * G
         if need > 0:
             blocks, pool = pool.take(need)
             spare -= need
@@ -120,17 +121,18 @@ def _appended(recent: tuple[int, ...], older: tuple[tuple[int, ...], ...], compu
     return tuple(recent), tuple(older)
 
 
-def accept(row: DecodeRow, tokens: SequenceOf[int], block_size: int, caching: bool
-           ) -> tuple[DecodeRow, BlockTable, list[tuple[int, bytes]]]:
+def accept(row: DecodeRow, tokens: SequenceOf[int], block_size: int, caching: bool,
+           groups: int = 1) -> tuple[DecodeRow, BlockTable, list[tuple[int, bytes]]]:
     """A decode row after its step yielded `tokens` (the accepted drafts, then one more).
 
     Returns:
       (the row: cursor + len(tokens), tokens appended, table cut to its computed positions;
-       the blocks cut off; (block, digest) of every block that is now full of verified tokens).
+       the blocks cut off; (block, key) of every block that is now full of verified tokens,
+       in each of the `groups` KV cache groups).
     """
     c, new = row.computed, row.computed + len(tokens)
     recent, older = _appended(row.recent, row.older, c, tokens, gen_chunk(block_size))
-    keep = blocks_for(new, block_size)
+    keep = blocks_for(new, block_size) * groups
     table, released = row.table[:keep], row.table[keep:]
     hashes, pairs = row.hashes, []
     first, last = c // block_size, new // block_size
@@ -141,7 +143,7 @@ def accept(row: DecodeRow, tokens: SequenceOf[int], block_size: int, caching: bo
         for b in range(first, last):
             parent = block_hash(parent, span[(b - first) * block_size:(b - first + 1) * block_size])
             hashes += (parent,)
-            pairs.append((table[b], parent))
+        pairs = filled_pairs(table, hashes, first, last, groups)
     return DecodeRow(row.seq, new, recent, older, hashes, table), released, pairs
 
 
@@ -174,7 +176,7 @@ def _settle(rows: list[DecodeRow], released: list[BlockTable], pairs: list, pool
 
 
 def commit_decodes(dec: DecodeTable, plan, tokens: SequenceOf[tuple[int, ...]],
-                   stopped: frozenset, now: float, pool: BlockPool, block_size: int,
+                   stopped: frozenset, now: float, pool: BlockPool, config: SchedulerConfig,
                    prefill_pairs: list, hold: bool
                    ) -> tuple[DecodeTable, BlockPool, list[Finished], tuple[DecodeRow, ...]]:
     """The decode rows of a plan with drafts (rows matched by id: aborted ones are skipped).
@@ -198,7 +200,8 @@ def commit_decodes(dec: DecodeTable, plan, tokens: SequenceOf[tuple[int, ...]],
         if hold and plan.spec_token_ids[r]:
             held.append(dec.row(i))
             continue
-        row, cut, filled = accept(dec.row(i), tokens[r], block_size, caching)
+        row, cut, filled = accept(dec.row(i), tokens[r], config.block_size, caching,
+                                  config.num_kv_groups)
         updated.append(row)
         released.append(cut)
         pairs += filled
@@ -208,14 +211,15 @@ def commit_decodes(dec: DecodeTable, plan, tokens: SequenceOf[tuple[int, ...]],
 
 def fill_verifying(dec: DecodeTable, rows: tuple[DecodeRow, ...],
                    tokens_of: Mapping[RequestId, tuple[int, ...]], stopped: frozenset,
-                   now: float, pool: BlockPool, block_size: int
+                   now: float, pool: BlockPool, config: SchedulerConfig
                    ) -> tuple[DecodeTable, BlockPool, list[Finished]]:
     """Rows held by `advance` take the tokens their step yielded and rejoin the decode table
     (in key order), or finish."""
     caching = pool.cache is not None
     updated, released, pairs = [], [], []
     for row in rows:
-        row, cut, filled = accept(row, tokens_of[row.seq.request_id], block_size, caching)
+        row, cut, filled = accept(row, tokens_of[row.seq.request_id], config.block_size,
+                                  caching, config.num_kv_groups)
         updated.append(row)
         released.append(cut)
         pairs += filled

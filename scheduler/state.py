@@ -13,7 +13,8 @@ Layout (all frozen; a new state shares every part it did not change with the old
 NOTE: invariants (checked by tests every step):
   * a request id is in exactly one of waiting / partial / decoding (or, overlapped with drafts,
     unfilled.verifying);
-  * outside a step (not in_flight) a running sequence owns blocks_for(num_computed) blocks, and a
+  * outside a step (not in_flight) a running sequence owns blocks_for(num_computed) entries per
+    KV cache group (scheduler/kv_groups.py), and a
     decoding row has num_computed == len(tokens) + len(generated) - 1 (its last token is unfed);
   * every nesting is of bounded depth (no cons lists): states pickle, print and deep-copy;
   * len(partial) <= max_num_partial_prefills outside a step;
@@ -53,12 +54,15 @@ class Partial:
     Attributes:
       seq: the sequence; `seq.tokens` is what the prefill computes.
       computed: tokens of `seq.tokens` whose KV is written (the prefill cursor).
-      table: its KV blocks.
+      table: its KV blocks (interleaved by KV cache group: scheduler/kv_groups.py).
+      num_cached: prompt tokens its admission found cached when that admission ran no chunk
+        (it waited for blocks loaded from the host tier); its first chunk reports them.
     """
 
     seq: Sequence
     computed: int
     table: BlockTable
+    num_cached: int = 0
 
 
 # Generated tokens are kept per row as `recent` (the newest 1..gen_chunk(block_size) tokens,
@@ -268,7 +272,8 @@ class SchedulerState:
     def empty(cls, config: SchedulerConfig) -> "SchedulerState":
         """A state with no requests and every block free."""
         return cls(config=config, pool=BlockPool.full(
-            config.num_blocks, prefix_caching=config.enable_prefix_caching))
+            config.num_blocks, prefix_caching=config.enable_prefix_caching,
+            host_blocks=config.num_host_blocks))
 
     @property
     def verifying(self) -> tuple[DecodeRow, ...]:
@@ -363,11 +368,12 @@ def validate_request(request: Request, config: SchedulerConfig) -> None:
     if not isinstance(request.arrival_time, (int, float)) or request.arrival_time != request.arrival_time:
         raise RequestError("arrival_time", f"must be a number, got {request.arrival_time!r}")
     limit = config.max_request_tokens
-    if len(prompt) + max_tokens > limit:
+    if limit is not None and len(prompt) + max_tokens > limit:
         raise RequestTooLargeError(
             "max_tokens",
             f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) can never fit in the KV cache: "
-            f"the limit is {limit} tokens ((num_blocks - watermark_blocks) * block_size + 1)",
+            f"the limit is {limit} tokens (its blocks at their peak, every KV cache group "
+            f"counted, must fit in num_blocks - watermark_blocks)",
             limit=limit,
         )
 

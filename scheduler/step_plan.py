@@ -17,6 +17,7 @@ from itertools import chain
 from operator import itemgetter
 
 from scheduler.blocks import BlockTable
+from scheduler.kv_groups import group_tables
 from scheduler.metrics import step_kind
 from scheduler.request import RequestId
 from scheduler.state import SchedulerState
@@ -132,6 +133,13 @@ class StepPlan:
         or `chunks`.
       _decode_flush: decode rows whose generated tokens `commit` moves to `older` (found while
         planning, among the rows that open a KV block).
+      kv_stores: host tier (scheduler/host_tier.py): (device block, host slot) of every cached
+        block this plan evicts whose KV moves to the host; the runner copies them out before
+        the step runs (the step may overwrite them).
+      kv_loads: (host slot, device block) of every block this plan loads back; the runner
+        copies them in after launching the step and before the next step runs.
+      loading: requests admitted by this plan that run no chunk until the next step, when the
+        blocks they wait for (loaded, or shared with a load) hold their KV.
     """
 
     state: SchedulerState
@@ -150,6 +158,9 @@ class StepPlan:
     _decode_recent: tuple[tuple[int, ...], ...]
     _decode_flush: tuple[int, ...]
     _prefill_sources: tuple[tuple[int, ...], ...]
+    kv_stores: tuple[tuple[int, int], ...] = ()
+    kv_loads: tuple[tuple[int, int], ...] = ()
+    loading: tuple[RequestId, ...] = ()
 
     @property
     def num_seqs(self) -> int:
@@ -190,7 +201,20 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.request_ids
+        """No row runs and no block moves: nothing for the engine to execute."""
+        return not self.request_ids and not self.kv_loads and not self.kv_stores
+
+    @property
+    def moves_only(self) -> bool:
+        """No row runs but blocks move (loads for requests that wait for them)."""
+        return not self.request_ids and bool(self.kv_loads or self.kv_stores)
+
+    def group_block_tables(self, num_groups: int) -> tuple[tuple[BlockTable, ...], ...]:
+        """Per KV cache group, every row's table (`kv_groups.group_tables` of each row)."""
+        if num_groups == 1:
+            return (self.block_tables,)
+        rows = [group_tables(t, num_groups) for t in self.block_tables]
+        return tuple(tuple(row[g] for row in rows) for g in range(num_groups))
 
     @property
     def kind(self) -> str:

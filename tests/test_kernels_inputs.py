@@ -153,9 +153,10 @@ def _parallel_logits() -> dict:
                           max_blocks=4, block_size=block_size, num_blocks=num_blocks)
     batch = decoder.StepBatch(
         token_ids=jnp.asarray(np.arange(16) % 64, jnp.int32),
-        positions=jnp.asarray(layout.positions), slot_mapping=jnp.asarray(layout.slot_mapping),
+        positions=jnp.asarray(layout.positions),
+        slot_mapping=jnp.asarray(layout.slot_mapping)[None],  # one KV cache group
         cu_seqlens_q=jnp.asarray(layout.cu_seqlens_q), kv_lens=jnp.asarray(layout.kv_lens),
-        block_tables=jnp.asarray(layout.block_tables), num_seqs=jnp.int32(layout.num_seqs),
+        block_tables=jnp.asarray(layout.block_tables)[None], num_seqs=jnp.int32(layout.num_seqs),
         logits_rows=jnp.asarray(layout.last_rows))
     scales = [[0.02, 0.03], [0.05, 0.04]]
     out = {}

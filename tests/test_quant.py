@@ -47,22 +47,33 @@ def test_quantized_checkpoints_greedy_equal_transformers(layout, fmt):
 
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 def test_quantization_at_load_is_per_channel(fmt):
-    """quantization= on a float checkpoint: one scale per output channel (max |w| / qmax),
-    every weight within half a quantization step (int8) or e4m3's 2**-4 relative rounding
-    plus its subnormal step (fp8)."""
+    """quantization= on a float checkpoint: int8 has one scale per output channel (max |w|
+    / 127); fp8 one per output channel and block of 32 input rows, max |w| / 448 of the
+    block times one of 32 steps of the octave above (the least rounding error, nothing
+    saturated: issue 37). Every
+    weight within half a quantization step (int8) or e4m3's 2**-4 relative rounding plus
+    its subnormal step (fp8)."""
     src = tiny_gguf_model_dir("LlamaForCausalLM")
     model = load_model(resolve_model(src), dtype=jnp.float32, quantization=fmt)
     ref = load_model(resolve_model(src), dtype=jnp.float32)
     qmax = 448.0 if fmt == "fp8" else 127.0
     for key in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
         w, float_w = model.params["layers"][key], np.asarray(ref.params["layers"][key])
-        assert isinstance(w, QuantizedWeight) and w.block == (w.shape[-2], 1)
-        scale = np.asarray(w.scale)  # [L, 1, out]
-        np.testing.assert_allclose(scale, np.abs(float_w).max(axis=1, keepdims=True) / qmax,
-                                   rtol=1e-6)
+        rows = 32 if fmt == "fp8" else w.shape[-2]
+        assert isinstance(w, QuantizedWeight) and w.block == (rows, 1)
+        scale = np.asarray(w.scale)  # [L, in / rows, out]
+        blocks = float_w.reshape(float_w.shape[0], -1, rows, float_w.shape[-1])
+        amax = np.abs(blocks).max(axis=2) / qmax  # [L, in / rows, out]
+        if fmt == "int8":
+            np.testing.assert_allclose(scale, amax, rtol=1e-6)
+        else:  # amax / 448 * 2**(i / 32), i in [0, 32)
+            steps = 32 * np.log2(scale / amax)
+            np.testing.assert_allclose(steps, np.round(steps), atol=1e-3)
+            assert steps.min() > -1e-3 and steps.max() < 31 + 1e-3
+        full = np.repeat(scale, rows, axis=1)
         err = np.abs(np.asarray(w.dequantize(jnp.float32)) - float_w)
-        bound = (0.5 * scale if fmt == "int8"
-                 else np.abs(float_w) * 2.0**-4 + scale * 2.0**-9)
+        bound = (0.5 * full if fmt == "int8"
+                 else np.abs(float_w) * 2.0**-4 + full * 2.0**-9)
         assert (err <= bound * (1 + 1e-4)).all(), key
     assert weight_dtype(model.params) == ("float8_e4m3fn" if fmt == "fp8" else "int8")
 
@@ -78,16 +89,17 @@ def test_quantization_errors_are_typed():
     with pytest.raises(EngineConfigError) as err:
         arcjax.LLM(qdir, kv_cache_dtype="int4")
     assert err.value.field == "kv_cache_dtype"
-    gptq = tempfile.mkdtemp(prefix="arcjax-gptq-")
+    # (GPTQ loads since issue 37, packed: tests/test_quant4_checkpoints.py)
+    bnb = tempfile.mkdtemp(prefix="arcjax-bnb-")
     for f in os.listdir(qdir):
-        shutil.copy(os.path.join(qdir, f), gptq)
-    with open(os.path.join(gptq, "config.json")) as f:
+        shutil.copy(os.path.join(qdir, f), bnb)
+    with open(os.path.join(bnb, "config.json")) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
-    with open(os.path.join(gptq, "config.json"), "w") as f:
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    with open(os.path.join(bnb, "config.json"), "w") as f:
         json.dump(cfg, f)
-    with pytest.raises(ModelConfigError, match="'gptq' is not supported"):
-        load_model(resolve_model(gptq), dtype=jnp.float32)
+    with pytest.raises(ModelConfigError, match="'bitsandbytes' is not supported"):
+        load_model(resolve_model(bnb), dtype=jnp.float32)
 
 
 def test_engine_fp8_weights_then_fp8_kv_cache_with_checkpoint_scales():

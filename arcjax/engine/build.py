@@ -17,9 +17,12 @@ from arcjax.errors import EngineConfigError
 from arcjax.model.formats.gguf_tokenizer import has_tokenizer
 from arcjax.model.formats.hub import ModelSource, resolve_model
 from arcjax.model.formats.loader import load_model, model_config
+from arcjax.model.kv_layout import kv_layout
+from arcjax.model.kv_scales import calibrated_kv_scales, calibration_ids
 from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.reasoning.model_reasoning import ModelReasoning
 from arcjax.runtime.buckets import BucketSet
+from arcjax.runtime.kv_tiers import HostKVPool
 from arcjax.runtime.executable_cache import SHARED_EXECUTABLES
 from arcjax.runtime.runner import ModelRunner
 from arcjax.spec_decode.draft_model import DraftModelProposer
@@ -55,13 +58,16 @@ def _overlap_pays() -> bool:
 
 
 def _default_num_blocks(cfg, dtype, block_size: int, max_blocks: int, max_num_seqs: int,
-                        fraction: float, tp: int = 1, utilization: float | None = None) -> int:
+                        fraction: float, tp: int = 1, num_slots: int | None = None,
+                        utilization: float | None = None) -> int:
     """Blocks for the KV cache: `fraction` of the device's free memory, or (vLLM's
     gpu_memory_utilization) what `utilization` of its whole memory leaves once the
     weights are in; on a device that reports no memory (CPU), room for max_num_seqs
     sequences (at most CPU_KV_CACHE_BYTES)."""
     # Per device: the cache is split by KV head over tp devices (cfg: the sharded config).
-    per_block = (2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim
+    # A block holds `num_slots` layers' pages (arcjax/model/kv_layout.py).
+    slots = cfg.num_layers if num_slots is None else num_slots
+    per_block = (2 * slots * block_size * cfg.num_kv_heads * cfg.head_dim
                  * dtype.itemsize) // tp
     stats = (jax.devices()[0].memory_stats() or {}) if _on_gpu() else {}
     if stats.get("bytes_limit"):
@@ -132,10 +138,19 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     max_blocks = -(-max_model_len // config.scheduler.block_size)
     # FP8 pages: one byte a value, so the same memory holds twice the blocks of bf16.
     kv_dtype = jnp.dtype(jnp.float8_e4m3fn) if config.kv_cache_dtype == "fp8" else dtype
+    kv = kv_layout(cfg, hybrid=not config.disable_hybrid_kv_cache_manager)
     num_blocks = config.num_kv_blocks or _default_num_blocks(
-        cfg, kv_dtype, config.scheduler.block_size, max_blocks, config.scheduler.max_num_seqs,
-        config.kv_memory_fraction, config.tensor_parallel_size, config.gpu_memory_utilization)
-    sched = config.scheduler_config(num_blocks, cfg.sliding_window if cfg.all_sliding else None)
+        cfg, kv_dtype, config.scheduler.block_size, kv.num_groups * max_blocks,
+        config.scheduler.max_num_seqs, config.kv_memory_fraction, config.tensor_parallel_size,
+        kv.num_slots, config.gpu_memory_utilization)
+    page = (config.scheduler.block_size, cfg.num_kv_heads, cfg.head_dim)  # every device's
+    host_blocks = HostKVPool.slots_for(int(config.kv_offloading_size * (1 << 30)),
+                                       num_slots=kv.num_slots, page_shape=page, dtype=kv_dtype)
+    if config.kv_offloading_size and not host_blocks:
+        raise EngineConfigError("kv_offloading_size", f"{config.kv_offloading_size} GiB holds "
+                                f"no KV block of this model")
+    sched = config.scheduler_config(num_blocks, kv.sliding_window, kv.scheduler_groups,
+                                    host_blocks)
     step_tokens = max(sched.max_num_batched_tokens,
                       max_model_len if sched.policy == "prefill_first" else 0)
     buckets = BucketSet.create(tile=sched.chunk_tile, max_tokens=step_tokens,
@@ -145,7 +160,8 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
                          parallel=parallel, kv_cache_dtype=kv_dtype,
-                         kv_scales=model.kv_scales if config.kv_cache_dtype == "fp8" else None)
+                         kv_scales=_kv_scales(config, model, tokenizer, dtype),
+                         kv=kv, host_slots=host_blocks)
     speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
                   else None)
     options = {} if clock is None else {"clock": clock}
@@ -160,6 +176,17 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
     return engine
+
+
+def _kv_scales(config: EngineConfig, model, tokenizer, dtype):
+    """FP8 pages' [2, L] K and V scales: the checkpoint's, else calibrated from one
+    prefill of a fixed prompt (`arcjax.model.kv_scales`); None for other pages."""
+    if config.kv_cache_dtype != "fp8":
+        return None
+    if model.kv_scales is not None:
+        return model.kv_scales
+    return calibrated_kv_scales(model.cfg, model.params, calibration_ids(tokenizer, model.cfg),
+                                dtype)
 
 
 def _speculator(config: EngineConfig, draft: ModelSource | None, sched, max_model_len: int,

@@ -14,7 +14,11 @@ Each part runs named stages (quoted), each the work of the component that owns i
    (`scheduler.schedule`): the plan, kept as a `Launched` step.
 3. `_launch`: "pack" (`runner.prepare`: a `PreparedStep`; masks of constrained rows),
    "launch" (`runner.launch`; decode rows whose input is a placeholder take the token the
-   step in flight samples for them on the device: a `TokenFeed`).
+   step in flight samples for them on the device: a `TokenFeed`). The host tier's copies
+   the plan lists go around it: its stores before the launch, its loads right after
+   (`runner.store_blocks`, `runner.load_blocks`); a plan that only moves blocks (the
+   requests it admitted wait for their loads) runs "move blocks" and no step, and its
+   commit ("commit") has no tokens.
 4. `_finish`: "collect" (`runner.collect`: `Collected`), "append"
    (`OutputProcessor.append`: text, stops, grammars; a row that verified drafts yields
    1 + its accepted drafts: `Appended`), "commit" (`scheduler.commit`), "trace record"
@@ -149,14 +153,26 @@ class EngineCore:
         self.groups.clear()
 
     # --- monitoring ----------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """The scheduler's side of `Engine.stats` (any thread: it reads one immutable
-        state): requests waiting and running, KV blocks in use and in all, steps."""
+        state): requests waiting and running, KV blocks in use and in all, steps; with a
+        host tier its slots and what it moved."""
         state = self.state
-        return {"waiting": len(state.waiting), "running": state.num_running,
-                "kv_blocks_in_use": state.pool.num_in_use,
-                "kv_blocks_total": self.sched_config.num_blocks,
-                "steps": self.trace.num_steps}
+        out = {"waiting": len(state.waiting), "running": state.num_running,
+               "kv_blocks_in_use": state.pool.num_in_use,
+               "kv_blocks_total": self.sched_config.num_blocks,
+               "steps": self.trace.num_steps}
+        pool = self.runner.host_pool
+        if pool is not None:  # the host tier: blocks and bytes each way, load latency
+            tier = pool.stats
+            out |= {"kv_host_blocks_total": pool.num_host_slots,
+                    "kv_host_hit_blocks": tier.blocks_loaded,
+                    "kv_host_stored_blocks": tier.blocks_stored,
+                    "kv_bytes_to_host": tier.bytes_to_host,
+                    "kv_bytes_to_device": tier.bytes_to_device,
+                    "kv_load_seconds_sum": tier.load_seconds,
+                    "kv_loads_timed": tier.loads_timed}
+        return out
 
     def blocks_in_use(self) -> int:
         """KV blocks held by running sequences."""
@@ -235,6 +251,11 @@ class EngineCore:
         """Packs and dispatches `step`; decode rows whose input is a placeholder take the
         token `prev` samples for them on the device."""
         plan = step.plan
+        if plan.moves_only:
+            with self._stage("move blocks"):
+                self.runner.store_blocks(plan)
+                self.runner.load_blocks(plan)
+            return
         with self._stage("pack"):
             for req, cached in zip(step.reqs, plan.num_cached):
                 if req.first_scheduled is None:
@@ -257,11 +278,13 @@ class EngineCore:
                        else self.structured.bitmask(grammars, prepared.bucket.num_samples))
         with self._stage("launch"):
             compiled_before = self.runner.num_executables
+            self.runner.store_blocks(plan)  # out before the step may overwrite them
             if lagging:  # the forward now, the sampling once `prev` is committed
                 step.handle = self.runner.launch_forward(prepared, feed=feed)
                 step.pending = PendingSampling(prepared, grammars)
             else:
                 step.handle = self.runner.launch(prepared, feed=feed, bitmask=bitmask)
+            self.runner.load_blocks(plan)  # in after it, before the next step
             step.compiled = self.runner.num_executables > compiled_before
 
     @staticmethod
@@ -288,6 +311,12 @@ class EngineCore:
     def _finish(self, step: Launched, changed: dict) -> None:
         """Collects a launched step's tokens, appends them to their requests, commits them,
         records the step and applies its finishes (stages; see the module docstring)."""
+        if step.handle is None:  # it only moved blocks: nothing sampled, nothing to record
+            with self._stage("commit"):
+                state, _ = scheduler.commit(self.state, step.plan, [], self.clock())
+            self.state = state
+            self._touched.remove(step)
+            return
         collected = self._collect(step)
         appended = self._append(step, collected, changed)
         state, finished = self._commit(step, collected, appended)

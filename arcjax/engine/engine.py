@@ -332,9 +332,11 @@ class Engine:
         return self.dead
 
     # --- monitoring and checks ---------------------------------------------------------
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         """A consistent snapshot for monitoring (any thread): requests waiting (queued in the
-        inbox or the scheduler), running, unfinished; KV blocks in use and in all; steps."""
+        inbox or the scheduler), running, unfinished; KV blocks in use and in all; steps;
+        with a host tier (`kv_offloading_size`) its blocks, hits, bytes moved each way and
+        summed load latency (`EngineCore.stats`)."""
         stats = self.core.stats()
         with self._lock:
             queued = sum(1 for item in self._inbox if isinstance(item, (NewRequest, NewGroup)))

@@ -5,10 +5,10 @@ Built from keyword arguments (`EngineConfig.from_options(model, **options)`, wha
 `scheduler.SchedulerConfig`: the engine holds one (`EngineConfig.scheduler`), built by
 `SchedulerConfig.from_env` from the options of the same names, so `ARC_PREFILL_MAX_SEQS`
 and `ARC_PREFILL_FLOOR_STEPS` fill their knobs there, explicit options winning. Its cache
-geometry (`num_blocks`, `sliding_window`) is filled in by `build_engine` from the model and
-the memory (`EngineConfig.scheduler_config`). Every bad option raises `EngineConfigError`
-(a `ConfigError`) whose `.field` names it. `arcjax.engine.build.build_engine` turns a config
-into an engine.
+geometry (`num_blocks`, `sliding_window`, `kv_cache_groups`, `num_host_blocks`) is filled in
+by `build_engine` from the model and the memory (`EngineConfig.scheduler_config`). Every bad
+option raises `EngineConfigError` (a `ConfigError`) whose `.field` names it.
+`arcjax.engine.build.build_engine` turns a config into an engine.
 """
 
 from __future__ import annotations
@@ -30,12 +30,15 @@ DTYPES = ("float32", "bfloat16", "float16")
 # and the Triton kernel through jax-triton. Not engine-wide: "mosaic_gpu" (decode-only
 # batches: "auto" runs it in decode buckets once verified) and "reference" (host numpy).
 ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu", "triton")
-QUANTIZATIONS = ("fp8", "int8")  # weight formats a float checkpoint is quantized to at load
+# What `quantization` may ask at load: a float checkpoint quantized to FP8 / INT8, or every
+# weight of a quantized checkpoint or GGUF file dequantized to the compute dtype.
+QUANTIZATIONS = ("fp8", "int8", "dequantize")
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the compute dtype; "fp8": float8_e4m3fn pages
 
-# The SchedulerConfig fields a caller sets as engine options; the rest (the cache's size
-# and the model's window) `build_engine` derives.
-DERIVED_SCHEDULER_FIELDS = ("num_blocks", "sliding_window")
+# The SchedulerConfig fields a caller sets as engine options; the rest (the cache's size,
+# the model's window and KV cache groups, the host tier's size) `build_engine` derives.
+DERIVED_SCHEDULER_FIELDS = ("num_blocks", "sliding_window", "kv_cache_groups",
+                            "num_host_blocks")
 SCHEDULER_OPTIONS = tuple(f.name for f in dataclasses.fields(scheduler.SchedulerConfig)
                           if f.name not in DERIVED_SCHEDULER_FIELDS)
 # The engine's one default that differs from the scheduler's (256, vLLM's): the step's
@@ -61,10 +64,13 @@ class EngineConfig:
         fetched into the Hub cache; a local path of that name wins); None = the packaged
         default model.
       revision: a Hub id's branch, tag or commit (None = "main"); ignored for local paths.
-      quantization: None = the checkpoint's own weights (FP8/INT8 checkpoints stay
-        quantized); "fp8" (e4m3, per-channel scales) or "int8" (per-channel) quantizes a
-        float checkpoint at load. Weights stay quantized on the device; the step
-        dequantizes them inside the jitted matmuls.
+      quantization: None = the checkpoint's weights as stored (FP8/INT8 checkpoints stay
+        quantized; AWQ, GPTQ and compressed-tensors pack-quantized checkpoints and GGUF
+        files stay packed); "fp8" (e4m3, per-channel scales) or "int8" (per-channel)
+        quantizes a float checkpoint (or a GGUF file, dequantized first) at load;
+        "dequantize" stores every weight in the compute dtype (the comparison baseline).
+        Weights stay quantized or packed on the device; the step dequantizes them inside
+        the jitted matmuls.
       kv_cache_dtype: "auto" = the compute dtype; "fp8" = float8_e4m3fn pages with one
         scale per layer for K and one for V (the checkpoint's k_scale/v_scale when it has
         them, else 1.0), about twice the tokens in the same memory.
@@ -74,6 +80,14 @@ class EngineConfig:
         kv_memory_fraction) of the device's memory on a device that reports it (GPU), room
         for max_num_seqs full sequences (at most 256 MiB) on CPU.
       kv_memory_fraction: share of free device memory the KV cache takes (GPU default).
+      kv_offloading_size: GiB of host memory for KV blocks the device's prefix cache evicts
+        (the host tier, vLLM's option): they are copied there instead of being dropped, and
+        a prefix hit on one is loaded back (scheduler/host_tier.py,
+        arcjax/runtime/kv_tiers.py). 0 = off; needs prefix caching and one process.
+      disable_hybrid_kv_cache_manager: keep one block table for every layer of a model that
+        mixes sliding-window and full-attention layers (vLLM's option); by default such a
+        model gets one KV cache group per attention type (arcjax/model/kv_layout.py), and
+        its sliding layers free what fell out of their window.
       gpu_memory_utilization: vLLM's: the share of the device's whole memory this engine
         may use, weights and all; the KV cache gets what is left of it once the weights are
         loaded (None: kv_memory_fraction decides). Devices that report no memory (CPU)
@@ -126,6 +140,8 @@ class EngineConfig:
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
     kv_memory_fraction: float = 0.5
+    kv_offloading_size: float = 0.0
+    disable_hybrid_kv_cache_manager: bool = False
     gpu_memory_utilization: float | None = None
     tokenizer: str | None = None
     attention_impl: str = "auto"
@@ -172,6 +188,20 @@ class EngineConfig:
                 or not math.isfinite(frac) or not 0 < frac <= 1):
             raise EngineConfigError("kv_memory_fraction", f"must be in (0, 1], got {frac!r}",
                                     limit=1)
+        size = self.kv_offloading_size
+        if (not isinstance(size, (int, float)) or isinstance(size, bool)
+                or not math.isfinite(size) or size < 0):
+            raise EngineConfigError("kv_offloading_size",
+                                    f"must be a number of GiB >= 0, got {size!r}", limit=0)
+        if size and not self.scheduler.enable_prefix_caching:
+            raise EngineConfigError("kv_offloading_size", "the host tier keeps evicted "
+                                    "prefix-cache blocks: it needs enable_prefix_caching")
+        if size and _joined_processes() > 1:
+            raise EngineConfigError("kv_offloading_size", "not supported across several "
+                                    "processes yet")
+        if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
+            raise EngineConfigError("disable_hybrid_kv_cache_manager", f"must be a bool, got "
+                                    f"{self.disable_hybrid_kv_cache_manager!r}")
         util = self.gpu_memory_utilization
         if util is not None and (not isinstance(util, (int, float)) or isinstance(util, bool)
                                  or not math.isfinite(util) or not 0 < util <= 1):
@@ -245,12 +275,17 @@ class EngineConfig:
         except ConfigError as e:  # the scheduler's: same field, same limit
             raise EngineConfigError(e.field, e.message, limit=e.limit) from e
 
-    def scheduler_config(self, num_blocks: int,
-                         sliding_window: int | None = None) -> scheduler.SchedulerConfig:
+    def scheduler_config(self, num_blocks: int, sliding_window: int | None = None,
+                         kv_cache_groups: tuple = (),
+                         num_host_blocks: int = 0) -> scheduler.SchedulerConfig:
         """The scheduler's config for a cache of `num_blocks` blocks; `sliding_window`: the
-        model's window when every layer slides (blocks behind it return to the pool)."""
+        model's window when every layer slides (blocks behind it return to the pool);
+        `kv_cache_groups`: each group's window, for a hybrid model; `num_host_blocks`: the
+        host tier's blocks."""
         return dataclasses.replace(self.scheduler, num_blocks=num_blocks,
-                                   sliding_window=sliding_window)
+                                   sliding_window=sliding_window,
+                                   kv_cache_groups=kv_cache_groups,
+                                   num_host_blocks=num_host_blocks)
 
 
 def _joined_processes() -> int:

@@ -2,6 +2,7 @@
 
   arcjax serve                                   # the packaged model on 127.0.0.1:8000
   arcjax serve PATH --port 8001 --policy prefill_first --prefill-max-seqs 4 --api-key KEY
+  arcjax serve PATH --kv-offloading-size 64      # 64 GiB of host memory for evicted KV blocks
   arcjax serve PATH --gpu-memory-utilization 0.9 --max-model-len 4096 \\
       --enable-auto-tool-choice --tool-call-parser hermes      # a vLLM launch line
 

@@ -36,7 +36,7 @@ class LLM:
       model: a Hugging Face-format directory (config.json, *.safetensors, tokenizer.json),
         a GGUF file (or a directory holding one), or a Hub id "org/name" (`revision=`).
       **options: engine options (see `arcjax.engine.engine_config.EngineConfig`): revision,
-        quantization ("fp8" | "int8"), kv_cache_dtype ("auto" | "fp8"), dtype,
+        quantization ("fp8" | "int8" | "dequantize"), kv_cache_dtype ("auto" | "fp8"), dtype,
         max_model_len, num_kv_blocks, kv_memory_fraction, block_size, attention_impl, seed,
         cache_dir, trace_capacity, and the scheduler knobs policy, max_num_batched_tokens,
         max_num_seqs, prefill_max_seqs, prefill_floor_steps, chunk_tile,

@@ -15,9 +15,10 @@ differ only in attention:
 
 The layer loop is one `lax.scan` over the stacked layers (`Decoder.scan_layers`). Per-layer
 differences ride along it as arrays: each layer's attention window (sliding or global,
-`ModelConfig.layer_windows`) and which rope it uses (Gemma 3's local and global bases).
-Mixture-of-experts layers (`arcjax.model.moe`) also return how many tokens each expert
-received, per layer (`forward_with_stats`).
+`ModelConfig.layer_windows`), which rope it uses (Gemma 3's local and global bases), and its
+KV cache group and slot (arcjax/model/kv_layout.py: a hybrid model's sliding and full layers
+read their own block tables over one pool). Mixture-of-experts layers (`arcjax.model.moe`)
+also return how many tokens each expert received, per layer (`forward_with_stats`).
 
 Every parameter is declared once, by its module (`arcjax.model.layers`); the cache layout
 in `arcjax.model.specs`.
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels.backends import Choice
+from arcjax.model.kv_layout import KVLayout, kv_layout
 from arcjax.model.model_config import ModelConfig, rope_inv_freq
 from arcjax.model.specs import Cache, Params
 
@@ -45,18 +47,25 @@ class StepBatch:
 
     token_ids: jax.Array  # [T] int32
     positions: jax.Array  # [T] int32, absolute position of each token
-    slot_mapping: jax.Array  # [T] int32, cache slot per token; padding: out of range
+    # [G, T] int32, per KV cache group the slot of each token (block * block_size +
+    # offset in that group's table); padding: out of range
+    slot_mapping: jax.Array
     cu_seqlens_q: jax.Array  # [S+1] int32
     kv_lens: jax.Array  # [S] int32, keys per sequence, this step's included
-    block_tables: jax.Array  # [S, max_blocks] int32
+    block_tables: jax.Array  # [G, S, max_blocks] int32, per KV cache group
     num_seqs: jax.Array  # [] int32, real sequences (the rest is padding)
     logits_rows: jax.Array  # [S] int32, token row whose logits sequence s needs
 
 
-def layer_constants(cfg: ModelConfig) -> dict:
+def layer_constants(cfg: ModelConfig, layout: KVLayout | None = None) -> dict:
     """What differs between layers besides their weights, stacked on the layer axis:
-    `window` [L] int32 (only when some layer slides) and `inv_freq` [L, D/2] float32."""
+    `window` [L] int32 (only when some layer slides), `inv_freq` [L, D/2] float32, and
+    with a KV `layout` each layer's KV cache group and slot, `kv_group`, `kv_slot` [L]
+    int32 (arcjax/model/kv_layout.py)."""
     out = {}
+    if layout is not None:
+        out["kv_group"] = jnp.asarray(layout.layer_group, jnp.int32)
+        out["kv_slot"] = jnp.asarray(layout.layer_slot, jnp.int32)
     windows = cfg.layer_windows()
     if windows is not None:
         out["window"] = jnp.asarray(windows, jnp.int32)
@@ -94,7 +103,7 @@ def _attention_inputs(cfg: ModelConfig, *, q: jax.Array, k_pages: jax.Array,
     resolves it): the arrays as given, with the model's softmax scale and soft-cap.
 
     Args:
-      q: [T, Hq, D]; k_pages, v_pages: the paged cache (every layer's pages, [L * num_blocks,
+      q: [T, Hq, D]; k_pages, v_pages: the paged cache (every slot's pages, [P * num_blocks,
         block_size, Hkv, D]); block_tables: [S, max_blocks] this layer's page ids; kv_lens,
         cu_seqlens_q, num_seqs: the step's (`StepBatch`); window: [] int32, the layer's
         window (None when no layer slides); k_scale, v_scale: [] float32, FP8 pages'
@@ -127,7 +136,7 @@ def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: 
       dtype: the compute dtype (q's).
       platform: where the step runs; None = the default backend.
     """
-    k = cache["k"]  # [L * num_blocks, block_size, Hkv, D]
+    k = cache["k"]  # [P * num_blocks, block_size, Hkv, D] (P slots)
     tp = parallel.tp if parallel is not None else 1
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     q = sds((tokens, cfg.num_heads // tp, cfg.head_dim), dtype)
@@ -146,21 +155,24 @@ def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: 
 
 def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
             attn_impl: str = "auto", dtype=jnp.float32,
-            max_q_len: int | None = None, parallel=None) -> tuple[jax.Array, Cache]:
+            max_q_len: int | None = None, parallel=None,
+            kv: KVLayout | None = None) -> tuple[jax.Array, Cache]:
     """One ragged step over the paged cache (`forward_with_stats` without the statistics).
 
     Returns:
       logits [S, V] float32 at `batch.logits_rows`, and the updated cache.
     """
     logits, cache, _ = forward_with_stats(params, cache, batch, cfg=cfg, attn_impl=attn_impl,
-                                          dtype=dtype, max_q_len=max_q_len, parallel=parallel)
+                                          dtype=dtype, max_q_len=max_q_len, parallel=parallel,
+                                          kv=kv)
     return logits, cache
 
 
 def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
                        attn_impl: str = "auto", dtype=jnp.float32,
                        max_q_len: int | None = None, parallel=None, moe_impl: str = "auto",
-                       head: bool = True) -> tuple[jax.Array, Cache, jax.Array | None]:
+                       head: bool = True, kv: KVLayout | None = None
+                       ) -> tuple[jax.Array, Cache, jax.Array | None]:
     """One ragged step over the paged cache.
 
     `max_q_len` (static) bounds every sequence's chunk length in this batch (1 for a
@@ -173,6 +185,10 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     `head` (static): False returns the last layer's hidden states at `batch.logits_rows`
     [S, H] instead of logits, for a caller that applies `lm_head` to a few rows at a time
     (prompt log-probabilities over a 256k vocabulary).
+    `kv` (static): the KV layout (arcjax/model/kv_layout.py); None = one table for every
+    layer. Layer l reads group `layer_group[l]`'s tables and slot mapping and owns the
+    pages of slot `layer_slot[l]`: both ride along the layer scan (traced per layer), so
+    one executable serves every layer.
 
     Returns:
       logits [S, V] float32 at `batch.logits_rows` (or hidden states, see `head`), the
@@ -180,10 +196,12 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     """
     model = _model(cfg, params)
     x = model.embed(batch.token_ids, dtype)  # [T, H]
+    kv = kv if kv is not None else kv_layout(cfg, hybrid=False)
     block_size = cache["k"].shape[1]
-    num_blocks = cache["k"].shape[0] // cfg.num_layers  # blocks per layer
+    num_blocks = cache["k"].shape[0] // kv.num_slots  # blocks per slot
     layer_slots = num_blocks * block_size
-    valid_slot = batch.slot_mapping < layer_slots  # padding rows carry an out-of-range slot
+    # padding rows carry an out-of-range slot (in every group)
+    valid_slot = batch.slot_mapping[0] < layer_slots  # [T]
 
     scaled = "k_scale" in cache  # FP8 pages: one K and one V scale per layer
 
@@ -200,13 +218,14 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     def layer(block, carry, xs):
         x, k_cache, v_cache = carry
         l, const = xs
-        slots = jnp.where(valid_slot, batch.slot_mapping + l * layer_slots,
-                          cfg.num_layers * layer_slots)  # [T]; still out of range if padding
+        group, slot = const["kv_group"], const["kv_slot"]  # [] int32 each
+        slots = jnp.where(valid_slot, batch.slot_mapping[group] + slot * layer_slots,
+                          kv.num_slots * layer_slots)  # [T]; still out of range if padding
 
         def attend(q, k, v):
             inputs = _attention_inputs(
                 cfg, q=q, k_pages=k_cache, v_pages=v_cache,
-                block_tables=batch.block_tables + l * num_blocks,  # [S, max_blocks]
+                block_tables=batch.block_tables[group] + slot * num_blocks,  # [S, max_blocks]
                 kv_lens=batch.kv_lens, cu_seqlens_q=batch.cu_seqlens_q,
                 num_seqs=batch.num_seqs, window=const.get("window"),  # [] int32 or None
                 # [] float32 each, or None: quantized on write, upcast inside attention.
@@ -227,7 +246,7 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, k_new, v_new), stats = model.scan_layers(layer, (x, cache["k"], cache["v"]),
-                                                 (layer_ids, layer_constants(cfg)))
+                                                 (layer_ids, layer_constants(cfg, kv)))
     x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
     out = model.head(x, parallel) if head else x
     return out, {**cache, "k": k_new, "v": v_new}, stats
@@ -240,8 +259,10 @@ def dense_mask(length: int, window: jax.Array) -> jax.Array:
 
 
 def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
-                  dtype=jnp.float32, moe_impl: str = "auto") -> jax.Array:
-    """Causal full-sequence forward. token_ids [B, L] -> logits [B, L, V] float32."""
+                  dtype=jnp.float32, moe_impl: str = "auto", kv_amax: bool = False):
+    """Causal full-sequence forward. token_ids [B, L] -> logits [B, L, V] float32;
+    with `kv_amax` (static) also each layer's max |K| and max |V|, [2, L] float32 (the
+    FP8 KV cache's calibration, `arcjax.model.kv_scales`)."""
     B, L = token_ids.shape
     positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
     model = _model(cfg, params)
@@ -267,12 +288,14 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
             else:
                 p = jax.nn.softmax(s, axis=-1)
             p = p.astype(v.dtype)
-            return jnp.einsum("bhqk,bkhd->bqhd", p, v), None
+            amax = jnp.stack([jnp.max(jnp.abs(k)), jnp.max(jnp.abs(v))]).astype(jnp.float32)
+            return jnp.einsum("bhqk,bkhd->bqhd", p, v), amax
 
-        x, _, _ = block(x, positions, const["inv_freq"], attend, valid=valid, layer=index,
-                        moe_impl=moe_impl, parallel=None)
-        return x, None
+        x, amax, _ = block(x, positions, const["inv_freq"], attend, valid=valid, layer=index,
+                           moe_impl=moe_impl, parallel=None)
+        return x, amax
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    x, _ = model.scan_layers(layer, x, (layer_ids, layer_constants(cfg)))
-    return model.head(x)
+    x, amax = model.scan_layers(layer, x, (layer_ids, layer_constants(cfg)))  # [L, 2]
+    logits = model.head(x)
+    return (logits, amax.T) if kv_amax else logits

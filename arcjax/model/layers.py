@@ -49,7 +49,7 @@ from flax import nnx
 from arcjax.model import moe
 from arcjax.model.expert_ffn import ExpertAct
 from arcjax.model.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
-from arcjax.model.quant import dense
+from arcjax.model.quant import dense, embedding_rows, float_dtype, tied_head
 
 NORMAL_STD = 0.02  # the "normal" initializer's standard deviation
 
@@ -125,10 +125,11 @@ class Embed(nnx.Module):
 
     def __call__(self, token_ids: jax.Array, dtype) -> jax.Array:
         """token_ids [...] int32 -> [..., H] in `dtype`."""
-        table = value(self.embedding)  # [V, H]
-        x = table[token_ids].astype(dtype)
+        table = value(self.embedding)  # [V, H]; packed: [H, V] (`quant.embedding_rows`)
+        x = embedding_rows(table, token_ids, dtype)
         if self.cfg.scale_embeddings:  # sqrt(hidden) rounded to the table's dtype, as HF does
-            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, table.dtype).astype(dtype)
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5,
+                                float_dtype(table, dtype)).astype(dtype)
         return x
 
 
@@ -346,9 +347,9 @@ class Decoder(nnx.Module):
         layer's output) -> logits [..., V] float32, whole rows on every device."""
         cfg = self.cfg
         h = self.final_norm(h)
-        w = (value(self.embed.embedding).T if self.lm_head is None
-             else value(self.lm_head.kernel))  # [H, V]
-        logits = (h @ w.astype(h.dtype)).astype(jnp.float32)
+        w = (tied_head(value(self.embed.embedding), h.dtype) if self.lm_head is None
+             else dense(value(self.lm_head.kernel), h.dtype))  # [H, V]
+        logits = (h @ w).astype(jnp.float32)
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)

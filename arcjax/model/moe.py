@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from arcjax.model.expert_ffn import ExpertAct, activation, dense_ffn, down_bias_sum, experts_ffn
-from arcjax.model.quant import QuantizedWeight, dense, scale_axes
+from arcjax.model.packed import PackedWeight
+from arcjax.model.quant import QuantizedWeight, dense, weight_axes
 from arcjax.model.routing import RouterConfig, select
 
 IMPLS = ("auto", "ragged_dot", "tiled", "dense")
@@ -93,25 +94,22 @@ def group(experts: jax.Array, valid: jax.Array, num_experts: int
     return order, sizes
 
 
-def _shardable(w, dtype, width_split: bool):
-    """An expert weight as `experts_map` may split it: a quantized one stays quantized
-    unless the experts' width is split (`width_split`) and its scales are blocks, which that
-    split would cut; those are dequantized first (GSPMD). Per-channel and per-tensor scales
-    split with their values (or are whole), and a split by expert alone keeps every
-    matrix whole."""
-    if not isinstance(w, QuantizedWeight):
+def _shardable(w, dtype, width_split: bool, row_split: int = 1):
+    """An expert weight as `experts_map` may split it. `width_split`: each expert's width
+    is split; `row_split`: devices the weight's input axis splits over (we_down's input
+    axis is the width; gate's and up's is not). A quantized weight stays quantized when its
+    scales split with its values: one scale per column (or per tensor) when only columns
+    split, one per channel (or per tensor) when rows split too; a packed one when each
+    device's rows keep their groups' scales (`PackedWeight.splits_rows`). Others are
+    dequantized first (GSPMD). A split by expert alone keeps every matrix whole."""
+    if isinstance(w, PackedWeight):
+        return w if row_split == 1 or w.splits_rows(row_split) else dense(w, dtype)
+    if not isinstance(w, QuantizedWeight) or not width_split:
         return w
-    if not width_split or (w.scale.shape[-2] == 1 and (w.scale.shape[-1] == 1
-                                                       or w.block[1] == 1)):
+    per_column = w.scale.shape[-1] == 1 or w.block[1] == 1
+    if per_column and (row_split == 1 or w.scale.shape[-2] == 1):
         return w
     return dense(w, dtype)
-
-
-def _axes(w, axes: tuple):
-    """The logical axes of an expert weight's leaves (values and scales when quantized)."""
-    if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(axes, scale_axes(w, axes), w.block)
-    return axes
 
 
 def resolve_impl(impl: str) -> str:
@@ -146,8 +144,9 @@ def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_expe
         router_correction [E] (DeepSeek-V3's e_score_correction_bias), ws_gate/ws_up
         [H, Is], ws_down [Is, H] (shared experts) and ws_router [H, 1] (Qwen2-MoE's gate).
       experts: every layer's expert weights (`EXPERT_WEIGHTS`): we_gate/we_up [L, E, H, I],
-        we_down [L, E, I, H]; arrays or `QuantizedWeight`s (scales [L, E, ...]); with
-        `EXPERT_BIASES` (gpt-oss) be_gate/be_up [L, E, I], be_down [L, E, H].
+        we_down [L, E, I, H]; arrays, `QuantizedWeight`s or `PackedWeight`s (scales
+        [L, E, ...]); with `EXPERT_BIASES` (gpt-oss) be_gate/be_up [L, E, I], be_down
+        [L, E, H].
       layer: scalar int32, this layer.
       num_experts, top_k, renormalize: from the model config.
       act: the experts' gated activation (a kind: "silu", "gelu_tanh"; or an ExpertAct).
@@ -183,10 +182,12 @@ def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_expe
                                w_local[3:] if biased else None, layer=layer_, first=first,
                                act=act, impl=impl), sizes_
 
+        logical = (("layers", "expert", "embed", "moe_mlp"),) * 2 + (
+            ("layers", "expert", "moe_mlp", "embed"),)
         width_split = parallel.degree("moe_mlp") > 1
-        w = tuple(_shardable(x, h.dtype, width_split) for x in w)
-        axes = tuple(_axes(x, a) for x, a in zip(w, (("layers", "expert", "embed", "moe_mlp"),) * 2
-                                                 + (("layers", "expert", "moe_mlp", "embed"),)))
+        w = tuple(_shardable(x, h.dtype, width_split, parallel.degree(a[-2]))
+                  for x, a in zip(w, logical))
+        axes = tuple(weight_axes(x, a, parallel.degree) for x, a in zip(w, logical))
         if biased:  # gate and up biases split like their weights' columns
             w, axes = w + b, axes + (("layers", "expert", "moe_mlp"),) * 2
         out, sizes = parallel.experts_map(local, axes)(h, (order, sizes, weights, layer), *w)

@@ -60,16 +60,19 @@ def param_specs(cfg: ModelConfig) -> dict:
 
 
 def cache_specs(cfg: ModelConfig, num_blocks: int, block_size: int, *,
-                scaled: bool = False) -> Cache:
+                scaled: bool = False, num_slots: int | None = None) -> Cache:
     """The paged KV cache as specs; `scaled` (FP8 pages) adds one K and one V scale per
-    layer (`k_scale`, `v_scale` [L], replicated).
+    layer (`k_scale`, `v_scale` [L], replicated). `num_slots`: the layers' pages a block
+    holds (`arcjax.model.kv_layout.KVLayout.num_slots`); None = every layer.
 
-    NOTE: layers are flattened into the block axis: layer l's block b is page
-    `l * num_blocks + b`. The layer loop then carries the whole cache and addresses a
-    layer by offsetting block tables and slots, so K/V writes are in-place scatters
-    into the donated buffer and no layer slice is ever copied.
+    NOTE: slots are flattened into the block axis: slot p's block b is page
+    `p * num_blocks + b` (with one table for every layer, slot p is layer p). The layer
+    loop then carries the whole cache and addresses a layer by offsetting block tables
+    and slots, so K/V writes are in-place scatters into the donated buffer and no layer
+    slice is ever copied.
     """
-    shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    slots = cfg.num_layers if num_slots is None else num_slots
+    shape = (slots * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
     spec = ParamSpec(shape, "zeros", CACHE_AXES)
     if not scaled:
         return {"k": spec, "v": spec}
@@ -99,10 +102,11 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype=jnp.float32,
 
 
 def make_cache(cfg: ModelConfig, num_blocks: int, block_size: int, dtype=jnp.float32,
-               kv_scales=None) -> Cache:
+               kv_scales=None, num_slots: int | None = None) -> Cache:
     """A zeroed paged KV cache for every layer (see `cache_specs`). FP8 pages get their
     per-layer scales: `kv_scales` [2, L] (K, V; from the checkpoint), else 1.0."""
-    specs = cache_specs(cfg, num_blocks, block_size, scaled=is_scaled(dtype))
+    specs = cache_specs(cfg, num_blocks, block_size, scaled=is_scaled(dtype),
+                        num_slots=num_slots)
     cache = {k: jnp.zeros(specs[k].shape, dtype) for k in ("k", "v")}
     if "k_scale" in specs:
         scales = (jnp.ones((2, cfg.num_layers), jnp.float32) if kv_scales is None

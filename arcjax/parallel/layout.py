@@ -214,13 +214,14 @@ class TensorParallel:
         return self.shardings(param_specs(cfg))
 
     def make_cache(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype,
-                   kv_scales=None):
+                   kv_scales=None, num_slots: int | None = None):
         """A zeroed paged KV cache created directly in its shards (sharded by KV head);
         FP8 pages' per-layer scales replicated (see `arcjax.model.specs.make_cache`)."""
-        specs = cache_specs(cfg, num_blocks, block_size, scaled=is_scaled(dtype))
+        specs = cache_specs(cfg, num_blocks, block_size, scaled=is_scaled(dtype),
+                            num_slots=num_slots)
         shardings = self.shardings(specs)
-        return jax.jit(lambda: make_cache(cfg, num_blocks, block_size, dtype, kv_scales),
-                       out_shardings=shardings)()
+        return jax.jit(lambda: make_cache(cfg, num_blocks, block_size, dtype, kv_scales,
+                                          num_slots), out_shardings=shardings)()
 
     def put_replicated(self, tree):
         """Host arrays -> global arrays replicated on the mesh (every process passes the

@@ -355,11 +355,12 @@ class StepSync:
 
 def plan_digest(plan, sampling_rows=()) -> bytes:
     """A 16-byte digest of everything a step computes from: rows, chunks, block tables,
-    token ids and each row's sampling inputs."""
+    token ids, the blocks the host tier moves, and each row's sampling inputs."""
     h = hashlib.blake2b(digest_size=16)
     h.update(repr((plan.request_ids, plan.starts, plan.lengths, plan.samples,
                    tuple(tuple(t) for t in plan.block_tables), plan.preempted,
-                   plan.token_ids if plan.num_seqs else ())).encode())
+                   plan.token_ids if plan.num_seqs else (), plan.kv_stores,
+                   plan.kv_loads)).encode())
     h.update(repr(tuple(sampling_rows)).encode())
     return h.digest()
 

@@ -53,7 +53,7 @@ class PreparedStep:
 
 def prepare_step(plan, sampling_rows: Sequence[tuple], prompt_rows=None, *,
                  buckets: BucketSet, max_blocks: int, block_size: int, num_blocks: int,
-                 spare_slot: int) -> PreparedStep:
+                 spare_slot: int, num_groups: int = 1) -> PreparedStep:
     """Packs one step plan (see the module docstring; `ModelRunner.prepare` documents the
     arguments). Raises pallas_kernels.KernelArgumentError when the rows overflow."""
     drafts = plan.spec_token_ids
@@ -63,7 +63,8 @@ def prepare_step(plan, sampling_rows: Sequence[tuple], prompt_rows=None, *,
         bucket = buckets.select(plan.num_tokens, plan.num_seqs, plan.decode_only)
     batch = build_batch(plan.token_ids, plan.starts, plan.lengths, plan.block_tables,
                         bucket=bucket, max_blocks=max_blocks, block_size=block_size,
-                        num_blocks=num_blocks)
+                        num_blocks=num_blocks, group_tables=(
+                            plan.group_block_tables(num_groups) if num_groups > 1 else None))
     spec = None
     if drafts:
         rows, sampling, spec = verification.pack(
@@ -83,35 +84,45 @@ def prepare_step(plan, sampling_rows: Sequence[tuple], prompt_rows=None, *,
 
 def build_batch(token_ids: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
                 block_tables: Sequence[Sequence[int]], *, bucket: Bucket, max_blocks: int,
-                block_size: int, num_blocks: int) -> StepBatch:
+                block_size: int, num_blocks: int,
+                group_tables: Sequence | None = None) -> StepBatch:
     """Packs one step's rows (plan columns) into numpy arrays padded to `bucket`.
+
+    `group_tables`: with several KV cache groups, per group every row's table
+    (`StepPlan.group_block_tables`; `block_tables` is then unused); each group gets its own
+    tables [S, max_blocks] and slot mapping [T], stacked on a leading group axis (one
+    group: that axis has length 1).
 
     Raises:
       pallas_kernels.KernelArgumentError: the rows overflow the bucket or a table is short.
     """
-    layout = paged_layout(starts, lengths, block_tables, token_bucket=bucket.tokens,
-                          seq_bucket=bucket.seqs, max_blocks=max_blocks,
-                          block_size=block_size, num_blocks=num_blocks)
+    layouts = [paged_layout(starts, lengths, tables, token_bucket=bucket.tokens,
+                            seq_bucket=bucket.seqs, max_blocks=max_blocks,
+                            block_size=block_size, num_blocks=num_blocks)
+               for tables in group_tables or [block_tables]]
+    layout = layouts[0]
     ids = np.zeros(bucket.tokens, np.int32)
     ids[:layout.num_tokens] = np.fromiter(token_ids, np.int32, layout.num_tokens)
     return StepBatch(token_ids=ids, positions=layout.positions,
-                     slot_mapping=layout.slot_mapping, cu_seqlens_q=layout.cu_seqlens_q,
-                     kv_lens=layout.kv_lens, block_tables=layout.block_tables,
+                     slot_mapping=np.stack([g.slot_mapping for g in layouts]),  # [G, T]
+                     cu_seqlens_q=layout.cu_seqlens_q, kv_lens=layout.kv_lens,
+                     block_tables=np.stack([g.block_tables for g in layouts]),  # [G, S, mb]
                      num_seqs=np.int32(layout.num_seqs), logits_rows=layout.last_rows)
 
 
 def empty_batch(bucket: Bucket, *, max_blocks: int, block_size: int,
-                num_blocks: int) -> StepBatch:
+                num_blocks: int, num_groups: int = 1) -> StepBatch:
     """An all-padding batch of `bucket`'s shape (writes nothing): for warm-up."""
     return build_batch((), (), (), (), bucket=bucket, max_blocks=max_blocks,
-                       block_size=block_size, num_blocks=num_blocks)
+                       block_size=block_size, num_blocks=num_blocks,
+                       group_tables=[()] * num_groups)
 
 
 def warmup_step(bucket: Bucket, *, max_blocks: int, block_size: int, num_blocks: int,
-                spare_slot: int) -> PreparedStep:
+                spare_slot: int, num_groups: int = 1) -> PreparedStep:
     """An all-padding step of `bucket` (writes nothing, verifies no draft): for warm-up."""
     batch = empty_batch(bucket, max_blocks=max_blocks, block_size=block_size,
-                        num_blocks=num_blocks)
+                        num_blocks=num_blocks, num_groups=num_groups)
     if bucket.sample_width == 1:
         return PreparedStep(bucket, batch, SamplingBatch.build([], bucket.seqs, spare_slot))
     rows, sampling, spec = verification.pack(batch.cu_seqlens_q, (), (), (), num_seqs=bucket.seqs,

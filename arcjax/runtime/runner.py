@@ -41,11 +41,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from arcjax.model import decoder
+from arcjax.model.kv_layout import KVLayout, kv_layout
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import make_cache
 from arcjax.runtime.batching import PreparedStep, prepare_step, warmup_step
 from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.executable_cache import ExecutableCache, input_signature
+from arcjax.runtime.kv_tiers import HostKVPool
 from arcjax.runtime.penalties import TokenCounts
 from arcjax.runtime.sampling import TokenLogprobs, bitmask_words, sample_step, token_logprobs
 from arcjax.runtime.step_handle import CompletionWatcher, ForwardResult, StepHandle, TokenFeed
@@ -54,15 +56,15 @@ from arcjax.spec_decode import verification
 
 log = logging.getLogger(__name__)
 
-_STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel")
+_STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel", "kv")
 
 
-def _logits(params, cache, batch, prompt, *, cfg, attn_impl, dtype, max_q_len, parallel):
+def _logits(params, cache, batch, prompt, *, cfg, attn_impl, dtype, max_q_len, parallel, kv):
     """The forward: (logits [R, V] at the sampled positions, prompt logprobs or None, the
     cache, tokens per expert [L, E] or None)."""
     out, cache, expert_counts = decoder.forward_with_stats(
         params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
-        parallel=parallel, head=prompt is None)
+        parallel=parallel, head=prompt is None, kv=kv)
     prompt_lp = None
     if prompt is None:
         logits = out  # [R, V] at `batch.logits_rows`
@@ -83,8 +85,8 @@ def _sampled(logits, sampling, counts, bitmask, spec, sample_width):
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "sample_width"),
                    donate_argnames=("cache", "counts"))
 def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None, *, cfg,
-          attn_impl, dtype, max_q_len, parallel=None, sample_width=1):
-    # cfg/attn_impl/dtype/max_q_len/parallel/sample_width are static: one executable per
+          attn_impl, dtype, max_q_len, parallel=None, kv=None, sample_width=1):
+    # cfg/attn_impl/dtype/max_q_len/parallel/kv/sample_width are static: one executable per
     # bucket, no recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt`
     # (prompt logprobs) is None or not: at most a second executable per bucket, built on
     # demand. `spec` (draft tokens to verify) is set exactly in buckets of sample_width > 1.
@@ -92,7 +94,7 @@ def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=Non
     # rows): structured outputs need no other executable.
     logits, prompt_lp, cache, experts = _logits(params, cache, batch, prompt, cfg=cfg,
                                                 attn_impl=attn_impl, dtype=dtype,
-                                                max_q_len=max_q_len, parallel=parallel)
+                                                max_q_len=max_q_len, parallel=parallel, kv=kv)
     tokens, yielded, logprobs, counts = _sampled(logits, sampling, counts, bitmask, spec,
                                                  sample_width)
     return (StepOutput(tokens, logprobs, prompt_lp, num_yielded=yielded,
@@ -101,10 +103,10 @@ def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=Non
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
 def _forward(params, cache, batch, prompt=None, *, cfg, attn_impl, dtype, max_q_len,
-             parallel=None):
+             parallel=None, kv=None):
     """`_step` without its sampling: for a step whose bitmask is not known at launch."""
     return _logits(params, cache, batch, prompt, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
-                   max_q_len=max_q_len, parallel=parallel)
+                   max_q_len=max_q_len, parallel=parallel, kv=kv)
 
 
 @functools.partial(jax.jit, static_argnames=("sample_width",), donate_argnames=("counts",))
@@ -143,12 +145,16 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_blocks: int, block_size: int,
                  max_blocks_per_seq: int, buckets: BucketSet, dtype, attn_impl: str,
                  executables: ExecutableCache | None = None, parallel=None,
-                 kv_cache_dtype=None, kv_scales=None):
+                 kv_cache_dtype=None, kv_scales=None, kv: KVLayout | None = None,
+                 host_slots: int = 0):
         # parallel: an arcjax.parallel.TensorParallel (params already in its shardings,
         # cfg its sharded_config); the cache is created in its shards, inputs replicated.
         # kv_cache_dtype: the pages' dtype (None: dtype); float8_e4m3fn pages carry a K and
         # a V scale per layer: kv_scales [2, L] (from the checkpoint), else 1.0.
+        # kv: the layers' KV cache groups and slots (None: one table for every layer);
+        # host_slots: blocks of the host tier (0: none; kv_tiers.py).
         self.cfg, self.params, self.parallel = cfg, params, parallel
+        self.kv = kv if kv is not None else kv_layout(cfg, hybrid=False)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_blocks = max_blocks_per_seq
         self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
@@ -156,6 +162,11 @@ class ModelRunner:
         self.kv_scales = kv_scales
         self.cache = self._new_cache()
         self.platform = next(iter(self.cache["k"].devices())).platform  # "cpu", "gpu", ...
+        k = self.cache["k"]
+        self.host_pool = HostKVPool(
+            host_slots, num_slots=self.kv.num_slots, num_blocks=num_blocks,
+            page_shape=k.shape[1:], dtype=k.dtype, cache_sharding=k.sharding,
+        ) if host_slots else None
         self.executables = executables if executables is not None else ExecutableCache()
         self._compiled: dict[tuple[Bucket, str, bool], object] = {}
         # (T, S, max_q_len) of each bucket acquired -> the attention implementation its
@@ -204,7 +215,20 @@ class ModelRunner:
         """
         return prepare_step(plan, sampling_rows, prompt_rows, buckets=self.buckets,
                             max_blocks=self.max_blocks, block_size=self.block_size,
-                            num_blocks=self.num_blocks, spare_slot=self.counts.spare)
+                            num_blocks=self.num_blocks, spare_slot=self.counts.spare,
+                            num_groups=self.kv.num_groups)
+
+    def store_blocks(self, plan) -> None:
+        """The host tier's stores of `plan` (`StepPlan.kv_stores`): copied out of the cache
+        before the step that may overwrite them is launched."""
+        if plan.kv_stores:
+            self.host_pool.store(self.cache, plan.kv_stores)
+
+    def load_blocks(self, plan) -> None:
+        """The host tier's loads of `plan` (`StepPlan.kv_loads`), dispatched after the step's
+        launch: the device writes them after that step and before the next one."""
+        if plan.kv_loads:
+            self.cache = self.host_pool.load(self.cache, plan.kv_loads)
 
     def _executable(self, bucket: Bucket, variant: str, args: tuple, *, prompt_given: bool):
         """The compiled `variant` ("step", "forward" or "sample") of `bucket` for `args`
@@ -217,15 +241,21 @@ class ModelRunner:
                 key = ("sample", bucket.sample_width, self.parallel, input_signature(args))
                 lower = functools.partial(fn.lower, *args, **width)
             else:  # compiled with the implementation "auto" resolves to for this bucket
-                impl = self._attention_impl(bucket)
-                key = (variant, self.cfg, impl, str(self.dtype), bucket.max_q_len,
-                       bucket.sample_width, self.parallel, input_signature(args))
-                lower = functools.partial(fn.lower, *args, cfg=self.cfg, attn_impl=impl,
-                                          dtype=self.dtype, max_q_len=bucket.max_q_len,
-                                          parallel=self.parallel, **width)
+                statics = self.step_statics(bucket)
+                key = (variant, *(statics[name] for name in _STATIC), bucket.sample_width,
+                       input_signature(args))
+                lower = functools.partial(fn.lower, *args, **statics, **width)
             exe = self.executables.get_or_compile(key, lambda: lower().compile())
             self._compiled[(bucket, variant, prompt_given)] = exe
         return exe
+
+    def step_statics(self, bucket: Bucket) -> dict:
+        """The static arguments `bucket`'s forward is compiled with (`_STATIC`): the model,
+        the attention implementation ("auto" resolved), the dtype, the chunk bound, the mesh,
+        the KV layout. A tool that traces a bucket's forward again
+        (`arcjax.bench.step_replay`) reads them here."""
+        return dict(cfg=self.cfg, attn_impl=self._attention_impl(bucket), dtype=self.dtype,
+                    max_q_len=bucket.max_q_len, parallel=self.parallel, kv=self.kv)
 
     def _attention_impl(self, bucket: Bucket) -> str:
         """The attention implementation of `bucket`'s steps: `attn_impl`, "auto" resolved
@@ -348,6 +378,8 @@ class ModelRunner:
         """The launched step's `StepOutput` with `tokens` on the host (waits for the device);
         log-probabilities stay on the device (read them only if asked)."""
         out = handle.out
+        if self.host_pool is not None:
+            self.host_pool.poll()
         tokens, yielded, experts = out.tokens, out.num_yielded, out.expert_counts
         if self.parallel is not None:  # replicated: any local copy is the value
             tokens = tokens.addressable_data(0)
@@ -365,13 +397,16 @@ class ModelRunner:
         """A fresh zeroed KV cache (every sequence's KV is gone)."""
         self.cache = self._new_cache()
         self.counts.reset()
+        if self.host_pool is not None:  # the scheduler forgets the tier with the cache
+            self.host_pool.reset()
 
     def _new_cache(self):
         if self.parallel is not None:
             return self.parallel.make_cache(self.cfg, self.num_blocks, self.block_size,
-                                            self.kv_cache_dtype, self.kv_scales)
+                                            self.kv_cache_dtype, self.kv_scales,
+                                            self.kv.num_slots)
         return make_cache(self.cfg, self.num_blocks, self.block_size, self.kv_cache_dtype,
-                          self.kv_scales)
+                          self.kv_scales, self.kv.num_slots)
 
     def warm(self, buckets) -> float:
         """Acquires (compiles, or finds) the executables of `buckets` and runs each once on
@@ -379,7 +414,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         for bucket in sorted(buckets):
             self.run(warmup_step(bucket, max_blocks=self.max_blocks, block_size=self.block_size,
-                                 num_blocks=self.num_blocks, spare_slot=self.counts.spare))
+                                 num_blocks=self.num_blocks, spare_slot=self.counts.spare,
+                                 num_groups=self.kv.num_groups))
         return time.perf_counter() - t0
 
     def warmup(self) -> float:

@@ -227,6 +227,8 @@ class SamplingFields(OpenAIBaseModel):
     best_of: Any = None
     functions: Any = None  # OpenAI's deprecated function calling (use tools)
     function_call: Any = None
+    logits_processors: Any = None  # server-side Python classes by qualified name
+    structural_tag: Any = None  # vLLM's deprecated top-level form
 
     @field_validator("stop")
     @classmethod

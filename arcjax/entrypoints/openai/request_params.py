@@ -30,7 +30,8 @@ REFUSED = {"use_beam_search": (False,), "length_penalty": (1.0, 1), "watermarkin
            "repetition_detection": (None,), "thinking_token_budget": (None, -1),
            "stream_interval": (None, 1), "best_of": (None, 1), "functions": (None, []),
            "function_call": (None, "none"), "suffix": (None, ""), "prompt_embeds": (None,),
-           "media_io_kwargs": (None, {}), "mm_processor_kwargs": (None, {})}
+           "media_io_kwargs": (None, {}), "mm_processor_kwargs": (None, {}),
+           "logits_processors": (None, []), "structural_tag": (None,)}
 # chat fields a completion request may carry only with their neutral values
 COMPLETION_REFUSED = {"top_logprobs": (None, 0), "tools": (None, []),
                       "tool_choice": (None, "none"), "parallel_tool_calls": (None,)}

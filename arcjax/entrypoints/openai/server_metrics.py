@@ -7,7 +7,9 @@
   acceptance rate = accepted / draft tokens, mean acceptance length = 1 + accepted / drafts).
 - Per finished request (event loop): TTFT, inter-token latency and end-to-end latency
   histograms; prompt, generated and prefix-cache-hit token counters; requests by finish reason.
-- At scrape time: gauges from `Engine.stats()` (running, waiting, KV blocks in use / total).
+- At scrape time: gauges from `Engine.stats()` (running, waiting, KV blocks in use / total),
+  and with a host tier (`kv_offloading_size`) its slots and counters: blocks loaded back
+  (host hits) and stored, bytes moved each way, and the loads' latency (sum and count).
 
 vLLM's names (`vllm:*`) are exported beside these from the same events
 (`vllm_metrics.VllmMetrics`).
@@ -21,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from arcjax.entrypoints.openai.vllm_metrics import VllmMetrics
 from arcjax.outputs import RequestOutput
@@ -36,6 +38,18 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 
             0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 FINISH_REASONS = ("length", "stop", "abort", "error")
+# The host tier's counters (`EngineCore.stats`), exposed as `<name>_total`.
+HOST_TIER_COUNTERS = (
+    ("arcjax_kv_host_hit_blocks", "kv_host_hit_blocks",
+     "KV blocks a prefix hit loaded back from the host tier."),
+    ("arcjax_kv_host_stored_blocks", "kv_host_stored_blocks",
+     "KV blocks the device evicted and stored in the host tier."),
+    ("arcjax_kv_bytes_to_host", "kv_bytes_to_host", "KV bytes copied to the host tier."),
+    ("arcjax_kv_bytes_to_device", "kv_bytes_to_device", "KV bytes loaded back to the device."),
+    ("arcjax_kv_load_seconds", "kv_load_seconds_sum",
+     "Seconds from dispatch until a host-tier load landed, summed."),
+    ("arcjax_kv_loads_timed", "kv_loads_timed", "Host-tier loads timed."),
+)
 
 
 class _EngineGauges:
@@ -52,6 +66,12 @@ class _EngineGauges:
                 ("arcjax_kv_blocks_in_use", "kv_blocks_in_use", "KV cache blocks in use."),
                 ("arcjax_kv_blocks_total", "kv_blocks_total", "KV cache blocks in all.")):
             yield GaugeMetricFamily(name, doc, value=s[key])
+        if "kv_host_blocks_total" not in s:  # no host tier
+            return
+        yield GaugeMetricFamily("arcjax_kv_host_blocks_total", "Host-tier KV block slots.",
+                                value=s["kv_host_blocks_total"])
+        for name, key, doc in HOST_TIER_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=s[key])
 
 
 class ServerMetrics:

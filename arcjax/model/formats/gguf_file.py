@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import mmap
 import os
 import re
@@ -31,9 +32,14 @@ import numpy as np
 
 from arcjax.errors import WeightsError
 from arcjax.model.formats.gguf_config import ARCHITECTURES, gguf_config
-from arcjax.model.formats.hf_layout import HostModel, assemble_host
+from arcjax.model.formats.gguf_packed import (BLOCKS, PACKED_TYPES, BlockCodes, common_layout,
+                                              decode_blocks, packed_tensor, permute_rows,
+                                              to_common)
+from arcjax.model.formats.hf_layout import TOP_NAMES, HostModel, assemble_host, hf_layer_name
 from arcjax.model.model_config import ModelConfig
-from arcjax.model.specs import Params
+from arcjax.model.packed import stack_packed
+from arcjax.model.quant import LINEAR_WEIGHTS
+from arcjax.model.specs import Params, param_specs
 
 _LAYER_TENSORS = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -162,6 +168,41 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
+    def type_name(self, name: str) -> str:
+        """Tensor `name`'s GGML type ("Q4_1", "F32", ...).
+
+        Raises:
+          WeightsError: a type the gguf package does not know.
+        """
+        import gguf
+
+        try:
+            return gguf.GGMLQuantizationType(self.tensors[name].ggml_type).name
+        except ValueError:
+            raise WeightsError(self.path, f"tensor {name} has unknown GGML type "
+                                          f"{self.tensors[name].ggml_type}") from None
+
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor `name`'s blocks as stored: [rows, bytes per row] uint8 (memory-mapped).
+
+        Raises:
+          WeightsError: an unknown type, rows not whole blocks, or data past the end.
+        """
+        import gguf
+
+        info, qtype = self.tensors[name], self.type_name(name)
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+        ne0, rows = info.shape[0], int(np.prod(info.shape[1:], dtype=np.int64))
+        if ne0 % block:
+            raise WeightsError(self.path, f"tensor {name}: row of {ne0} is not a multiple of "
+                                          f"{qtype}'s block of {block}")
+        row_bytes = ne0 // block * type_size
+        if info.offset + rows * row_bytes > len(self._buf):
+            raise WeightsError(self.path, f"tensor {name} runs past the end of the file "
+                                          "(truncated?)")
+        return np.frombuffer(self._buf, np.uint8, rows * row_bytes, info.offset).reshape(
+            rows, row_bytes)
+
     def read(self, name: str) -> np.ndarray:
         """Tensor `name` dequantized to float32, numpy order (GGUF shape reversed).
 
@@ -170,28 +211,19 @@ class GGUFFile:
         """
         import gguf
 
-        info = self.tensors[name]
+        raw, qtype = self.raw(name), self.type_name(name)
         try:
-            qtype = gguf.GGMLQuantizationType(info.ggml_type)
-            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        except (ValueError, KeyError):
-            raise WeightsError(self.path, f"tensor {name} has unknown GGML type "
-                                          f"{info.ggml_type}") from None
-        ne0, rows = info.shape[0], int(np.prod(info.shape[1:], dtype=np.int64))
-        if ne0 % block:
-            raise WeightsError(self.path, f"tensor {name}: row of {ne0} is not a multiple of "
-                                          f"{qtype.name}'s block of {block}")
-        row_bytes = ne0 // block * type_size
-        if info.offset + rows * row_bytes > len(self._buf):
-            raise WeightsError(self.path, f"tensor {name} runs past the end of the file "
-                                          "(truncated?)")
-        raw = np.frombuffer(self._buf, np.uint8, rows * row_bytes, info.offset)
-        try:
-            out = gguf.quants.dequantize(raw.reshape(rows, row_bytes), qtype)
+            out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
         except NotImplementedError as e:
-            raise WeightsError(self.path, f"tensor {name}: {qtype.name} cannot be "
+            raise WeightsError(self.path, f"tensor {name}: {qtype} cannot be "
                                           f"dequantized ({e})") from e
-        return np.asarray(out, np.float32).reshape(info.shape[::-1])
+        return np.asarray(out, np.float32).reshape(self.tensors[name].shape[::-1])
+
+    def read_codes(self, name: str) -> BlockCodes:
+        """Tensor `name`'s blocks as integer codes and per-group floats (a type of
+        `gguf_packed.PACKED_TYPES`), [rows, ne0] order."""
+        return decode_blocks(self.raw(name).reshape(-1, BLOCKS[self.type_name(name)][1]),
+                             self.type_name(name))
 
 
 def gguf_name(hf_name: str, gemma: bool = False) -> tuple[str, int | None]:
@@ -216,8 +248,11 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_host(f: GGUFFile, dtype=jnp.float32) -> HostModel:
-    """A GGUF model in host memory, every tensor dequantized.
+def gguf_host(f: GGUFFile, dtype=jnp.float32, packed: bool = False) -> HostModel:
+    """A GGUF model in host memory: every tensor dequantized, or with `packed` the linear
+    weights, embedding and LM head of `gguf_packed.PACKED_TYPES` kept packed
+    (`PackedWeight`s, converted from the blocks without going through float) and the
+    rest dequantized.
 
     Raises:
       ModelConfigError: unsupported or inconsistent metadata.
@@ -240,6 +275,12 @@ def gguf_host(f: GGUFFile, dtype=jnp.float32) -> HostModel:
                                        f"expert_count is {cfg.num_experts}")
         return merged[name][expert]
 
+    def rotary_heads(name: str) -> int | None:
+        """Heads whose rows llama.cpp permuted in tensor `name` (None: not permuted)."""
+        if permuted and (".attn_q." in name or ".attn_k." in name):
+            return cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads
+        return None
+
     def read(hf_name: str) -> np.ndarray | None:
         name, expert = gguf_name(hf_name, gemma)
         if expert is not None:
@@ -247,15 +288,80 @@ def gguf_host(f: GGUFFile, dtype=jnp.float32) -> HostModel:
         if name not in f.tensors:
             return None
         w = f.read(name)
-        if permuted and (".attn_q." in name or ".attn_k." in name):
-            w = unpermute_rotary(w, cfg.num_heads if ".attn_q." in name else cfg.num_kv_heads)
+        if rotary_heads(name):
+            w = unpermute_rotary(w, rotary_heads(name))
         if gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w
             w = w - 1.0
         if name.endswith("ffn_gate_inp_shexp.weight"):  # [H] or [1, H]: HF's [1, H]
             w = w.reshape(1, -1)
         return w
 
-    return HostModel(cfg, assemble_host(cfg, read, dtype, lambda _: f.path))
+    sources = _packable(f, cfg, gemma) if packed else {}
+    host = assemble_host(cfg, read, dtype, lambda _: f.path, skip=tuple(sources))
+    specs = param_specs(cfg)
+    for key, tensors in sources.items():
+        spec = specs["layers"][key] if key in specs["layers"] else specs[key]
+        want = spec.shape[::-1] if key == "embed" else spec.shape  # embed: stored [H, V]
+        w = _packed_weight(f, tensors, want, rotary_heads)
+        if key in specs["layers"]:
+            host["layers"][key] = w
+        else:
+            host[key] = w
+    return HostModel(cfg, host)
+
+
+def _packable(f: GGUFFile, cfg: ModelConfig, gemma: bool) -> dict[str, list[str]]:
+    """The weights kept packed: key -> its GGUF tensors (one per layer, or per layer and
+    expert in files that predate merged experts), when all of them are packable."""
+    specs = param_specs(cfg)
+    out = {}
+    keys = [k for k in LINEAR_WEIGHTS if k in specs["layers"]]
+    for key in keys + [k for k in ("embed", "lm_head") if k in specs]:
+        if key in ("embed", "lm_head"):
+            names = [gguf_name(TOP_NAMES[key][0])[0]]
+        else:
+            experts = specs["layers"][key].axes[1] == "expert"
+            names = []
+            for layer in range(cfg.num_layers):
+                name, _ = gguf_name(hf_layer_name(cfg, key, layer), gemma)
+                if experts and name not in f.tensors:  # blk.N.ffn_gate.E, one per expert
+                    names += [name.replace("_exps.weight", f".{e}.weight")
+                              for e in range(cfg.num_experts)]
+                else:
+                    names.append(name)
+        if all(n in f.tensors and f.type_name(n) in PACKED_TYPES for n in names):
+            out[key] = names
+    return out
+
+
+def _packed_weight(f: GGUFFile, names: list[str], want: tuple[int, ...], rotary_heads):
+    """One stacked weight [..., in, out] from its GGUF tensors (`_packable`), in one
+    layout (`gguf_packed.common_layout` when their types differ).
+
+    Raises:
+      WeightsError: a tensor's shape disagrees with the config.
+    """
+    types = [f.type_name(n) for n in names]
+    layout = common_layout(types)
+    fmt = "+".join(sorted(set(types))).lower()
+    parts = []
+    for name in names:
+        codes = f.read_codes(name)
+        if layout is not None:
+            codes = to_common(codes, layout)
+        shape = f.tensors[name].shape[::-1]  # [(E,) rows, ne0]
+        heads = rotary_heads(name)
+        if heads:
+            codes = permute_rows(codes, shape[-1], functools.partial(unpermute_rotary,
+                                                                     n_heads=heads))
+        parts.append(packed_tensor(codes, shape, fmt))
+    lead = want[:-2]
+    stacked = stack_packed(parts, lead[:len(lead) - (len(parts[0].shape) - 2)])
+    if stacked is None or tuple(stacked.shape) != tuple(want):
+        got = stacked.shape if stacked is not None else parts[0].shape
+        raise WeightsError(f.path, f"tensor {names[0]} gives a weight of shape "
+                                   f"{tuple(got)[::-1]}, the config implies {tuple(want)[::-1]}")
+    return stacked
 
 
 def load_gguf(path: str | os.PathLike, dtype=jnp.float32) -> tuple[ModelConfig, Params]:

@@ -222,17 +222,19 @@ def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = 
         expert parts (`GPT_OSS_LAYER_NAMES`) too: `fused_experts.reader` wraps a reader.
       dtype: the params' dtype.
       where: `where(hf_name)`: the file errors about that tensor name.
-      skip: layer weights ("wq", ...) left out of the tree (the caller fills them).
+      skip: weights ("wq", ..., or top-level "embed", "lm_head") left out of the tree
+        (the caller fills them).
 
     Raises:
       WeightsError: a tensor is missing or its shape disagrees with the config.
     """
     np_dtype = np.dtype(jnp.dtype(dtype))
     specs = param_specs(cfg)
+    specs = {k: v for k, v in specs.items() if k not in skip}
     specs["layers"] = {k: v for k, v in specs["layers"].items() if k not in skip}
     host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), specs, is_leaf=is_spec)
     for path, index, name, transpose in hf_entries(cfg):
-        if path[0] == "layers" and path[1] in skip:
+        if path[-1] in skip:
             continue
         arr = read(name)
         if arr is None:

@@ -4,11 +4,15 @@ The loader picks the format and asks that format's module for the model; each mo
 its own files completely (the config.json and tensor-name layout they share is
 `hf_layout.py`'s, which imports no format):
 
-1. A GGUF file: `gguf_file.gguf_host` dequantizes it into host params, then `_place`.
+1. A GGUF file: `gguf_file.gguf_host` reads it into host params, the linear weights,
+   embedding and LM head of GGUF's quant types kept packed (`PackedWeight`s; the other
+   tensors dequantized), then `_place`.
 2. A Hugging Face directory whose config.json has a `quantization_config` (FP8 / INT8,
-   `quantized_checkpoint.checkpoint_quantization`): `quantized_checkpoint.quantized_host`
-   reads linear weights (experts' too) as stored (values + scales) and the rest in the
-   compute dtype, with the KV-cache scales when the checkpoint has them; then `_place`.
+   AWQ, GPTQ, compressed-tensors; `quant_config.checkpoint_quantization`, whose typed
+   errors come before any weight loads): `quantized_checkpoint.quantized_host` reads
+   linear weights (experts' too) as stored (values + scales, or packed codes + group
+   scales) and the rest in the compute dtype, with the KV-cache scales when the
+   checkpoint has them; then `_place`.
 3. gpt-oss's MXFP4 checkpoints (`quant_method: "mxfp4"`), and gpt-oss under tensor or
    expert parallelism: `hf_checkpoint.hf_host` reads the whole checkpoint into host memory
    (its experts fused per layer read per expert, MXFP4 decoded: `fused_experts`), then
@@ -18,7 +22,10 @@ its own files completely (the config.json and tensor-name layout they share is
    come from `parallel` here).
 5. `quantization="fp8" | "int8"` then quantizes the float linear weights (experts' too,
    per expert and output channel) on the devices
-   (`quant.quantize_params`), in their shardings.
+   (`quant.quantize_params`), in their shardings; a GGUF file is dequantized at load
+   first. `quantization="dequantize"` stores every weight in the compute dtype instead
+   (a GGUF file dequantized at load, a quantized checkpoint's weights dequantized once on
+   the devices): the baseline packed and quantized weights are compared with.
 
 Placing host params on several devices (`_place`) repeats KV heads as many times as the
 `parallel` object passed in says (`kv_repeat`; for a quantized weight, its scale columns
@@ -40,10 +47,12 @@ from arcjax.model.formats import fused_experts, mxfp4
 from arcjax.model.formats.hf_checkpoint import hf_host, load_hf
 from arcjax.model.formats.hf_layout import HostModel, read_config
 from arcjax.model.formats.hub import ModelSource
-from arcjax.model.formats.quantized_checkpoint import checkpoint_quantization, quantized_host
+from arcjax.model.formats.quant_config import checkpoint_quantization
+from arcjax.model.formats.quantized_checkpoint import quantized_host
 from arcjax.model.model_config import ModelConfig
-from arcjax.model.quant import (LINEAR_WEIGHTS, QuantizedWeight, quantize, quantize_params,
-                                quantized_specs)
+from arcjax.model.packed import PackedWeight
+from arcjax.model.quant import (LINEAR_WEIGHTS, QuantizedWeight, dense, quantize,
+                                quantize_params, quantized_specs)
 from arcjax.model.specs import Params, param_specs
 
 
@@ -81,7 +90,8 @@ def load_model(source: ModelSource, *, dtype, cache_dir=None, parallel=None,
       cache_dir: the orbax cache of converted float safetensors params (else unused).
       parallel: an `arcjax.parallel.TensorParallel` (passed in: the model package never
         imports the parallel one), or None for one device.
-      quantization: None, "fp8" or "int8" (quantize float linear weights at load).
+      quantization: None (weights as stored), "fp8" or "int8" (quantize float linear
+        weights at load), "dequantize" (every weight in `dtype`).
 
     Raises:
       ModelFileError subclasses: the model cannot be loaded.
@@ -90,10 +100,11 @@ def load_model(source: ModelSource, *, dtype, cache_dir=None, parallel=None,
     kv_scales = gguf_file = None
     if source.is_gguf:
         gguf_file = GGUFFile(source.path)
-        cfg, params = _place(gguf_host(gguf_file, dtype), parallel)
+        cfg, params = _place(gguf_host(gguf_file, dtype, packed=quantization is None),
+                             parallel)
     else:
         ckpt = checkpoint_quantization(source.path)
-        if ckpt is not None and quantization is not None and quantization != ckpt.fmt:
+        if ckpt is not None and quantization not in (None, "dequantize", ckpt.fmt):
             raise EngineConfigError("quantization", f"the checkpoint is {ckpt.fmt}; "
                                     f"it cannot be loaded as {quantization}")
         fused = read_config(source.path).architecture == fused_experts.ARCHITECTURE
@@ -101,13 +112,15 @@ def load_model(source: ModelSource, *, dtype, cache_dir=None, parallel=None,
             host = quantized_host(source.path, ckpt, dtype)
             kv_scales = host.kv_scales
             cfg, params = _place(host, parallel)
+            if quantization == "dequantize":
+                params = _dequantize(params, cfg, dtype, parallel)
         elif ckpt is not None or (fused and parallel is not None):
-            # MXFP4 experts decoded at load; fused experts sharded from host memory (the
-            # sharded reader reads one tensor per expert)
+            # MXFP4 experts decoded at load (already the compute dtype); fused experts
+            # sharded from host memory (the sharded reader reads one tensor per expert)
             cfg, params = _place(hf_host(source.path, dtype), parallel)
         else:
             cfg, params = _load_safetensors(source, dtype, cache_dir, parallel)
-    if quantization is not None:
+    if quantization in ("fp8", "int8"):
         shardings = None
         if parallel is not None:
             shapes = jax.eval_shape(lambda p: quantize_params_shapes(p, quantization), params)
@@ -125,6 +138,24 @@ def quantize_params_shapes(params: Params, fmt: str) -> Params:
     return {**params, "layers": layers}
 
 
+def _is_stored(x) -> bool:
+    return isinstance(x, (QuantizedWeight, PackedWeight))
+
+
+def _dequantize(params: Params, cfg: ModelConfig, dtype, parallel) -> Params:
+    """Every quantized or packed weight dequantized to `dtype` on the devices (in the
+    float params' shardings with `parallel`); the stored arrays are freed."""
+    out = None if parallel is None else parallel.shardings(param_specs(cfg))
+    dense_params = jax.jit(lambda p: jax.tree.map(
+        lambda w: dense(w, dtype) if _is_stored(w) else w, p, is_leaf=_is_stored),
+        out_shardings=out)(params)
+    for w in jax.tree.leaves(params, is_leaf=_is_stored):
+        if _is_stored(w):
+            for x in jax.tree.leaves(w):
+                x.delete()
+    return dense_params
+
+
 def _load_safetensors(source: ModelSource, dtype, cache_dir, parallel):
     """A float safetensors directory straight onto the devices (in its shards with
     `parallel`, each KV head stored as many times as `parallel` says)."""
@@ -140,6 +171,8 @@ def _load_safetensors(source: ModelSource, dtype, cache_dir, parallel):
 def _repeat_kv(x, repeat: int, head_dim: int):
     """Columns [..., Hkv * D] -> [..., Hkv * repeat * D], each head repeated in place (a
     quantized weight's scales follow their columns)."""
+    if isinstance(x, PackedWeight):  # every array's columns are the weight's
+        return x.map_columns(lambda a: _repeat_kv(np.asarray(a), repeat, head_dim))
     if isinstance(x, QuantizedWeight):
         (bi, bo), values = x.block, _repeat_kv(x.values, repeat, head_dim)
         if x.scale.shape[-1] == 1:  # one scale across every column
@@ -165,7 +198,7 @@ def _place(model: HostModel, parallel) -> tuple[ModelConfig, Params]:
                 layers[key] = _repeat_kv(layers[key], repeat, cfg.head_dim)
         host = {**host, "layers": layers}
     cfg = cfg.with_kv_repeat(repeat)
-    shardings = parallel.shardings(quantized_specs(param_specs(cfg), host))
+    shardings = parallel.shardings(quantized_specs(param_specs(cfg), host, parallel.degree))
 
     def put(x, sharding):
         return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])

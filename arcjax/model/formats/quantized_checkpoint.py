@@ -1,13 +1,16 @@
-"""FP8 and INT8 checkpoints as the Hub publishes them, read into `QuantizedWeight`s.
+"""Quantized checkpoints as the Hub publishes them: FP8 and INT8 weights read into
+`QuantizedWeight`s, AWQ / GPTQ / compressed-tensors packed weights into `PackedWeight`s.
 
-1. `checkpoint_quantization(model_dir)` reads config.json's `quantization_config` (None
-   for a float checkpoint, which `hf_checkpoint.py` loads).
+1. `quant_config.checkpoint_quantization(model_dir)` reads config.json's
+   `quantization_config` (None for a float checkpoint, which `hf_checkpoint.py` loads) and
+   refuses what cannot load before any weight is read.
 2. `quantized_host(model_dir, quant, dtype)` reads the whole checkpoint into host memory:
    linear weights (experts' too, one tensor per layer and expert, stacked [L, E, ...]) as
-   stored (values + scales, `stack_layer_weight`), the rest in the compute dtype through
-   `hf_layout.assemble_host`, and the KV-cache scales when the checkpoint has them.
+   stored (values + scales, `stack_layer_weight`; packed codes + group scales,
+   `packed_layouts`), the rest in the compute dtype through `hf_layout.assemble_host`,
+   and the KV-cache scales when the checkpoint has them.
 
-The methods and layouts read:
+The FP8 / INT8 methods and layouts read:
 
 - `quant_method: "fp8"` (transformers' fine-grained FP8: Qwen3-*-FP8, DeepSeek-V3):
   `weight` float8_e4m3fn [out, in] + `weight_scale_inv` (a multiplier, despite the name)
@@ -20,24 +23,26 @@ The methods and layouts read:
 The layout of each weight is read off its scale's shape, so any of the three works in
 either format. Activation scales (`input_scale`) are not used: weights are dequantized
 into the compute dtype (W8A16). A layer weight stored in float in some layers and
-quantized in others (an `ignore` list naming single layers) is dequantized to float.
+quantized (or packed) in others (an `ignore` list naming single layers) is dequantized to
+float.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import struct
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from arcjax.errors import ModelConfigError, WeightsError
-from arcjax.model.formats import fused_experts, mxfp4
-from arcjax.model.formats.hf_layout import (HostModel, assemble_host, hf_layer_name,
-                                            read_config, read_config_json)
+from arcjax.errors import WeightsError
+from arcjax.model.formats.hf_layout import HostModel, assemble_host, hf_layer_name, read_config
+from arcjax.model.formats.packed_layouts import read_awq, read_gptq, read_pack_quantized
+from arcjax.model.formats.quant_config import CheckpointQuant
+from arcjax.model.packed import PackedWeight, stack_packed
 from arcjax.model.quant import LINEAR_WEIGHTS, QuantizedWeight
 from arcjax.model.specs import param_specs
 
@@ -47,66 +52,6 @@ _DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
            "F64": np.float64, "I8": np.int8, "U8": np.uint8, "I16": np.int16,
            "I32": np.int32, "I64": np.int64}
 _QUANTIZED = {np.dtype(ml_dtypes.float8_e4m3fn): "fp8", np.dtype(np.int8): "int8"}
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointQuant:
-    """What a checkpoint's quantization_config says.
-
-    Attributes:
-      fmt: "fp8", "int8", or "mxfp4" (gpt-oss's experts, decoded at load: `fused_experts`).
-      block: the block size of block-scaled weights (rows, columns) in [out, in] terms, or
-        None when scales are per tensor or per channel.
-    """
-
-    fmt: str
-    block: tuple[int, int] | None
-
-
-def checkpoint_quantization(model_dir: Path) -> CheckpointQuant | None:
-    """The weight quantization config.json declares, None for a float checkpoint.
-
-    Raises:
-      ModelConfigError: a bad config.json (`hf_layout.read_config`'s errors come first),
-        or a quantization method or scheme arcjax cannot load.
-    """
-    cfg = read_config(model_dir)  # the typed errors of a bad config.json
-    where = Path(model_dir) / "config.json"
-    q = read_config_json(model_dir).get("quantization_config")
-    if not q:
-        return None
-    method = q.get("quant_method")
-    if method == mxfp4.QUANT_METHOD:
-        if cfg.architecture != fused_experts.ARCHITECTURE:
-            raise ModelConfigError(where, f"quantization method 'mxfp4' is supported for "
-                                          f"{fused_experts.ARCHITECTURE} only")
-        return CheckpointQuant(mxfp4.QUANT_METHOD, None)
-    if method == "fp8":
-        if q.get("fmt", "e4m3") != "e4m3":
-            raise ModelConfigError(where, f"fp8 format {q.get('fmt')!r} is not supported "
-                                          "(e4m3)")
-        block = q.get("weight_block_size")
-        return CheckpointQuant("fp8", tuple(block) if block else None)
-    if method == "compressed-tensors":
-        fmt = q.get("format")
-        if fmt not in ("float-quantized", "naive-quantized", "int-quantized"):
-            raise ModelConfigError(where, f"compressed-tensors format {fmt!r} is not "
-                                          "supported (float-quantized, int-quantized)")
-        groups = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values()]
-        if not groups:
-            raise ModelConfigError(where, "compressed-tensors config has no config_groups")
-        kinds = {(w.get("type"), w.get("num_bits"), w.get("symmetric", True)) for w in groups}
-        if kinds == {("float", 8, True)}:
-            kind = "fp8"
-        elif kinds == {("int", 8, True)}:
-            kind = "int8"
-        else:
-            raise ModelConfigError(where, f"compressed-tensors weights {sorted(map(str, kinds))}"
-                                          " are not supported (8-bit symmetric float or int)")
-        blocks = {tuple(w["block_structure"]) for w in groups if w.get("block_structure")}
-        return CheckpointQuant(kind, blocks.pop() if len(blocks) == 1 else None)
-    raise ModelConfigError(where, f"quantization method {method!r} is not supported (fp8, "
-                                  "compressed-tensors FP8/INT8, mxfp4 for gpt-oss)")
 
 
 class RawSafetensors:
@@ -178,6 +123,25 @@ def _scale_layout(scale: np.ndarray, out: int, n_in: int, block, where, name):
                               f"[{out}, {n_in}] (per tensor, per channel, blocks {block})")
 
 
+def read_packed(tensors: dict, name: str, quant: CheckpointQuant, rows: int):
+    """One linear weight of a packed checkpoint: a `PackedWeight` [in, out] (host), or a
+    float array [in, out] for a layer the checkpoint left unquantized."""
+    base = name[:-len(".weight")]
+    packed_name = f"{base}.weight_packed" if quant.fmt == "pack-quantized" else f"{base}.qweight"
+    if packed_name not in tensors:
+        return tensors[name].get(name).T if name in tensors else None
+    where = tensors[packed_name].path
+
+    def get(n):
+        return tensors[n].get(n) if n in tensors else None
+
+    if quant.fmt == "awq":
+        return read_awq(get, base, rows, where)
+    if quant.fmt == "gptq":
+        return read_gptq(get, base, rows, quant.bits, quant.zero_plus_one, where)
+    return read_pack_quantized(get, base, rows, quant.bits, quant.symmetric, where)
+
+
 def read_quantized(tensors: dict, name: str, quant: CheckpointQuant):
     """One linear weight in our [in, out] orientation: a float array, or
     (values [in, out], scale [nbi, nbo], block) when stored quantized."""
@@ -201,15 +165,19 @@ def read_quantized(tensors: dict, name: str, quant: CheckpointQuant):
 
 def stack_layer_weight(reads: list, np_dtype, lead: tuple[int, ...] | None = None):
     """One stacked layer weight from per-layer (or per layer and expert, in row-major
-    order) `read_quantized` results, shaped `lead + one matrix` (lead: (L,) by default,
-    (L, E) for experts): a `QuantizedWeight` of numpy arrays when every matrix is quantized
-    alike, else float."""
+    order) `read_quantized` / `read_packed` results, shaped `lead + one matrix` (lead:
+    (L,) by default, (L, E) for experts): a `QuantizedWeight` or `PackedWeight` of numpy
+    arrays when every matrix is stored alike, else float."""
     lead = (len(reads),) if lead is None else tuple(lead)
 
     def stack(arrays):
         out = np.stack(arrays)
         return out.reshape(lead + out.shape[1:])
 
+    if all(isinstance(r, PackedWeight) for r in reads):
+        stacked = stack_packed(reads, lead)
+        if stacked is not None:
+            return stacked
     quantized = [r for r in reads if isinstance(r, tuple)]
     if len(quantized) == len(reads) and len({(r[0].dtype, r[1].shape, r[2])
                                              for r in reads}) == 1:
@@ -217,7 +185,9 @@ def stack_layer_weight(reads: list, np_dtype, lead: tuple[int, ...] | None = Non
                                reads[0][2])
     out = []
     for r in reads:
-        if isinstance(r, tuple):
+        if isinstance(r, PackedWeight):
+            r = np.asarray(jax.device_get(jax.jit(lambda w: w.dequantize(jnp.float32))(r)))
+        elif isinstance(r, tuple):
             values, scale, (bi, bo) = r
             s = np.repeat(np.repeat(scale, bi, 0)[:values.shape[0]], bo, 1)[:, :values.shape[1]]
             r = values.astype(np.float32) * s
@@ -266,11 +236,16 @@ def quantized_host(model_dir: Path, quant: CheckpointQuant, dtype) -> HostModel:
         reads = []
         for index in np.ndindex(*lead):  # (layer,) or (layer, expert)
             name = hf_layer_name(cfg, key, *index)
-            if name not in tensors:
+            if quant.packed:
+                r = read_packed(tensors, name, quant, want[0])
+            elif name in tensors:
+                r = read_quantized(tensors, name, quant)
+            else:
+                r = None
+            if r is None:
                 raise WeightsError(model_dir, f"tensor {name} is missing from the checkpoint")
-            r = read_quantized(tensors, name, quant)
-            shape = (r[0] if isinstance(r, tuple) else r).shape
-            if shape != want:
+            shape = tuple((r[0] if isinstance(r, tuple) else r).shape)
+            if shape != tuple(want):
                 raise WeightsError(where(name), f"tensor {name} has shape {shape[::-1]}, the "
                                                 f"config implies {want[::-1]}")
             reads.append(r)
