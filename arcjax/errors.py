@@ -18,8 +18,8 @@ from scheduler.scheduler_errors import (CommitError, ConfigError, DuplicateReque
 
 __all__ = ["CommitError", "ConfigError", "DuplicateRequestError", "EngineConfigError",
            "EngineDeadError", "LoRAAdapterError",
-           "InputError", "ModelConfigError", "ModelFileError", "QuantizationConfigError",
-           "RequestError",
+           "InputError", "ModelConfigError", "ModelFileError", "PoolingParamsError",
+           "QuantizationConfigError", "RequestError",
            "RequestTooLargeError", "SamplingParamsError", "StepOrderError",
            "StructuredOutputsError", "UnknownRequestError", "WeightsError"]
 
@@ -42,6 +42,10 @@ class EngineDeadError(RuntimeError):
 
 class SamplingParamsError(RequestError):
     """An invalid sampling parameter (field: the parameter's name)."""
+
+
+class PoolingParamsError(RequestError):
+    """An invalid pooling parameter (field: the parameter's name)."""
 
 
 class StructuredOutputsError(SamplingParamsError):

@@ -1,6 +1,7 @@
 """What users get back: `RequestOutput` (vLLM's shape: `.outputs`, a list of
 `CompletionOutput`, one per sample; `.text` / `.token_ids` are the first's) with its
-`RequestMetrics`, and `Logprob` entries.
+`RequestMetrics`, and `Logprob` entries; for an embedding request, `PoolingRequestOutput`
+(its `PoolingOutput`), and `EmbeddingRequestOutput` (`LLM.embed`'s, vLLM's shape).
 
 What an output carries depends on its request's `SamplingParams.output_kind`
 (`RequestOutputKind`): everything so far (CUMULATIVE), what is new since the previous output
@@ -23,6 +24,8 @@ import dataclasses
 import itertools
 import statistics
 from collections.abc import Sequence
+
+import numpy as np
 
 
 class Prefix(Sequence):
@@ -161,3 +164,53 @@ class RequestOutput:
     # Per prompt position: None for position 0, and for positions the step did not compute
     # (prefix-cache hits; see WORKSPACE.md); else the position's entry. None if not asked.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingOutput:
+    """The pooled vector of an embedding request."""
+
+    data: np.ndarray  # [D] float32 (vLLM: a torch tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolingRequestOutput:
+    """The one (final) output of a pooling request (vLLM's shape, plus why it ended)."""
+
+    request_id: str
+    outputs: PoolingOutput | None  # None: it did not finish normally (see finish_reason)
+    prompt_token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None = None  # "stop" (pooled) | "abort" | "error"
+    error: str | None = None  # why it finished with reason "error"
+    prompt: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingOutput:
+    """An embedding (vLLM's `EmbeddingOutput`)."""
+
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(pooling_output: PoolingOutput) -> "EmbeddingOutput":
+        return EmbeddingOutput(pooling_output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """`LLM.embed`'s output (vLLM's): `outputs.embedding` is the vector."""
+
+    outputs: EmbeddingOutput | None
+
+    @staticmethod
+    def from_base(request_output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        out = request_output.outputs
+        return EmbeddingRequestOutput(
+            request_output.request_id, None if out is None else EmbeddingOutput.from_base(out),
+            request_output.prompt_token_ids, request_output.finished,
+            request_output.finish_reason, request_output.error, request_output.prompt)

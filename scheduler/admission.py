@@ -108,7 +108,7 @@ class Admissions:
         blocks, at most len(tokens) - 1 tokens (the last token is always computed, for its
         logits); under a sliding window, only the blocks its window still reads
         (`kv_groups.find_hits`)."""
-        if self.pool.cache is None:
+        if self.pool.cache is None or seq.request.pooling:  # a pooled position is computed
             return NO_HITS
         limit = (len(seq.tokens) - 1) // self.config.block_size
         return find_hits(self.pool, seq.block_hashes[:limit], self.config.group_windows,

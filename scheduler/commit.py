@@ -4,7 +4,8 @@
   2. Decode rows (a prefix of the decode table): cursor + 1, push the sampled token; rows that
      reached max_tokens ("length") or that the engine stopped ("stop") finish and free blocks.
   3. Prefill rows: cursor + chunk length; a final chunk pushes its sampled token and the sequence
-     becomes decode-ready (or finishes at once, e.g. max_tokens == 1).
+     becomes decode-ready (or finishes at once, e.g. max_tokens == 1). A pooling sequence's
+     final chunk samples nothing: the sequence finishes ("stop", no output) and frees its blocks.
 
 A plan with draft tokens (speculative decoding) commits its decode rows through scheduler/spec.py:
 each row moves by the 1 .. 1 + drafts tokens it yielded and hands back the blocks past them.
@@ -143,7 +144,7 @@ def _prefilled_blocks(state: SchedulerState, plan: StepPlan) -> list[tuple[int, 
     pairs = []
     for r in range(plan.num_decode_rows, len(plan.request_ids)):
         part = partial.get(plan.request_ids[r])
-        if part is not None:  # None: aborted after schedule
+        if part is not None and not part.seq.request.pooling:  # None: aborted after schedule
             pairs += filled_pairs(part.table, part.seq.block_hashes, part.computed // bs,
                                   (part.computed + plan.lengths[r]) // bs, groups)
     return pairs
@@ -235,6 +236,12 @@ def _commit(state: SchedulerState, plan: StepPlan, sampled: tuple, now: float,
         if part is None:  # aborted after schedule
             continue
         seq, computed = part.seq, part.computed + plan.lengths[r]
+        if token is None and seq.request.pooling and computed == len(seq.tokens):
+            del partial[seq.request_id]  # prefill only: done, and keeps no KV
+            finished.append(Finished(request_id=seq.request_id, output_token_ids=(),
+                                     reason=FINISH_STOP, finish_time=now))
+            pool = pool.give(part.table)
+            continue
         if token is None:
             partial[seq.request_id] = Partial(seq=seq, computed=computed, table=part.table)
             continue
@@ -362,9 +369,10 @@ def _fill(state: SchedulerState, plan: StepPlan, sampled: tuple[int, ...], now: 
     finished = []
     for f in unfilled.finished:
         reason = FINISH_STOP if f.request_id in stopped else f.reason
+        token = token_of.get(f.request_id)  # None: a pooling request (it sampled nothing)
+        outputs = f.output_token_ids if token is None else f.output_token_ids[:-1] + (token,)
         finished.append(Finished(
-            request_id=f.request_id, output_token_ids=f.output_token_ids[:-1] + (
-                token_of[f.request_id],), reason=reason, finish_time=now,
+            request_id=f.request_id, output_token_ids=outputs, reason=reason, finish_time=now,
             num_cached_tokens=f.num_cached_tokens))
     # decode rows: the newest token of each row that sampled in the plan
     dec = state.decoding

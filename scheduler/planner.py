@@ -379,9 +379,11 @@ class StepBuilder(Admissions):
         engaged = self.engaged
         if "budget_full_at" in engaged:
             engaged["budget_full_at"] = self.num_tokens
-        # prefill rows as columns: ids, starts, lengths, samples, tables, token sources
+        # prefill rows as columns: ids, starts, lengths, samples, tables, token sources; a
+        # pooling sequence's final chunk samples nothing
         parts = [part for part, _ in rows]
-        finals = tuple(part.computed + n == len(part.seq.tokens) for part, n in rows)
+        finals = tuple(part.computed + n == len(part.seq.tokens) and not part.seq.request.pooling
+                       for part, n in rows)
         return StepPlan(
             state=new_state,
             request_ids=dec.ids[:k] + tuple(part.seq.request.request_id for part in parts),

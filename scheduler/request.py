@@ -30,6 +30,10 @@ class Request:
         a device slot and prefix-cache blocks; two adapters never share a block (their block
         digests chain from different roots), and at most `max_loras` adapters run at once
         (scheduler/lora_slots.py).
+      pooling: a prefill-only request (an embedding): its chunks run like any prompt's, its
+        final chunk samples nothing, and it finishes ("stop", no output token) in the commit
+        of that chunk, its blocks freed; it never reads or fills the prefix cache (a pooled
+        position must be computed). Its max_tokens is 0.
     """
 
     request_id: RequestId
@@ -38,6 +42,7 @@ class Request:
     arrival_time: float = 0.0
     priority: int = 0
     adapter: int | None = None
+    pooling: bool = False
 
     def __post_init__(self):
         if not isinstance(self.prompt_token_ids, tuple):
@@ -86,8 +91,9 @@ class Finished:
 
     Attributes:
       request_id: the request.
-      output_token_ids: every generated token, in order.
-      reason: "length" (max_tokens reached) or "stop" (the engine saw EOS or a stop condition).
+      output_token_ids: every generated token, in order (() for a pooling request).
+      reason: "length" (max_tokens reached) or "stop" (the engine saw EOS or a stop condition;
+        a pooling request whose prompt is computed).
       finish_time: the `now` passed to the commit that finished it.
       num_cached_tokens: prompt tokens served from the prefix cache at its first admission.
     """

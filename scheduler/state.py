@@ -357,7 +357,13 @@ def validate_request(request: Request, config: SchedulerConfig) -> None:
                 raise RequestError("prompt_token_ids",
                                    f"token ids must be ints >= 0, got {token!r}")
     max_tokens = request.max_tokens
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+    if not isinstance(request.pooling, bool):
+        raise RequestError("pooling", f"must be a bool, got {request.pooling!r}")
+    if request.pooling:
+        if max_tokens != 0 or isinstance(max_tokens, bool):
+            raise RequestError("max_tokens", f"must be 0 for a pooling request, got "
+                               f"{max_tokens!r}", limit=0)
+    elif not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise RequestError("max_tokens", f"must be an int >= 1, got {max_tokens!r}", limit=1)
     if not isinstance(request.priority, int) or isinstance(request.priority, bool):
         raise RequestError("priority", f"must be an int, got {request.priority!r}")
@@ -397,7 +403,7 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
     config = state.config
     hashes = (chain_hashes(request.prompt_token_ids, config.block_size,
                            root_digest(request.adapter))
-              if config.enable_prefix_caching else ())
+              if config.enable_prefix_caching and not request.pooling else ())
     seq = Sequence(request=request, key=key, tokens=request.prompt_token_ids, block_hashes=hashes)
     i = bisect.bisect_right(state.waiting, key, key=_key_of)
     return dataclasses.replace(state, waiting=state.waiting[:i] + (seq,) + state.waiting[i:],

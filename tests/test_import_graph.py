@@ -32,6 +32,7 @@ LAYERS = {
     "pallas_kernels": 1,
     "arcjax.outputs": 0.7,  # public output types (vLLM's path)
     "arcjax.sampling_params": 0.6,  # public request types (vLLM's path)
+    "arcjax.pooling_params": 0.6,
     "arcjax.errors": 0.5,  # the scheduler's errors, re-exported
     "scheduler": 0,
 }

@@ -17,6 +17,7 @@ from arcjax.errors import EngineConfigError
 from arcjax.model.formats.gguf_tokenizer import has_tokenizer
 from arcjax.model.formats.hub import ModelSource, resolve_model
 from arcjax.model.formats.loader import load_model, model_config
+from arcjax.model.formats.pooler_config import read_pooler_config
 from arcjax.model.kv_layout import kv_layout
 from arcjax.model.kv_scales import calibrated_kv_scales, calibration_ids
 from arcjax.parallel import StepSync, TensorParallel, follow
@@ -103,6 +104,9 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                                              platform=jax.default_backend())
     if reason is not None:  # a GPU kernel off the GPU, or without its packages
         raise EngineConfigError("attention_impl", reason)
+    # runner="pooling": how it pools, read (and refused) before any weights load
+    pooler = (read_pooler_config(None if source.is_gguf else model_dir)
+              if config.runner == "pooling" else None)
     spec, draft = config.speculative_config, None
     if spec is not None and spec.method == "draft_model":  # checked before any weights load
         limit = model_config(source).max_position_embeddings
@@ -161,7 +165,7 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
                          parallel=parallel, kv_cache_dtype=kv_dtype,
                          kv_scales=_kv_scales(config, model, tokenizer, dtype),
-                         kv=kv, host_slots=host_blocks)
+                         kv=kv, host_slots=host_blocks, pooling=config.runner == "pooling")
     speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
                   else None)
     options = {} if clock is None else {"clock": clock}
@@ -170,7 +174,7 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                   else not multi_host and _overlap_pays())
     engine = Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
                     model_dir=model_dir, trace_capacity=config.trace_capacity,
-                    async_scheduling=overlapped, speculator=speculator,
+                    async_scheduling=overlapped, speculator=speculator, pooler=pooler,
                     reasoning=ModelReasoning.create(config.reasoning_parser, tokenizer),
                     **options)
     if multi_host:  # process 0 admits; every process runs the same plans

@@ -19,11 +19,13 @@ Each part runs named stages (quoted), each the work of the component that owns i
    (`runner.store_blocks`, `runner.load_blocks`); a plan that only moves blocks (the
    requests it admitted wait for their loads) runs "move blocks" and no step, and its
    commit ("commit") has no tokens.
-4. `_finish`: "collect" (`runner.collect`: `Collected`), "append"
+4. `_finish`: "collect" (`runner.collect`: `Collected`; pooling rows' sums go into their
+   requests' `PooledState`, pooled_state.py), "append"
    (`OutputProcessor.append`: text, stops, grammars; a row that verified drafts yields
    1 + its accepted drafts: `Appended`), "commit" (`scheduler.commit`), "trace record"
-   (`StepTrace.step_record`), "trace sink", "finish" (the commit's finishes and draft
-   counts applied, the trace's tally, then the committed state).
+   (`StepTrace.step_record`), "trace sink", "finish" (the commit's finishes, a pooling
+   request's among them once its last chunk ran, and draft counts applied, the trace's
+   tally, then the committed state).
 The records are in step_records.py and output_processor.py.
 
 Structured outputs: a constrained row's grammar bitmask goes into the step with it. When
@@ -62,6 +64,7 @@ from arcjax.engine import logprobs
 from arcjax.engine.group import RequestGroup
 from arcjax.engine.input_processor import Abort, NewGroup, NewRequest
 from arcjax.engine.output_processor import Appended, OutputProcessor, SampledRow
+from arcjax.engine.pooled_state import add_pooled, pooling_rows
 from arcjax.engine.request_state import FINISH_ERROR, RequestState
 from arcjax.engine.step_records import Collected, Launched, PendingSampling, StepFailed
 from arcjax.engine.trace import StepTrace
@@ -265,7 +268,8 @@ class EngineCore:
             step.prompts = logprobs.prompt_rows(plan, step.reqs)
             rows = logprobs.sampling_rows(plan, step.reqs, self.runner.counts,
                                           self.eos_token_ids, fed_rows)
-            prepared = self.runner.prepare(plan, rows, step.prompts)
+            prepared = self.runner.prepare(plan, rows, step.prompts,
+                                           pooling_rows(plan, step.reqs))
             step.bucket = prepared.bucket
             feed = self._feed(step, prev, fed_rows) if fed_rows else None
             # constrained rows that sample (first position i * W; drafts: a mask each); a
@@ -338,6 +342,8 @@ class EngineCore:
             if prompt_lp is not None:
                 logprobs.record_prompt_logprobs(plan, reqs, step.prompts, prompt_lp,
                                                 self.tokenizer)
+            if out.pooled is not None:  # pooling rows' sums into their requests
+                add_pooled(plan, reqs, out.pooled)
             yielded = {i: row_tokens(out, plan, i, step.width)
                        for i, s in enumerate(plan.samples) if s}
             return Collected(out, yielded, lp, self.clock())
@@ -382,8 +388,9 @@ class EngineCore:
         request and its tokens to the trace's tally, then moves to the committed state."""
         plan, reqs, now = step.plan, step.reqs, collected.now
         with self._stage("finish", rollback=appended.rollback):
-            for f in finished:
+            for f in finished:  # (a pooling request's final chunk sampled nothing)
                 self.requests[f.request_id].finish(f.reason, now)
+                changed[f.request_id] = self.requests[f.request_id]
             for i in appended.kept:
                 drafts = plan.row_spec_token_ids(i)
                 if drafts:

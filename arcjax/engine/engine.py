@@ -36,7 +36,9 @@ from arcjax.engine.request_state import FINISH_ERROR
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import (DuplicateRequestError, EngineConfigError, EngineDeadError,
                            RequestError, UnknownRequestError)
+from arcjax.model.formats.pooler_config import PoolerConfig
 from arcjax.parallel.multihost import FollowerStop
+from arcjax.pooling_params import PoolingParams
 from arcjax.runtime.runner import ModelRunner
 from arcjax.sampling_params import SamplingParams
 from arcjax.structured import StructuredOutputManager
@@ -57,13 +59,15 @@ class Engine:
       speculator: speculative decoding (`arcjax.spec_decode.speculator.Speculator`), or None.
       reasoning: splits outputs into reasoning and content and starts grammars after the
         reasoning (`arcjax.reasoning.model_reasoning.ModelReasoning`), or None.
+      pooler: how the model pools its hidden states (runner="pooling": embedding requests,
+        `PoolingParams`, are served beside generation); None = embeddings are refused.
     """
 
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer | None,
                  sched_config: scheduler.SchedulerConfig, *, max_model_len: int,
                  seed: int = 0, clock=time.perf_counter, model_dir=None,
                  trace_capacity: int = 10_000, async_scheduling: bool = False,
-                 speculator=None, reasoning=None):
+                 speculator=None, reasoning=None, pooler: PoolerConfig | None = None):
         self.runner, self.tokenizer, self.model_dir = runner, tokenizer, model_dir
         self.sched_config, self.max_model_len, self.clock = sched_config, max_model_len, clock
         eos = tokenizer.eos_token_ids if tokenizer else runner.cfg.eos_token_ids
@@ -72,8 +76,10 @@ class Engine:
         self.structured = StructuredOutputManager(
             tokenizer.to_json if tokenizer is not None else None, runner.cfg.vocab_size,
             sorted(self.eos_token_ids))
+        self.pooler = pooler
         self.inputs = InputProcessor(tokenizer, runner.cfg.vocab_size, max_model_len,
-                                     sched_config, seed, self.structured, reasoning)
+                                     sched_config, seed, self.structured, reasoning,
+                                     pooler, runner.cfg.hidden_size)
         self.core = EngineCore(runner, tokenizer, sched_config, clock=clock,
                                trace_capacity=trace_capacity,
                                async_scheduling=async_scheduling,
@@ -136,14 +142,16 @@ class Engine:
         self.core.sync = sync
 
     # --- submission (any thread) --------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | Sequence[int],
+                    params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, *,
                     sink: Sink | None = None, priority: int = 0) -> str:
         """Validates and queues one request. Returns its id.
 
         Args:
           prompt: text, or token ids (ints, or a 1-D numpy integer array).
-          params: sampling params; None = SamplingParams().
+          params: sampling params; None = SamplingParams(). `PoolingParams`: an embedding
+            request (its one output is a `PoolingRequestOutput`; runner="pooling" only).
           request_id: unique among unfinished requests; None = a fresh id.
           arrival_time: on the engine's clock; None = now.
           sink: receives every output of this request (from the stepping thread); without
@@ -159,6 +167,9 @@ class Engine:
         text, ids = self.inputs.check(prompt, params)
         arrival = self.clock() if arrival_time is None else arrival_time
         self.inputs.check_options(request_id, arrival, priority)
+        if self.sync is not None and isinstance(params, PoolingParams):
+            raise RequestError("params", "embeddings are not supported across several hosts "
+                               "yet")
         if self.sync is not None and params.n > 1:
             raise RequestError("n", "n > 1 is not supported across several hosts yet", limit=1)
         with self._lock:
@@ -176,7 +187,8 @@ class Engine:
             self._inbox.append(item)
         return request_id
 
-    def check(self, prompt, params: SamplingParams) -> tuple[str | None, tuple[int, ...]]:
+    def check(self, prompt, params: SamplingParams | PoolingParams
+              ) -> tuple[str | None, tuple[int, ...]]:
         """Validates a request without queueing it. Returns (prompt text, token ids)."""
         self._check_alive()
         return self.inputs.check(prompt, params)

@@ -34,6 +34,9 @@ ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu", "triton")
 # weight of a quantized checkpoint or GGUF file dequantized to the compute dtype.
 QUANTIZATIONS = ("fp8", "int8", "dequantize")
 KV_CACHE_DTYPES = ("auto", "fp8")  # "auto": the compute dtype; "fp8": float8_e4m3fn pages
+# "generate": generation only; "pooling": embeddings too (vLLM's name), prefill-only rows
+# beside generation in the same steps (a decoder LM can embed)
+RUNNERS = ("generate", "pooling")
 
 # The SchedulerConfig fields a caller sets as engine options; the rest (the cache's size,
 # the model's window and KV cache groups, the host tier's size) `build_engine` derives.
@@ -124,6 +127,10 @@ class EngineConfig:
         the format's markers), "none", or None: implied by each prompt (a request whose
         prompt shows a `<think>` block is split as deepseek_r1 splits; see
         `arcjax.reasoning.model_reasoning`).
+      runner: "generate" (generation requests only) or "pooling": embedding requests
+        (`PoolingParams`, `LLM.embed`) too, pooled as the model's
+        sentence-transformers files say (`arcjax.model.formats.pooler_config`), batched
+        with generation requests in the same steps.
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
         prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
@@ -153,6 +160,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     speculative_config: SpeculativeConfig | Mapping | str | None = None
     reasoning_parser: str | None = None
+    runner: str = "generate"
     scheduler: scheduler.SchedulerConfig = dataclasses.field(default_factory=default_scheduler)
 
     def __post_init__(self):
@@ -219,6 +227,8 @@ class EngineConfig:
                 f"is host-side numpy and cannot run in the jitted step; 'mosaic_gpu' serves "
                 f"decode-only batches, which 'auto' gives it on a GPU where it has passed "
                 f"scripts/gpu_check.sh), got {self.attention_impl!r}")
+        if self.runner not in RUNNERS:
+            raise EngineConfigError("runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _int("seed", self.seed, 0)
         _int("trace_capacity", self.trace_capacity, 1)
         _int("tensor_parallel_size", self.tensor_parallel_size, 1)

@@ -5,11 +5,14 @@
    model (vocabulary, max_model_len; the token ids of logit_bias, allowed_token_ids,
    stop_token_ids); every refusal is a `RequestError` naming the field and the limit.
    A structured-output constraint is compiled here (or found in the grammar cache): one
-   that cannot compile is a `StructuredOutputsError` naming its field.
+   that cannot compile is a `StructuredOutputsError` naming its field. An embedding
+   request (`PoolingParams`) needs an engine built with runner="pooling"; its
+   `dimensions` must be one the model allows.
 2. `build(...)`: the request's `RequestState` (with its incremental detokenizer, its
    reasoning split, its bad words' ids and its host mask: the structured-output grammar,
    behind the reasoning gate, stacked with multi-token bad words) and its
-   `scheduler.Request`, or, for n > 1, the `RequestGroup` of its n children (child i has
+   `scheduler.Request` (an embedding's: prefill only, `pooling=True`, with its
+   `PooledState`), or, for n > 1, the `RequestGroup` of its n children (child i has
    seed `seed + i`; with prefix caching only child 0 enters the scheduler at once, the
    others once its prompt is computed, so they hit the prefix cache: `engine/group.py`).
 3. The inbox items the core drains (`NewRequest`, `NewGroup`, `Abort`), and their wire
@@ -25,15 +28,22 @@ import numpy as np
 
 import scheduler
 from arcjax.engine.group import RequestGroup, child_id, child_seed
+from arcjax.engine.pooled_state import PooledState
 from arcjax.engine.request_state import RequestState
 from arcjax.engine.tokenizer import Tokenizer, make_detokenizer
-from arcjax.errors import RequestError, StructuredOutputsError
+from arcjax.errors import PoolingParamsError, RequestError, StructuredOutputsError
+from arcjax.model.formats.pooler_config import PoolerConfig
+from arcjax.pooling_params import PoolingParams
 from arcjax.reasoning.abstract_reasoning_parser import PROMPT_TAIL_TOKENS
 from arcjax.reasoning.model_reasoning import ModelReasoning
-from arcjax.sampling_params import SamplingParams
+from arcjax.sampling_params import RequestOutputKind, SamplingParams
 from arcjax.structured import StructuredOutputManager
 from arcjax.structured.bad_words import BadWordsMask, bad_word_ids
 from arcjax.structured.mask_source import stack
+
+# What a pooling request's state carries as its sampling params: its one row samples nothing.
+POOLING_SAMPLING = SamplingParams(max_tokens=1, temperature=0.0,
+                                  output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,24 +73,32 @@ class InputProcessor:
       seed: seeds requests whose SamplingParams have no seed (with the request id).
       structured: compiles structured-output constraints (None: they are refused).
       reasoning: the model's reasoning parser (`arcjax.reasoning.model_reasoning`), or None.
+      pooler: how the model pools (runner="pooling"); None = embeddings are refused.
+      hidden_size: the pooled vectors' size (what `dimensions` may not exceed).
     """
 
     def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
                  sched_config: scheduler.SchedulerConfig, seed: int = 0,
                  structured: StructuredOutputManager | None = None,
-                 reasoning: ModelReasoning | None = None):
+                 reasoning: ModelReasoning | None = None,
+                 pooler: PoolerConfig | None = None, hidden_size: int = 0):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.sched_config, self.seed, self.structured = sched_config, seed, structured
         self.reasoning = reasoning
+        self.pooler, self.hidden_size = pooler, hidden_size
 
-    def check(self, prompt, params: SamplingParams) -> tuple[str | None, tuple[int, ...]]:
+    def check(self, prompt, params: SamplingParams | PoolingParams
+              ) -> tuple[str | None, tuple[int, ...]]:
         """Validates a request without queueing it. Returns (prompt text, token ids).
 
         Raises:
           RequestError (a ValueError naming `.field`): the request is refused.
         """
+        if isinstance(params, PoolingParams):
+            return self._check_pooling(prompt, params)
         if not isinstance(params, SamplingParams):
-            raise RequestError("params", f"must be a SamplingParams, got {type(params).__name__}")
+            raise RequestError("params", f"must be a SamplingParams or a PoolingParams, got "
+                               f"{type(params).__name__}")
         keep = params.truncate_prompt_tokens
         text, ids = self._tokenize(prompt, check_length=keep is None)
         vocab, limit = self.vocab_size, self.max_model_len
@@ -93,10 +111,7 @@ class InputProcessor:
             raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens "
                                f"({params.max_tokens}) exceeds max_model_len {limit}",
                                limit=limit - len(ids))
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError("prompt", f"token id {bad} is outside the vocabulary "
-                               f"[0, {vocab})", limit=vocab)
+        self._check_vocabulary(ids)
         for field, tokens in (("stop_token_ids", params.stop_token_ids),
                               ("logit_bias", params.logit_bias or ()),
                               ("allowed_token_ids", params.allowed_token_ids or ())):
@@ -108,6 +123,46 @@ class InputProcessor:
             if self.structured is None:
                 raise StructuredOutputsError("structured_outputs", "not available here")
             self.structured.check(params.structured_outputs)
+        return text, ids
+
+    def _checked_prompt(self, prompt) -> tuple[str | None, tuple[int, ...]]:
+        """The prompt tokenized, at most max_model_len tokens."""
+        text, ids = self._tokenize(prompt)
+        limit = self.max_model_len
+        if len(ids) > limit:
+            raise RequestError("prompt", f"{len(ids)} tokens, more than max_model_len "
+                               f"{limit}", limit=limit)
+        return text, ids
+
+    def _check_vocabulary(self, ids: tuple[int, ...]) -> None:
+        vocab = self.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError("prompt", f"token id {bad} is outside the vocabulary "
+                               f"[0, {vocab})", limit=vocab)
+
+    def _check_pooling(self, prompt, params: PoolingParams) -> tuple[str | None, tuple[int, ...]]:
+        """An embedding request's checks: the engine pools, the prompt fits, `dimensions`
+        is one the model allows."""
+        pooler = self.pooler
+        if pooler is None:
+            raise RequestError("params", "embeddings need an engine built with "
+                               "runner='pooling'")
+        d = params.dimensions
+        if d is not None:
+            if not pooler.is_matryoshka:
+                raise PoolingParamsError("dimensions", "the model does not support Matryoshka "
+                                         "representations (its config.json sets neither "
+                                         "matryoshka_dimensions nor is_matryoshka)")
+            if d > self.hidden_size:
+                raise PoolingParamsError("dimensions", f"{d} exceeds the model's hidden size "
+                                         f"{self.hidden_size}", limit=self.hidden_size)
+            allowed = pooler.matryoshka_dimensions
+            if allowed is not None and d not in allowed:
+                raise PoolingParamsError("dimensions", f"{d} is not one of the model's "
+                                         f"matryoshka_dimensions {list(allowed)}")
+        text, ids = self._checked_prompt(prompt)
+        self._check_vocabulary(ids)
         return text, ids
 
     def encode(self, text: str, add_special_tokens: bool = True,
@@ -193,13 +248,16 @@ class InputProcessor:
         if not isinstance(priority, (int, np.integer)) or isinstance(priority, (bool, np.bool_)):
             raise RequestError("priority", f"must be an int, got {priority!r}")
 
-    def build(self, request_id: str, text, ids: tuple[int, ...], params: SamplingParams,
-              arrival: float, priority: int, sink) -> NewRequest | NewGroup:
+    def build(self, request_id: str, text, ids: tuple[int, ...],
+              params: SamplingParams | PoolingParams, arrival: float, priority: int,
+              sink) -> NewRequest | NewGroup:
         """The inbox item of one validated request (its scheduler checks run here).
 
         Raises:
           RequestError: the scheduler refuses the request (e.g. it can never fit).
         """
+        if isinstance(params, PoolingParams):
+            return self._build_pooling(request_id, text, ids, params, arrival, priority, sink)
         request = scheduler.Request(request_id=request_id, prompt_token_ids=ids,
                                     max_tokens=params.max_tokens, arrival_time=arrival,
                                     priority=int(priority))
@@ -221,6 +279,19 @@ class InputProcessor:
         hold = 1 if self.sched_config.enable_prefix_caching else params.n
         group = RequestGroup(request_id, [st for st, _ in pairs], pairs[hold:], sink)
         return NewGroup(group, pairs[:hold])
+
+    def _build_pooling(self, request_id: str, text, ids: tuple[int, ...],
+                       params: PoolingParams, arrival: float, priority: int,
+                       sink) -> NewRequest:
+        """An embedding request: prefill only in the scheduler, no detokenizer, no seed."""
+        request = scheduler.Request(request_id=request_id, prompt_token_ids=ids, max_tokens=0,
+                                    arrival_time=arrival, priority=int(priority), pooling=True)
+        scheduler.validate_request(request, self.sched_config)
+        state = RequestState(request_id, text, ids, POOLING_SAMPLING, 0, float(arrival), None)
+        normalize = self.pooler.normalize if params.normalize is None else params.normalize
+        state.pooling = PooledState(params, self.pooler.pooling_type, normalize)
+        state.sink = sink
+        return NewRequest(state, request)
 
     def state(self, rid: str, text, ids, params: SamplingParams, seed: int,
               arrival: float) -> RequestState:

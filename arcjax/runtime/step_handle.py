@@ -27,6 +27,7 @@ class ForwardResult:
     logits: jax.Array  # [R, V] at the sampled positions
     prompt_logprobs: TokenLogprobs | None  # [T], a step with prompt_logprobs rows; else None
     expert_counts: jax.Array | None  # [L, E] tokens per expert (mixtures of experts) or None
+    pooled: jax.Array | None = None  # [S, H] pooled sums, a step with pooling rows; else None
 
 
 @dataclasses.dataclass

@@ -30,6 +30,9 @@ class StepOutput:
         return self.tokens[row * width:row * width + n]
     # [L, E] int32 tokens each expert received in each layer (mixtures of experts), or None
     expert_counts: jax.Array | None = None
+    # [S, H] float32 pooled sums of each sequence's pooling rows (`pooling_inputs.py`), in a
+    # step with pooling rows; None otherwise
+    pooled: jax.Array | None = None
 
     def expert_tokens(self) -> tuple[tuple[int, ...], ...] | None:
         """`expert_counts` as host tuples (for the trace), or None for a dense model."""

@@ -235,3 +235,57 @@ def with_context(model_dir: str, max_position_embeddings: int) -> str:
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     return path
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_embedding_model_dir(arch: str, pooling: str, normalize: bool) -> str:
+    """`tiny_model_dir(arch)` copied with sentence-transformers files: modules.json
+    (Transformer, Pooling, and Normalize when `normalize`) and 1_Pooling/config.json with
+    `pooling` ("lasttoken", "mean_tokens" or "cls_token") on."""
+    import json
+    import os
+    import shutil
+
+    src = tiny_model_dir(arch)
+    path = scratch_dir(f"arcjax-embed-{arch}-")
+    for f in os.listdir(src):
+        shutil.copy(os.path.join(src, f), path)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"})
+    with open(os.path.join(path, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    os.makedirs(os.path.join(path, "1_Pooling"))
+    modes = {f"pooling_mode_{m}": m == pooling for m in (
+        "cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens",
+        "lasttoken")}
+    with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": _COMMON["hidden_size"], **modes,
+                   "include_prompt": True}, f)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def hf_base_model(path: str):
+    """The model without its LM head (transformers' AutoModel): what embeddings pool."""
+    import transformers
+
+    return transformers.AutoModel.from_pretrained(path, dtype="float32").eval()
+
+
+def hf_pooled(path: str, ids, pooling: str, normalize: bool):
+    """transformers' last hidden states (after the final norm) of `ids`, pooled ("LAST",
+    "MEAN", "CLS") and optionally L2-normalized, as sentence-transformers pools them."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        hidden = hf_base_model(path)(torch.tensor([list(ids)])).last_hidden_state[0]  # [L, H]
+    v = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[pooling]
+    if normalize:
+        v = torch.nn.functional.normalize(v, dim=-1)
+    return v.numpy().astype(np.float32)
