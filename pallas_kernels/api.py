@@ -24,6 +24,12 @@ XLA_BLOCK_K = 512  # keys per online-softmax step on the xla path
 # walks to the batch's furthest key, so a smaller block wastes less past each row's
 # kv_len (64 decodes, kv 16-768, one CPU core: 8.6 ms with 512, 6.9 ms with 128).
 XLA_DECODE_BLOCK_K = 128
+# Batch-invariant calls (`AttentionInputs.batch_invariant`): every tile INVARIANT_BLOCK_Q rows
+# wide (a decode row too) and keys walked INVARIANT_BLOCK_K at a time from absolute position
+# 0 in every bucket, so a row's scores and sums are computed in one order whatever shares
+# its tile, its chunk or its step.
+INVARIANT_BLOCK_Q = 8
+INVARIANT_BLOCK_K = 128
 
 
 def _check_impl(impl: str) -> None:
@@ -264,6 +270,15 @@ def paged_attention(inputs: AttentionInputs, *, impl: str = "auto",
     Returns:
         The attention output `[T, Hq, D]` in q's dtype.
     """
+    if inputs.batch_invariant:
+        require(impl in ("auto", "xla"), "impl",
+                f"batch_invariant is built for the xla path only, got {impl!r}")
+        tiles = plan_lib.make_plan(
+            num_tokens=inputs.num_tokens, num_seqs=inputs.seq_bucket,
+            page_size=inputs.block_size, max_blocks=inputs.max_blocks,
+            max_q_len=inputs.max_q_len, block_q=INVARIANT_BLOCK_Q, block_k=INVARIANT_BLOCK_K,
+            one_width=True)
+        return ragged_paged_attention_xla(inputs, tiles)
     impl = resolve_inputs(impl, inputs)
     if impl == "reference":
         return ragged_paged_attention_reference(inputs)

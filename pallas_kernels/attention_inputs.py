@@ -76,6 +76,9 @@ class AttentionInputs:
     sm_scale: float = _static()
     max_q_len: int = _static()  # bound on any chunk's length, <= T (1: decode-only)
     logit_softcap: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # Each row's arithmetic fixed by the row alone (its position, its keys), whatever the
+    # bucket, the chunking or the other rows: see `pallas_kernels.api.paged_attention`.
+    batch_invariant: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @classmethod
     def create(
@@ -95,6 +98,7 @@ class AttentionInputs:
         v_scale: jax.Array | float | None = None,
         sinks: jax.Array | None = None,  # [Hq]
         max_q_len: int | None = None,
+        batch_invariant: bool = False,
     ) -> AttentionInputs:
         """Validates one call's inputs and returns them normalized.
 
@@ -110,6 +114,8 @@ class AttentionInputs:
                 sink logit.
             max_q_len: static upper bound on any chunk's length (a positive int;
                 defaults to T, clipped to T). A chunk longer than it gives undefined results.
+            batch_invariant: compute every row the same way whatever else the call holds
+                (static; the xla path only).
 
         Raises:
             KernelArgumentError: naming the field with the wrong rank, shape, dtype or value.
@@ -131,6 +137,8 @@ class AttentionInputs:
             max_q_len = t
         require(isinstance(max_q_len, int) and max_q_len >= 1, "max_q_len",
                 f"expected a positive int, got {max_q_len!r}")
+        require(isinstance(batch_invariant, bool), "batch_invariant",
+                f"expected a bool, got {batch_invariant!r}")
         i32, f32 = jnp.int32, jnp.float32
         return cls(q=q, k_pages=k_pages, v_pages=v_pages,
                    block_tables=_cast(block_tables, i32), kv_lens=_cast(kv_lens, i32),
@@ -139,7 +147,8 @@ class AttentionInputs:
                    v_scale=_cast(v_scale, f32), sinks=_cast(sinks, f32),
                    sm_scale=float(sm_scale),
                    max_q_len=min(max_q_len, t),
-                   logit_softcap=None if logit_softcap is None else float(logit_softcap))
+                   logit_softcap=None if logit_softcap is None else float(logit_softcap),
+                   batch_invariant=batch_invariant)
 
     # ---- shapes ---------------------------------------------------------------------------
     @property

@@ -41,6 +41,9 @@ class TilePlan:
     block_k: int  # keys per inner step; a multiple of the page size
     page_size: int  # the cache's block_size
     num_tiles: int  # static upper bound on live tiles
+    # Every tile runs at the full block_q (the xla path's batch-invariant mode): a row's
+    # arithmetic is then the same whatever its tile holds besides it.
+    one_width: bool = False
 
     @property
     def pages_per_step(self) -> int:
@@ -49,7 +52,8 @@ class TilePlan:
 
 def make_plan(*, num_tokens: int, num_seqs: int, page_size: int, max_blocks: int,
               max_q_len: int, block_q: int, block_k: int,
-              pow2_tiles: bool = False, min_block_k: int = 1) -> TilePlan:
+              pow2_tiles: bool = False, min_block_k: int = 1,
+              one_width: bool = False) -> TilePlan:
     """Builds the static plan for a bucket of `num_tokens` rows and `num_seqs` sequences.
 
     Args:
@@ -65,9 +69,11 @@ def make_plan(*, num_tokens: int, num_seqs: int, page_size: int, max_blocks: int
         pow2_tiles: keep block_q and the pages per step powers of two (GPU
             tiles need power-of-two shapes): caps round up, not down.
         min_block_k: smallest block_k allowed (a GPU matmul dimension).
+        one_width: every tile is block_q rows wide, block_q not clipped to max_q_len
+            (`TilePlan.one_width`).
     """
     cap = next_pow2(max_q_len) if pow2_tiles else max_q_len
-    block_q = max(1, min(block_q, cap))
+    block_q = block_q if one_width else max(1, min(block_q, cap))
     pages = min(cdiv(block_k, page_size), max_blocks)
     pages = max(pages, cdiv(min_block_k, page_size), 1)
     if pow2_tiles:
@@ -75,7 +81,7 @@ def make_plan(*, num_tokens: int, num_seqs: int, page_size: int, max_blocks: int
     # sum_s cdiv(q_len_s, block_q) <= sum_s (q_len_s // block_q + 1) <= T // block_q + S.
     num_tiles = min(num_tokens // block_q + num_seqs, num_seqs * cdiv(max_q_len, block_q))
     return TilePlan(block_q=block_q, block_k=pages * page_size, page_size=page_size,
-                    num_tiles=max(1, num_tiles))
+                    num_tiles=max(1, num_tiles), one_width=one_width)
 
 
 class TileMetadata(NamedTuple):

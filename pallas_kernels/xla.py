@@ -98,7 +98,7 @@ def walk_tiles(tiles: plan_lib.TilePlan, meta: plan_lib.TileMetadata, num_tokens
     `meta`) at the static `width`; rows at and past `n_rows` are discarded. Shared by the
     paged attention here and the latent attention of `mla_xla`."""
     bq = tiles.block_q
-    widths = tuple(w for w in ROW_WIDTHS if w < bq) + (bq,)
+    widths = (bq,) if tiles.one_width else tuple(w for w in ROW_WIDTHS if w < bq) + (bq,)
 
     def tile(w, out):  # out: [T + bq, *row_shape]
         q_start = meta.q_start[w]

@@ -71,3 +71,26 @@ def test_probe_prompt_repeats_its_pattern_and_variations_are_distinct():
                     for v in invariance.variations() if v.name.startswith("chunk"))
     assert chunks == [16, 64, 256]
     assert sorted(v.prefix_hit for v in invariance.variations() if v.prefix_hit) == [16, 64, 256]
+
+
+def test_the_recorder_keeps_every_step_of_the_probe_and_restores_the_runner():
+    from arcjax.bench.step_replay import StepRecorder
+    from arcjax.sampling_params import SamplingParams
+    from support.engines import run_to_end, tiny_llm
+
+    llm = tiny_llm(policy="token_budget", chunk_tile=16, max_num_batched_tokens=64)
+    runner = llm.engine.runner
+    recorder = StepRecorder(runner, "probe")
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    llm.add_request(list(range(3, 23)), params, request_id="probe")
+    llm.add_request(list(range(5, 14)), params, request_id="other")
+    outs = run_to_end(llm)
+    recorder.close()
+    assert outs["probe"][-1].outputs[0].finish_reason == "length"
+    assert "prepare" not in vars(runner) and "launch" not in vars(runner)
+    # the prompt's step and the second token's (the first is sampled at the prompt's end)
+    assert len(recorder.steps) == 2
+    first, last = recorder.steps
+    assert first.batch.positions[first.token_rows].tolist() == list(range(20))
+    assert last.batch.positions[last.token_rows].tolist() == [20]
+    assert len(first.sample_rows) == 1 and len(last.sample_rows) == 1

@@ -1,5 +1,5 @@
-"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE), Gemma 2 and Gemma 3 through the
-engine, against transformers: greedy tokens and prompt log-probabilities, with prompts longer
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE), Gemma 2, Gemma 3 and gpt-oss (sinks,
+alternating windows, YaRN, biased router and experts, clamped SwiGLU) through the engine, against transformers: greedy tokens and prompt log-probabilities, with prompts longer
 than the sliding window, under every policy, chunk sizes, overlapped scheduling on and off,
 prefix caching, KV blocks released behind the window, router statistics in the trace, chat
 templates, and tensor / expert parallelism over forced CPU devices (a subprocess).
@@ -21,7 +21,8 @@ import pytest
 
 from arcjax import LLM, SamplingParams
 from support.device_caches import device_cache
-from support.hf_models import NEW_ARCHS, WINDOW, hf_greedy, hf_logits, tiny_model_dir
+from support.hf_models import (GPT_OSS, NEW_ARCHS, WINDOW, hf_greedy, hf_logits,
+                               tiny_model_dir)
 from support.hf_models import tiny_model_with_chat_template
 
 HERE = Path(__file__).resolve().parent
@@ -53,7 +54,7 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-@pytest.mark.parametrize("arch", NEW_ARCHS)
+@pytest.mark.parametrize("arch", NEW_ARCHS + (GPT_OSS,))
 def test_greedy_and_prompt_logprobs_equal_transformers_then_prefix_cache(arch):
     """One prompt past the window, chunked (32-token budget): greedy tokens equal
     transformers', prompt log-probabilities are within 1e-4 of its log_softmax. Run again,
@@ -98,7 +99,8 @@ WHOLE_PROMPTS = dict(policy="prefill_first", prefill_max_seqs=1, async_schedulin
 @pytest.mark.parametrize("arch, schedules", [
     ("MixtralForCausalLM", (TOKEN_BUDGET, PARTIALS_SERIAL, ALTERNATE, WHOLE_PROMPTS)),
     ("Gemma2ForCausalLM", (TOKEN_BUDGET, PARTIALS_SERIAL, ALTERNATE)),
-], ids=["Mixtral", "Gemma2"])
+    (GPT_OSS, (TOKEN_BUDGET, PARTIALS_SERIAL, ALTERNATE)),
+], ids=["Mixtral", "Gemma2", "GptOss"])
 def test_every_policy_and_overlap_equal_transformers(arch, schedules):
     """Three prompts (one past the window) under each policy (chunks of 32 tokens, whole
     prompts, several prompts chunked at once), overlapped or serial, prefix caching on or
@@ -168,7 +170,7 @@ def test_bad_expert_parallel_size_is_a_typed_error(arch, options, match):
 
 # (architecture, tensor_parallel_size, expert_parallel_size)
 PARALLEL_CASES = (("MixtralForCausalLM", 2, 2), ("Qwen2MoeForCausalLM", 1, 2),
-                  ("Gemma2ForCausalLM", 2, 1))
+                  ("Gemma2ForCausalLM", 2, 1), (GPT_OSS, 2, 2))
 SUBPROCESS_TIMEOUT_S = 600
 
 

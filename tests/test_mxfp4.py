@@ -114,3 +114,69 @@ def test_fused_reader_decodes_the_published_mxfp4_layout_as_transformers_does():
         np.testing.assert_array_equal(read(_names("we_gate", e)), want["gate_up_proj"][e][:, 0::2])
         np.testing.assert_array_equal(read(_names("we_up", e)), want["gate_up_proj"][e][:, 1::2])
         np.testing.assert_array_equal(read(_names("we_down", e)), want["down_proj"][e])
+
+
+def _mxfp4_twins() -> tuple[str, str]:
+    """The tiny random gpt-oss with its experts in the published MXFP4 layout
+    (`quant_method: "mxfp4"`, `*_blocks` / `*_scales`), and its float twin whose experts are
+    the decoded values: what transformers runs as the reference."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+    from support.hf_models import GPT_OSS, tiny_model_dir
+    from support.scratch import scratch_dir
+
+    src = tiny_model_dir(GPT_OSS)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    packed, decoded = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.rsplit(".", 1)[-1] in mxfp4.EXPERT_TENSORS:  # [E, in, out] -> [E, out, in]
+            blocks, scales = mxfp4.encode(np.swapaxes(w, 1, 2))
+            del packed[name]
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            decoded[name] = np.ascontiguousarray(
+                np.swapaxes(mxfp4.decode(blocks, scales), 1, 2).astype(w.dtype))
+    dirs = []
+    for kind, weights in (("mxfp4", packed), ("decoded", decoded)):
+        path = scratch_dir(f"arcjax-gpt-oss-{kind}-")
+        shutil.copy(os.path.join(src, "config.json"), path)
+        save_file(weights, os.path.join(path, "model.safetensors"))
+        dirs.append(path)
+    with open(os.path.join(dirs[0], "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    with open(os.path.join(dirs[0], "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dirs[0], dirs[1]
+
+
+def test_mxfp4_gpt_oss_checkpoint_equals_transformers_on_the_decoded_weights():
+    """A random gpt-oss written in the published MXFP4 layout loads (its experts decoded at
+    load, equal to the decoded values) and gives transformers' greedy tokens on the decoded
+    twin, for a prompt past the sliding window; another quantization is refused."""
+    import os
+
+    from safetensors.numpy import load_file
+
+    from arcjax import LLM, SamplingParams
+    from arcjax.errors import EngineConfigError
+    from support.hf_models import WINDOW, hf_greedy
+
+    packed, decoded = _mxfp4_twins()
+    prompt = np.random.RandomState(5).randint(3, 384, 2 * WINDOW + 3).tolist()
+    llm = LLM(packed, block_size=8, num_kv_blocks=32, max_model_len=128, max_num_seqs=2,
+              attention_impl="xla", chunk_tile=32, max_num_batched_tokens=32)
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert list(out.token_ids) == hf_greedy(decoded, prompt, 8)
+    w = load_file(os.path.join(decoded, "model.safetensors"))
+    gate_up = w["model.layers.1.mlp.experts.gate_up_proj"]  # [E, H, 2I]
+    np.testing.assert_array_equal(np.asarray(llm.engine.runner.params["layers"]["we_up"][1]),
+                                  gate_up[..., 1::2])
+    with pytest.raises(EngineConfigError) as e:
+        LLM(packed, quantization="int8", block_size=8, num_kv_blocks=32, max_model_len=128)
+    assert e.value.field == "quantization"

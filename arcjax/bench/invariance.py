@@ -177,6 +177,9 @@ def run_probe(model: str | None, dtype: str, variation: Variation,
     if final is None:
         raise RuntimeError(f"the probe did not finish under {variation.name!r}")
     done = final.outputs[0]
+    if done.finish_reason != "length" or len(done.token_ids) != workload.new_tokens:
+        raise RuntimeError(f"the probe ended with {done.finish_reason!r} after "
+                           f"{len(done.token_ids)} tokens under {variation.name!r}")
     logprobs = np.asarray([entry[t].logprob for entry, t in zip(done.logprobs, done.token_ids)],
                           np.float32)
     steps = tuple(recorder.steps)

@@ -128,7 +128,7 @@ class StepRecorder:
         return wrapped
 
     def _record(self, step, feed, row: int, width: int) -> None:
-        batch, _ = self.runner._device_batch(step, feed)
+        batch = self.runner._device_batch(step, feed)[0]  # (batch, prompt, pooling)
         batch = jax.tree.map(np.asarray, batch)
         cache = jax.tree.map(jnp.copy, self.runner.cache)
         cu = batch.cu_seqlens_q

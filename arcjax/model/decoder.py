@@ -98,7 +98,8 @@ def _attention_inputs(cfg: ModelConfig, *, q: jax.Array, k_pages: jax.Array,
                      v_pages: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
                      cu_seqlens_q: jax.Array, num_seqs: jax.Array, window: jax.Array | None,
                      k_scale: jax.Array | None, v_scale: jax.Array | None,
-                     max_q_len: int | None) -> pallas_kernels.AttentionInputs:
+                     max_q_len: int | None, sinks: jax.Array | None = None
+                     ) -> pallas_kernels.AttentionInputs:
     """One layer's attention call as `forward_with_stats` makes it (and `attention_choice`
     resolves it): the arrays as given, with the model's softmax scale and soft-cap.
 
@@ -107,13 +108,14 @@ def _attention_inputs(cfg: ModelConfig, *, q: jax.Array, k_pages: jax.Array,
         block_size, Hkv, D]); block_tables: [S, max_blocks] this layer's page ids; kv_lens,
         cu_seqlens_q, num_seqs: the step's (`StepBatch`); window: [] int32, the layer's
         window (None when no layer slides); k_scale, v_scale: [] float32, FP8 pages'
-        scales of this layer (None for unscaled pages); max_q_len: the bucket's chunk bound.
+        scales of this layer (None for unscaled pages); max_q_len: the bucket's chunk bound;
+        sinks: [Hq] float32, the layer's attention sinks (gpt-oss; None without).
     """
     return pallas_kernels.AttentionInputs.create(
         q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables, kv_lens=kv_lens,
         cu_seqlens_q=cu_seqlens_q, num_seqs=num_seqs, sm_scale=cfg.sm_scale,
         sliding_window=window, logit_softcap=cfg.attn_logit_softcap, k_scale=k_scale,
-        v_scale=v_scale, max_q_len=max_q_len)
+        v_scale=v_scale, max_q_len=max_q_len, sinks=sinks)
 
 
 def attention_impl(cache: Cache, **bucket) -> str:
@@ -147,7 +149,8 @@ def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: 
         cfg, q=q, k_pages=pages, v_pages=pages, block_tables=sds((1, 1), i32),
         kv_lens=sds((1,), i32), cu_seqlens_q=sds((2,), i32), num_seqs=sds((), i32),
         window=sds((), i32) if cfg.layer_windows() is not None else None, k_scale=scale,
-        v_scale=scale, max_q_len=max_q_len)
+        v_scale=scale, max_q_len=max_q_len,
+        sinks=sds((cfg.num_heads // tp,), jnp.float32) if cfg.attention_sinks else None)
     return pallas_kernels.choose_inputs(attn_impl, inputs, platform=platform)
 
 
@@ -232,7 +235,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                 num_seqs=batch.num_seqs, window=const.get("window"),  # [] int32 or None
                 # [] float32 each, or None: quantized on write, upcast inside attention.
                 k_scale=cache["k_scale"][l] if scaled else None,
-                v_scale=cache["v_scale"][l] if scaled else None, max_q_len=max_q_len)
+                v_scale=cache["v_scale"][l] if scaled else None, max_q_len=max_q_len,
+                sinks=block.attn.sink_logits())  # [Hq] or None
             if parallel is None:
                 out, kc, vc = paged(inputs, k, v, slots)
             else:  # per device: its heads, its KV heads, its cache shard
@@ -283,7 +287,13 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
             if cfg.attn_logit_softcap is not None:
                 s = cfg.attn_logit_softcap * jnp.tanh(s / cfg.attn_logit_softcap)
             s = jnp.where(allowed, s, -jnp.inf)
-            p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+            sinks = block.attn.sink_logits()  # [Hq] or None
+            if sinks is not None:  # one more logit per head in the denominator, no value
+                sink = jnp.broadcast_to(sinks[:, None, None], s.shape[:-1] + (1,))
+                p = jax.nn.softmax(jnp.concatenate([s, sink], -1), axis=-1)[..., :-1]
+            else:
+                p = jax.nn.softmax(s, axis=-1)
+            p = p.astype(v.dtype)
             amax = jnp.stack([jnp.max(jnp.abs(k)), jnp.max(jnp.abs(v))]).astype(jnp.float32)
             return jnp.einsum("bhqk,bkhd->bqhd", p, v), amax
 

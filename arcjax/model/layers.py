@@ -11,13 +11,16 @@ axis. The module tree:
       attn_norm       RMSNorm  scale [H] (embed)
       attn            Attention  wq [H, Hq*D] (embed, heads), wk, wv [H, Hkv*D] (embed,
                                kv_heads), wo [Hq*D, H] (heads, embed); Qwen2: bq, bk, bv;
-                               Llama's attention_bias: bo; Qwen3: q_norm, k_norm [D] (None)
+                               Llama's attention_bias: bo; Qwen3: q_norm, k_norm [D] (None);
+                               gpt-oss: sinks [Hq] (heads)
       post_attn_norm  RMSNorm  (Gemma's sandwich norms)
       mlp_norm        RMSNorm
       mlp             MLP      w_gate, w_up [H, I] (embed, mlp), w_down [I, H] (mlp, embed)
                       or MoE   router [H, E] (embed, None); we_gate, we_up [E, H, Im],
                                we_down [E, Im, H] (expert, embed/moe_mlp), `ExpertWeight`s;
-                               Qwen2-MoE's shared expert ws_gate, ws_up, ws_down, ws_router
+                               Qwen2-MoE's shared expert ws_gate, ws_up, ws_down, ws_router;
+                               gpt-oss: router_bias [E], be_gate, be_up [E, Im], be_down
+                               [E, H] (`ExpertWeight`s)
       post_mlp_norm   RMSNorm  (Gemma)
     final_norm      RMSNorm
     lm_head         LMHead     kernel [H, V] (embed, vocab); None when tied to the embedding
@@ -45,7 +48,8 @@ from flax import nnx
 
 from arcjax.lora.lora_delta import LayerLoRA
 from arcjax.model import moe
-from arcjax.model.model_config import ModelConfig, rope_inv_freq
+from arcjax.model.expert_ffn import ExpertAct
+from arcjax.model.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
 from arcjax.model.quant import dense, embedding_rows, float_dtype, tied_head
 
 NORMAL_STD = 0.02  # the "normal" initializer's standard deviation
@@ -92,6 +96,9 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig,
         inv_freq = jnp.asarray(rope_inv_freq(cfg), jnp.float32)  # [D/2]
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, D/2]
     cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]
+    factor = rope_attention_factor(cfg)  # YaRN's attention factor (1: none)
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
@@ -147,6 +154,13 @@ class Attention(nnx.Module):
         norm = functools.partial(RMSNorm, cfg, cfg.head_dim, None, rngs=rngs)
         self.q_norm = norm() if cfg.qk_norm else None
         self.k_norm = norm() if cfg.qk_norm else None
+        # gpt-oss: one logit per query head that joins every softmax denominator
+        self.sinks = (_param(rngs, (cfg.num_heads,), "zeros", ("heads",))
+                      if cfg.attention_sinks else None)
+
+    def sink_logits(self) -> jax.Array | None:
+        """[Hq] float32 attention sinks, or None."""
+        return None if self.sinks is None else value(self.sinks).astype(jnp.float32)
 
     def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
             lora: LayerLoRA | None = None):
@@ -219,6 +233,16 @@ class MoE(nnx.Module):
         self.ws_up = _param(rngs, (H, Is), "normal", ("embed", "mlp")) if shared else None
         self.ws_down = _param(rngs, (Is, H), "normal", ("mlp", "embed")) if shared else None
         self.ws_router = _param(rngs, (H, 1), "normal", ("embed", None)) if shared else None
+        # gpt-oss: the router's bias and every expert's gate, up and down biases
+        self.router_bias = (_param(rngs, (E,), "zeros", (None,)) if cfg.router.bias
+                            else None)
+        bias = functools.partial(_param, rngs, init="zeros", kind=ExpertWeight)
+        on = cfg.expert_bias
+        self.be_gate = bias((E, Im), axes=("expert", "moe_mlp")) if on else None
+        self.be_up = bias((E, Im), axes=("expert", "moe_mlp")) if on else None
+        self.be_down = bias((E, H), axes=("expert", "embed")) if on else None
+        self.act = (ExpertAct(cfg.expert_act) if cfg.swiglu_limit is None
+                    else ExpertAct(cfg.expert_act, cfg.swiglu_alpha, cfg.swiglu_limit))
 
     def __call__(self, h: jax.Array, *, valid: jax.Array, layer: jax.Array, impl: str,
                  parallel) -> tuple[jax.Array, jax.Array]:
@@ -227,16 +251,18 @@ class MoE(nnx.Module):
         parallel: an `arcjax.parallel.TensorParallel` or None.
         Returns (out [..., H], tokens per expert [E] int32)."""
         cfg = self.cfg
-        weights = {"router": value(self.router)}
-        if self.ws_gate is not None:
-            weights |= {name: value(getattr(self, name))
-                        for name in ("ws_gate", "ws_up", "ws_down", "ws_router")}
-        experts = {name: value(getattr(self, name)) for name in moe.EXPERT_WEIGHTS}
+        names = ("router", "router_bias", "ws_gate", "ws_up", "ws_down", "ws_router")
+        weights = {name: value(getattr(self, name)) for name in names
+                   if getattr(self, name) is not None}
+        experts = {name: value(getattr(self, name))
+                   for name in moe.EXPERT_WEIGHTS + moe.EXPERT_BIASES
+                   if getattr(self, name) is not None}
         lead = h.shape[:-1]
         out, counts = moe.moe_mlp(h.reshape(-1, h.shape[-1]), weights, experts, layer,
                                   num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
-                                  renormalize=cfg.norm_topk_prob, act=cfg.hidden_act,
-                                  valid=valid.reshape(-1), impl=impl, parallel=parallel)
+                                  renormalize=cfg.norm_topk_prob, act=self.act,
+                                  valid=valid.reshape(-1), impl=impl, parallel=parallel,
+                                  router=cfg.router, shared_act=cfg.hidden_act)
         return out.reshape(*lead, -1), counts
 
 

@@ -50,9 +50,11 @@ TP_AXIS = "tp"
 EP_AXIS = "ep"
 # Logical axes split over the tensor axis; every other logical axis is replicated.
 TENSOR_AXES = ("heads", "kv_heads", "mlp", "vocab")
-# How one attention call splits, per field of `AttentionInputs`: queries by head, the pages
-# (the cache) by KV head; every other field (tables, lengths, window, scales) is replicated.
-ATTENTION_AXES = {"q": (None, "heads", None), "k_pages": CACHE_AXES, "v_pages": CACHE_AXES}
+# How one attention call splits, per field of `AttentionInputs`: queries and their sinks
+# (gpt-oss, when given) by head, the pages (the cache) by KV head; every other field
+# (tables, lengths, window, scales) is replicated.
+ATTENTION_AXES = {"q": (None, "heads", None), "k_pages": CACHE_AXES, "v_pages": CACHE_AXES,
+                  "sinks": ("heads",)}
 
 
 def _size(field: str, value) -> None:
@@ -240,7 +242,8 @@ class TensorParallel:
         exactly the single-device computation on that device's heads."""
         specs = jax.tree.map(lambda _: PartitionSpec(), inputs)  # the structure of `inputs`
         specs = dataclasses.replace(specs, **{name: self.pspec(axes)
-                                              for name, axes in ATTENTION_AXES.items()})
+                                              for name, axes in ATTENTION_AXES.items()
+                                              if getattr(inputs, name) is not None})
         out = (self.pspec(ATTENTION_AXES["q"]), self.pspec(ATTENTION_AXES["k_pages"]),
                self.pspec(ATTENTION_AXES["v_pages"]))
         mapped = jax.shard_map(fn, mesh=self.mesh,

@@ -17,6 +17,7 @@ MOE_ARCHS = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_ARCHS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 NEW_ARCHS = MOE_ARCHS + GEMMA_ARCHS
 WINDOW = 24  # the tiny sliding-window models' window
+GPT_OSS = "GptOssForCausalLM"
 
 _COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -49,6 +50,15 @@ _EXTRA = {
                                   "sliding_attention": {"rope_type": "default",
                                                         "rope_theta": 1e4}}),
 }
+# gpt-oss: attention sinks, sliding and full layers alternating, biases on q/k/v/o, YaRN
+# (a short original context, so the ramp and its attention factor really act), a biased
+# router and biased experts with the clamped SwiGLU (a low limit, so the clamp acts).
+_EXTRA[GPT_OSS] = dict(
+    num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16,
+    sliding_window=WINDOW, swiglu_limit=1.5, layer_types=["sliding_attention", "full_attention"],
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "truncate": False, "original_max_position_embeddings": 64,
+                     "rope_theta": 150000.0})
 _CONFIG_CLASS = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 

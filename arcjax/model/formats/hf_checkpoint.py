@@ -32,8 +32,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from arcjax.errors import WeightsError
-from arcjax.model.formats.hf_layout import (TOP_NAMES, assemble_host, hf_entries, layer_names,
-                                            read_config, tree_at)
+from arcjax.model.formats import fused_experts
+from arcjax.model.formats.hf_layout import (TOP_NAMES, HostModel, assemble_host, hf_entries,
+                                            layer_names, read_config, tree_at)
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import Params, is_spec, param_specs
 
@@ -110,6 +111,26 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
         restored = _restore_cached(Path(cache_dir) / key, cfg, dtype)
         if restored is not None:
             return cfg, restored
+    params = jax.tree.map(jnp.asarray, _assemble(model_dir, cfg, dtype))
+    if key is not None:
+        _save_cached(Path(cache_dir) / key, params)
+    return cfg, params
+
+
+def hf_host(model_dir: str | os.PathLike, dtype) -> HostModel:
+    """The whole checkpoint in host memory, in the params' dtype (gpt-oss: its fused experts,
+    MXFP4 ones decoded, `fused_experts`), for the loader to place on one device or in shards.
+
+    Raises:
+      ModelConfigError, WeightsError: as `load_hf`.
+    """
+    model_dir = Path(model_dir)
+    cfg = read_config(model_dir)
+    return HostModel(cfg, _assemble(model_dir, cfg, dtype))
+
+
+def _assemble(model_dir: Path, cfg: ModelConfig, dtype) -> Params:
+    """The params tree in host memory (`hf_layout.assemble_host` over the checkpoint)."""
     tensors = _open_checkpoint(model_dir)
 
     def read(name: str) -> np.ndarray | None:
@@ -118,12 +139,10 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
         file, handle = tensors[name]
         return _read_tensor(file, handle, name)
 
-    host = assemble_host(cfg, read, dtype,
+    if cfg.architecture == fused_experts.ARCHITECTURE:
+        read = fused_experts.reader(read)
+    return assemble_host(cfg, read, dtype,
                          lambda name: tensors[name][0] if name in tensors else model_dir)
-    params = jax.tree.map(jnp.asarray, host)
-    if key is not None:
-        _save_cached(Path(cache_dir) / key, params)
-    return cfg, params
 
 
 def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, shardings, repeat: int):

@@ -30,8 +30,6 @@ from arcjax.model.specs import Params, is_spec, param_specs
 # Architectures whose config parses but whose layers the decoder does not assemble yet,
 # with what is missing: loading one is refused rather than run wrong.
 DECODER_PENDING = {
-    "GptOssForCausalLM": "attention sinks, router and expert biases, the clamped SwiGLU and "
-                         "YaRN's attention factor in the decoder's layers",
     "DeepseekV2ForCausalLM": "multi-head latent attention over a latent paged cache in the "
                              "decoder, and the dense-then-expert layer mix",
     "DeepseekV3ForCausalLM": "multi-head latent attention over a latent paged cache in the "

@@ -13,10 +13,14 @@ its own files completely (the config.json and tensor-name layout they share is
    linear weights (experts' too) as stored (values + scales, or packed codes + group
    scales) and the rest in the compute dtype, with the KV-cache scales when the
    checkpoint has them; then `_place`.
-3. Any other Hugging Face directory: `hf_checkpoint.load_hf` returns params already on the
+3. gpt-oss's MXFP4 checkpoints (`quant_method: "mxfp4"`), and gpt-oss under tensor or
+   expert parallelism: `hf_checkpoint.hf_host` reads the whole checkpoint into host memory
+   (its experts fused per layer read per expert, MXFP4 decoded: `fused_experts`), then
+   `_place`.
+4. Any other Hugging Face directory: `hf_checkpoint.load_hf` returns params already on the
    devices (its orbax cache, and its sharded reads with tensor parallelism: the shardings
    come from `parallel` here).
-4. `quantization="fp8" | "int8"` then quantizes the float linear weights (experts' too,
+5. `quantization="fp8" | "int8"` then quantizes the float linear weights (experts' too,
    per expert and output channel) on the devices
    (`quant.quantize_params`), in their shardings; a GGUF file is dequantized at load
    first. `quantization="dequantize"` stores every weight in the compute dtype instead
@@ -39,7 +43,8 @@ import numpy as np
 from arcjax.errors import EngineConfigError
 from arcjax.model.formats.gguf_config import gguf_config
 from arcjax.model.formats.gguf_file import GGUFFile, gguf_host
-from arcjax.model.formats.hf_checkpoint import load_hf
+from arcjax.model.formats import fused_experts, mxfp4
+from arcjax.model.formats.hf_checkpoint import hf_host, load_hf
 from arcjax.model.formats.hf_layout import HostModel, read_config
 from arcjax.model.formats.hub import ModelSource
 from arcjax.model.formats.quant_config import checkpoint_quantization
@@ -99,17 +104,22 @@ def load_model(source: ModelSource, *, dtype, cache_dir=None, parallel=None,
                              parallel)
     else:
         ckpt = checkpoint_quantization(source.path)
-        if ckpt is None:
-            cfg, params = _load_safetensors(source, dtype, cache_dir, parallel)
-        else:
-            if quantization not in (None, "dequantize", ckpt.fmt):
-                raise EngineConfigError("quantization", f"the checkpoint is {ckpt.fmt}; "
-                                        f"it cannot be loaded as {quantization}")
+        if ckpt is not None and quantization not in (None, "dequantize", ckpt.fmt):
+            raise EngineConfigError("quantization", f"the checkpoint is {ckpt.fmt}; "
+                                    f"it cannot be loaded as {quantization}")
+        fused = read_config(source.path).architecture == fused_experts.ARCHITECTURE
+        if ckpt is not None and ckpt.fmt != mxfp4.QUANT_METHOD:
             host = quantized_host(source.path, ckpt, dtype)
             kv_scales = host.kv_scales
             cfg, params = _place(host, parallel)
             if quantization == "dequantize":
                 params = _dequantize(params, cfg, dtype, parallel)
+        elif ckpt is not None or (fused and parallel is not None):
+            # MXFP4 experts decoded at load (already the compute dtype); fused experts
+            # sharded from host memory (the sharded reader reads one tensor per expert)
+            cfg, params = _place(hf_host(source.path, dtype), parallel)
+        else:
+            cfg, params = _load_safetensors(source, dtype, cache_dir, parallel)
     if quantization in ("fp8", "int8"):
         shardings = None
         if parallel is not None:

@@ -14,6 +14,8 @@ Read (`quant_method`):
   `desc_act` true or false (rows read their group through `g_idx`; under tensor
   parallelism a device's rows read the whole, unsplit scales), `checkpoint_format`
   "gptq" (zero points stored minus one, as AutoGPTQ packs them) or "gptq_v2".
+- `mxfp4` (gpt-oss's published checkpoints; `GptOssForCausalLM` only): the experts'
+  `*_blocks` / `*_scales`, decoded at load (`fused_experts`, `mxfp4`).
 
 Refused with a `QuantizationConfigError` naming the field: other methods; 3-bit (and any
 width but 2, 4, 8) packing; AWQ's GEMV / Marlin / ExLlama layouts and AWQ without zero
@@ -30,6 +32,7 @@ import dataclasses
 from pathlib import Path
 
 from arcjax.errors import QuantizationConfigError
+from arcjax.model.formats import fused_experts, mxfp4
 from arcjax.model.formats.hf_layout import read_config, read_config_json
 
 PACKED_BITS = (2, 4, 8)  # code widths whose int32 packing never splits a code
@@ -41,7 +44,8 @@ class CheckpointQuant:
     """What a checkpoint's quantization_config says.
 
     Attributes:
-      fmt: "fp8", "int8" (values + scales), or a packed method of `PACKED_METHODS`.
+      fmt: "fp8", "int8" (values + scales), a packed method of `PACKED_METHODS`, or
+        "mxfp4" (gpt-oss's experts, decoded at load).
       block: the block size of block-scaled FP8/INT8 weights (rows, columns) in [out, in]
         terms, or None when scales are per tensor or per channel.
       bits: bits per packed code.
@@ -70,7 +74,7 @@ def checkpoint_quantization(model_dir: Path) -> CheckpointQuant | None:
       QuantizationConfigError: a method, format or option arcjax cannot load (`.field`
         names it, e.g. "quantization_config.bits").
     """
-    read_config(model_dir)  # the typed errors of a bad config.json
+    cfg = read_config(model_dir)  # the typed errors of a bad config.json
     where = Path(model_dir) / "config.json"
     q = read_config_json(model_dir).get("quantization_config")
     if not q:
@@ -80,6 +84,11 @@ def checkpoint_quantization(model_dir: Path) -> CheckpointQuant | None:
         raise QuantizationConfigError(where, f"quantization_config.{field}", reason)
 
     method = q.get("quant_method")
+    if method == mxfp4.QUANT_METHOD:
+        if cfg.architecture != fused_experts.ARCHITECTURE:
+            refuse("quant_method", f"'mxfp4' is supported for {fused_experts.ARCHITECTURE} "
+                                   "only")
+        return CheckpointQuant(mxfp4.QUANT_METHOD)
     if method == "fp8":
         if q.get("fmt", "e4m3") != "e4m3":
             refuse("fmt", f"fp8 format {q.get('fmt')!r} is not supported (e4m3)")
@@ -92,7 +101,7 @@ def checkpoint_quantization(model_dir: Path) -> CheckpointQuant | None:
     if method == "gptq":
         return _gptq(q, refuse)
     refuse("quant_method", f"{method!r} is not supported (fp8, awq, gptq, "
-                           "compressed-tensors)")
+                           "compressed-tensors, mxfp4 for gpt-oss)")
 
 
 def _group(value, field: str, refuse) -> int | None:
