@@ -19,6 +19,7 @@ from arcjax.model.specs import cache_specs, is_spec, param_specs
 from arcjax.runtime import runner
 from arcjax.runtime.batching import empty_batch
 from arcjax.runtime.buckets import BucketSet
+from arcjax.runtime.penalties import TokenTables
 from arcjax.runtime.sampling import SamplingBatch, bitmask_words
 from arcjax.spec_decode.verification import SpecInputs
 from pallas_kernels import backends, lowering
@@ -41,6 +42,13 @@ def _abstract_specs(specs, dtype):
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec)
 
 
+def _token_tables() -> TokenTables:
+    """The step's penalty count table and logit-bias table, abstract (runtime/penalties.py)."""
+    shape = (MAX_SEQS + 1, CFG.vocab_size)
+    return TokenTables(jax.ShapeDtypeStruct(shape, jnp.int32),
+                       jax.ShapeDtypeStruct(shape, jnp.float32))
+
+
 IMPLS = ["pallas_gpu", pytest.param("triton", marks=pytest.mark.skipif(
     backends.triton_unavailable() is not None, reason=f"triton: {backends.triton_unavailable()}"))]
 
@@ -54,7 +62,7 @@ def test_every_engine_bucket_lowers_with_a_gpu_kernel(bucket, impl):
     batch = _abstract(empty_batch(bucket, max_blocks=MAX_BLOCKS, block_size=BLOCK_SIZE,
                                   num_blocks=NUM_BLOCKS))
     sampling = _abstract(SamplingBatch.build([], bucket.seqs, MAX_SEQS))
-    counts = jax.ShapeDtypeStruct((MAX_SEQS + 1, CFG.vocab_size), jnp.int32)  # penalties.py
+    counts = _token_tables()
     bitmask = jax.ShapeDtypeStruct((bucket.seqs * bucket.sample_width,
                                     bitmask_words(CFG.vocab_size)), jnp.int32)
     text = lowering.lower_for_cuda(runner._step.__wrapped__, params, cache, batch, sampling,
@@ -79,7 +87,7 @@ def test_verification_buckets_lower_with_drafts_and_masks(bucket):
                                   num_blocks=NUM_BLOCKS))
     batch = dataclasses.replace(batch, logits_rows=jax.ShapeDtypeStruct((rows,), jnp.int32))
     sampling = _abstract(SamplingBatch.build([], rows, MAX_SEQS))
-    counts = jax.ShapeDtypeStruct((MAX_SEQS + 1, CFG.vocab_size), jnp.int32)
+    counts = _token_tables()
     bitmask = jax.ShapeDtypeStruct((rows, bitmask_words(CFG.vocab_size)), jnp.int32)
     spec = SpecInputs(jax.ShapeDtypeStruct((rows,), jnp.int32),
                       jax.ShapeDtypeStruct((rows,), jnp.bool_))
