@@ -16,7 +16,8 @@ Engine (`--engine`): `--requests` greedy requests (`--prompt_len` tokens, `--max
 on the model (`--model`; default the packaged one), run three ways in one process: all on the
 base model; spread over `--adapters` random adapters of rank `--rank` on all seven projections
 with a slot each; and the same adapters in `--swap_slots` slots (slots swap). Each arm gets a
-fresh engine, one untimed warm-up run of the same requests, then one timed run; it reports
+fresh engine (prefix caching off, every bucket compiled), one untimed run of the same
+requests, then one timed run; it reports
 generated tokens per second, its ratio to the base model's, and the slot swaps with the host
 seconds they took.
 
@@ -125,8 +126,10 @@ def _engine_arm(model, prompts, params, requests, slots: int | None) -> dict:
     options = {} if slots is None else dict(enable_lora=True, max_loras=slots,
                                             max_lora_rank=_RANK.value,
                                             max_cpu_loras=_ADAPTERS.value)
-    llm = LLM(model, max_num_seqs=min(64, _REQUESTS.value), **options)
-    llm.generate(prompts, params, use_tqdm=False, lora_request=requests)  # compiles
+    llm = LLM(model, max_num_seqs=min(64, _REQUESTS.value), enable_prefix_caching=False,
+              **options)
+    llm.warmup()  # every bucket compiled: the timed run compiles nothing
+    llm.generate(prompts, params, use_tqdm=False, lora_request=requests)  # host caches warm
     table = llm.engine.runner.lora
     swaps0, load0 = (table.swaps, table.load_seconds) if table else (0, 0.0)
     t0 = time.perf_counter()
@@ -177,14 +180,15 @@ def main(argv):
     del argv
     if _ENGINE.value:
         if _SMALL.value:
-            _REQUESTS.value, _ADAPTERS.value, _MAX_TOKENS.value = 8, 4, 4
+            flags.FLAGS.requests, flags.FLAGS.adapters, flags.FLAGS.max_tokens = 8, 4, 4
         results = _engine_main()
         if _OUT.value:
             with open(_OUT.value, "w") as f:
                 json.dump(results, f, indent=2)
         return
     if _SMALL.value:
-        _TOKENS.value, _DIMS.value, _SLOTS.value, _ITERS.value = ["8", "32"], ["64", "64"], 2, 3
+        FLAGS = flags.FLAGS
+        FLAGS.tokens, FLAGS.dims, FLAGS.slots, FLAGS.iters = ["8", "32"], ["64", "64"], 2, 3
     d_in, d_out = (int(d) for d in _DIMS.value)
     dtype = jnp.dtype(_DTYPE.value)
     results = {"platform": jax.default_backend(), "device": str(jax.devices()[0]),
