@@ -1,7 +1,8 @@
 """arcjax: a JAX/Pallas LLM inference engine with chunked, mixed prefill+decode scheduling.
 
 Public API: `LLM` (batch and online use), `AsyncLLM` (a background engine loop for servers),
-`SamplingParams` (with `RequestOutputKind` and `StructuredOutputsParams`), `RequestOutput`,
+`SamplingParams` (with `RequestOutputKind` and `StructuredOutputsParams`), `LoRARequest`
+(the LoRA adapter a request runs with), `RequestOutput`,
 `PoolingParams` and the embedding outputs (`EmbeddingRequestOutput`, `PoolingRequestOutput`),
 the typed errors of `arcjax.errors` (`EngineDeadError` among them), and `EngineConfig` /
 `build_engine` for embedding the engine.
@@ -16,6 +17,7 @@ from arcjax.entrypoints.llm import LLM
 from arcjax.errors import (ConfigError, EngineConfigError, EngineDeadError, InputError,
                            ModelFileError, PoolingParamsError, RequestError, SamplingParamsError,
                            StructuredOutputsError, UnknownRequestError)
+from arcjax.lora.lora_request import LoRARequest
 from arcjax.pooling_params import PoolingParams
 from arcjax.sampling_params import SamplingParams
 from arcjax.sampling_params import RequestOutputKind
@@ -23,7 +25,7 @@ from arcjax.sampling_params import StructuredOutputsParams
 
 __all__ = ["AsyncLLM", "CompletionOutput", "ConfigError", "EmbeddingOutput",
            "EmbeddingRequestOutput", "EngineConfig", "EngineConfigError",
-           "EngineDeadError", "InputError", "LLM", "Logprob", "ModelFileError",
+           "EngineDeadError", "InputError", "LLM", "Logprob", "LoRARequest", "ModelFileError",
            "PoolingOutput", "PoolingParams", "PoolingParamsError", "PoolingRequestOutput",
            "RequestError",
            "RequestMetrics", "RequestOutput", "RequestOutputKind", "SamplingParams",

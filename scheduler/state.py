@@ -285,6 +285,13 @@ class SchedulerState:
     def num_running(self) -> int:
         return len(self.partial) + len(self.decoding) + len(self.verifying)
 
+    def running_adapters(self) -> frozenset[int]:
+        """The LoRA adapters (`Request.adapter`) of the running sequences: at most
+        `config.max_loras` of them, the ones whose device slots must stay."""
+        seqs = (*(p.seq for p in self.partial), *self.decoding.seqs,
+                *(row.seq for row in self.verifying))
+        return frozenset(s.request.adapter for s in seqs if s.request.adapter is not None)
+
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
         return bool(self.waiting or self.partial or len(self.decoding) or self.verifying)

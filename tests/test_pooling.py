@@ -177,9 +177,9 @@ def _mixed_steps(llm) -> list[bool]:
     runner, seen = llm.engine.runner, []
     prepare = runner.prepare
 
-    def spy(plan, rows, prompts=None, pooling=None):
+    def spy(plan, rows, prompts=None, pooling=None, *rest):
         seen.append(pooling is not None and plan.num_sampled > 0)
-        return prepare(plan, rows, prompts, pooling)
+        return prepare(plan, rows, prompts, pooling, *rest)
 
     runner.prepare = spy
     return seen

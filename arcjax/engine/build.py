@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -14,6 +15,10 @@ from arcjax.engine.engine import Engine
 from arcjax.spec_decode.speculator import Speculator
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import EngineConfigError
+from arcjax.lora.adapter_cache import AdapterCache
+from arcjax.lora.lora_delta import resolve_impl
+from arcjax.lora.peft_adapter import load_peft_adapter
+from arcjax.lora.slot_table import SlotTable
 from arcjax.model.formats.gguf_tokenizer import has_tokenizer
 from arcjax.model.formats.hub import ModelSource, resolve_model
 from arcjax.model.formats.loader import load_model, model_config
@@ -160,12 +165,21 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     buckets = BucketSet.create(tile=sched.chunk_tile, max_tokens=step_tokens,
                                max_seqs=sched.max_num_seqs,
                                spec_width=1 + (spec.num_speculative_tokens if spec else 0))
+    lora, adapters, slots, lora_impl = config.lora_config(), None, None, "masked"
+    if lora is not None:  # adapters are read against the file's config, slots the device's
+        adapters = AdapterCache(functools.partial(
+            load_peft_adapter, cfg=model_config(source), max_rank=lora.max_lora_rank,
+            base_model=config.model), lora.cpu_capacity)
+        slots = SlotTable(cfg, max_loras=lora.max_loras, rank=lora.max_lora_rank, dtype=dtype,
+                          parallel=parallel)
+        lora_impl = resolve_impl(lora.lora_impl, jax.default_backend())
     runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=sched.block_size,
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
                          attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
                          parallel=parallel, kv_cache_dtype=kv_dtype,
                          kv_scales=_kv_scales(config, model, tokenizer, dtype),
-                         kv=kv, host_slots=host_blocks, pooling=config.runner == "pooling")
+                         kv=kv, host_slots=host_blocks, pooling=config.runner == "pooling",
+                         lora=slots, lora_impl=lora_impl)
     speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
                   else None)
     options = {} if clock is None else {"clock": clock}
@@ -175,6 +189,7 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     engine = Engine(runner, tokenizer, sched, max_model_len=max_model_len, seed=config.seed,
                     model_dir=model_dir, trace_capacity=config.trace_capacity,
                     async_scheduling=overlapped, speculator=speculator, pooler=pooler,
+                    adapters=adapters,
                     reasoning=ModelReasoning.create(config.reasoning_parser, tokenizer),
                     **options)
     if multi_host:  # process 0 admits; every process runs the same plans

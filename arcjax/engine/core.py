@@ -69,6 +69,7 @@ from arcjax.engine.request_state import FINISH_ERROR, RequestState
 from arcjax.engine.step_records import Collected, Launched, PendingSampling, StepFailed
 from arcjax.engine.trace import StepTrace
 from arcjax.errors import EngineDeadError
+from arcjax.lora.adapter_cache import AdapterCache
 from arcjax.parallel.multihost import plan_digest
 from arcjax.runtime.runner import ModelRunner
 from arcjax.runtime.step_handle import TokenFeed
@@ -82,11 +83,13 @@ class EngineCore:
     def __init__(self, runner: ModelRunner, tokenizer, sched_config: scheduler.SchedulerConfig,
                  *, clock: Callable[[], float], trace_capacity: int, async_scheduling: bool,
                  eos_token_ids: frozenset, speculator: Speculator | None = None,
-                 structured: StructuredOutputManager | None = None):
+                 structured: StructuredOutputManager | None = None,
+                 adapters: AdapterCache | None = None):
         self.runner, self.tokenizer, self.sched_config, self.clock = (
             runner, tokenizer, sched_config, clock)
         self.speculator = speculator  # speculative decoding, or None
         self.structured = structured
+        self.adapters = adapters  # LoRA: the loaded adapters (runner.lora: their slots)
         self.eos_token_ids, self.async_scheduling = eos_token_ids, async_scheduling
         self.state = scheduler.SchedulerState.empty(sched_config)
         self.requests: dict[str, RequestState] = {}  # in the scheduler, not released
@@ -141,7 +144,11 @@ class EngineCore:
         changed[req.request_id] = req
 
     def release(self, req: RequestState) -> None:
-        """Forgets a finished request whose final output was built."""
+        """Forgets a finished request whose final output was built (and unpins its LoRA
+        adapter, also for an n > 1 sample that never entered the scheduler)."""
+        if req.adapter is not None:
+            self.adapters.release(req.adapter)
+            req.adapter = None
         if self.requests.pop(req.request_id, None) is None:
             return
         self.runner.counts.release(req.request_id)
@@ -269,7 +276,7 @@ class EngineCore:
             rows = logprobs.sampling_rows(plan, step.reqs, self.runner.counts,
                                           self.eos_token_ids, fed_rows)
             prepared = self.runner.prepare(plan, rows, step.prompts,
-                                           pooling_rows(plan, step.reqs))
+                                           pooling_rows(plan, step.reqs), self._lora_slots(step))
             step.bucket = prepared.bucket
             feed = self._feed(step, prev, fed_rows) if fed_rows else None
             # constrained rows that sample (first position i * W; drafts: a mask each); a
@@ -290,6 +297,16 @@ class EngineCore:
                 step.handle = self.runner.launch(prepared, feed=feed, bitmask=bitmask)
             self.runner.load_blocks(plan)  # in after it, before the next step
             step.compiled = self.runner.num_executables > compiled_before
+
+    def _lora_slots(self, step: Launched) -> list[int] | None:
+        """With LoRA: every row's adapter in a device slot (`SlotTable.assign`; the adapters
+        of running sequences keep theirs), and each row's slot (0: the base model)."""
+        if self.runner.lora is None:
+            return None
+        keys = [req.adapter.key if req.adapter is not None else None for req in step.reqs]
+        slot_of = self.runner.lora.assign([k for k in keys if k is not None],
+                                          self.state.running_adapters(), self.adapters.weights)
+        return [slot_of[k] if k is not None else 0 for k in keys]
 
     @staticmethod
     def _feed(step: Launched, prev: Launched, fed_rows: set[int]) -> TokenFeed:

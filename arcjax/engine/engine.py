@@ -36,6 +36,8 @@ from arcjax.engine.request_state import FINISH_ERROR
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import (DuplicateRequestError, EngineConfigError, EngineDeadError,
                            RequestError, UnknownRequestError)
+from arcjax.lora.adapter_cache import AdapterCache
+from arcjax.lora.lora_request import LoRARequest
 from arcjax.model.formats.pooler_config import PoolerConfig
 from arcjax.parallel.multihost import FollowerStop
 from arcjax.pooling_params import PoolingParams
@@ -67,7 +69,8 @@ class Engine:
                  sched_config: scheduler.SchedulerConfig, *, max_model_len: int,
                  seed: int = 0, clock=time.perf_counter, model_dir=None,
                  trace_capacity: int = 10_000, async_scheduling: bool = False,
-                 speculator=None, reasoning=None, pooler: PoolerConfig | None = None):
+                 speculator=None, reasoning=None, pooler: PoolerConfig | None = None,
+                 adapters: AdapterCache | None = None):
         self.runner, self.tokenizer, self.model_dir = runner, tokenizer, model_dir
         self.sched_config, self.max_model_len, self.clock = sched_config, max_model_len, clock
         eos = tokenizer.eos_token_ids if tokenizer else runner.cfg.eos_token_ids
@@ -77,14 +80,15 @@ class Engine:
             tokenizer.to_json if tokenizer is not None else None, runner.cfg.vocab_size,
             sorted(self.eos_token_ids))
         self.pooler = pooler
+        self.adapters = adapters  # LoRA: the loaded adapters (None: LoRA is off)
         self.inputs = InputProcessor(tokenizer, runner.cfg.vocab_size, max_model_len,
                                      sched_config, seed, self.structured, reasoning,
-                                     pooler, runner.cfg.hidden_size)
+                                     pooler, runner.cfg.hidden_size, adapters=adapters)
         self.core = EngineCore(runner, tokenizer, sched_config, clock=clock,
                                trace_capacity=trace_capacity,
                                async_scheduling=async_scheduling,
                                eos_token_ids=self.eos_token_ids, speculator=speculator,
-                               structured=self.structured)
+                               structured=self.structured, adapters=adapters)
         self.dead: EngineDeadError | None = None
         self._lock = threading.Lock()  # guards the inbox, the id set and the pending list
         self._step_lock = threading.Lock()  # one step (or inbox drain) at a time
@@ -145,7 +149,8 @@ class Engine:
     def add_request(self, prompt: str | Sequence[int],
                     params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None, *,
-                    sink: Sink | None = None, priority: int = 0) -> str:
+                    sink: Sink | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         """Validates and queues one request. Returns its id.
 
         Args:
@@ -157,6 +162,8 @@ class Engine:
           sink: receives every output of this request (from the stepping thread); without
             one, outputs are returned by `step()`. A sink that raises ends its request.
           priority: smaller is served first (the scheduler's order); equal: FCFS.
+          lora_request: the LoRA adapter to run with (`arcjax.lora.lora_request.LoRARequest`;
+            loaded here on first use), or None for the base model.
 
         Raises:
           RequestError (a ValueError naming `.field`): the request is refused; nothing is queued.
@@ -165,6 +172,7 @@ class Engine:
         self._check_alive()
         params = SamplingParams() if params is None else params
         text, ids = self.inputs.check(prompt, params)
+        self.inputs.check_adapter(lora_request)
         arrival = self.clock() if arrival_time is None else arrival_time
         self.inputs.check_options(request_id, arrival, priority)
         if self.sync is not None and isinstance(params, PoolingParams):
@@ -182,16 +190,20 @@ class Engine:
                                    f"{CHILD_SEP[0]!r} (it names n > 1 samples)")
             if request_id in self._unfinished:
                 raise DuplicateRequestError("request_id", f"{request_id!r} is already in use")
-            item = self.inputs.build(request_id, text, ids, params, arrival, priority, sink)
+            item = self.inputs.build(request_id, text, ids, params, arrival, priority, sink,
+                                     lora_request)
             self._unfinished.add(request_id)
             self._inbox.append(item)
         return request_id
 
-    def check(self, prompt, params: SamplingParams | PoolingParams
-              ) -> tuple[str | None, tuple[int, ...]]:
-        """Validates a request without queueing it. Returns (prompt text, token ids)."""
+    def check(self, prompt, params: SamplingParams | PoolingParams,
+              lora_request: LoRARequest | None = None) -> tuple[str | None, tuple[int, ...]]:
+        """Validates a request (and loads its adapter) without queueing it. Returns
+        (prompt text, token ids)."""
         self._check_alive()
-        return self.inputs.check(prompt, params)
+        out = self.inputs.check(prompt, params)
+        self.inputs.check_adapter(lora_request)
+        return out
 
     def abort(self, request_id: str) -> None:
         """Aborts an unfinished request (any thread). Its blocks are freed at once when no

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import scheduler
 from arcjax.errors import ConfigError, EngineConfigError
+from arcjax.lora.lora_config import LoRAConfig
 from arcjax.reasoning import NO_PARSER
 from arcjax.reasoning import PARSERS as REASONING_PARSERS
 from arcjax.spec_decode.speculative_config import SpeculativeConfig
@@ -127,6 +128,12 @@ class EngineConfig:
         the format's markers), "none", or None: implied by each prompt (a request whose
         prompt shows a `<think>` block is split as deepseek_r1 splits; see
         `arcjax.reasoning.model_reasoning`).
+      enable_lora: serve LoRA adapters (`lora_request=` on each request; docs/design/lora.md):
+        `max_loras` (a scheduler knob: adapters running at once, one device slot each),
+        `max_lora_rank` (the largest rank, every slot's), `max_cpu_loras` (adapters kept
+        loaded on the host; None = max_loras) and `lora_impl` (the per-token delta:
+        "auto" | "ragged_dot" | "gather" | "masked") are read only with it
+        (`lora_config`).
       runner: "generate" (generation requests only) or "pooling": embedding requests
         (`PoolingParams`, `LLM.embed`) too, pooled as the model's
         sentence-transformers files say (`arcjax.model.formats.pooler_config`), batched
@@ -160,6 +167,10 @@ class EngineConfig:
     async_scheduling: bool | None = None
     speculative_config: SpeculativeConfig | Mapping | str | None = None
     reasoning_parser: str | None = None
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_impl: str = "auto"
     runner: str = "generate"
     scheduler: scheduler.SchedulerConfig = dataclasses.field(default_factory=default_scheduler)
 
@@ -250,6 +261,25 @@ class EngineConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in names:
             raise EngineConfigError("reasoning_parser", f"must be one of {names} or None, got "
                                                         f"{self.reasoning_parser!r}")
+        if not isinstance(self.enable_lora, bool):
+            raise EngineConfigError("enable_lora", f"must be a bool, got {self.enable_lora!r}")
+        if self.enable_lora:
+            self.lora_config()  # its fields checked now
+            for name, on in (("speculative_config", spec is not None),
+                             ("tensor_parallel_size", self.tensor_parallel_size > 1),
+                             ("expert_parallel_size", self.expert_parallel_size > 1)):
+                if on:
+                    raise EngineConfigError(name, "not supported with enable_lora yet")
+            if _joined_processes() > 1:
+                raise EngineConfigError("enable_lora", "not supported across several "
+                                        "processes yet")
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA options as one `LoRAConfig`, or None without enable_lora."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.scheduler.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras, lora_impl=self.lora_impl)
 
     def __getattr__(self, name: str):
         """The scheduling knobs read through: `config.max_num_seqs` is

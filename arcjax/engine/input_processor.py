@@ -7,10 +7,13 @@
    A structured-output constraint is compiled here (or found in the grammar cache): one
    that cannot compile is a `StructuredOutputsError` naming its field. An embedding
    request (`PoolingParams`) needs an engine built with runner="pooling"; its
-   `dimensions` must be one the model allows.
+   `dimensions` must be one the model allows. A LoRA adapter (`lora_request`) is loaded
+   and validated here too (the engine's `AdapterCache`, `check_adapter`): a bad one is a
+   `LoRAAdapterError` naming the adapter and the field.
 2. `build(...)`: the request's `RequestState` (with its incremental detokenizer, its
    reasoning split, its bad words' ids and its host mask: the structured-output grammar,
-   behind the reasoning gate, stacked with multi-token bad words) and its
+   behind the reasoning gate, stacked with multi-token bad words; its LoRA adapter pinned)
+   and its
    `scheduler.Request` (an embedding's: prefill only, `pooling=True`, with its
    `PooledState`), or, for n > 1, the `RequestGroup` of its n children (child i has
    seed `seed + i`; with prefix caching only child 0 enters the scheduler at once, the
@@ -31,7 +34,10 @@ from arcjax.engine.group import RequestGroup, child_id, child_seed
 from arcjax.engine.pooled_state import PooledState
 from arcjax.engine.request_state import RequestState
 from arcjax.engine.tokenizer import Tokenizer, make_detokenizer
-from arcjax.errors import PoolingParamsError, RequestError, StructuredOutputsError
+from arcjax.errors import (LoRAAdapterError, PoolingParamsError, RequestError,
+                           StructuredOutputsError)
+from arcjax.lora.adapter_cache import AdapterCache
+from arcjax.lora.lora_request import LoRARequest
 from arcjax.model.formats.pooler_config import PoolerConfig
 from arcjax.pooling_params import PoolingParams
 from arcjax.reasoning.abstract_reasoning_parser import PROMPT_TAIL_TOKENS
@@ -73,6 +79,7 @@ class InputProcessor:
       seed: seeds requests whose SamplingParams have no seed (with the request id).
       structured: compiles structured-output constraints (None: they are refused).
       reasoning: the model's reasoning parser (`arcjax.reasoning.model_reasoning`), or None.
+      adapters: the loaded LoRA adapters (None: LoRA is off, `lora_request` is refused).
       pooler: how the model pools (runner="pooling"); None = embeddings are refused.
       hidden_size: the pooled vectors' size (what `dimensions` may not exceed).
     """
@@ -81,11 +88,27 @@ class InputProcessor:
                  sched_config: scheduler.SchedulerConfig, seed: int = 0,
                  structured: StructuredOutputManager | None = None,
                  reasoning: ModelReasoning | None = None,
-                 pooler: PoolerConfig | None = None, hidden_size: int = 0):
+                 pooler: PoolerConfig | None = None, hidden_size: int = 0,
+                 adapters: AdapterCache | None = None):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.sched_config, self.seed, self.structured = sched_config, seed, structured
         self.reasoning = reasoning
         self.pooler, self.hidden_size = pooler, hidden_size
+        self.adapters = adapters
+
+    def check_adapter(self, lora_request: LoRARequest | None) -> None:
+        """Loads and validates a request's LoRA adapter (None: the base model).
+
+        Raises:
+          LoRAAdapterError: LoRA is off, or the adapter is refused (adapter and field named).
+        """
+        if lora_request is None:
+            return
+        if self.adapters is None:
+            name = getattr(lora_request, "lora_name", str(lora_request))
+            raise LoRAAdapterError(str(name), "lora_request", "LoRA is not enabled: build the "
+                                   "engine with enable_lora=True")
+        self.adapters.check(lora_request)
 
     def check(self, prompt, params: SamplingParams | PoolingParams
               ) -> tuple[str | None, tuple[int, ...]]:
@@ -250,13 +273,17 @@ class InputProcessor:
 
     def build(self, request_id: str, text, ids: tuple[int, ...],
               params: SamplingParams | PoolingParams, arrival: float, priority: int,
-              sink) -> NewRequest | NewGroup:
-        """The inbox item of one validated request (its scheduler checks run here).
+              sink, lora_request: LoRARequest | None = None) -> NewRequest | NewGroup:
+        """The inbox item of one validated request (its scheduler checks run here; its
+        adapter, checked by `check_adapter`, is pinned once per sample).
 
         Raises:
           RequestError: the scheduler refuses the request (e.g. it can never fit).
         """
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise LoRAAdapterError(lora_request.lora_name, "lora_request", "embedding "
+                                       "requests run the base model (no adapters yet)")
             return self._build_pooling(request_id, text, ids, params, arrival, priority, sink)
         request = scheduler.Request(request_id=request_id, prompt_token_ids=ids,
                                     max_tokens=params.max_tokens, arrival_time=arrival,
@@ -267,19 +294,40 @@ class InputProcessor:
         if params.n == 1:
             state = self.state(request_id, text, ids, params, seed, arrival)
             state.sink = sink
+            state.adapter = self._pin(lora_request, 1)[0]  # last: nothing raises after
+            if state.adapter is not None:
+                request = dataclasses.replace(request, adapter=state.adapter.key)
             return NewRequest(state, request)
-        pairs = []
+        states = []
         for i in range(params.n):
-            cid = child_id(request_id, i)
             cp = dataclasses.replace(params, n=1, seed=child_seed(seed, i), prompt_logprobs=(
                 params.prompt_logprobs if i == 0 else None))  # the group reports child 0's
-            state = self.state(cid, text, ids, cp, cp.seed, arrival)
-            state.index, state.parent_id = i, request_id
-            pairs.append((state, dataclasses.replace(request, request_id=cid)))
+            states.append(self.state(child_id(request_id, i), text, ids, cp, cp.seed, arrival))
+        refs = self._pin(lora_request, params.n)  # last: nothing raises after
+        if refs[0] is not None:
+            request = dataclasses.replace(request, adapter=refs[0].key)
+        pairs = []
+        for i, (state, ref) in enumerate(zip(states, refs)):
+            state.index, state.parent_id, state.adapter = i, request_id, ref
+            pairs.append((state, dataclasses.replace(request, request_id=state.request_id)))
         hold = 1 if self.sched_config.enable_prefix_caching else params.n
         group = RequestGroup(request_id, [st for st, _ in pairs], pairs[hold:], sink)
         return NewGroup(group, pairs[:hold])
 
+    def _pin(self, lora_request: LoRARequest | None, n: int) -> list:
+        """n pins of the adapter (one per sample), or n Nones for the base model; all or
+        none (a failed load releases what it pinned)."""
+        if lora_request is None:
+            return [None] * n
+        refs = []
+        try:
+            for _ in range(n):
+                refs.append(self.adapters.acquire(lora_request))
+        except BaseException:
+            for ref in refs:
+                self.adapters.release(ref)
+            raise
+        return refs
     def _build_pooling(self, request_id: str, text, ids: tuple[int, ...],
                        params: PoolingParams, arrival: float, priority: int,
                        sink) -> NewRequest:

@@ -14,6 +14,7 @@ import dataclasses
 from arcjax.outputs import PositionLogprobs
 from arcjax.engine.pooled_state import PooledState
 from arcjax.engine.tokenizer import IncrementalDetokenizer, StreamingDetokenizer
+from arcjax.lora.adapter_cache import AdapterRef
 from arcjax.reasoning.model_reasoning import RequestReasoning
 from arcjax.sampling_params import SamplingParams
 from arcjax.structured.mask_source import MaskSource
@@ -62,6 +63,7 @@ class RequestState:
     grammar: MaskSource | None = None
     banned_ids: tuple[int, ...] = ()  # one-token bad words (-inf in the bias row)
     reasoning: RequestReasoning | None = None  # splits the text into reasoning and content
+    adapter: AdapterRef | None = None  # its LoRA adapter, pinned until it is released
     # a pooling (embedding) request: its pooled sums (`params` is then a neutral
     # SamplingParams: its one row samples nothing); None for a generation request
     pooling: PooledState | None = None

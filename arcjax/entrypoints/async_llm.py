@@ -34,6 +34,7 @@ from arcjax.engine.build import build_engine
 from arcjax.engine.engine_config import EngineConfig
 from arcjax.outputs import CompletionOutput, RequestOutput
 from arcjax.errors import EngineDeadError, UnknownRequestError
+from arcjax.lora.lora_request import LoRARequest
 from arcjax.sampling_params import SamplingParams
 from arcjax.sampling_params import RequestOutputKind
 
@@ -217,7 +218,8 @@ class AsyncLLM:
 
     # --- requests (event-loop side) -------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None,
-               request_id: str | None = None, priority: int = 0) -> "RequestStream":
+               request_id: str | None = None, priority: int = 0, *,
+               lora_request: LoRARequest | None = None) -> "RequestStream":
         """Queues a request now, synchronously (call it from the event loop), and returns
         the async iterator of its outputs (`async for out in stream`); `await
         stream.aclose()` before its final output aborts the request. A server decides
@@ -237,7 +239,7 @@ class AsyncLLM:
             if self._stopping:
                 raise EngineDeadError("AsyncLLM.shutdown() was called")
             rid = self.engine.add_request(prompt, params, request_id, sink=collector.put,
-                                          priority=priority)
+                                          priority=priority, lora_request=lora_request)
             if not self._thread.is_alive():  # stopped between the check and the add
                 raise self.engine.dead or EngineDeadError("the engine thread has stopped")
         except BaseException:
@@ -247,7 +249,8 @@ class AsyncLLM:
         return RequestStream(self, rid, collector)
 
     async def generate(self, prompt, params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0
+                       request_id: str | None = None, priority: int = 0, *,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Yields this request's outputs (as `params.output_kind` says; `delta_text` is the
         new text in each) until the final one. Leaving early aborts the request.
@@ -256,7 +259,7 @@ class AsyncLLM:
           RequestError subclasses: a bad request (at the first iteration).
           EngineDeadError: the engine is dead, or died while this request ran.
         """
-        stream = self.submit(prompt, params, request_id, priority)
+        stream = self.submit(prompt, params, request_id, priority, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out

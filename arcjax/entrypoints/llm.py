@@ -6,7 +6,9 @@ abandons the call (an exception, a closed or dropped stream). Requests added thr
 online API (`add_request`) get their outputs from `step()`, whoever else steps.
 `generate` asks for final outputs only (`RequestOutputKind.FINAL_ONLY`, as vLLM's
 `LLM.generate`); `stream` yields what each request's `output_kind` says. A dead engine
-raises `EngineDeadError` out of both.
+raises `EngineDeadError` out of both. `lora_request=` (one `LoRARequest` for every prompt,
+or a list of one per prompt, None entries for the base model) runs prompts with LoRA
+adapters (an engine built with enable_lora=True).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from arcjax.outputs import EmbeddingRequestOutput, RequestOutput
 from arcjax.engine.trace import attention_report, summarize, write_jsonl
 from arcjax.entrypoints.chat_template import ChatTemplate, ChatTemplateError
 from arcjax.errors import EngineDeadError, RequestError
+from arcjax.lora.lora_request import LoRARequest
 from arcjax.model.kv_report import kv_cache_report
 from arcjax.model.quant import storage_dtypes
 from arcjax.pooling_params import PoolingParams
@@ -57,8 +60,10 @@ class LLM:
 
     # --- online use -------------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
-        return self.engine.add_request(prompt, params, request_id, arrival_time)
+                    request_id: str | None = None, arrival_time: float | None = None, *,
+                    lora_request: LoRARequest | None = None) -> str:
+        return self.engine.add_request(prompt, params, request_id, arrival_time,
+                                       lora_request=lora_request)
 
     def step(self) -> list[RequestOutput]:
         return self.engine.step()
@@ -75,7 +80,9 @@ class LLM:
 
     # --- batch use --------------------------------------------------------------------
     def _normalize(self, prompts, sampling_params, params_type: type = SamplingParams,
-                   field: str = "sampling_params") -> tuple[list, list]:
+                   field: str = "sampling_params", lora_request=None
+                   ) -> tuple[list, list, list]:
+        """(prompts, their params, their LoRARequests or None), checked."""
         single = (isinstance(prompts, str) or (isinstance(prompts, np.ndarray) and prompts.ndim == 1)
                   or (isinstance(prompts, (list, tuple)) and len(prompts) > 0
                       and all(isinstance(t, (int, np.integer)) for t in prompts)))
@@ -96,23 +103,30 @@ class LLM:
         if bad is not None:
             raise RequestError(field, f"expected {params_type.__name__}, got "
                                f"{type(bad).__name__}")
-        for p, sp in zip(prompts, params):  # all-or-nothing: check before queueing
-            self.engine.check(p, sp)
-        return list(prompts), params
+        loras = lora_request
+        if loras is None or isinstance(loras, LoRARequest):
+            loras = [loras] * len(prompts)
+        if not isinstance(loras, (list, tuple)) or len(loras) != len(prompts):
+            raise RequestError("lora_request", f"expected one LoRARequest (or None) or "
+                               f"{len(prompts)} of them")
+        for p, sp, lr in zip(prompts, params, loras):  # all-or-nothing: check before queueing
+            self.engine.check(p, sp, lr)
+        return list(prompts), params, list(loras)
 
     def _run(self, prompts, sampling_params, ids: list[str],
              kind: RequestOutputKind | None = None, params_type: type = SamplingParams,
-             field: str = "sampling_params") -> Iterator[RequestOutput]:
+             field: str = "sampling_params", lora_request=None) -> Iterator[RequestOutput]:
         """Submits every prompt with a collecting sink (their ids appended to `ids`, in
         prompt order; `kind`, when given, replaces each request's output kind); yields
         outputs as steps complete; aborts what is left if the caller stops early."""
-        prompts, params = self._normalize(prompts, sampling_params, params_type, field)
+        prompts, params, loras = self._normalize(prompts, sampling_params, params_type, field,
+                                                 lora_request)
         if kind is not None:
             params = [dataclasses.replace(p, output_kind=kind) for p in params]
         inbox: list[RequestOutput] = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp, sink=inbox.append))
+            for p, sp, lr in zip(prompts, params, loras):
+                ids.append(self.engine.add_request(p, sp, sink=inbox.append, lora_request=lr))
             left = set(ids)
             while left:
                 self.engine.run_step()
@@ -128,7 +142,8 @@ class LLM:
                 except (RequestError, EngineDeadError):  # finished already, or all gone
                     pass
 
-    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+    def stream(self, prompts, sampling_params=None, *,
+               lora_request=None) -> Iterator[RequestOutput]:
         """Yields the outputs of these prompts as steps complete (as each request's
         `output_kind` says; `delta_text` is the new text in every kind). Closing the
         iterator early aborts the requests still running.
@@ -136,10 +151,10 @@ class LLM:
         Raises:
           EngineDeadError: the engine died (its requests are gone).
         """
-        yield from self._run(prompts, sampling_params, [])
+        yield from self._run(prompts, sampling_params, [], lora_request=lora_request)
 
     def generate(self, prompts: str | Sequence, sampling_params=None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Generates for every prompt; returns final outputs in prompt order (whatever
         their `output_kind`: each carries everything its request generated).
 
@@ -153,7 +168,8 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         generated = 0
         with tqdm(disable=not use_tqdm, desc="generate", unit="req") as bar:
-            for out in self._run(prompts, sampling_params, ids, RequestOutputKind.FINAL_ONLY):
+            for out in self._run(prompts, sampling_params, ids, RequestOutputKind.FINAL_ONLY,
+                                 lora_request=lora_request):
                 if out.finished:
                     final[out.request_id] = out
                     generated += len(out.token_ids)
@@ -193,7 +209,8 @@ class LLM:
     def chat(self, messages, sampling_params=None, *, use_tqdm: bool = True,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template: str | None = None, chat_template_kwargs: Mapping | None = None,
-             tools: list | None = None, **template_kwargs) -> list[RequestOutput]:
+             tools: list | None = None, lora_request=None,
+             **template_kwargs) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} dicts) or a
         list of conversations; returns one output per conversation, in order.
 
@@ -235,7 +252,7 @@ class LLM:
                                  continue_final_message=continue_final_message, **kwargs)
                  for c in conversations]
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        outs = self.generate(ids, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
         return [dataclasses.replace(o, prompt=t) for o, t in zip(outs, texts)]
 
     # --- trace ------------------------------------------------------------------------

@@ -48,30 +48,29 @@ class LoRAWeights:
     a: dict
     b: dict
 
-    def layer(self, index) -> "LayerLoRA":
-        """Layer `index`'s slices, for code outside the layer scan."""
-        return LayerLoRA(self.slots, {k: v[index] for k, v in self.a.items()},
-                         {k: v[index] for k, v in self.b.items()})
+    def layer(self, a: dict, b: dict, impl: str) -> "LayerLoRA":
+        """One layer's view, from its slices `a`, `b` of `self.a`, `self.b` (what the layer
+        scan hands each layer)."""
+        return LayerLoRA(self.slots, a, b, impl)
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerLoRA:
-    """One layer's LoRA input inside the layer scan: the token slots and, per projection,
-    A [S, in, r] and B [S, r, out]."""
+    """One layer's LoRA input inside the layer scan (built while tracing): the token slots,
+    per projection A [S, in, r] and B [S, r, out], and the delta's implementation."""
 
     slots: jax.Array
     a: dict
     b: dict
+    impl: str
 
-    def delta(self, key: str, x: jax.Array, impl: str) -> jax.Array | None:
-        """The delta of projection `key` for `x` [..., in] (None: no slot targets it here)."""
+    def add(self, key: str, x: jax.Array, y: jax.Array) -> jax.Array:
+        """`y` (projection `key`'s output for `x` [T, in]: [T, out]) plus every token's
+        adapter delta (`y` itself for a projection no slot holds)."""
         if key not in self.a:
-            return None
-        lead = x.shape[:-1]
-        out = lora_delta(x.reshape(-1, x.shape[-1]), self.a[key], self.b[key], self.slots,
-                         impl=impl)
-        return out.reshape(*lead, -1)
+            return y
+        return y + lora_delta(x, self.a[key], self.b[key], self.slots,
+                              impl=self.impl).astype(y.dtype)
 
 
 def resolve_impl(impl: str, platform: str) -> str:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels.backends import Choice
+from arcjax.lora.lora_delta import LoRAWeights
 from arcjax.model.kv_layout import KVLayout, kv_layout
 from arcjax.model.model_config import ModelConfig, rope_inv_freq
 from arcjax.model.specs import Cache, Params
@@ -171,7 +172,8 @@ def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
 def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
                        attn_impl: str = "auto", dtype=jnp.float32,
                        max_q_len: int | None = None, parallel=None, moe_impl: str = "auto",
-                       head: bool = True, kv: KVLayout | None = None
+                       head: bool = True, kv: KVLayout | None = None,
+                       lora: LoRAWeights | None = None, lora_impl: str = "masked"
                        ) -> tuple[jax.Array, Cache, jax.Array | None]:
     """One ragged step over the paged cache.
 
@@ -189,6 +191,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     layer. Layer l reads group `layer_group[l]`'s tables and slot mapping and owns the
     pages of slot `layer_slot[l]`: both ride along the layer scan (traced per layer), so
     one executable serves every layer.
+    `lora`: the LoRA adapters' slots and each token's slot (`arcjax.lora.lora_delta`), or
+    None; `lora_impl` (static): their delta's implementation (`lora_delta.IMPLS`).
 
     Returns:
       logits [S, V] float32 at `batch.logits_rows` (or hidden states, see `head`), the
@@ -217,7 +221,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
 
     def layer(block, carry, xs):
         x, k_cache, v_cache = carry
-        l, const = xs
+        l, const, lora_ab = xs
+        layer_lora = None if lora is None else lora.layer(*lora_ab, lora_impl)
         group, slot = const["kv_group"], const["kv_slot"]  # [] int32 each
         slots = jnp.where(valid_slot, batch.slot_mapping[group] + slot * layer_slots,
                           kv.num_slots * layer_slots)  # [T]; still out of range if padding
@@ -241,12 +246,13 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
 
         x, (k_cache, v_cache), stats = block(x, batch.positions, const["inv_freq"], attend,
                                              valid=valid_slot, layer=l, moe_impl=moe_impl,
-                                             parallel=parallel)
+                                             parallel=parallel, lora=layer_lora)
         return (x, k_cache, v_cache), stats
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    lora_ab = None if lora is None else (lora.a, lora.b)  # [L, S, ...]: one layer each
     (x, k_new, v_new), stats = model.scan_layers(layer, (x, cache["k"], cache["v"]),
-                                                 (layer_ids, layer_constants(cfg, kv)))
+                                                 (layer_ids, layer_constants(cfg, kv), lora_ab))
     x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
     out = model.head(x, parallel) if head else x
     return out, {**cache, "k": k_new, "v": v_new}, stats

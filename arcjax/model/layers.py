@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from arcjax.lora.lora_delta import LayerLoRA
 from arcjax.model import moe
 from arcjax.model.expert_ffn import ExpertAct
 from arcjax.model.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
@@ -161,12 +162,16 @@ class Attention(nnx.Module):
         """[Hq] float32 attention sinks, or None."""
         return None if self.sinks is None else value(self.sinks).astype(jnp.float32)
 
-    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array):
-        """x: [..., T, H] normalized -> q [..., T, Hq, D], k and v [..., T, Hkv, D]."""
+    def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
+            lora: LayerLoRA | None = None):
+        """x: [..., T, H] normalized -> q [..., T, Hq, D], k and v [..., T, Hkv, D].
+        `lora`: the LoRA adapters' per-token deltas (x is then [T, H])."""
         cfg, dt = self.cfg, x.dtype
         # dense(): a quantized weight (FP8/INT8) is dequantized here, inside the step.
         q, k, v = (x @ dense(value(self.wq), dt), x @ dense(value(self.wk), dt),
                    x @ dense(value(self.wv), dt))
+        if lora is not None:
+            q, k, v = lora.add("wq", x, q), lora.add("wk", x, k), lora.add("wv", x, v)
         if self.bq is not None:
             q, k, v = (q + value(self.bq).astype(dt), k + value(self.bk).astype(dt),
                        v + value(self.bv).astype(dt))
@@ -178,9 +183,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rope(q, positions, cfg, inv_freq), rope(k, positions, cfg, inv_freq), v
 
-    def out(self, attn: jax.Array, dtype) -> jax.Array:
+    def out(self, attn: jax.Array, dtype, lora: LayerLoRA | None = None) -> jax.Array:
         """attn [..., T, Hq, D] -> [..., T, H]; the weights in `dtype` (the layer input's)."""
-        out = attn.reshape(*attn.shape[:-2], -1) @ dense(value(self.wo), dtype)
+        attn = attn.reshape(*attn.shape[:-2], -1)
+        out = attn @ dense(value(self.wo), dtype)
+        if lora is not None:
+            out = lora.add("wo", attn, out)
         if self.bo is not None:
             out = out + value(self.bo).astype(dtype)
         return out
@@ -196,12 +204,15 @@ class MLP(nnx.Module):
         self.w_up = _param(rngs, (H, I), "normal", ("embed", "mlp"))
         self.w_down = _param(rngs, (I, H), "normal", ("mlp", "embed"))
 
-    def __call__(self, h: jax.Array) -> jax.Array:
-        """h [..., H] -> [..., H]."""
+    def __call__(self, h: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
+        """h [..., H] -> [..., H]; `lora`: the LoRA adapters' deltas (h is then [T, H])."""
         dt = h.dtype
-        h = (moe.activation(h @ dense(value(self.w_gate), dt), self.act)
-             * (h @ dense(value(self.w_up), dt)))
-        return h @ dense(value(self.w_down), dt)
+        gate, up = h @ dense(value(self.w_gate), dt), h @ dense(value(self.w_up), dt)
+        if lora is not None:
+            gate, up = lora.add("w_gate", h, gate), lora.add("w_up", h, up)
+        h = moe.activation(gate, self.act) * up
+        out = h @ dense(value(self.w_down), dt)
+        return out if lora is None else lora.add("w_down", h, out)
 
 
 class MoE(nnx.Module):
@@ -269,18 +280,20 @@ class Block(nnx.Module):
         self.post_mlp_norm = norm() if sandwich else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend, *,
-                 valid: jax.Array, layer: jax.Array, moe_impl: str, parallel):
+                 valid: jax.Array, layer: jax.Array, moe_impl: str, parallel,
+                 lora: LayerLoRA | None = None):
         """x [..., T, H] -> (x, aux, tokens per expert [E] or None).
 
         `attend(q, k, v) -> ([..., T, Hq, D], aux)` is the only difference between the paged
         and dense modes; positions [..., T]; inv_freq [D/2] (this layer's rope); valid,
-        layer, moe_impl, parallel: for the experts (`MoE`)."""
+        layer, moe_impl, parallel: for the experts (`MoE`); lora: the LoRA adapters' deltas
+        of the projections (the paged mode's; a mixture of experts' attention only)."""
         with jax.named_scope("qkv"):
-            q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq)
+            q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq, lora)
         with jax.named_scope("attention"):
             attn, aux = attend(q, k, v)
         with jax.named_scope("o_proj"):
-            out = self.attn.out(attn, x.dtype)
+            out = self.attn.out(attn, x.dtype, lora)
             if self.post_attn_norm is not None:
                 out = self.post_attn_norm(out)
             x = x + out
@@ -290,7 +303,7 @@ class Block(nnx.Module):
                 h, stats = self.mlp(h, valid=valid, layer=layer, impl=moe_impl,
                                     parallel=parallel)
             else:
-                h, stats = self.mlp(h), None
+                h, stats = self.mlp(h, lora), None
             if self.post_mlp_norm is not None:
                 h = self.post_mlp_norm(h)
             x = x + h

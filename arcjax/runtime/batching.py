@@ -46,6 +46,8 @@ class PreparedStep:
       spec: a verification step (sample width > 1): the draft tokens to verify; else None.
       pooling: a step with pooling rows: each row's pooling weights (hidden states are then
         computed at every token row); else None.
+      lora_slots: with LoRA adapters, each token row's adapter slot [T] int32 (0: the base
+        model, and padding); else None.
     """
 
     bucket: Bucket
@@ -54,6 +56,7 @@ class PreparedStep:
     prompt: PromptTargets | None = None
     spec: verification.SpecInputs | None = None
     pooling: PoolingInputs | None = None
+    lora_slots: np.ndarray | None = None
 
     @property
     def every_row(self) -> tuple[bool, bool]:

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arcjax.lora.slot_table import SlotTable, token_slots
 from arcjax.model import decoder
 from arcjax.model.kv_layout import KVLayout, kv_layout
 from arcjax.model.model_config import ModelConfig
@@ -57,17 +58,18 @@ from arcjax.spec_decode import verification
 
 log = logging.getLogger(__name__)
 
-_STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel", "kv")
+_STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel", "kv", "lora_impl")
 
 
-def _logits(params, cache, batch, prompt, pooling, *, cfg, attn_impl, dtype, max_q_len,
-            parallel, kv):
+def _logits(params, cache, batch, prompt, pooling, lora, *, cfg, attn_impl, dtype, max_q_len,
+            parallel, kv, lora_impl):
     """The forward: (logits [R, V] at the sampled positions, prompt logprobs or None, pooled
-    sums [S, H] or None, the cache, tokens per expert [L, E] or None)."""
+    sums [S, H] or None, the cache, tokens per expert [L, E] or None). `lora`: the adapters'
+    `LoRAWeights`, or None."""
     every_row = prompt is not None or pooling is not None
     out, cache, expert_counts = decoder.forward_with_stats(
         params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
-        parallel=parallel, head=not every_row, kv=kv)
+        parallel=parallel, head=not every_row, kv=kv, lora=lora, lora_impl=lora_impl)
     if not every_row:  # [R, V] at `batch.logits_rows`
         return out, None, None, cache, expert_counts
     # hidden states at every token row [T, H]; sampling reads its rows
@@ -91,18 +93,20 @@ def _sampled(logits, sampling, counts, bitmask, spec, sample_width):
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "sample_width"),
                    donate_argnames=("cache", "counts"))
 def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None,
-          pooling=None, *, cfg, attn_impl, dtype, max_q_len, parallel=None, kv=None,
-          sample_width=1):
-    # cfg/attn_impl/dtype/max_q_len/parallel/kv/sample_width are static: one executable per
-    # bucket, no recompiles from the traced metadata (num_seqs, kv_lens, ...). `prompt`
-    # (prompt logprobs) is None or not: at most a second executable per bucket, built on
-    # demand; so is `pooling` (a step with pooling rows: the pooled sums of their hidden
-    # states). `spec` (draft tokens to verify) is set exactly in buckets of sample_width > 1.
-    # `bitmask` [R, ceil(V / 32)] int32 is always an input (all ones for unconstrained
-    # rows): structured outputs need no other executable.
+          pooling=None, lora=None, *, cfg, attn_impl, dtype, max_q_len, parallel=None, kv=None,
+          sample_width=1, lora_impl="masked"):
+    # cfg/attn_impl/dtype/max_q_len/parallel/kv/sample_width/lora_impl are static: one
+    # executable per bucket, no recompiles from the traced metadata (num_seqs, kv_lens,
+    # ...). `prompt` (prompt logprobs) is None or not: at most a second executable per
+    # bucket, built on demand; so is `pooling` (a step with pooling rows: the pooled sums
+    # of their hidden states). `spec` (draft tokens to verify) is set exactly in buckets of
+    # sample_width > 1. `bitmask` [R, ceil(V / 32)] int32 is always an input (all ones for
+    # unconstrained rows): structured outputs need no other executable. `lora` (LoRA
+    # adapters' slots and each token's slot) is None, or an input of every step: adapters
+    # change no executable.
     logits, prompt_lp, pooled, cache, experts = _logits(
-        params, cache, batch, prompt, pooling, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
-        max_q_len=max_q_len, parallel=parallel, kv=kv)
+        params, cache, batch, prompt, pooling, lora, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
+        max_q_len=max_q_len, parallel=parallel, kv=kv, lora_impl=lora_impl)
     tokens, yielded, logprobs, counts = _sampled(logits, sampling, counts, bitmask, spec,
                                                  sample_width)
     return (StepOutput(tokens, logprobs, prompt_lp, num_yielded=yielded,
@@ -110,11 +114,12 @@ def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=Non
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _forward(params, cache, batch, prompt=None, pooling=None, *, cfg, attn_impl, dtype,
-             max_q_len, parallel=None, kv=None):
+def _forward(params, cache, batch, prompt=None, pooling=None, lora=None, *, cfg, attn_impl,
+             dtype, max_q_len, parallel=None, kv=None, lora_impl="masked"):
     """`_step` without its sampling: for a step whose bitmask is not known at launch."""
-    return _logits(params, cache, batch, prompt, pooling, cfg=cfg, attn_impl=attn_impl,
-                   dtype=dtype, max_q_len=max_q_len, parallel=parallel, kv=kv)
+    return _logits(params, cache, batch, prompt, pooling, lora, cfg=cfg, attn_impl=attn_impl,
+                   dtype=dtype, max_q_len=max_q_len, parallel=parallel, kv=kv,
+                   lora_impl=lora_impl)
 
 
 @functools.partial(jax.jit, static_argnames=("sample_width",), donate_argnames=("counts",))
@@ -154,7 +159,8 @@ class ModelRunner:
                  max_blocks_per_seq: int, buckets: BucketSet, dtype, attn_impl: str,
                  executables: ExecutableCache | None = None, parallel=None,
                  kv_cache_dtype=None, kv_scales=None, kv: KVLayout | None = None,
-                 host_slots: int = 0, pooling: bool = False):
+                 host_slots: int = 0, pooling: bool = False, lora: SlotTable | None = None,
+                 lora_impl: str = "masked"):
         # parallel: an arcjax.parallel.TensorParallel (params already in its shardings,
         # cfg its sharded_config); the cache is created in its shards, inputs replicated.
         # kv_cache_dtype: the pages' dtype (None: dtype); float8_e4m3fn pages carry a K and
@@ -163,8 +169,12 @@ class ModelRunner:
         # host_slots: blocks of the host tier (0: none; kv_tiers.py).
         # pooling: steps may carry pooling rows (runner="pooling"): `warmup` prepares each
         # bucket's pooling executable too.
+        # lora: the LoRA adapters' device slots (every step then takes `LoRAWeights`; the
+        # engine fills the slots, `prepare` packs each row's slot), lora_impl their delta's
+        # implementation (`arcjax.lora.lora_delta.IMPLS`, resolved); None: no adapters.
         self.cfg, self.params, self.parallel = cfg, params, parallel
         self.kv = kv if kv is not None else kv_layout(cfg, hybrid=False)
+        self.lora, self.lora_impl = lora, lora_impl
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_blocks = max_blocks_per_seq
         self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
@@ -212,7 +222,7 @@ class ModelRunner:
         return len({key[0] for key in self._compiled})
 
     def prepare(self, plan, sampling_rows: Sequence[tuple], prompt_rows=None,
-                pooling_rows=None) -> PreparedStep:
+                pooling_rows=None, row_slots: Sequence[int] | None = None) -> PreparedStep:
         """Packs one step plan into its bucket's host arrays (`batching.prepare_step`).
 
         Args:
@@ -227,12 +237,18 @@ class ModelRunner:
 
         A plan whose decode rows carry draft tokens runs in a bucket of sample width
         1 + num_speculative_tokens: its sampling inputs are per position and it carries
-        the `verification.SpecInputs`.
+        the `verification.SpecInputs`. `row_slots`: with LoRA, each row's adapter slot
+        (0: the base model), repeated over the row's tokens (`PreparedStep.lora_slots`).
         """
-        return prepare_step(plan, sampling_rows, prompt_rows, pooling_rows, buckets=self.buckets,
+        step = prepare_step(plan, sampling_rows, prompt_rows, pooling_rows,
+                            buckets=self.buckets,
                             max_blocks=self.max_blocks, block_size=self.block_size,
                             num_blocks=self.num_blocks, spare_slot=self.counts.spare,
                             num_groups=self.kv.num_groups)
+        if row_slots is None:
+            return step
+        return dataclasses.replace(step, lora_slots=token_slots(row_slots, plan.lengths,
+                                                                step.bucket.tokens))
 
     def store_blocks(self, plan) -> None:
         """The host tier's stores of `plan` (`StepPlan.kv_stores`): copied out of the cache
@@ -270,10 +286,11 @@ class ModelRunner:
     def step_statics(self, bucket: Bucket) -> dict:
         """The static arguments `bucket`'s forward is compiled with (`_STATIC`): the model,
         the attention implementation ("auto" resolved), the dtype, the chunk bound, the mesh,
-        the KV layout. A tool that traces a bucket's forward again
-        (`arcjax.bench.step_replay`) reads them here."""
+        the KV layout, the LoRA delta's implementation. A tool that traces a bucket's forward
+        again (`arcjax.bench.step_replay`) reads them here."""
         return dict(cfg=self.cfg, attn_impl=self._attention_impl(bucket), dtype=self.dtype,
-                    max_q_len=bucket.max_q_len, parallel=self.parallel, kv=self.kv)
+                    max_q_len=bucket.max_q_len, parallel=self.parallel, kv=self.kv,
+                    lora_impl=self.lora_impl)
 
     def _attention_impl(self, bucket: Bucket) -> str:
         """The attention implementation of `bucket`'s steps: `attn_impl`, "auto" resolved
@@ -327,6 +344,15 @@ class ModelRunner:
                 batch.token_ids, feed.source.out.tokens, rows, positions))
         return batch, prompt, pooling
 
+    def _lora(self, step: PreparedStep):
+        """The step's `LoRAWeights` (None without adapters); a step packed without row
+        slots (warm-up) runs every token on the base model (slot 0)."""
+        if self.lora is None:
+            return None
+        slots = step.lora_slots
+        return self.lora.step_weights(slots if slots is not None
+                                      else np.zeros(step.bucket.tokens, np.int32))
+
     def run(self, step: PreparedStep, *, bitmask: np.ndarray | None = None) -> StepOutput:
         """Runs the step; returns its `StepOutput`: `tokens` [R] (and `num_yielded` [S] in a
         verification step) on the host (after the device is done), log-probabilities
@@ -348,7 +374,8 @@ class ModelRunner:
         batch, prompt, pooling = self._device_batch(step, feed)
         sampling, spec = self._replicated((step.sampling, step.spec))
         args = (self.params, self.cache, batch, sampling, self.counts.table,
-                self._device_bitmask(step.bucket, bitmask), prompt, spec, pooling)
+                self._device_bitmask(step.bucket, bitmask), prompt, spec, pooling,
+                self._lora(step))
         exe = self._executable(step.bucket, "step", args, every_row=step.every_row)
         dispatched = time.perf_counter()
         out, self.cache, self.counts.table = exe(*args)
@@ -360,7 +387,7 @@ class ModelRunner:
         scheduling with structured outputs); `launch_sampling` completes it. Arguments as
         `launch`'s."""
         batch, prompt, pooling = self._device_batch(step, feed)
-        args = (self.params, self.cache, batch, prompt, pooling)
+        args = (self.params, self.cache, batch, prompt, pooling, self._lora(step))
         exe = self._executable(step.bucket, "forward", args, every_row=step.every_row)
         dispatched = time.perf_counter()
         logits, prompt_lp, pooled, self.cache, experts = exe(*args)
@@ -416,6 +443,8 @@ class ModelRunner:
         """A fresh zeroed KV cache (every sequence's KV is gone)."""
         self.cache = self._new_cache()
         self.counts.reset()
+        if self.lora is not None:  # the slots are written again as steps need them
+            self.lora.reset()
         if self.host_pool is not None:  # the scheduler forgets the tier with the cache
             self.host_pool.reset()
 

@@ -29,6 +29,7 @@ def check_adapters(state: SchedulerState, config: SchedulerConfig) -> None:
     """Running sequences use at most max_loras adapters; a drain names a running one."""
     counts = adapter_counts(running_sequences(state))
     assert len(counts) <= config.max_loras, f"{len(counts)} adapters > max_loras"
+    assert state.running_adapters() == set(counts), "running_adapters() misses an adapter"
     if counts and currently_in_test_context():
         event(f"{len(counts)} adapters running (max_loras {config.max_loras})")
 
