@@ -8,7 +8,7 @@
 # Per version, a Python 3.12 venv (the device's Python) outside the repository,
 # $PREFLIGHT_VENVS/venv312-VERSION (default /tmp), with what the device has: jax and
 # jaxlib of that version (CPU), triton 3.6, pytest, tokenizers, safetensors,
-# transformers (4.x); plus torch for Triton's interpreter; none of openai, jsonschema,
+# transformers (4.x), flax; plus torch for Triton's interpreter; none of openai, jsonschema,
 # pydantic, fastapi, llguidance (removed if a dependency brought one). The .whl/ wheels (scripts/gpu_wheels.sh) are installed
 # the way gpu_check.sh installs them on the device. Then, with JAX_PLATFORMS=cpu:
 #   1. the CUDA-lowering tests, the Mosaic GPU lowering and the Triton interpreter tests
@@ -46,9 +46,10 @@ main() {
       python312 -m venv "$venv" || { failed+=("$v: no Python 3.12 venv"); continue; }
     fi
     py="$venv/bin/python"
-    # transformers < 5: 5.x brings typer and with it pydantic, which the device lacks
+    # transformers < 5: 5.x brings typer and with it pydantic, which the device lacks;
+    # flax (and optax, which it brings) as the device has them: the model's layers need it
     if ! "$py" -m pip install -q "jax==$v" "jaxlib==$v" numpy absl-py pytest tokenizers \
-        safetensors "transformers<5" "triton==3.6.0" "torch==2.10.0"; then
+        safetensors "transformers<5" "triton==3.6.0" "torch==2.10.0" flax; then
       failed+=("$v: pip install"); continue
     fi
     for pkg in openai jsonschema pydantic fastapi llguidance; do  # not on the device

@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arcjax.model.layers import rms_norm
 from arcjax.model.model_config import ModelConfig
 
 
@@ -79,6 +78,8 @@ def pool_rows(params, cfg: ModelConfig, hidden: jax.Array, pooling: PoolingInput
     Returns:
       [S, H] float32.
     """
+    from arcjax.model.layers import rms_norm  # flax: imported where a model is traced
+
     h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps,
                  cfg.norm_unit_offset).astype(jnp.float32)  # [T, H]
     return jax.ops.segment_sum(h * pooling.weights[:, None], pooling.segments,
