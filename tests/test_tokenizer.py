@@ -182,6 +182,14 @@ def test_deltas_with_prompt_context(detok_cls, tok):
         assert "".join(deltas) + tail == full[len(tok.decode(prompt)):]
 
 
+def test_a_prompt_ending_mid_character_keeps_its_bytes_out_of_the_output(detok_cls, tok):
+    # The prompt's unfinished character is the prompt's text (decoded as U+FFFD there).
+    prompt = tok.encode("a😀", add_special_tokens=False)[:-1]
+    ids = tok.encode("kowp-01", add_special_tokens=False)
+    deltas, tail = _stream(detok_cls, tok, ids, prompt)
+    assert "".join(deltas) + tail == "kowp-01" == tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+
+
 def test_random_multibyte_text_streams_exactly(detok_cls, tok):
     rng = random.Random(1)
     alphabet = "ab 😀你好€ñ👋🏽\n한"

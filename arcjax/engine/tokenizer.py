@@ -313,10 +313,18 @@ class StreamingDetokenizer:
         self._tok = tokenizer
         self._skip = skip_special_tokens
         context = list(prompt_ids[-_CONTEXT_TOKENS:])
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._stream, self._context_chars = self._primed(context)
         self._context = context  # tokens before `_pending` (for flush)
         self._pending: list[int] = []  # tokens whose text the stream still holds
         self._pieces: list[str] = []
+
+    def _primed(self, context: list[int]) -> tuple[DecodeStream, int]:
+        """A stream that has read `context`, and how many characters of the context's text
+        it still holds back (a prompt ending in an unfinished character: that text belongs
+        to the prompt, so the first deltas drop it, as `IncrementalDetokenizer` does)."""
+        stream = DecodeStream(skip_special_tokens=self._skip)
+        seen = sum(len(stream.step(self._tok._tok, t) or "") for t in context)
+        return stream, max(0, len(self._tok.decode(context, self._skip)) - seen)
 
     @property
     def text(self) -> str:
@@ -331,6 +339,11 @@ class StreamingDetokenizer:
             return ""
         self._context = (self._context + self._pending)[-_CONTEXT_TOKENS:]
         self._pending = []
+        if self._context_chars:
+            cut = min(self._context_chars, len(delta))
+            delta, self._context_chars = delta[cut:], self._context_chars - cut
+            if not delta:
+                return ""
         self._pieces.append(delta)
         return delta
 
@@ -344,7 +357,7 @@ class StreamingDetokenizer:
         delta = full[len(before):] if full.startswith(before) else ""
         self._context = (self._context + self._pending)[-_CONTEXT_TOKENS:]
         self._pending = []
-        self._stream = DecodeStream(ids=list(self._context), skip_special_tokens=self._skip)
+        self._stream, _ = self._primed(self._context)  # the flushed text was emitted
         if delta:
             self._pieces.append(delta)
         return delta
@@ -352,10 +365,10 @@ class StreamingDetokenizer:
     def snapshot(self) -> tuple:
         """The state `add`/`flush` change, in O(1)."""
         return (copy.copy(self._stream), tuple(self._context), tuple(self._pending),
-                len(self._pieces))
+                len(self._pieces), self._context_chars)
 
     def restore(self, snap: tuple) -> None:
-        stream, context, pending, n_pieces = snap
+        stream, context, pending, n_pieces, self._context_chars = snap
         self._stream = copy.copy(stream)
         self._context, self._pending = list(context), list(pending)
         del self._pieces[n_pieces:]
