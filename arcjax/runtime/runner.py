@@ -287,7 +287,7 @@ class ModelRunner:
         """The static arguments `bucket`'s forward is compiled with (`_STATIC`): the model,
         the attention implementation ("auto" resolved), the dtype, the chunk bound, the mesh,
         the KV layout, the LoRA delta's implementation. A tool that traces a bucket's forward
-        again (`arcjax.bench.step_replay`) reads them here."""
+        again (arcjax/bench/step_replay.py) reads them here."""
         return dict(cfg=self.cfg, attn_impl=self._attention_impl(bucket), dtype=self.dtype,
                     max_q_len=bucket.max_q_len, parallel=self.parallel, kv=self.kv,
                     lora_impl=self.lora_impl)
