@@ -1,6 +1,6 @@
 """Times LoRA serving: the per-token delta of one projection, and whole engines.
 
-Delta (default): the per-token LoRA delta of one projection (`arcjax.lora.lora_delta`),
+Delta (default): the per-token LoRA delta of one projection (`arcjax.model.lora_delta`),
 every implementation side by side.
 
   1. One projection of width `--dims` (in,out), `--slots` adapters of rank `--rank` (slot 0,
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from arcjax.lora.lora_delta import IMPLS, lora_delta
+from arcjax.model.lora_delta import IMPLS, lora_delta
 
 _SMALL = flags.DEFINE_boolean("small", False, "tiny shapes, 3 runs: a smoke test")
 _TOKENS = flags.DEFINE_list("tokens", ["8", "64", "512"], "token counts (rows of x)")

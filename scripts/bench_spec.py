@@ -16,7 +16,7 @@ mean acceptance length and tokens per step of the speculating engine (from its t
 Concurrent: `--concurrent` requests of the repeat workload at once, tokens/s of each engine
 (median of `--concurrent_repeats` runs, engines alternating; speculation turns itself off
 above `disable_by_batch_size` running requests). Outputs of the two engines are compared
-(greedy: identical; seeded sampling: identical too, see arcjax/spec_decode/verification.py).
+(greedy: identical; seeded sampling: identical too, see arcjax/runtime/verification.py).
 
   taskset -c 0 python scripts/bench_spec.py --out=runs/spec.json
 """

@@ -21,7 +21,7 @@ from arcjax.runtime.batching import empty_batch
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.penalties import TokenTables
 from arcjax.runtime.sampling import SamplingBatch, bitmask_words
-from arcjax.spec_decode.verification import SpecInputs
+from arcjax.runtime.verification import SpecInputs
 from pallas_kernels import backends, lowering
 
 _UNAVAILABLE = lowering.cuda_lowering_unavailable()

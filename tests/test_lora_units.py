@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from arcjax.errors import LoRAAdapterError, RequestError
 from arcjax.lora.adapter_cache import AdapterCache
-from arcjax.lora.lora_delta import IMPLS, lora_delta, resolve_impl
+from arcjax.model.lora_delta import IMPLS, lora_delta, resolve_impl
 from arcjax.lora.lora_request import LoRARequest
 from arcjax.lora.peft_adapter import load_peft_adapter
 from arcjax.lora.slot_table import SlotTable, token_slots

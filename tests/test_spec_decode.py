@@ -1,4 +1,4 @@
-"""Draft verification in the jitted step (`arcjax.spec_decode.verification`) and the n-gram proposer.
+"""Draft verification in the jitted step (`arcjax.runtime.verification`) and the n-gram proposer.
 
 Verification is checked against plain sampling position by position (greedy and seeded, with
 penalties, min_tokens and filters), and its rejection sampler against the target distribution
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arcjax.spec_decode import verification
+from arcjax.runtime import verification
 from arcjax.runtime.penalties import COUNT_SHIFT, TokenTables, apply_penalties, table_row
 from arcjax.runtime.sampling import SamplingBatch, sample
 from arcjax.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ from arcjax.spec_decode.speculator import Speculator
 from arcjax.engine.tokenizer import Tokenizer
 from arcjax.errors import EngineConfigError
 from arcjax.lora.adapter_cache import AdapterCache
-from arcjax.lora.lora_delta import resolve_impl
+from arcjax.model.lora_delta import resolve_impl
 from arcjax.lora.peft_adapter import load_peft_adapter
 from arcjax.lora.slot_table import SlotTable
 from arcjax.model.formats.gguf_tokenizer import has_tokenizer

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from arcjax.errors import EngineConfigError
-from arcjax.lora.lora_delta import IMPLS
+from arcjax.model.lora_delta import IMPLS
 
 LORA_IMPLS = ("auto", *IMPLS)
 
@@ -24,7 +24,7 @@ class LoRAConfig:
         (a smaller adapter's A and B are padded with zeros).
       max_cpu_loras: adapters kept loaded in host memory (an LRU; adapters of unfinished
         requests are never dropped); None = max_loras.
-      lora_impl: the delta's implementation (`arcjax.lora.lora_delta`): "auto" (per
+      lora_impl: the delta's implementation (`arcjax.model.lora_delta`): "auto" (per
         platform) | "ragged_dot" | "gather" | "masked".
     """
 

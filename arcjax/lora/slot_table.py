@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arcjax.lora.lora_delta import LoRAWeights
+from arcjax.model.lora_delta import LoRAWeights
 from arcjax.lora.peft_adapter import PeftAdapter
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import ParamSpec

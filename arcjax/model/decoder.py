@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels.backends import Choice
-from arcjax.lora.lora_delta import LoRAWeights
+from arcjax.model.lora_delta import LoRAWeights
 from arcjax.model.kv_layout import KVLayout, kv_layout
 from arcjax.model.model_config import ModelConfig, rope_inv_freq
 from arcjax.model.specs import Cache, Params
@@ -191,7 +191,7 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     layer. Layer l reads group `layer_group[l]`'s tables and slot mapping and owns the
     pages of slot `layer_slot[l]`: both ride along the layer scan (traced per layer), so
     one executable serves every layer.
-    `lora`: the LoRA adapters' slots and each token's slot (`arcjax.lora.lora_delta`), or
+    `lora`: the LoRA adapters' slots and each token's slot (`arcjax.model.lora_delta`), or
     None; `lora_impl` (static): their delta's implementation (`lora_delta.IMPLS`).
 
     Returns:

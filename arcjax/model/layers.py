@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arcjax.lora.lora_delta import LayerLoRA
+from arcjax.model.lora_delta import LayerLoRA
 from arcjax.model import moe
 from arcjax.model.expert_ffn import ExpertAct
 from arcjax.model.model_config import ModelConfig, rope_attention_factor, rope_inv_freq

@@ -28,7 +28,7 @@ from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.pooling_inputs import PoolingInputs, pooling_inputs
 from arcjax.runtime.sampling import SamplingBatch
 from arcjax.runtime.step_output import PromptTargets, prompt_targets
-from arcjax.spec_decode import verification
+from arcjax.runtime import verification
 from pallas_kernels.paging import paged_layout
 
 

@@ -10,7 +10,7 @@
    (plus, for steps with prompt_logprobs rows, at every row), and for a mixture of
    experts the tokens each expert received per layer.
    A step with draft tokens samples W positions per sequence and verifies the drafts
-   (`spec_decode/verification.py`): token ids [S * W] and how many each sequence yields [S].
+   (`runtime/verification.py`): token ids [S * W] and how many each sequence yields [S].
    `run` is `collect(launch(step))`. Overlapped scheduling calls them apart: `launch`
    dispatches the step and returns a `StepHandle` (`step_handle.py`) at once (JAX dispatch
    is asynchronous) and starts the tokens' copy to the host; the next step's
@@ -54,7 +54,7 @@ from arcjax.runtime.pooling_inputs import pool_rows
 from arcjax.runtime.sampling import TokenLogprobs, bitmask_words, sample_step, token_logprobs
 from arcjax.runtime.step_handle import CompletionWatcher, ForwardResult, StepHandle, TokenFeed
 from arcjax.runtime.step_output import StepOutput
-from arcjax.spec_decode import verification
+from arcjax.runtime import verification
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class ModelRunner:
         # bucket's pooling executable too.
         # lora: the LoRA adapters' device slots (every step then takes `LoRAWeights`; the
         # engine fills the slots, `prepare` packs each row's slot), lora_impl their delta's
-        # implementation (`arcjax.lora.lora_delta.IMPLS`, resolved); None: no adapters.
+        # implementation (`arcjax.model.lora_delta.IMPLS`, resolved); None: no adapters.
         self.cfg, self.params, self.parallel = cfg, params, parallel
         self.kv = kv if kv is not None else kv_layout(cfg, hybrid=False)
         self.lora, self.lora_impl = lora, lora_impl

@@ -7,7 +7,7 @@
      The planner fits them in what the step leaves (scheduler/spec.py). A request with
      structured outputs keeps the drafts its grammar accepts (`RequestGrammar.valid_prefix`;
      with its newest token in flight, all of them: see `drafts`).
-  2. The jitted step verifies them (spec_decode/verification.py); `row_tokens` reads what
+  2. The jitted step verifies them (runtime/verification.py); `row_tokens` reads what
      each row yielded: 1 + its accepted drafts.
   3. The core appends them one by one (`OutputProcessor.append`: a stop cuts the row
      there), commits each row's kept tokens, records the step's draft / accepted counts in
