@@ -21,23 +21,18 @@ Smoke test (< 1 min):          python scripts/bench_moe.py --small --out=/tmp/mo
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import platform
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from absl import app, flags
 from flax import nnx
 
-from arcjax.model import binding, decoder
+from arcjax.model import binding
 from arcjax.model.model_config import ModelConfig
-from arcjax.model.specs import init_params, make_cache
-from arcjax.runtime.batching import build_batch
-from arcjax.runtime.buckets import Bucket
+from arcjax.bench.step_timing import BLOCK, step_call, time_round_robin
+from arcjax.model.specs import init_params
 
 _SMALL = flags.DEFINE_boolean("small", False, "tiny shapes, 1 warm-up, 3 runs: a smoke test")
 _HIDDEN = flags.DEFINE_integer("hidden", 1024, "hidden size")
@@ -55,7 +50,6 @@ _ITERS = flags.DEFINE_integer("iters", 10, "timed runs per case; the median is r
 _LAYER_MLP = flags.DEFINE_boolean("layer_mlp", True, "also time one layer's MLP alone")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
 
-BLOCK = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,48 +90,6 @@ def _cases(c: BenchConfig) -> list[tuple[str, list[int], list[int]]]:
     return cases
 
 
-def _batch(starts, lengths, num_blocks, max_blocks):
-    n = len(starts)
-    tables, nxt = [], 0
-    for s, ln in zip(starts, lengths):
-        need = -(-(s + ln) // BLOCK)
-        tables.append(list(range(nxt, nxt + need)))
-        nxt += need
-    tokens = sum(lengths)
-    decode = all(ln == 1 for ln in lengths)
-    bucket = Bucket(tokens, n, 1 if decode else tokens)
-    rng = np.random.default_rng(0)
-    batch = build_batch(rng.integers(0, 4096, tokens).tolist(), starts, lengths, tables,
-                        bucket=bucket, max_blocks=max_blocks, block_size=BLOCK,
-                        num_blocks=num_blocks)
-    return jax.tree.map(jnp.asarray, batch), bucket.max_q_len
-
-
-def _time_round_robin(calls: dict, iters: int) -> dict[str, float]:
-    """Median milliseconds of each zero-argument call, the calls interleaved run by run."""
-    times = {name: [] for name in calls}
-    for _ in range(iters):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            jax.block_until_ready(call())
-            times[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
-
-
-def _step_call(cfg: ModelConfig, params, impl: str, starts, lengths, num_blocks, max_blocks):
-    batch, max_q_len = _batch(starts, lengths, num_blocks, max_blocks)
-    step = jax.jit(functools.partial(decoder.forward_with_stats, cfg=cfg, attn_impl="xla",
-                                     max_q_len=max_q_len, moe_impl=impl),
-                   donate_argnames=("cache",))
-    box = {"cache": make_cache(cfg, num_blocks, BLOCK)}
-
-    def call():
-        logits, box["cache"], _ = step(params, box["cache"], batch)
-        return logits
-
-    return call
-
-
 def _mlp_call(c: BenchConfig, cfg: ModelConfig, params, impl: str, tokens: int):
     """One layer's MLP alone (layer 0) over `tokens` rows, as the step reads it."""
     graphdef, state = nnx.split(binding.bind(cfg, params).block(0).mlp)
@@ -167,8 +119,9 @@ def run(c: BenchConfig) -> dict:
     params = {model: init_params(cfg, jax.random.key(1)) for model, cfg in models.items()}
     results = []
     for name, starts, lengths in cases:
-        kinds = [("", lambda arm, model, impl: _step_call(
-            models[model], params[model], impl, starts, lengths, num_blocks, max_blocks))]
+        kinds = [("", lambda arm, model, impl: step_call(
+            models[model], params[model], starts, lengths, num_blocks=num_blocks,
+            max_blocks=max_blocks, moe_impl=impl))]
         if c.layer_mlp:
             kinds.append(("mlp_", lambda arm, model, impl: _mlp_call(
                 c, models[model], params[model], impl, sum(lengths))))
@@ -177,7 +130,7 @@ def run(c: BenchConfig) -> dict:
             for call in calls.values():  # compile and warm every arm first
                 for _ in range(c.warmup):
                     jax.block_until_ready(call())
-            for arm, ms in _time_round_robin(calls, c.iters).items():
+            for arm, ms in time_round_robin(calls, c.iters).items():
                 results.append({"arm": arm, "case": prefix + name, "ms": ms})
                 print(f"{arm:16s} {prefix + name:18s} {ms:9.2f} ms", flush=True)
     table = {}
