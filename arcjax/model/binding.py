@@ -25,6 +25,7 @@ from flax import nnx
 
 from arcjax.errors import WeightsError
 from arcjax.model.layers import Decoder, value
+from arcjax.model.mla_layers import MLAAttention
 from arcjax.model.model_config import ModelConfig
 
 # Names a parameter has inside its module, not in the params pytree (see `params_path`).
@@ -60,7 +61,9 @@ class Declaration:
 def _abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, tuple[Declaration, ...]]:
     """The module tree of `cfg` without arrays (`nnx.eval_shape`): its graph and its
     parameters. Cached per config: a pure function of it, which every traced step reads."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    attention = MLAAttention if cfg.is_mla else None  # None: per-head `Attention`
+    graphdef, state = nnx.split(nnx.eval_shape(
+        lambda: Decoder(cfg, rngs=nnx.Rngs(0), attention=attention)))
     axes = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
     out = tuple(Declaration(path=tuple(map(str, path)), key=params_path(path),
                             shape=tuple(value(var).shape), init=var.get_metadata()["init"],

@@ -13,6 +13,8 @@ axis. The module tree:
                                kv_heads), wo [Hq*D, H] (heads, embed); Qwen2: bq, bk, bv;
                                Llama's attention_bias: bo; Qwen3: q_norm, k_norm [D] (None);
                                gpt-oss: sinks [Hq] (heads)
+                      or MLAAttention  DeepSeek's latent attention (arcjax/model/mla_layers.py):
+                               wq or wq_a, q_a_norm, wq_b; wkv_a, kv_a_norm, wkv_b, wo
       post_attn_norm  RMSNorm  (Gemma's sandwich norms)
       mlp_norm        RMSNorm
       mlp             MLP      w_gate, w_up [H, I] (embed, mlp), w_down [I, H] (mlp, embed)
@@ -20,7 +22,9 @@ axis. The module tree:
                                we_down [E, Im, H] (expert, embed/moe_mlp), `ExpertWeight`s;
                                Qwen2-MoE's shared expert ws_gate, ws_up, ws_down, ws_router;
                                gpt-oss: router_bias [E], be_gate, be_up [E, Im], be_down
-                               [E, H] (`ExpertWeight`s)
+                               [E, H] (`ExpertWeight`s); DeepSeek-V3: router_correction [E]
+    dense_layers    Block      DeepSeek's first_k_dense_replace layers, stacked [K, ...]
+                               apart (their MLP dense; `layers` then holds the other L - K)
       post_mlp_norm   RMSNorm  (Gemma)
     final_norm      RMSNorm
     lm_head         LMHead     kernel [H, V] (embed, vocab); None when tied to the embedding
@@ -279,23 +283,20 @@ class Block(nnx.Module):
     """One decoder layer: attention (per-head, or DeepSeek's latent attention,
     `arcjax.model.mla_layers`) and MLP (or experts), each behind its norm, residuals.
 
+    `attention`: the attention module's class (`Attention`, or `MLAAttention` for a latent
+    attention model: `arcjax.model.binding` passes it, the module that imports both);
     `experts`: this layer's MLP is a mixture of experts (default: the model's kind);
     `first_layer`: the model layer its stack starts at (a model mixing dense and expert
     layers stacks each kind apart, `Decoder`)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, experts: bool | None = None,
-                 first_layer: int = 0):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention: type | None = None,
+                 experts: bool | None = None, first_layer: int = 0):
         norm = functools.partial(RMSNorm, cfg, cfg.hidden_size, "embed", rngs=rngs)
         sandwich = cfg.sandwich_norms
         experts = cfg.is_moe if experts is None else experts
         self.cfg, self.first_layer = cfg, first_layer
         self.attn_norm = norm()
-        if cfg.is_mla:
-            from arcjax.model.mla_layers import MLAAttention  # it builds on this module
-
-            self.attn = MLAAttention(cfg, rngs=rngs)
-        else:
-            self.attn = Attention(cfg, rngs=rngs)
+        self.attn = (attention or Attention)(cfg, rngs=rngs)
         self.post_attn_norm = norm() if sandwich else None
         self.mlp_norm = norm()
         self.mlp = MoE(cfg, rngs=rngs) if experts else MLP(cfg, rngs=rngs)
@@ -349,9 +350,10 @@ class Decoder(nnx.Module):
 
     A model whose first layers are dense and the rest mixtures of experts (DeepSeek's
     `first_k_dense_replace`, `ModelConfig.num_dense_layers`) stacks each kind apart:
-    `dense_layers` [K, ...] then `layers` [L - K, ...], scanned one after the other."""
+    `dense_layers` [K, ...] then `layers` [L - K, ...], scanned one after the other.
+    `attention`: every layer's attention class (`Block`; None: `Attention`)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention: type | None = None):
         self.cfg = cfg
         self.embed = Embed(cfg, rngs=rngs)
 
@@ -359,7 +361,7 @@ class Decoder(nnx.Module):
             @nnx.vmap(in_axes=0, out_axes=0,
                       transform_metadata={nnx.PARTITION_NAME: "layers"})
             def build(key):
-                return Block(cfg, rngs=nnx.Rngs(params=key), **kind)
+                return Block(cfg, rngs=nnx.Rngs(params=key), attention=attention, **kind)
 
             return build(jax.random.split(rngs.params(), count))
 

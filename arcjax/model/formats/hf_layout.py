@@ -27,9 +27,6 @@ from arcjax.errors import ModelConfigError, WeightsError
 from arcjax.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from arcjax.model.specs import Params, is_spec, param_specs
 
-# Architectures whose config parses but whose layers the decoder does not assemble yet,
-# with what is missing: loading one is refused rather than run wrong.
-DECODER_PENDING: dict[str, str] = {}
 # arcjax name -> (Hugging Face name pattern, transpose). "{i}" is the layer index, "{e}" the
 # expert's (expert weights are stacked [L, E, ...] from one tensor per layer and expert).
 _LAYER_NAMES = {
@@ -165,8 +162,8 @@ def read_config(model_dir: str | os.PathLike) -> ModelConfig:
     """The model's config.json as a ModelConfig.
 
     Raises:
-      ModelConfigError: missing, unparsable, not a JSON object, missing fields, unsupported,
-        or an architecture the decoder does not run yet (`DECODER_PENDING`).
+      ModelConfigError: missing, unparsable, not a JSON object, missing fields or
+        unsupported.
     """
     data = read_config_json(model_dir)
     path = Path(model_dir) / "config.json"
@@ -178,10 +175,6 @@ def read_config(model_dir: str | os.PathLike) -> ModelConfig:
         raise ModelConfigError(path, f"required field {e.args[0]!r} is missing") from e
     except (TypeError, ValueError) as e:
         raise ModelConfigError(path, f"a field has the wrong type ({e})") from e
-    if cfg.architecture in DECODER_PENDING:
-        raise ModelConfigError(path, f"architecture {cfg.architecture!r} is read (config, "
-                               "kernels, router, experts) but the decoder does not run it "
-                               f"yet: {DECODER_PENDING[cfg.architecture]}")
     return cfg
 
 
