@@ -250,16 +250,34 @@ def test_the_store_is_bounded_by_bytes_and_time():
 
 
 # --- embeddings in the same engine -----------------------------------------------------------
-def test_embeddings_float_and_base64_equal_transformers(client, server, model_dir):
+def test_embeddings_beside_a_streaming_response_equal_transformers(client, server, model_dir):
+    """Embedding requests (float, base64, token ids) served while a response streams from the
+    same engine: the stream keeps its greedy text, the embeddings equal transformers'."""
+    alone = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24,
+                                    temperature=0)
+    streamed, started = [], threading.Event()
+
+    def stream():
+        for e in client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=24,
+                                         temperature=0, stream=True):
+            if e.type == "response.output_text.delta":
+                streamed.append(e.delta)
+                started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(120)
     tokenizer = server.api.llm.engine.tokenizer
-    texts = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. " * 6]
+    texts = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. " * 2]
     floats = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
     encoded = client.embeddings.create(model=MODEL, input=texts)  # the client asks base64
-    raw = httpx.post(server.url + "/v1/embeddings", timeout=60, json={
-        "model": MODEL, "input": texts[0], "encoding_format": "base64"}).json()
-    vector = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4")
     ids = [tokenizer.encode(t) for t in texts]
     by_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    reader.join(120)
+    assert "".join(streamed) == alone.output_text
+    raw = httpx.post(server.url + "/v1/embeddings", timeout=60, json={
+        "model": MODEL, "input": texts, "encoding_format": "base64"}).json()
+    vector = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), "<f4")
     assert floats.usage.prompt_tokens == sum(map(len, ids))
     for i, t in enumerate(ids):
         ref = hf_pooled(model_dir, t, "LAST", True)  # no modules.json: last token, normalized
@@ -283,29 +301,3 @@ def test_bad_embedding_requests_name_the_field(server, body, field):
     r = httpx.post(server.url + "/v1/embeddings", json={"model": MODEL, **body}, timeout=60)
     assert r.status_code in (400, 404), (body, r.text)
     assert r.json()["error"]["param"] == field, (body, r.json())
-
-
-def test_embeddings_beside_a_streaming_response(client, server, model_dir):
-    """An embedding request served while a response streams from the same engine: the
-    stream keeps its greedy text, the embedding equals transformers'."""
-    alone = client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=40,
-                                    temperature=0)
-    text, started = [], threading.Event()
-
-    def stream():
-        for e in client.responses.create(model=MODEL, input=QUESTION, max_output_tokens=40,
-                                         temperature=0, stream=True):
-            if e.type == "response.output_text.delta":
-                text.append(e.delta)
-                started.set()
-
-    reader = threading.Thread(target=stream)
-    reader.start()
-    assert started.wait(60)
-    emb = client.embeddings.create(model=MODEL, input=QUESTION, encoding_format="float")
-    reader.join(60)
-    ids = server.api.llm.engine.tokenizer.encode(QUESTION)
-    ref = hf_pooled(model_dir, ids, "LAST", True)
-    got = np.asarray(emb.data[0].embedding)
-    assert got @ ref / np.linalg.norm(got) / np.linalg.norm(ref) > 0.9999
-    assert "".join(text) == alone.output_text

@@ -25,7 +25,7 @@ messages): the same template rendering, tool parsing and output processing serve
                          `enable_thinking` unless "none")
   store, background, metadata, stream, temperature, top_p, parallel_tool_calls, user,
   truncation ("disabled"), include: as OpenAI's; vLLM's sampling extras (top_k, min_p,
-  seed, stop, ignore_eos, the penalties, min_tokens, priority) go to the chat request as
+  seed, stop, ignore_eos, the penalties, min_tokens, logit_bias, priority) go to the chat request as
   they are; unknown fields are ignored and listed.
 
 Errors name the Responses field: a chat field in an error (`messages[3].content`,
@@ -46,7 +46,7 @@ from arcjax.errors import InputError
 # vLLM's sampling extras a Responses request may carry: passed to the chat request as given
 SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
                    "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
-                   "priority")
+                   "logit_bias", "priority")
 _RENAMES = ((re.compile(r"^messages(\[\d+\])?"), "input"),
             (re.compile(r"^max_completion_tokens"), "max_output_tokens"),
             (re.compile(r"^max_tokens"), "max_output_tokens"),
@@ -104,6 +104,7 @@ class ResponsesRequest(OpenAIBaseModel):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
     priority: int | None = None
 
 
