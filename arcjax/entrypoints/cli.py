@@ -165,6 +165,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                    help="logprob tokens as 'token_id:<id>' unless a request says")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help="accepted: arcjax always orders by priority, then arrival")
+    p.add_argument("--responses-store-bytes", type=int, default=64 << 20,
+                   help="bytes the stored /v1/responses responses may take (default: 64 MiB; "
+                        "least recently used ones go first)")
+    p.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                   help="seconds a stored response lives after its last write (default: 3600)")
     p.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache directory")
@@ -254,7 +259,9 @@ def parse_serve(argv: list[str]) -> ServeCommand:
                          enable_auto_tool_choice=args.enable_auto_tool_choice,
                          chat_template=args.chat_template,
                          generation_config=args.generation_config,
-                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         responses_store_bytes=args.responses_store_bytes,
+                         responses_store_ttl=args.responses_store_ttl)
     return ServeCommand(args.model_dir or args.model_flag, config, options, args.warmup,
                         args.compilation_cache_dir)
 

@@ -26,7 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from arcjax.entrypoints.openai.vllm_metrics import VllmMetrics
-from arcjax.outputs import RequestOutput
+from arcjax.outputs import PoolingRequestOutput, RequestOutput
+from arcjax.pooling_params import PoolingParams
 from arcjax.sampling_params import SamplingParams
 from scheduler.metrics import StepRecord
 from scheduler.step_plan import Engaged
@@ -146,8 +147,17 @@ class ServerMetrics:
                 child.inc()
 
     # --- event loop -------------------------------------------------------------------
-    def on_finished(self, out: RequestOutput, params: SamplingParams | None = None) -> None:
-        """Records one finished request (`params`: its sampling parameters, when known)."""
+    def on_finished(self, out: RequestOutput | PoolingRequestOutput,
+                    params: SamplingParams | PoolingParams | None = None) -> None:
+        """Records one finished request (`params`: its parameters, when known); an
+        embedding counts its prompt tokens and its finish reason."""
+        if isinstance(out, PoolingRequestOutput):
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.vllm.on_pooled(out)
+            child = self.requests.get(out.finish_reason)
+            if child is not None:
+                child.inc()
+            return
         self.vllm.on_finished(out, params)
         m = out.metrics
         if m.ttft is not None:
