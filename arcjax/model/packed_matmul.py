@@ -17,7 +17,8 @@ Every projection of the decoder (attention's q, k, v, o, the dense MLP, the LM h
 
 "auto" (`resolve_impl`) is "w4a16" on a GPU for one device when some layer weight is in
 the kernel's layout and Pallas' Triton backend exists, else "xla" (the CPU keeps XLA: the
-interpreter is no kernel). One device only: a Pallas call cannot be partitioned by GSPMD,
+interpreter is no kernel). NOTE: where JAX deprecates that backend (0.11), the kernel's
+lowering warns `jax-pallas-triton` (`pallas_kernels.backends`), once per step compiled. One device only: a Pallas call cannot be partitioned by GSPMD,
 so under tensor or expert parallelism the step stays on "xla". The grouped expert GEMMs
 (`arcjax.model.expert_ffn`) and Qwen2-MoE's shared expert keep "xla": the kernel is one
 matrix, not a grouped GEMM. The trace summary names the resolved choice
@@ -32,6 +33,7 @@ import jax
 
 from arcjax.model.packed import PackedWeight, w4a16_layout, w4a16_operands
 from arcjax.model.quant import LINEAR_WEIGHTS, dense
+from pallas_kernels.backends import pallas_triton_state
 from pallas_kernels.w4a16 import w4a16_matmul, w4a16_unsupported
 
 IMPLS = ("auto", "xla", "w4a16", "w4a16_interpret")
@@ -77,9 +79,7 @@ def impl_unavailable(impl: str, *, platform: str, parallel: bool) -> str | None:
         return (f'"w4a16" runs on an NVIDIA GPU and this runs on {platform} '
                 f'("w4a16_interpret" runs the kernel in Pallas\' interpreter; "auto" picks '
                 f'xla here)')
-    try:
-        from jax.experimental.pallas import triton as _  # noqa: F401
-    except ImportError:
+    if pallas_triton_state() == "absent":
         return f"jax {jax.__version__} has no Pallas Triton backend"
     return None
 
