@@ -4,7 +4,9 @@
 tokens (requests for several adapters and the base model in flight together, more
 adapters than device slots), runtime load / unload (vLLM's endpoints and bodies, refused
 unless allowed), typed 400 / 404 errors, per-adapter metrics, and `arcjax serve`'s flags.
-One engine serves every server here."""
+One engine serves every server here; the chat model is the tiny Llama (the same weights)
+with a tokenizer and a chat template, so adapters and references are
+tests/test_lora_engine.py's kind."""
 
 from __future__ import annotations
 
@@ -23,15 +25,17 @@ from arcjax.entrypoints.openai.api_server import OpenAIServer, ServeConfig
 from arcjax.entrypoints.openai.lora_modules import (LoRAModulePath, parse_lora_module,
                                                     runtime_updating_allowed)
 from arcjax.errors import ConfigError, LoRAAdapterError
-from support.lora_adapters import ATTENTION_TARGETS, peft_adapter_dir, peft_greedy
-from support.running_server import GEOMETRY, RunningServer, chat_model_dir
+from support.engines import GEOMETRY
+from support.hf_models import tiny_model_dir
+from support.lora_adapters import (ATTENTION_TARGETS, LORA_OPTIONS, peft_adapter_dir,
+                                   peft_greedy)
+from support.running_server import RunningServer, chat_model_dir
 
 MODEL = "tiny"
 MAX_TOKENS = 6
 # rank 4 and 16 on all seven projections, rank 8 on attention only; two device slots
 ADAPTERS = {"r4": dict(rank=4, seed=40), "r16": dict(rank=16, seed=41),
             "attn8": dict(rank=8, seed=42, targets=ATTENTION_TARGETS)}
-LORA_OPTIONS = dict(enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=4)
 GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0,
               extra_body={"ignore_eos": True, "return_token_ids": True})
 
@@ -41,7 +45,7 @@ def _adapter(name: str) -> str:
     spec = dict(ADAPTERS.get(name) or {"rank": 4, "seed": 43})
     if name == "wide":
         spec = {"rank": 32, "seed": 44}
-    return peft_adapter_dir(model_dir=chat_model_dir(), **spec)
+    return peft_adapter_dir("LlamaForCausalLM", **spec)
 
 
 def _prompts() -> list[list[int]]:
@@ -50,12 +54,12 @@ def _prompts() -> list[list[int]]:
 
 
 def _expected(name: str | None, ids) -> list[int]:
-    return peft_greedy(chat_model_dir(), _adapter(name) if name else None, ids, MAX_TOKENS)
+    return peft_greedy(tiny_model_dir(), _adapter(name) if name else None, ids, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def llm():
-    llm = AsyncLLM(chat_model_dir(), **GEOMETRY, **LORA_OPTIONS)
+    llm = AsyncLLM(chat_model_dir(), **{**GEOMETRY, **LORA_OPTIONS, "max_cpu_loras": 4})
     yield llm
     llm.shutdown()
 
@@ -198,7 +202,7 @@ def test_unloading_an_adapter_in_use_finishes_its_requests_first(server):
         tokens += chunk.choices[0].token_ids or []
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "length"
-    assert tokens == peft_greedy(chat_model_dir(), _adapter("r4"), ids, n)
+    assert tokens == peft_greedy(tiny_model_dir(), _adapter("r4"), ids, n)
 
 
 def test_runtime_updates_are_refused_unless_allowed(llm):
