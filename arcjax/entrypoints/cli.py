@@ -183,6 +183,11 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                         "(also: $VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help="accepted: arcjax always orders by priority, then arrival")
+    p.add_argument("--responses-store-bytes", type=int, default=64 << 20,
+                   help="bytes the stored /v1/responses responses may take (default: 64 MiB; "
+                        "least recently used ones go first)")
+    p.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                   help="seconds a stored response lives after its last write (default: 3600)")
     p.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache directory")
@@ -274,6 +279,8 @@ def parse_serve(argv: list[str]) -> ServeCommand:
                          chat_template=args.chat_template,
                          generation_config=args.generation_config,
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         responses_store_bytes=args.responses_store_bytes,
+                         responses_store_ttl=args.responses_store_ttl,
                          lora_modules=tuple(args.lora_modules),
                          allow_runtime_lora_updating=runtime_updating_allowed(
                              args.allow_runtime_lora_updating))

@@ -4,10 +4,14 @@
    endpoint: `serving_completion.OpenAIServingCompletion` (/v1/completions),
    `serving_chat.OpenAIServingChat` (/v1/chat/completions, messages rendered by
    `chat_template.ChatTemplate`), `serving_tokenization.OpenAIServingTokenization`
-   (/tokenize, /detokenize), `serving_models.OpenAIServingModels` (/v1/models, the
-   `model` checks and LoRA adapters: `--lora-modules`, `POST /v1/load_lora_adapter` and
-   `/v1/unload_lora_adapter`, generation_config.json's defaults); they share a
-   `serving_engine.ServingContext`. The request models (`protocol.py`) and `openai`'s
+   (/tokenize, /detokenize), `serving_responses.OpenAIServingResponses` (/v1/responses:
+   create, retrieve, delete, cancel, input items; kept in a `responses_store.ResponseStore`;
+   prepared by the chat endpoint), `serving_embedding.OpenAIServingEmbedding`
+   (/v1/embeddings: an engine built with runner="pooling" embeds beside generating),
+   `serving_models.OpenAIServingModels` (/v1/models, the `model` checks and LoRA
+   adapters: `--lora-modules`, `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
+   generation_config.json's defaults); they share a `serving_engine.ServingContext`. The
+   request models (`protocol.py`) and `openai`'s
    response types give the OpenAPI schema (/openapi.json, /docs).
 2. A generation request is admitted here (`_admit`: the API key, draining, and the body
    read under a size cap: 413 before parsing), then handed to its endpoint, which prepares
@@ -50,12 +54,16 @@ from arcjax.entrypoints.openai.http_server import (HTTPError, TraceFanout, build
 from arcjax.entrypoints.openai.lora_modules import RUNTIME_UPDATING_ENV, LoRAModulePath
 from arcjax.entrypoints.openai.openapi import document, install_schema
 from arcjax.entrypoints.openai.request_params import DEFAULT_MAX_STOP_STRINGS
+from arcjax.entrypoints.openai.responses_store import (DEFAULT_MAX_BYTES, DEFAULT_TTL,
+                                                       ResponseStore)
 from arcjax.entrypoints.openai.server_metrics import ServerMetrics
 from arcjax.entrypoints.openai.serving_chat import OpenAIServingChat
 from arcjax.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from arcjax.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from arcjax.entrypoints.openai.serving_engine import RequestTracker, ServingContext
 from arcjax.entrypoints.openai.serving_models import (GENERATION_CONFIGS, OpenAIServingModels,
                                                       generation_defaults)
+from arcjax.entrypoints.openai.serving_responses import OpenAIServingResponses
 from arcjax.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from arcjax.entrypoints.openai.tool_parsers import PARSERS, guess_parser
 from arcjax.errors import EngineDeadError, InputError, UnknownRequestError
@@ -90,6 +98,9 @@ class ServeConfig:
       generation_config: "auto" (the model's generation_config.json gives the sampling
         defaults), "vllm" (OpenAI's defaults) or a folder holding a generation_config.json.
       return_tokens_as_token_ids: logprob tokens as "token_id:<id>" unless a request says.
+      responses_store_bytes, responses_store_ttl: the bounds of the responses
+        `/v1/responses` keeps (`store: true`): bytes in all (least recently used go
+        first), seconds after the last write.
       lora_modules: LoRA adapters served from start (`--lora-modules`; the engine needs
         enable_lora); a request's `model` selects one by name.
       allow_runtime_lora_updating: whether `POST /v1/load_lora_adapter` and
@@ -111,6 +122,8 @@ class ServeConfig:
     chat_template: str | None = None
     generation_config: str = "auto"
     return_tokens_as_token_ids: bool = False
+    responses_store_bytes: int = DEFAULT_MAX_BYTES
+    responses_store_ttl: float = DEFAULT_TTL
     lora_modules: tuple[LoRAModulePath, ...] = ()
     allow_runtime_lora_updating: bool = False
 
@@ -133,6 +146,11 @@ class ServeConfig:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_stop_strings < 0:
             raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        if self.responses_store_bytes < 1:
+            raise ValueError(f"responses_store_bytes must be >= 1, got "
+                             f"{self.responses_store_bytes}")
+        if not self.responses_store_ttl > 0:
+            raise ValueError(f"responses_store_ttl must be > 0, got {self.responses_store_ttl}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.generation_config not in GENERATION_CONFIGS and not os.path.isdir(
@@ -183,6 +201,9 @@ class OpenAIServer:
         self.completion = OpenAIServingCompletion(context)
         self.chat = OpenAIServingChat(context, chat_template, tool_parser)
         self.tokenization = OpenAIServingTokenization(context, self.chat)
+        self.responses = OpenAIServingResponses(
+            context, self.chat, ResponseStore(cfg.responses_store_bytes, cfg.responses_store_ttl))
+        self.embedding = OpenAIServingEmbedding(context)
         self.app = self._build_app()
 
     def _chat_template(self, model_dir) -> ChatTemplate:
@@ -237,6 +258,12 @@ class OpenAIServer:
         app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
         document(app, "/v1/completions", self.create_completion)
         document(app, "/v1/chat/completions", self.create_chat_completion)
+        document(app, "/v1/responses", self.create_response)
+        app.get("/v1/responses/{response_id}")(self.retrieve_response)
+        app.delete("/v1/responses/{response_id}")(self.delete_response)
+        app.post("/v1/responses/{response_id}/cancel")(self.cancel_response)
+        app.get("/v1/responses/{response_id}/input_items")(self.response_input_items)
+        document(app, "/v1/embeddings", self.create_embedding)
         document(app, "/tokenize", self.tokenize)
         document(app, "/detokenize", self.detokenize)
         install_schema(app)
@@ -294,6 +321,29 @@ class OpenAIServer:
 
     async def create_chat_completion(self, request: Request) -> Response:
         return await self.chat.create_chat_completion(request, await self._admit(request))
+
+    async def create_response(self, request: Request) -> Response:
+        return await self.responses.create_response(request, await self._admit(request))
+
+    async def retrieve_response(self, response_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(self.responses.retrieve(response_id))
+
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(self.responses.delete(response_id))
+
+    async def cancel_response(self, response_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(await self.responses.cancel(response_id))
+
+    async def response_input_items(self, response_id: str, request: Request,
+                                   order: str = "desc", limit: int = 20) -> Response:
+        self._authorize(request)
+        return JSONResponse(self.responses.input_items(response_id, order, limit))
+
+    async def create_embedding(self, request: Request) -> Response:
+        return await self.embedding.create_embedding(request, await self._admit(request))
 
     async def tokenize(self, request: Request) -> Response:
         return await self.tokenization.tokenize(await self._admit(request))

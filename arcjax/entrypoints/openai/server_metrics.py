@@ -29,7 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from arcjax.entrypoints.openai.vllm_metrics import VllmMetrics
-from arcjax.outputs import RequestOutput
+from arcjax.outputs import PoolingRequestOutput, RequestOutput
+from arcjax.pooling_params import PoolingParams
 from arcjax.sampling_params import SamplingParams
 from scheduler.metrics import StepRecord
 from scheduler.step_plan import Engaged
@@ -169,10 +170,19 @@ class ServerMetrics:
                 child.inc()
 
     # --- event loop -------------------------------------------------------------------
-    def on_finished(self, out: RequestOutput, params: SamplingParams | None = None,
+    def on_finished(self, out: RequestOutput | PoolingRequestOutput,
+                    params: SamplingParams | PoolingParams | None = None,
                     lora_name: str | None = None) -> None:
-        """Records one finished request (`params`: its sampling parameters, when known;
-        `lora_name`: the LoRA adapter it ran with, None: the base model)."""
+        """Records one finished request (`params`: its parameters, when known; `lora_name`:
+        the LoRA adapter it ran with, None: the base model); an embedding counts its
+        prompt tokens and its finish reason."""
+        if isinstance(out, PoolingRequestOutput):
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.vllm.on_pooled(out)
+            child = self.requests.get(out.finish_reason)
+            if child is not None:
+                child.inc()
+            return
         self.vllm.on_finished(out, params)
         if lora_name is not None:
             self._lora_requests.labels(lora_name=lora_name, **self._labels).inc()

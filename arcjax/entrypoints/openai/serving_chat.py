@@ -112,9 +112,17 @@ class OpenAIServingChat(OpenAIServing):
         """(worker pool) The parsed request, its params, and the rendered prompt's ids."""
         self.check_size(raw)
         self.check_body_values(raw)
+        return self.prepare(self.parse(raw))
+
+    def parse(self, raw: bytes) -> ParsedRequest:
+        """(any thread) A chat body parsed with this server's defaults and tool parser."""
+        return parse_chat(raw, self.defaults, self.max_stop_strings, self.tool_parser,
+                          self.llm.engine.inputs.check_text_length)
+
+    def prepare(self, parsed: ParsedRequest) -> ChatPrepared:
+        """(worker pool) A parsed chat request rendered, tokenized and checked by the engine
+        (the Responses endpoint's requests come here too: one copy of the chat path)."""
         engine = self.llm.engine
-        parsed = parse_chat(raw, self.defaults, self.max_stop_strings, self.tool_parser,
-                            engine.inputs.check_text_length)
         lora = self.models.check_model(parsed.request.model)
         text = self.render(parsed)
         params = parsed.params

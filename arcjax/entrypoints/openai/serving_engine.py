@@ -55,7 +55,8 @@ from arcjax.entrypoints.openai.streamed_choices import (ServedRequest, StreamedC
 from arcjax.entrypoints.openai.structured_fields import rename_field
 from arcjax.errors import RequestError, StructuredOutputsError
 from arcjax.lora.lora_request import LoRARequest
-from arcjax.outputs import RequestOutput
+from arcjax.outputs import PoolingRequestOutput, RequestOutput
+from arcjax.pooling_params import PoolingParams
 from arcjax.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -86,13 +87,14 @@ class RequestTracker:
         self.in_flight = 0
         self.ignored_logged: set[str] = set()
 
-    def ignored_header(self, parsed: ParsedRequest) -> dict:
-        """Logs each unknown field name once; the response header listing this request's."""
-        for name in parsed.ignored:
+    def ignored_header(self, ignored: Sequence[str]) -> dict:
+        """Logs each unknown field name once; the response header listing this request's
+        (`ignored`: its unknown fields)."""
+        for name in ignored:
             if name not in self.ignored_logged:
                 self.ignored_logged.add(name)
                 log.warning("ignoring the unknown request field %r (logged once)", name)
-        return {IGNORED_FIELDS_HEADER: ", ".join(parsed.ignored)} if parsed.ignored else {}
+        return {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else {}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -127,13 +129,10 @@ async def in_pool(pool: ThreadPoolExecutor, fn: Callable[[bytes], object], raw: 
     return await asyncio.get_running_loop().run_in_executor(pool, fn, raw)
 
 
-class OpenAIServing(abc.ABC):
-    """The base of the generation endpoints (see the module docstring). A subclass sets
-    `REQUEST_ID_PREFIX` and `CHAT` and builds its whole response (`_response`) and its
-    stream's chunks (`_chunks`)."""
-
-    REQUEST_ID_PREFIX: ClassVar[str]  # the response id's prefix ("cmpl", "chatcmpl")
-    CHAT: ClassVar[bool]  # log-probabilities in chat's shape (else completions')
+class OpenAIServingBase:
+    """What every endpoint that queues requests shares (generation, the Responses API,
+    embeddings): preparing in the worker pool, queueing under the admission step, reading
+    the outputs."""
 
     def __init__(self, context: ServingContext):
         self.llm = context.llm
@@ -175,87 +174,16 @@ class OpenAIServing(abc.ABC):
             field = {"prompt": prompt_field, "max_tokens": max_field}.get(e.field, e.field)
             raise RequestError(field, e.message, limit=e.limit) from None
 
-    # --- generation (event loop) ------------------------------------------------------------
-    @abc.abstractmethod
-    def _response(self, served: ServedRequest, finals: Sequence[RequestOutput]) -> dict:
-        """The whole response's body, from every prompt's final output."""
-
-    @abc.abstractmethod
-    def _chunks(self, served: ServedRequest, choices: StreamedChoices) -> AsyncIterator[dict]:
-        """The stream's chunks, in order (the SSE framing is `event_stream`'s)."""
-
-    def fill_max_tokens(self, parsed: ParsedRequest, params: SamplingParams,
-                        prompt: Sequence[int]) -> SamplingParams:
-        """`params` with max_tokens up to the context left after `prompt` when the request
-        leaves it to the server (capped by generation_config's max_new_tokens)."""
-        if not parsed.fill_max_tokens:
-            return params
-        limit = self.llm.engine.max_model_len
-        keep = params.truncate_prompt_tokens
-        length = len(prompt) if keep is None else min(len(prompt), limit if keep == -1 else keep)
-        room = max(limit - length, 1)
-        return dataclasses.replace(params, max_tokens=min(room, self.defaults.max_tokens
-                                                          or room))
-
-    async def _serve(self, request: Request, parsed: ParsedRequest,
-                     prompts: Sequence[tuple[int, ...]], params: Sequence[SamplingParams],
-                     prompt_text: str | None = None, lora: LoRARequest | None = None
-                     ) -> Response:
-        """Queues the prompts (each with its params, all with the LoRA adapter `lora`, None:
-        the base model) and answers: the whole response, or its event stream."""
-        rid = parsed.request.request_id or uuid.uuid4().hex
-        as_ids = parsed.request.return_tokens_as_token_ids
-        served = ServedRequest(parsed=parsed, request_id=f"{self.REQUEST_ID_PREFIX}-{rid}",
-                               created=int(time.time()), model=self.models.model_name_of(lora),
-                               prompts=tuple(tuple(p) for p in prompts),
-                               names=TokenNames(self.tokens_as_ids if as_ids is None
-                                                else as_ids), prompt_text=prompt_text)
-        headers = self.tracker.ignored_header(parsed)
-        # streams carry what is new in each step; a whole response needs the final only
-        kind = RequestOutputKind.DELTA if parsed.stream else RequestOutputKind.FINAL_ONLY
-        streams = self._submit(served.request_id, prompts,
-                               [dataclasses.replace(p, output_kind=kind) for p in params],
-                               parsed.request.priority, lora)
-        outputs = self._outputs(streams, params, lora)
-        self.tracker.in_flight += 1
-        handed_over = False
-        try:
-            if not parsed.stream:
-                ok, finals = await until_disconnect(request, self._collect(outputs,
-                                                                           len(prompts)))
-                if not ok:
-                    return Response(status_code=499)  # nobody is listening
-                failed = next((o for o in finals if o.finish_reason == "error"), None)
-                if failed is not None:
-                    raise HTTPError(500, f"generation failed: {failed.error}", "internal_error")
-                return JSONResponse(self._response(served, finals), headers=headers)
-            ok, first = await until_disconnect(request, outputs.__anext__())
-            if not ok:
-                return Response(status_code=499)
-            body = event_stream(self._chunks(served, StreamedChoices(served, first, outputs,
-                                                                     chat=self.CHAT)))
-
-            async def on_close():
-                await close_outputs(outputs, streams)
-                self.tracker.in_flight -= 1
-
-            handed_over = True
-            return EventStream(body, on_close, media_type="text/event-stream",
-                               headers={"Cache-Control": "no-cache", **headers})
-        finally:
-            if not handed_over:
-                await close_outputs(outputs, streams)
-                self.tracker.in_flight -= 1
-
-    def _submit(self, rid: str, prompts, params: Sequence[SamplingParams], priority: int,
-                lora: LoRARequest | None = None) -> list[RequestStream]:
-        """Checks the queue limit (and that the adapter is still served) and queues every
-        prompt in one step (no other request is admitted in between: exact under
-        concurrency); all or nothing."""
+    # --- queueing and outputs (event loop) -------------------------------------------------
+    def _submit(self, rid: str, prompts, params: Sequence[SamplingParams | PoolingParams],
+                priority: int = 0, lora: LoRARequest | None = None) -> list[RequestStream]:
+        """Checks the queue limit (and that the LoRA adapter `lora` is still served) and
+        queues every prompt (with its params and `lora`) in one step (no other request is
+        admitted in between: exact under concurrency); all or nothing."""
         self.models.check_served(lora)
         with self.llm.admission_lock:
             limit = self._max_queued
-            n = sum(p.n for p in params)
+            n = sum(p.n if isinstance(p, SamplingParams) else 1 for p in params)
             if limit is not None and self.llm.engine.stats()["waiting"] + n > limit:
                 raise HTTPError(429, f"too many requests waiting (limit {limit}); retry later",
                                 "rate_limit_error", code="queue_full")
@@ -270,9 +198,10 @@ class OpenAIServing(abc.ABC):
                 raise
         return streams
 
-    async def _outputs(self, gens: list[RequestStream], params: Sequence[SamplingParams],
+    async def _outputs(self, gens: list[RequestStream],
+                       params: Sequence[SamplingParams | PoolingParams],
                        lora: LoRARequest | None = None
-                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
+                       ) -> AsyncIterator[tuple[int, RequestOutput | PoolingRequestOutput]]:
         """(prompt index, output) of every prompt (queued with `params[i]` and the adapter
         `lora`), as they come. Leaving early aborts the requests still running (their
         streams are closed)."""
@@ -322,11 +251,92 @@ class OpenAIServing(abc.ABC):
             self.tracker.active.difference_update(rids)
 
     @staticmethod
-    async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]],
-                       num_prompts: int) -> list[RequestOutput]:
+    async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput | PoolingRequestOutput]],
+                       num_prompts: int) -> list[RequestOutput | PoolingRequestOutput]:
         """Every prompt's final output (FINAL_ONLY outputs: the only one)."""
         finals: list[RequestOutput | None] = [None] * num_prompts
         async for i, out in outputs:
             if out.finished:
                 finals[i] = out
         return finals
+
+
+class OpenAIServing(OpenAIServingBase, abc.ABC):
+    """The base of the generation endpoints (see the module docstring). A subclass sets
+    `REQUEST_ID_PREFIX` and `CHAT` and builds its whole response (`_response`) and its
+    stream's chunks (`_chunks`)."""
+
+    REQUEST_ID_PREFIX: ClassVar[str]  # the response id's prefix ("cmpl", "chatcmpl")
+    CHAT: ClassVar[bool]  # log-probabilities in chat's shape (else completions')
+
+    # --- generation (event loop) ------------------------------------------------------------
+    @abc.abstractmethod
+    def _response(self, served: ServedRequest, finals: Sequence[RequestOutput]) -> dict:
+        """The whole response's body, from every prompt's final output."""
+
+    @abc.abstractmethod
+    def _chunks(self, served: ServedRequest, choices: StreamedChoices) -> AsyncIterator[dict]:
+        """The stream's chunks, in order (the SSE framing is `event_stream`'s)."""
+
+    def fill_max_tokens(self, parsed: ParsedRequest, params: SamplingParams,
+                        prompt: Sequence[int]) -> SamplingParams:
+        """`params` with max_tokens up to the context left after `prompt` when the request
+        leaves it to the server (capped by generation_config's max_new_tokens)."""
+        if not parsed.fill_max_tokens:
+            return params
+        limit = self.llm.engine.max_model_len
+        keep = params.truncate_prompt_tokens
+        length = len(prompt) if keep is None else min(len(prompt), limit if keep == -1 else keep)
+        room = max(limit - length, 1)
+        return dataclasses.replace(params, max_tokens=min(room, self.defaults.max_tokens
+                                                          or room))
+
+    async def _serve(self, request: Request, parsed: ParsedRequest,
+                     prompts: Sequence[tuple[int, ...]], params: Sequence[SamplingParams],
+                     prompt_text: str | None = None, lora: LoRARequest | None = None
+                     ) -> Response:
+        """Queues the prompts (each with its params, all with the LoRA adapter `lora`, None:
+        the base model) and answers: the whole response, or its event stream."""
+        rid = parsed.request.request_id or uuid.uuid4().hex
+        as_ids = parsed.request.return_tokens_as_token_ids
+        served = ServedRequest(parsed=parsed, request_id=f"{self.REQUEST_ID_PREFIX}-{rid}",
+                               created=int(time.time()), model=self.models.model_name_of(lora),
+                               prompts=tuple(tuple(p) for p in prompts),
+                               names=TokenNames(self.tokens_as_ids if as_ids is None
+                                                else as_ids), prompt_text=prompt_text)
+        headers = self.tracker.ignored_header(parsed.ignored)
+        # streams carry what is new in each step; a whole response needs the final only
+        kind = RequestOutputKind.DELTA if parsed.stream else RequestOutputKind.FINAL_ONLY
+        streams = self._submit(served.request_id, prompts,
+                               [dataclasses.replace(p, output_kind=kind) for p in params],
+                               parsed.request.priority, lora)
+        outputs = self._outputs(streams, params, lora)
+        self.tracker.in_flight += 1
+        handed_over = False
+        try:
+            if not parsed.stream:
+                ok, finals = await until_disconnect(request, self._collect(outputs,
+                                                                           len(prompts)))
+                if not ok:
+                    return Response(status_code=499)  # nobody is listening
+                failed = next((o for o in finals if o.finish_reason == "error"), None)
+                if failed is not None:
+                    raise HTTPError(500, f"generation failed: {failed.error}", "internal_error")
+                return JSONResponse(self._response(served, finals), headers=headers)
+            ok, first = await until_disconnect(request, outputs.__anext__())
+            if not ok:
+                return Response(status_code=499)
+            body = event_stream(self._chunks(served, StreamedChoices(served, first, outputs,
+                                                                     chat=self.CHAT)))
+
+            async def on_close():
+                await close_outputs(outputs, streams)
+                self.tracker.in_flight -= 1
+
+            handed_over = True
+            return EventStream(body, on_close, media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", **headers})
+        finally:
+            if not handed_over:
+                await close_outputs(outputs, streams)
+                self.tracker.in_flight -= 1
