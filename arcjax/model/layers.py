@@ -13,6 +13,8 @@ axis. The module tree:
                                kv_heads), wo [Hq*D, H] (heads, embed); Qwen2: bq, bk, bv;
                                Llama's attention_bias: bo; Qwen3: q_norm, k_norm [D] (None);
                                gpt-oss: sinks [Hq] (heads)
+                      or MLAAttention  DeepSeek's latent attention (arcjax/model/mla_layers.py):
+                               wq or wq_a, q_a_norm, wq_b; wkv_a, kv_a_norm, wkv_b, wo
       post_attn_norm  RMSNorm  (Gemma's sandwich norms)
       mlp_norm        RMSNorm
       mlp             MLP      w_gate, w_up [H, I] (embed, mlp), w_down [I, H] (mlp, embed)
@@ -20,7 +22,9 @@ axis. The module tree:
                                we_down [E, Im, H] (expert, embed/moe_mlp), `ExpertWeight`s;
                                Qwen2-MoE's shared expert ws_gate, ws_up, ws_down, ws_router;
                                gpt-oss: router_bias [E], be_gate, be_up [E, Im], be_down
-                               [E, H] (`ExpertWeight`s)
+                               [E, H] (`ExpertWeight`s); DeepSeek-V3: router_correction [E]
+    dense_layers    Block      DeepSeek's first_k_dense_replace layers, stacked [K, ...]
+                               apart (their MLP dense; `layers` then holds the other L - K)
       post_mlp_norm   RMSNorm  (Gemma)
     final_norm      RMSNorm
     lm_head         LMHead     kernel [H, V] (embed, vocab); None when tied to the embedding
@@ -50,7 +54,8 @@ from arcjax.model.lora_delta import LayerLoRA
 from arcjax.model import moe
 from arcjax.model.expert_ffn import ExpertAct
 from arcjax.model.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
-from arcjax.model.quant import dense, embedding_rows, float_dtype, tied_head
+from arcjax.model.packed_matmul import matmul
+from arcjax.model.quant import embedding_rows, float_dtype, tied_head
 
 NORMAL_STD = 0.02  # the "normal" initializer's standard deviation
 
@@ -108,8 +113,11 @@ class RMSNorm(nnx.Module):
     """RMSNorm over the last axis (width `dim`, logical axis `axis`); Gemma's (1 + w) form
     starts at zero, every other at one: each starts as the identity scale."""
 
-    def __init__(self, cfg: ModelConfig, dim: int, axis: str | None, *, rngs: nnx.Rngs):
-        self.eps, self.unit_offset = cfg.rms_norm_eps, cfg.norm_unit_offset
+    def __init__(self, cfg: ModelConfig, dim: int, axis: str | None, *, rngs: nnx.Rngs,
+                 eps: float | None = None):
+        # eps: the model's rms_norm_eps unless given (DeepSeek's latent norms: 1e-6)
+        self.eps = cfg.rms_norm_eps if eps is None else eps
+        self.unit_offset = cfg.norm_unit_offset
         self.scale = _param(rngs, (dim,), "zeros" if cfg.norm_unit_offset else "ones", (axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -163,13 +171,14 @@ class Attention(nnx.Module):
         return None if self.sinks is None else value(self.sinks).astype(jnp.float32)
 
     def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
-            lora: LayerLoRA | None = None):
+            lora: LayerLoRA | None = None, matmul_impl: str = "xla"):
         """x: [..., T, H] normalized -> q [..., T, Hq, D], k and v [..., T, Hkv, D].
-        `lora`: the LoRA adapters' per-token deltas (x is then [T, H])."""
+        `lora`: the LoRA adapters' per-token deltas (x is then [T, H]); `matmul_impl`:
+        how packed weights multiply (`arcjax.model.packed_matmul.IMPLS`, resolved)."""
         cfg, dt = self.cfg, x.dtype
-        # dense(): a quantized weight (FP8/INT8) is dequantized here, inside the step.
-        q, k, v = (x @ dense(value(self.wq), dt), x @ dense(value(self.wk), dt),
-                   x @ dense(value(self.wv), dt))
+        # a quantized or packed weight is dequantized inside the step (or read packed by
+        # the W4A16 kernel: `packed_matmul`)
+        q, k, v = (matmul(x, value(w), matmul_impl) for w in (self.wq, self.wk, self.wv))
         if lora is not None:
             q, k, v = lora.add("wq", x, q), lora.add("wk", x, k), lora.add("wv", x, v)
         if self.bq is not None:
@@ -183,10 +192,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rope(q, positions, cfg, inv_freq), rope(k, positions, cfg, inv_freq), v
 
-    def out(self, attn: jax.Array, dtype, lora: LayerLoRA | None = None) -> jax.Array:
-        """attn [..., T, Hq, D] -> [..., T, H]; the weights in `dtype` (the layer input's)."""
+    def out(self, attn: jax.Array, lora: LayerLoRA | None = None,
+            matmul_impl: str = "xla") -> jax.Array:
+        """attn [..., T, Hq, D] (in the layer input's dtype) -> [..., T, H]."""
+        dtype = attn.dtype
         attn = attn.reshape(*attn.shape[:-2], -1)
-        out = attn @ dense(value(self.wo), dtype)
+        out = matmul(attn, value(self.wo), matmul_impl)
         if lora is not None:
             out = lora.add("wo", attn, out)
         if self.bo is not None:
@@ -204,14 +215,15 @@ class MLP(nnx.Module):
         self.w_up = _param(rngs, (H, I), "normal", ("embed", "mlp"))
         self.w_down = _param(rngs, (I, H), "normal", ("mlp", "embed"))
 
-    def __call__(self, h: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
+    def __call__(self, h: jax.Array, lora: LayerLoRA | None = None,
+                 matmul_impl: str = "xla") -> jax.Array:
         """h [..., H] -> [..., H]; `lora`: the LoRA adapters' deltas (h is then [T, H])."""
-        dt = h.dtype
-        gate, up = h @ dense(value(self.w_gate), dt), h @ dense(value(self.w_up), dt)
+        gate, up = (matmul(h, value(self.w_gate), matmul_impl),
+                    matmul(h, value(self.w_up), matmul_impl))
         if lora is not None:
             gate, up = lora.add("w_gate", h, gate), lora.add("w_up", h, up)
         h = moe.activation(gate, self.act) * up
-        out = h @ dense(value(self.w_down), dt)
+        out = matmul(h, value(self.w_down), matmul_impl)
         return out if lora is None else lora.add("w_down", h, out)
 
 
@@ -232,7 +244,11 @@ class MoE(nnx.Module):
         self.ws_gate = _param(rngs, (H, Is), "normal", ("embed", "mlp")) if shared else None
         self.ws_up = _param(rngs, (H, Is), "normal", ("embed", "mlp")) if shared else None
         self.ws_down = _param(rngs, (Is, H), "normal", ("mlp", "embed")) if shared else None
-        self.ws_router = _param(rngs, (H, 1), "normal", ("embed", None)) if shared else None
+        gated = shared and cfg.shared_expert_gate  # Qwen2-MoE's; DeepSeek's are ungated
+        self.ws_router = _param(rngs, (H, 1), "normal", ("embed", None)) if gated else None
+        # DeepSeek-V3's noaux_tc score correction bias (moves the choice, not the weights)
+        self.router_correction = (_param(rngs, (E,), "zeros", (None,))
+                                  if cfg.router.correction_bias else None)
         # gpt-oss: the router's bias and every expert's gate, up and down biases
         self.router_bias = (_param(rngs, (E,), "zeros", (None,)) if cfg.router.bias
                             else None)
@@ -247,11 +263,13 @@ class MoE(nnx.Module):
     def __call__(self, h: jax.Array, *, valid: jax.Array, layer: jax.Array, impl: str,
                  parallel) -> tuple[jax.Array, jax.Array]:
         """h [..., H]; valid [...] bool, real tokens (padding goes to no expert); layer: []
-        int32, which layer's experts (they are stacked [L, E, ...]); impl: `moe.IMPLS`;
+        int32, which of the stack's layers' experts (they are stacked [L, E, ...] over the
+        stack's layers, `Block.first_layer`); impl: `moe.IMPLS`;
         parallel: an `arcjax.parallel.TensorParallel` or None.
         Returns (out [..., H], tokens per expert [E] int32)."""
         cfg = self.cfg
-        names = ("router", "router_bias", "ws_gate", "ws_up", "ws_down", "ws_router")
+        names = ("router", "router_bias", "router_correction", "ws_gate", "ws_up", "ws_down",
+                 "ws_router")
         weights = {name: value(getattr(self, name)) for name in names
                    if getattr(self, name) is not None}
         experts = {name: value(getattr(self, name))
@@ -267,43 +285,59 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One decoder layer: attention and MLP (or experts), each behind its norm, residuals."""
+    """One decoder layer: attention (per-head, or DeepSeek's latent attention,
+    `arcjax.model.mla_layers`) and MLP (or experts), each behind its norm, residuals.
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    `attention`: the attention module's class (`Attention`, or `MLAAttention` for a latent
+    attention model: `arcjax.model.binding` passes it, the module that imports both);
+    `experts`: this layer's MLP is a mixture of experts (default: the model's kind);
+    `first_layer`: the model layer its stack starts at (a model mixing dense and expert
+    layers stacks each kind apart, `Decoder`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention: type | None = None,
+                 experts: bool | None = None, first_layer: int = 0):
         norm = functools.partial(RMSNorm, cfg, cfg.hidden_size, "embed", rngs=rngs)
         sandwich = cfg.sandwich_norms
+        experts = cfg.is_moe if experts is None else experts
+        self.cfg, self.first_layer = cfg, first_layer
         self.attn_norm = norm()
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = (attention or Attention)(cfg, rngs=rngs)
         self.post_attn_norm = norm() if sandwich else None
         self.mlp_norm = norm()
-        self.mlp = MoE(cfg, rngs=rngs) if cfg.is_moe else MLP(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if experts else MLP(cfg, rngs=rngs)
         self.post_mlp_norm = norm() if sandwich else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend, *,
                  valid: jax.Array, layer: jax.Array, moe_impl: str, parallel,
-                 lora: LayerLoRA | None = None):
+                 lora: LayerLoRA | None = None, matmul_impl: str = "xla"):
         """x [..., T, H] -> (x, aux, tokens per expert [E] or None).
 
-        `attend(q, k, v) -> ([..., T, Hq, D], aux)` is the only difference between the paged
-        and dense modes; positions [..., T]; inv_freq [D/2] (this layer's rope); valid,
-        layer, moe_impl, parallel: for the experts (`MoE`); lora: the LoRA adapters' deltas
-        of the projections (the paged mode's; a mixture of experts' attention only)."""
+        `attend(q, k, v) -> ([..., T, Hq, Dv], aux)` is the only difference between the
+        paged and dense modes (for latent attention k and v are the latent and the rope
+        key, `MLAAttention.qkv`); positions [..., T]; inv_freq [D/2] (this layer's rope);
+        valid, layer (the model's layer index), moe_impl, parallel: for the experts
+        (`MoE`); lora: the LoRA adapters' deltas of the projections (the paged mode's; a
+        mixture of experts' attention only); matmul_impl: how packed projections multiply
+        (`arcjax.model.packed_matmul`)."""
         with jax.named_scope("qkv"):
-            q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq, lora)
+            q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq, lora,
+                                    matmul_impl)
         with jax.named_scope("attention"):
             attn, aux = attend(q, k, v)
         with jax.named_scope("o_proj"):
-            out = self.attn.out(attn, x.dtype, lora)
+            out = self.attn.out(attn.astype(x.dtype), lora, matmul_impl)
             if self.post_attn_norm is not None:
                 out = self.post_attn_norm(out)
             x = x + out
         with jax.named_scope("mlp"):
             h = self.mlp_norm(x)
             if isinstance(self.mlp, MoE):
-                h, stats = self.mlp(h, valid=valid, layer=layer, impl=moe_impl,
-                                    parallel=parallel)
-            else:
-                h, stats = self.mlp(h, lora), None
+                h, stats = self.mlp(h, valid=valid, layer=layer - self.first_layer,
+                                    impl=moe_impl, parallel=parallel)
+            else:  # a dense layer of a mixture of experts routes no token: zero counts
+                h = self.mlp(h, lora, matmul_impl)
+                stats = (jnp.zeros(self.cfg.num_experts, jnp.int32) if self.cfg.is_moe
+                         else None)
             if self.post_mlp_norm is not None:
                 h = self.post_mlp_norm(h)
             x = x + h
@@ -319,50 +353,71 @@ class LMHead(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """The whole model: embedding, the stacked layers, final norm and head."""
+    """The whole model: embedding, the stacked layers, final norm and head.
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    A model whose first layers are dense and the rest mixtures of experts (DeepSeek's
+    `first_k_dense_replace`, `ModelConfig.num_dense_layers`) stacks each kind apart:
+    `dense_layers` [K, ...] then `layers` [L - K, ...], scanned one after the other.
+    `attention`: every layer's attention class (`Block`; None: `Attention`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention: type | None = None):
         self.cfg = cfg
         self.embed = Embed(cfg, rngs=rngs)
 
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stack(key):
-            return Block(cfg, rngs=nnx.Rngs(params=key))
+        def stack(count: int, **kind):
+            @nnx.vmap(in_axes=0, out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def build(key):
+                return Block(cfg, rngs=nnx.Rngs(params=key), attention=attention, **kind)
 
-        self.layers = stack(jax.random.split(rngs.params(), cfg.num_layers))
+            return build(jax.random.split(rngs.params(), count))
+
+        dense = cfg.num_dense_layers
+        self.dense_layers = stack(dense, experts=False) if dense else None
+        self.layers = stack(cfg.num_layers - dense, first_layer=dense)
         self.final_norm = RMSNorm(cfg, cfg.hidden_size, "embed", rngs=rngs)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg, rngs=rngs)
+
+    def _stacks(self) -> list[tuple[int, int, nnx.Module]]:
+        """(first layer, layer count, stacked Blocks) of each stack, in layer order."""
+        dense = self.cfg.num_dense_layers
+        out = [(0, dense, self.dense_layers)] if dense else []
+        return out + [(dense, self.cfg.num_layers - dense, self.layers)]
 
     def scan_layers(self, step, carry, xs):
         """`jax.lax.scan` of `step(block, carry, x) -> (carry, y)` over the layers, where
         `block` is one layer's `Block` (its expert weights whole, see the NOTE) and `x` the
         layer's slice of `xs` ([L, ...] arrays). Returns (carry, ys stacked [L, ...])."""
-        graphdef, experts, stacked = self._split_layers()
+        ys = []
+        for first, count, layers in self._stacks():
+            graphdef, experts, stacked = nnx.split(layers, ExpertWeight, ...)
 
-        def body(carry, xs):
-            layer_state, x = xs
-            return step(nnx.merge(graphdef, experts, layer_state), carry, x)
+            def body(carry, xs, graphdef=graphdef, experts=experts):
+                layer_state, x = xs
+                return step(nnx.merge(graphdef, experts, layer_state), carry, x)
 
-        return jax.lax.scan(body, carry, (stacked, xs))
+            part = jax.tree.map(lambda a, first=first, count=count: a[first:first + count], xs)
+            carry, y = jax.lax.scan(body, carry, (stacked, part))
+            ys.append(y)
+        return carry, (ys[0] if len(ys) == 1
+                       else jax.tree.map(lambda *y: jnp.concatenate(y), *ys))
 
     def block(self, index: int) -> Block:
         """Layer `index`'s `Block` alone (its slice of each layer parameter, the experts
         whole), for a caller that runs one layer outside the scan (a benchmark)."""
-        graphdef, experts, stacked = self._split_layers()
-        return nnx.merge(graphdef, experts, jax.tree.map(lambda w: w[index], stacked))
+        first, _, layers = next(s for s in reversed(self._stacks()) if s[0] <= index)
+        graphdef, experts, stacked = nnx.split(layers, ExpertWeight, ...)
+        return nnx.merge(graphdef, experts,
+                         jax.tree.map(lambda w: w[index - first], stacked))
 
-    def _split_layers(self):
-        """(one Block's graph, the stacked expert weights, every other layer parameter)."""
-        return nnx.split(self.layers, ExpertWeight, ...)
-
-    def head(self, h: jax.Array, parallel=None) -> jax.Array:
+    def head(self, h: jax.Array, parallel=None, matmul_impl: str = "xla") -> jax.Array:
         """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last
         layer's output) -> logits [..., V] float32, whole rows on every device."""
         cfg = self.cfg
         h = self.final_norm(h)
-        w = (tied_head(value(self.embed.embedding), h.dtype) if self.lm_head is None
-             else dense(value(self.lm_head.kernel), h.dtype))  # [H, V]
-        logits = (h @ w).astype(jnp.float32)
+        w = (tied_head(value(self.embed.embedding)) if self.lm_head is None
+             else value(self.lm_head.kernel))  # [H, V]
+        logits = matmul(h, w, matmul_impl).astype(jnp.float32)
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)

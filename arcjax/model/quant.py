@@ -105,12 +105,12 @@ def embedding_rows(embed, ids: jax.Array, dtype) -> jax.Array:
     return embed[ids].astype(dtype)
 
 
-def tied_head(embed, dtype) -> jax.Array:
-    """The tied LM head [H, V] in `dtype`: the embedding table transposed (a packed table
-    is stored that way)."""
+def tied_head(embed):
+    """The tied LM head's weight [H, V]: the embedding table transposed (a packed table is
+    stored that way, and stays packed: `dense` or the W4A16 kernel reads it)."""
     if isinstance(embed, PackedWeight):
-        return embed.dequantize(dtype)
-    return embed.T.astype(dtype)
+        return embed
+    return embed.T
 
 
 def float_dtype(w, dtype):
@@ -227,7 +227,7 @@ def quantized_specs(specs: dict, params: dict, degree=None) -> dict:
 def weight_dtype(params: dict) -> str:
     """The storage dtype of the layer weights ("float8_e4m3fn", "int8", "bfloat16", or a
     packed format: "q4_1", "awq", ...)."""
-    w = params["layers"]["wq"]
+    w = params["layers"]["wo"]  # every attention has its output projection
     return w.dtype if isinstance(w, PackedWeight) else str(jnp.dtype(w.dtype))
 
 
