@@ -8,8 +8,10 @@
    create, retrieve, delete, cancel, input items; kept in a `responses_store.ResponseStore`;
    prepared by the chat endpoint), `serving_embedding.OpenAIServingEmbedding`
    (/v1/embeddings: an engine built with runner="pooling" embeds beside generating),
-   `serving_models.OpenAIServingModels` (/v1/models, the `model` checks,
-   generation_config.json's defaults); they share a `serving_engine.ServingContext`. The request models (`protocol.py`) and `openai`'s
+   `serving_models.OpenAIServingModels` (/v1/models, the `model` checks and LoRA
+   adapters: `--lora-modules`, `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
+   generation_config.json's defaults); they share a `serving_engine.ServingContext`. The
+   request models (`protocol.py`) and `openai`'s
    response types give the OpenAPI schema (/openapi.json, /docs).
 2. A generation request is admitted here (`_admit`: the API key, draining, and the body
    read under a size cap: 413 before parsing), then handed to its endpoint, which prepares
@@ -42,13 +44,14 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.chat_template import ChatTemplate
 from arcjax.entrypoints.openai.http_server import (HTTPError, TraceFanout, build_server,
                                                    error_response, too_large)
+from arcjax.entrypoints.openai.lora_modules import RUNTIME_UPDATING_ENV, LoRAModulePath
 from arcjax.entrypoints.openai.openapi import document, install_schema
 from arcjax.entrypoints.openai.request_params import DEFAULT_MAX_STOP_STRINGS
 from arcjax.entrypoints.openai.responses_store import (DEFAULT_MAX_BYTES, DEFAULT_TTL,
@@ -98,6 +101,11 @@ class ServeConfig:
       responses_store_bytes, responses_store_ttl: the bounds of the responses
         `/v1/responses` keeps (`store: true`): bytes in all (least recently used go
         first), seconds after the last write.
+      lora_modules: LoRA adapters served from start (`--lora-modules`; the engine needs
+        enable_lora); a request's `model` selects one by name.
+      allow_runtime_lora_updating: whether `POST /v1/load_lora_adapter` and
+        `/v1/unload_lora_adapter` answer (else 404, as vLLM without
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     """
 
     host: str = "127.0.0.1"
@@ -116,8 +124,14 @@ class ServeConfig:
     return_tokens_as_token_ids: bool = False
     responses_store_bytes: int = DEFAULT_MAX_BYTES
     responses_store_ttl: float = DEFAULT_TTL
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self):
+        modules = tuple(self.lora_modules)
+        if not all(isinstance(m, LoRAModulePath) for m in modules):
+            raise ValueError(f"lora_modules must be LoRAModulePath items, got {modules!r}")
+        object.__setattr__(self, "lora_modules", modules)
         names = self.served_model_name
         if isinstance(names, (list, tuple)):
             if not names or not all(isinstance(n, str) and n for n in names):
@@ -160,7 +174,8 @@ class OpenAIServer:
         self.llm = llm
         self.config = config or ServeConfig()
         engine = llm.engine
-        self.models = OpenAIServingModels(llm, self.config.served_model_names)
+        self.models = OpenAIServingModels(llm, self.config.served_model_names,
+                                          self.config.lora_modules)
         self.model_name = self.models.model_name
         self.metrics = ServerMetrics(engine, self.model_name)
         self._fanout = TraceFanout.install(engine)
@@ -239,6 +254,8 @@ class OpenAIServer:
         app.get("/metrics")(self.metrics_endpoint)
         app.get("/v1/models")(self.show_available_models)
         app.get("/v1/models/{model:path}")(self.show_model)
+        app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
+        app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
         document(app, "/v1/completions", self.create_completion)
         document(app, "/v1/chat/completions", self.create_chat_completion)
         document(app, "/v1/responses", self.create_response)
@@ -281,6 +298,23 @@ class OpenAIServer:
     async def show_model(self, model: str, request: Request) -> Response:
         self._authorize(request)
         return JSONResponse(self.models.show_model(model))
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        raw = await self._admit(request)
+        self._runtime_lora_updating()
+        return PlainTextResponse(await self.models.load_lora_adapter(raw, self._pool))
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        raw = await self._admit(request)
+        self._runtime_lora_updating()
+        return PlainTextResponse(await self.models.unload_lora_adapter(raw))
+
+    def _runtime_lora_updating(self) -> None:
+        if not self.config.allow_runtime_lora_updating:
+            raise HTTPError(404, "runtime LoRA updating is off: start the server with "
+                                 "--allow-runtime-lora-updating (or "
+                                 f"{RUNTIME_UPDATING_ENV}=True)", "not_found_error",
+                            code="runtime_lora_updating_disabled")
 
     async def create_completion(self, request: Request) -> Response:
         return await self.completion.create_completion(request, await self._admit(request))

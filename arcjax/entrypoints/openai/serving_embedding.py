@@ -138,7 +138,9 @@ class OpenAIServingEmbedding(OpenAIServingBase):
         checked by the engine)."""
         self.check_body_values(raw)
         req = parse_embedding(raw)
-        self.models.check_model(req.model)
+        if self.models.check_model(req.model) is not None:
+            raise RequestError("model", f"{req.model!r} is a LoRA adapter: embeddings run "
+                               "the base model")
         params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
         engine, ids = self.llm.engine, []
         for i, p in enumerate(req.input):

@@ -5,7 +5,8 @@ off the event loop, queueing under one admission step, collecting or streaming o
    draining and the size cap are checked there) and prepares it in the worker pool
    (`_in_pool`): validated by `protocol` and turned into engine inputs by
    `request_params` (typed errors name the field), every prompt tokenized and checked by
-   `Engine.check` (`_engine_check`: all or nothing).
+   `Engine.check` (`_engine_check`: all or nothing). A `model` naming a LoRA adapter
+   (`OpenAIServingModels.check_model`) runs every prompt with it.
 2. `_serve`: back on the loop, one synchronous step checks the queue limit and queues
    every prompt (`_submit`, `AsyncLLM.submit`, with the request's `priority`) under the
    request id ("<prefix>-<request_id or hex>-<prompt index>"); with `n` > 1 the engine
@@ -53,6 +54,7 @@ from arcjax.entrypoints.openai.streamed_choices import (ServedRequest, StreamedC
                                                         event_stream)
 from arcjax.entrypoints.openai.structured_fields import rename_field
 from arcjax.errors import RequestError, StructuredOutputsError
+from arcjax.lora.lora_request import LoRARequest
 from arcjax.outputs import PoolingRequestOutput, RequestOutput
 from arcjax.pooling_params import PoolingParams
 from arcjax.sampling_params import RequestOutputKind, SamplingParams
@@ -159,11 +161,12 @@ class OpenAIServingBase:
                                f"{BODY_PROMPTS} prompts of max_model_len tokens, the vocabulary "
                                f"or the longest text prompt need", limit=limit)
 
-    def _engine_check(self, prompt, params, parsed: ParsedRequest,
-                      prompt_field: str) -> tuple[int, ...]:
-        """`Engine.check` with the request's own field names. Returns the prompt's ids."""
+    def _engine_check(self, prompt, params, parsed: ParsedRequest, prompt_field: str,
+                      lora: LoRARequest | None = None) -> tuple[int, ...]:
+        """`Engine.check` (with the adapter `model` selects) with the request's own field
+        names. Returns the prompt's ids."""
         try:
-            return self.llm.engine.check(prompt, params)[1]
+            return self.llm.engine.check(prompt, params, lora)[1]
         except StructuredOutputsError as e:  # a constraint that does not compile
             raise rename_field(e, parsed.constraint) from None
         except RequestError as e:
@@ -173,9 +176,11 @@ class OpenAIServingBase:
 
     # --- queueing and outputs (event loop) -------------------------------------------------
     def _submit(self, rid: str, prompts, params: Sequence[SamplingParams | PoolingParams],
-                priority: int = 0) -> list[RequestStream]:
-        """Checks the queue limit and queues every prompt (with its params) in one step (no
-        other request is admitted in between: exact under concurrency); all or nothing."""
+                priority: int = 0, lora: LoRARequest | None = None) -> list[RequestStream]:
+        """Checks the queue limit (and that the LoRA adapter `lora` is still served) and
+        queues every prompt (with its params and `lora`) in one step (no other request is
+        admitted in between: exact under concurrency); all or nothing."""
+        self.models.check_served(lora)
         with self.llm.admission_lock:
             limit = self._max_queued
             n = sum(p.n if isinstance(p, SamplingParams) else 1 for p in params)
@@ -185,7 +190,8 @@ class OpenAIServingBase:
             streams: list[RequestStream] = []
             try:
                 for i, (p, sp) in enumerate(zip(prompts, params)):
-                    streams.append(self.llm.submit(p, sp, f"{rid}-{i}", priority))
+                    streams.append(self.llm.submit(p, sp, f"{rid}-{i}", priority,
+                                                   lora_request=lora))
             except BaseException:
                 for s in streams:
                     s.cancel()
@@ -193,10 +199,13 @@ class OpenAIServingBase:
         return streams
 
     async def _outputs(self, gens: list[RequestStream],
-                       params: Sequence[SamplingParams | PoolingParams]
+                       params: Sequence[SamplingParams | PoolingParams],
+                       lora: LoRARequest | None = None
                        ) -> AsyncIterator[tuple[int, RequestOutput | PoolingRequestOutput]]:
-        """(prompt index, output) of every prompt (queued with `params[i]`), as they come.
-        Leaving early aborts the requests still running (their streams are closed)."""
+        """(prompt index, output) of every prompt (queued with `params[i]` and the adapter
+        `lora`), as they come. Leaving early aborts the requests still running (their
+        streams are closed)."""
+        adapter = None if lora is None else lora.lora_name
         rids = [g.request_id for g in gens]
         self.tracker.active.update(rids)
         finished: set[int] = set()
@@ -206,7 +215,7 @@ class OpenAIServingBase:
                 async for out in gens[0]:
                     if out.finished:
                         finished.add(0)
-                        self.metrics.on_finished(out, params[0])
+                        self.metrics.on_finished(out, params[0], adapter)
                     yield 0, out
                 return
             queue: asyncio.Queue = asyncio.Queue()
@@ -225,7 +234,7 @@ class OpenAIServingBase:
                     raise err
                 if out.finished:
                     finished.add(i)
-                    self.metrics.on_finished(out, params[i])
+                    self.metrics.on_finished(out, params[i], adapter)
                 yield i, out
         finally:
             for t in tasks:
@@ -284,13 +293,14 @@ class OpenAIServing(OpenAIServingBase, abc.ABC):
 
     async def _serve(self, request: Request, parsed: ParsedRequest,
                      prompts: Sequence[tuple[int, ...]], params: Sequence[SamplingParams],
-                     prompt_text: str | None = None) -> Response:
-        """Queues the prompts (each with its params) and answers: the whole response, or
-        its event stream."""
+                     prompt_text: str | None = None, lora: LoRARequest | None = None
+                     ) -> Response:
+        """Queues the prompts (each with its params, all with the LoRA adapter `lora`, None:
+        the base model) and answers: the whole response, or its event stream."""
         rid = parsed.request.request_id or uuid.uuid4().hex
         as_ids = parsed.request.return_tokens_as_token_ids
         served = ServedRequest(parsed=parsed, request_id=f"{self.REQUEST_ID_PREFIX}-{rid}",
-                               created=int(time.time()), model=self.models.model_name,
+                               created=int(time.time()), model=self.models.model_name_of(lora),
                                prompts=tuple(tuple(p) for p in prompts),
                                names=TokenNames(self.tokens_as_ids if as_ids is None
                                                 else as_ids), prompt_text=prompt_text)
@@ -299,8 +309,8 @@ class OpenAIServing(OpenAIServingBase, abc.ABC):
         kind = RequestOutputKind.DELTA if parsed.stream else RequestOutputKind.FINAL_ONLY
         streams = self._submit(served.request_id, prompts,
                                [dataclasses.replace(p, output_kind=kind) for p in params],
-                               parsed.request.priority)
-        outputs = self._outputs(streams, params)
+                               parsed.request.priority, lora)
+        outputs = self._outputs(streams, params, lora)
         self.tracker.in_flight += 1
         handed_over = False
         try:

@@ -89,7 +89,8 @@ class OpenAIServingResponses(OpenAIServingBase):
         req = await self._in_pool(self._parse, raw)
         previous = self._previous(req.previous_response_id)
         prep = await self._in_pool(lambda _: self._prepare(req, previous), raw)
-        builder = ResponseBuilder(new_id("resp"), self.models.model_name, rp.echo(req),
+        builder = ResponseBuilder(new_id("resp"), self.models.model_name_of(prep.chat.lora),
+                                  rp.echo(req),
                                   prep.chat.parsed.tools)
         headers = self.tracker.ignored_header(req.extra_fields())
         if req.background:
@@ -97,8 +98,8 @@ class OpenAIServingResponses(OpenAIServingBase):
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         params = dataclasses.replace(prep.chat.parsed.params, output_kind=kind)
         streams = self._submit(builder.id, [prep.chat.prompt], [params],
-                               prep.chat.parsed.request.priority)
-        outputs = self._outputs(streams, [params])
+                               prep.chat.parsed.request.priority, prep.chat.lora)
+        outputs = self._outputs(streams, [params], prep.chat.lora)
         self.tracker.in_flight += 1
         handed_over = False
         try:
@@ -214,7 +215,7 @@ class OpenAIServingResponses(OpenAIServingBase):
         params = dataclasses.replace(prep.chat.parsed.params,
                                      output_kind=RequestOutputKind.FINAL_ONLY)
         streams = self._submit(builder.id, [prep.chat.prompt], [params],
-                               prep.chat.parsed.request.priority)
+                               prep.chat.parsed.request.priority, prep.chat.lora)
         builder.status = "queued"
         entry = StoredResponse(builder.response(), prep.previous + prep.messages,
                                rp.input_items(prep.request, new_id))
@@ -230,7 +231,7 @@ class OpenAIServingResponses(OpenAIServingBase):
     async def _background(self, prep: ResponsesPrepared, builder: ResponseBuilder,
                           streams: list[RequestStream], params: SamplingParams,
                           entry: StoredResponse) -> None:
-        outputs = self._outputs(streams, [params])
+        outputs = self._outputs(streams, [params], prep.chat.lora)
         self.tracker.in_flight += 1
         try:
             builder.status = "in_progress"
