@@ -27,6 +27,7 @@ from arcjax.model.formats.pooler_config import read_pooler_config
 from arcjax.model.formats.quant_config import checkpoint_quantization
 from arcjax.model.kv_layout import kv_layout
 from arcjax.model.kv_scales import calibrated_kv_scales, calibration_ids
+from arcjax.model import packed_matmul
 from arcjax.model.specs import page_shapes
 from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.reasoning.model_reasoning import ModelReasoning
@@ -41,6 +42,9 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache cap on CPU
 # What latent attention runs under jit: `MLA_IMPLS` less the oracle (it reads host values).
 LATENT_ATTENTION_IMPLS = tuple(impl for impl in MLA_IMPLS if impl != "reference")
+# Checkpoint formats a latent attention model loads (besides float): values + scales, read
+# for both layer stacks (`quantized_checkpoint.quantized_host`).
+LATENT_CHECKPOINT_FORMATS = ("fp8", "int8")
 
 
 def default_model_path() -> Path:
@@ -130,7 +134,12 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
         raise EngineConfigError("tensor_parallel_size", f"over {jax.process_count()} "
                                 f"processes it must span all {jax.device_count()} devices, "
                                 f"got {max(tp, ep)}", limit=jax.device_count())
-    if max(tp, ep) > 1 or jax.process_count() > 1:
+    meshed = max(tp, ep) > 1 or jax.process_count() > 1
+    reason = packed_matmul.impl_unavailable(config.packed_matmul_impl,
+                                            platform=jax.default_backend(), parallel=meshed)
+    if reason is not None:  # the kernel off the GPU, or under a mesh
+        raise EngineConfigError("packed_matmul_impl", reason)
+    if meshed:
         parallel = TensorParallel.create(model_config(source), tp, ep=ep)
     # With `parallel`, cfg is the sharded config (KV heads repeated when tp exceeds them).
     model = load_model(source, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel,
@@ -185,7 +194,10 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                          parallel=parallel, kv_cache_dtype=kv_dtype,
                          kv_scales=_kv_scales(config, model, tokenizer, dtype),
                          kv=kv, host_slots=host_blocks, pooling=config.runner == "pooling",
-                         lora=slots, lora_impl=lora_impl)
+                         lora=slots, lora_impl=lora_impl,
+                         matmul_impl=packed_matmul.resolve_impl(
+                             config.packed_matmul_impl, params,
+                             platform=jax.default_backend(), parallel=parallel is not None))
     speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
                   else None)
     options = {} if clock is None else {"clock": clock}
@@ -206,8 +218,8 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
 def _check_latent_attention(config: EngineConfig, source: ModelSource) -> None:
     """Refuses, before any weights load, what latent attention (DeepSeek's MLA,
     arcjax/model/mla_layers.py) does not run with yet: FP8 pages (the latent pages carry no
-    scales), quantized weights (the latent projections and the dense-layer stack are not in
-    the quantizers' tables), LoRA adapters (none target its projections), and attention
+    scales), weights quantized at load (`quant.quantize_params` walks one layer stack) and
+    packed checkpoints (untested), LoRA adapters (none target its projections), and attention
     implementations other than `pallas_kernels.mla`'s. Tensor and expert parallelism are
     refused by `arcjax.parallel.layout.check_tensor_parallel`."""
     cfg = model_config(source)
@@ -217,10 +229,13 @@ def _check_latent_attention(config: EngineConfig, source: ModelSource) -> None:
     if config.kv_cache_dtype == "fp8":
         raise EngineConfigError("kv_cache_dtype", f"fp8 pages are not supported for {arch}'s "
                                 "latent attention (its latent pages carry no scales)")
-    quantized = not source.is_gguf and checkpoint_quantization(source.path) is not None
-    if config.quantization not in (None, "dequantize") or quantized:
-        raise EngineConfigError("quantization", f"quantized weights are not supported for "
-                                f"{arch} yet (latent attention loads float weights only)")
+    stored = None if source.is_gguf else checkpoint_quantization(source.path)
+    if config.quantization not in (None, "dequantize") or (
+            stored is not None and stored.fmt not in LATENT_CHECKPOINT_FORMATS):
+        raise EngineConfigError("quantization", f"{arch} loads float checkpoints and FP8 / "
+                                "INT8 ones (DeepSeek-V3's block-scaled FP8) as stored; "
+                                f"got quantization={config.quantization!r}, checkpoint "
+                                f"{stored.fmt if stored is not None else 'float'}")
     if config.enable_lora:
         raise EngineConfigError("enable_lora", f"LoRA adapters are not supported for {arch}'s "
                                 "latent attention")
@@ -232,11 +247,14 @@ def _check_latent_attention(config: EngineConfig, source: ModelSource) -> None:
 
 def _kv_scales(config: EngineConfig, model, tokenizer, dtype):
     """FP8 pages' [2, L] K and V scales: the checkpoint's, else calibrated from one
-    prefill of a fixed prompt (`arcjax.model.kv_scales`); None for other pages."""
+    prefill of a fixed prompt (`arcjax.model.kv_scales`) unless `calculate_kv_scales` is
+    off; None (the runner's 1.0) for other pages or without calibration."""
     if config.kv_cache_dtype != "fp8":
         return None
     if model.kv_scales is not None:
         return model.kv_scales
+    if not config.calculate_kv_scales:
+        return None
     return calibrated_kv_scales(model.cfg, model.params, calibration_ids(tokenizer, model.cfg),
                                 dtype)
 

@@ -90,10 +90,11 @@ def _model(cfg: ModelConfig, params: Params):
     return binding.bind(cfg, params)
 
 
-def lm_head(params: Params, cfg: ModelConfig, h: jax.Array, parallel=None) -> jax.Array:
+def lm_head(params: Params, cfg: ModelConfig, h: jax.Array, parallel=None,
+            matmul_impl: str = "xla") -> jax.Array:
     """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last
     layer's output) -> logits [..., V] float32, whole rows on every device."""
-    return _model(cfg, params).head(h, parallel)
+    return _model(cfg, params).head(h, parallel, matmul_impl)
 
 
 def _attention_inputs(cfg: ModelConfig, *, q: jax.Array, k_pages: jax.Array,
@@ -205,7 +206,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                        attn_impl: str = "auto", dtype=jnp.float32,
                        max_q_len: int | None = None, parallel=None, moe_impl: str = "auto",
                        head: bool = True, kv: KVLayout | None = None,
-                       lora: LoRAWeights | None = None, lora_impl: str = "masked"
+                       lora: LoRAWeights | None = None, lora_impl: str = "masked",
+                       matmul_impl: str = "xla"
                        ) -> tuple[jax.Array, Cache, jax.Array | None]:
     """One ragged step over the paged cache.
 
@@ -225,6 +227,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     one executable serves every layer.
     `lora`: the LoRA adapters' slots and each token's slot (`arcjax.model.lora_delta`), or
     None; `lora_impl` (static): their delta's implementation (`lora_delta.IMPLS`).
+    `matmul_impl` (static): how packed projections multiply (`packed_matmul.IMPLS`,
+    resolved: "xla", or the W4A16 kernel in decode-sized matmuls).
 
     Returns:
       logits [S, V] float32 at `batch.logits_rows` (or hidden states, see `head`), the
@@ -295,7 +299,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
         x, (k_cache, v_cache), stats = block(x, batch.positions, const["inv_freq"],
                                              attend_latent if cfg.is_mla else attend,
                                              valid=valid_slot, layer=l, moe_impl=moe_impl,
-                                             parallel=parallel, lora=layer_lora)
+                                             parallel=parallel, lora=layer_lora,
+                                             matmul_impl=matmul_impl)
         return (x, k_cache, v_cache), stats
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -303,7 +308,7 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     (x, k_new, v_new), stats = model.scan_layers(layer, (x, cache["k"], cache["v"]),
                                                  (layer_ids, layer_constants(cfg, kv), lora_ab))
     x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
-    out = model.head(x, parallel) if head else x
+    out = model.head(x, parallel, matmul_impl) if head else x
     return out, {**cache, "k": k_new, "v": v_new}, stats
 
 
