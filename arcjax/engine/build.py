@@ -208,7 +208,9 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                     model_dir=model_dir, trace_capacity=config.trace_capacity,
                     async_scheduling=overlapped, speculator=speculator, pooler=pooler,
                     adapters=adapters,
-                    reasoning=ModelReasoning.create(config.reasoning_parser, tokenizer),
+                    reasoning=ModelReasoning.create(
+                        config.reasoning_parser, tokenizer,
+                        gate=not config.structured_outputs_in_reasoning),
                     **options)
     if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()

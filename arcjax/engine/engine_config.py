@@ -139,6 +139,9 @@ class EngineConfig:
         the format's markers), "none", or None: implied by each prompt (a request whose
         prompt shows a `<think>` block is split as deepseek_r1 splits; see
         `arcjax.reasoning.model_reasoning`).
+      structured_outputs_in_reasoning: structured outputs constrain the reasoning too
+        (the whole output, as vLLM's `--structured-outputs-config.enable_in_reasoning`);
+        False (default): the grammar starts after the reasoning (`ReasoningGate`).
       enable_lora: serve LoRA adapters (`lora_request=` on each request; docs/design/lora.md):
         `max_loras` (a scheduler knob: adapters running at once, one device slot each),
         `max_lora_rank` (the largest rank, every slot's), `max_cpu_loras` (adapters kept
@@ -180,6 +183,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     speculative_config: SpeculativeConfig | Mapping | str | None = None
     reasoning_parser: str | None = None
+    structured_outputs_in_reasoning: bool = False
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
