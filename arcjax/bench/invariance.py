@@ -139,17 +139,21 @@ def _others(variation: Variation, vocab: int) -> list[tuple[int, list[int], int]
              int(rs.randint(1, 17))) for _ in range(variation.others)]
 
 
-def build(model: str | None, dtype: str, variation: Variation) -> LLM:
-    options = {**BASE_OPTIONS, "dtype": dtype, **dict(variation.options)}
+def build(model: str | None, dtype: str, variation: Variation,
+          batch_invariant: bool = False) -> LLM:
+    """The variation's engine (over BASE_OPTIONS), in batch-invariant mode if asked."""
+    options = {**BASE_OPTIONS, "dtype": dtype, **dict(variation.options),
+               **({"batch_invariant": True} if batch_invariant else {})}
     if variation.prefix_hit:
         options["enable_prefix_caching"] = True
     return LLM(model, **options)
 
 
 def run_probe(model: str | None, dtype: str, variation: Variation,
-              workload: Workload) -> ProbeRun:
-    """Runs the probe under `variation` on a fresh engine (see the module docstring)."""
-    llm = build(model, dtype, variation)
+              workload: Workload, batch_invariant: bool = False) -> ProbeRun:
+    """Runs the probe under `variation` on a fresh engine (see the module docstring), the
+    engine in batch-invariant mode with `batch_invariant`."""
+    llm = build(model, dtype, variation, batch_invariant)
     vocab = min(llm.config.vocab_size, 4096)
     prompt = probe_prompt(workload, vocab)
     if variation.prefix_hit:  # leaves the first prefix_hit tokens' blocks in the cache

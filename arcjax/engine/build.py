@@ -175,11 +175,13 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
         lora_impl = resolve_impl(lora.lora_impl, jax.default_backend())
     runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=sched.block_size,
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
-                         attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
-                         parallel=parallel, kv_cache_dtype=kv_dtype,
+                         attn_impl=config.step_attention_impl,
+                         executables=SHARED_EXECUTABLES, parallel=parallel,
+                         kv_cache_dtype=kv_dtype,
                          kv_scales=_kv_scales(config, model, tokenizer, dtype),
                          kv=kv, host_slots=host_blocks, pooling=config.runner == "pooling",
-                         lora=slots, lora_impl=lora_impl)
+                         lora=slots, lora_impl=lora_impl,
+                         batch_invariant=config.batch_invariant)
     speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
                   else None)
     options = {} if clock is None else {"clock": clock}

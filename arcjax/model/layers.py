@@ -51,6 +51,7 @@ from arcjax.model import moe
 from arcjax.model.expert_ffn import ExpertAct
 from arcjax.model.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
 from arcjax.model.quant import dense, embedding_rows, float_dtype, tied_head
+from arcjax.model.row_tiles import RowTiles
 
 NORMAL_STD = 0.02  # the "normal" initializer's standard deviation
 
@@ -281,33 +282,53 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend, *,
                  valid: jax.Array, layer: jax.Array, moe_impl: str, parallel,
-                 lora: LayerLoRA | None = None):
+                 lora: LayerLoRA | None = None, rows: RowTiles | None = None):
         """x [..., T, H] -> (x, aux, tokens per expert [E] or None).
 
         `attend(q, k, v) -> ([..., T, Hq, D], aux)` is the only difference between the paged
         and dense modes; positions [..., T]; inv_freq [D/2] (this layer's rope); valid,
         layer, moe_impl, parallel: for the experts (`MoE`); lora: the LoRA adapters' deltas
-        of the projections (the paged mode's; a mixture of experts' attention only)."""
+        of the projections (the paged mode's; a mixture of experts' attention only).
+        rows: None, or the fixed row tiles (`arcjax.model.row_tiles`) the row-wise parts
+        (norms, projections, MLP or experts, residuals) run over: batch-invariant mode, x
+        [T, H], without LoRA."""
         with jax.named_scope("qkv"):
-            q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq, lora)
+            if rows is None:
+                q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq, lora)
+            else:
+                q, k, v = rows.map(lambda x, p: self.attn.qkv(self.attn_norm(x), p, inv_freq),
+                                   x, positions)
         with jax.named_scope("attention"):
             attn, aux = attend(q, k, v)
         with jax.named_scope("o_proj"):
-            out = self.attn.out(attn, x.dtype, lora)
-            if self.post_attn_norm is not None:
-                out = self.post_attn_norm(out)
-            x = x + out
+            x = (self._o_proj(x, attn, lora) if rows is None
+                 else rows.map(lambda x, a: self._o_proj(x, a, None), x, attn))
         with jax.named_scope("mlp"):
-            h = self.mlp_norm(x)
-            if isinstance(self.mlp, MoE):
-                h, stats = self.mlp(h, valid=valid, layer=layer, impl=moe_impl,
-                                    parallel=parallel)
+            mlp = functools.partial(self._mlp, layer=layer, moe_impl=moe_impl, parallel=parallel)
+            if rows is None:
+                x, stats = mlp(x, valid, lora)
             else:
-                h, stats = self.mlp(h, lora), None
-            if self.post_mlp_norm is not None:
-                h = self.post_mlp_norm(h)
-            x = x + h
+                x, stats = rows.map_summed(lambda x, v: mlp(x, v, None), x, valid)
         return x, aux, stats
+
+    def _o_proj(self, x: jax.Array, attn: jax.Array, lora: LayerLoRA | None) -> jax.Array:
+        """The residual stream after attention: x [..., T, H], attn [..., T, Hq, D]."""
+        out = self.attn.out(attn, x.dtype, lora)
+        if self.post_attn_norm is not None:
+            out = self.post_attn_norm(out)
+        return x + out
+
+    def _mlp(self, x: jax.Array, valid: jax.Array, lora: LayerLoRA | None, *,
+             layer: jax.Array, moe_impl: str, parallel):
+        """The residual stream after the MLP (or experts), and tokens per expert or None."""
+        h = self.mlp_norm(x)
+        if isinstance(self.mlp, MoE):
+            h, stats = self.mlp(h, valid=valid, layer=layer, impl=moe_impl, parallel=parallel)
+        else:
+            h, stats = self.mlp(h, lora), None
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return x + h, stats
 
 
 class LMHead(nnx.Module):
