@@ -89,14 +89,14 @@ def run_probe(llm: LLM, others: list[tuple[int, int, int]], prefix_hit: int, see
 workloads = st.fixed_dictionaries(dict(
     others=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 60), st.integers(1, 6)),
                     max_size=4),
-    chunk=st.sampled_from([None, 8, 16]),
+    chunk=st.sampled_from([None, 16, 32]),
     prefix_hit=st.sampled_from([0, 8, 16, 24]),
     overlapped=st.booleans(),
     speculative=st.booleans(),
     seed=st.integers(0, 2 ** 16)))
 
 
-@settings(max_examples=8, deadline=None, derandomize=True,
+@settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(workloads)
 def test_probe_logprobs_are_bitwise_its_solo_run(w):
@@ -110,12 +110,10 @@ def test_the_same_workloads_differ_with_the_mode_off():
     products follow the row count; the attention's tiles follow the chunk), while its
     greedy tokens do not: what the property above would catch if the mode broke."""
     base_tokens, base_bits = solo(False)
-    differs = []
-    for chunk, others in ((None, [(0, 30, 6), (0, 50, 6), (1, 12, 6)]), (8, [])):
-        tokens, bits = run_probe(_engine(False, chunk, False, False), others, 0, 1)
-        assert tokens == base_tokens
-        differs.append(bits != base_bits)
-    assert all(differs)
+    tokens, bits = run_probe(_engine(False, None, False, False),
+                             [(0, 30, 6), (0, 50, 6), (1, 12, 6)], 0, 1)
+    assert tokens == base_tokens
+    assert bits != base_bits
 
 
 def test_the_mode_is_a_checked_option_and_a_server_flag():

@@ -140,20 +140,20 @@ def _others(variation: Variation, vocab: int) -> list[tuple[int, list[int], int]
 
 
 def build(model: str | None, dtype: str, variation: Variation,
-          batch_invariant: bool = False) -> LLM:
-    """The variation's engine (over BASE_OPTIONS), in batch-invariant mode if asked."""
-    options = {**BASE_OPTIONS, "dtype": dtype, **dict(variation.options),
-               **({"batch_invariant": True} if batch_invariant else {})}
+          mode: tuple[tuple[str, object], ...] = ()) -> LLM:
+    """The variation's engine (over BASE_OPTIONS), with the `mode` options every engine of
+    the run shares (batch_invariant, kv_cache_dtype)."""
+    options = {**BASE_OPTIONS, "dtype": dtype, **dict(mode), **dict(variation.options)}
     if variation.prefix_hit:
         options["enable_prefix_caching"] = True
     return LLM(model, **options)
 
 
 def run_probe(model: str | None, dtype: str, variation: Variation,
-              workload: Workload, batch_invariant: bool = False) -> ProbeRun:
-    """Runs the probe under `variation` on a fresh engine (see the module docstring), the
-    engine in batch-invariant mode with `batch_invariant`."""
-    llm = build(model, dtype, variation, batch_invariant)
+              workload: Workload, mode: tuple[tuple[str, object], ...] = ()) -> ProbeRun:
+    """Runs the probe under `variation` on a fresh engine (see the module docstring), with
+    the `mode` options (the baseline's engine too)."""
+    llm = build(model, dtype, variation, mode)
     vocab = min(llm.config.vocab_size, 4096)
     prompt = probe_prompt(workload, vocab)
     if variation.prefix_hit:  # leaves the first prefix_hit tokens' blocks in the cache
