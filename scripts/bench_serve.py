@@ -18,18 +18,28 @@
      sends a 6 MB body, in alternating pairs (the event loop must not block on one request),
      for each of --hostile_kinds: `text` (a text prompt), `ids` (a prompt of token ids),
      `chat` (one chat message), `messages` (many short chat messages).
+  7. --experiment=responses: the burst streamed through /v1/chat/completions and
+     /v1/responses on one server (the first arm; same messages, greedy, ignore_eos), runs
+     alternating which goes first: TTFT, ITL and throughput of each.
+     --experiment=embeddings: a `--runner pooling` server; /v1/embeddings alone
+     (--embed_clients loops of --embed_batch prompts), --streams generating streams alone,
+     and both at once: embedded tokens/s and what the embeddings cost the streams' ITL
+     (arcjax/bench/endpoint_load.py).
 
   python scripts/bench_serve.py --launch --inprocess --num_users=32 --prompt_words=256 \
       --arms=token_budget:budget=512,prefill_first,prefill_first:cap=4 \
       --compilation_cache_dir=runs/jax_cache --out=runs/serve/k32.json --plot=runs/serve/k32.png
   python scripts/bench_serve.py --url=http://127.0.0.1:8000 --mode=poisson --rate=4 \
       --num_requests=64
+  python scripts/bench_serve.py --launch --experiment=responses --num_users=64 \
+      --prompt_words=16 --max_tokens=64 --repeats=4 --arms=token_budget:budget=512
+  python scripts/bench_serve.py --launch --experiment=embeddings --streams=64 \
+      --prompt_words=64 --max_tokens=2000 --window_s=24 --arms=token_budget:budget=512
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import math
 import os
@@ -44,6 +54,8 @@ import time
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from arcjax.bench.endpoint_load import StreamUser, post_raw, stream_body, stream_user  # noqa: E402
 
 _URL = flags.DEFINE_string("url", None, "a running OpenAI-compatible server (base URL)")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "model id to send (default: the "
@@ -83,80 +95,27 @@ _HOSTILE_MB = flags.DEFINE_float("hostile_mb", 0.0, "servers: also time a small 
 _HOSTILE_REPEATS = flags.DEFINE_integer("hostile_repeats", 10, "pairs for --hostile_mb")
 _HOSTILE_KINDS = flags.DEFINE_list("hostile_kinds", ["text"], "--hostile_mb bodies: text, ids, "
                                    "chat, messages")
+_EXPERIMENT = flags.DEFINE_enum("experiment", "burst", ["burst", "responses", "embeddings"],
+                                "burst: the arms' burst; responses: /v1/responses against "
+                                "/v1/chat/completions; embeddings: /v1/embeddings alone and "
+                                "beside --streams generating streams")
+_STREAMS = flags.DEFINE_integer("streams", 64, "embeddings: generating streams")
+_EMBED_CLIENTS = flags.DEFINE_integer("embed_clients", 4, "embeddings: concurrent clients")
+_EMBED_BATCH = flags.DEFINE_integer("embed_batch", 16, "embeddings: inputs per request")
 _OUT = flags.DEFINE_string("out", None, "write every run as JSON here")
 _PLOT = flags.DEFINE_string("plot", None, "write the TTFT CDF and user timelines (PNG) here")
 
 
-@dataclasses.dataclass
-class User:
-    start: float
-    times: list[float] = dataclasses.field(default_factory=list)  # chunks with text
-    tokens: int = 0  # usage.completion_tokens when the server reports it
-    error: str | None = None
-    done: bool = False
-
-
 # --- load generators --------------------------------------------------------------------------
-async def _http_user(url: str, model: str, prompt: str, user: User) -> None:
-    """One streaming /v1/completions request over a raw asyncio connection (HTTP/1.1,
-    chunked or close-delimited body): a client far lighter than httpx, so 64 streams
-    measure the server, not the load generator."""
-    from urllib.parse import urlsplit
-
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": _NEW.value,
-                       "temperature": 0, "ignore_eos": True, "stream": True,
-                       "stream_options": {"include_usage": True}}).encode()
-    parts = urlsplit(url)
-    path = (parts.path.rstrip("/") or "") + "/v1/completions"
-    user.start = time.perf_counter()
-    writer = None
-    try:
-        reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-                     f"Connection: close\r\n\r\n".encode() + body)
-        head = await reader.readuntil(b"\r\n\r\n")
-        status = int(head.split(b" ", 2)[1])
-        chunked = b"transfer-encoding: chunked" in head.lower()
-        if status != 200:
-            user.error = f"HTTP {status}: {(await reader.read(300))!r}"
-            return
-        buf = b""
-        while True:
-            if chunked:
-                size = int((await reader.readuntil(b"\r\n")).strip().split(b";")[0], 16)
-                if size == 0:
-                    break
-                data = await reader.readexactly(size + 2)
-                buf += data[:-2]
-            else:
-                data = await reader.read(65536)
-                if not data:
-                    break
-                buf += data
-            *events, buf = buf.split(b"\n\n")
-            now = time.perf_counter()
-            for event in events:
-                if not event.startswith(b"data: "):
-                    continue
-                payload = event[6:]
-                if payload == b"[DONE]":
-                    user.done = True
-                    continue
-                obj = json.loads(payload)
-                if obj.get("choices"):
-                    if obj["choices"][0].get("text"):
-                        user.times.append(now)
-                elif obj.get("usage"):
-                    user.tokens = obj["usage"]["completion_tokens"]
-    except (OSError, asyncio.IncompleteReadError, ValueError) as e:
-        user.error = repr(e)
-    finally:
-        if writer is not None:
-            writer.close()
+async def _http_user(url: str, model: str, prompt: str, user: StreamUser) -> None:
+    """One streaming /v1/completions request (greedy, ignore_eos, usage in the last chunk)
+    over the raw asyncio client of arcjax/bench/endpoint_load.py (far lighter than httpx,
+    so 64 streams measure the server, not the load generator)."""
+    await stream_user(url, "completions", stream_body("completions", model, prompt, _NEW.value),
+                      user)
 
 
-async def _inproc_user(llm, prompt: str, user: User) -> None:
+async def _inproc_user(llm, prompt: str, user: StreamUser) -> None:
     from arcjax import SamplingParams
 
     params = SamplingParams(max_tokens=_NEW.value, temperature=0, ignore_eos=True)
@@ -170,23 +129,10 @@ async def _inproc_user(llm, prompt: str, user: User) -> None:
 
 
 async def _post(url: str, body: bytes, path: str = "/v1/completions") -> tuple[int, float]:
-    """One non-streaming POST of `path` over a raw connection: (status, seconds)."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
+    """One non-streaming POST of `path`: (status, seconds)."""
     t0 = time.perf_counter()
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
-    try:
-        writer.write(f"POST {parts.path.rstrip('/')}{path} HTTP/1.1\r\n"
-                     f"Host: {parts.netloc}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
-        writer.write(body)
-        await writer.drain()
-        head = await reader.readuntil(b"\r\n")
-        await reader.read()  # the whole response (the server closes the connection)
-        return int(head.split(b" ", 2)[1]), time.perf_counter() - t0
-    finally:
-        writer.close()
+    status, _ = await post_raw(url, path, body)
+    return status, time.perf_counter() - t0
 
 
 def _hostile_body(kind: str, model: str, size: float) -> tuple[str, bytes]:
@@ -255,9 +201,9 @@ def _arrivals(n: int) -> list[float]:
     return out
 
 
-async def _run_load(prompts: list[str], one) -> tuple[list[User], float, float]:
+async def _run_load(prompts: list[str], one) -> tuple[list[StreamUser], float, float]:
     """Runs every user (`one(prompt, user)`) at its arrival; stops at the window's end."""
-    users = [User(0.0) for _ in prompts]
+    users = [StreamUser() for _ in prompts]
     arrivals = _arrivals(len(prompts))
     t0 = time.perf_counter()
 
@@ -281,7 +227,7 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
 
 
-def run_metrics(users: list[User], t0: float, end: float) -> dict:
+def run_metrics(users: list[StreamUser], t0: float, end: float) -> dict:
     ttft = [u.times[0] - u.start for u in users if u.times]
     itl = [b - a for u in users for a, b in zip(u.times, u.times[1:])]
     stalls = [max([b - a for a, b in zip(u.times, u.times[1:])] +
@@ -493,6 +439,52 @@ def _run_arm(spec: str, options: dict, warm: list[str], reps: list[list[str]]) -
     return runs
 
 
+def _endpoint_experiment(warm: list[str], reps: list[list[str]], per_user: int) -> dict:
+    """--experiment=responses | embeddings on one server (--url, or --launch with the first
+    arm's options). Returns what goes into --out."""
+    from arcjax.bench import endpoint_load as load
+
+    embeddings = _EXPERIMENT.value == "embeddings"
+    rows = max(len(warm), _STREAMS.value if embeddings else 0)
+    options = _arm_options(_ARMS.value[0], rows, _BLOCKS.value or per_user * (
+        rows + _EMBED_CLIENTS.value * _EMBED_BATCH.value) + 8)
+    if embeddings:
+        options["runner"] = "pooling"
+    server = ServerProcess(options) if _LAUNCH.value else None
+    try:
+        if server:
+            url, model = server.url, "bench"
+        else:
+            import httpx
+
+            url = _URL.value.rstrip("/")
+            model = _MODEL_NAME.value or httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        if not embeddings:
+            asyncio.run(load.responses_vs_chat(url, model, [warm], _NEW.value, _WINDOW.value,
+                                               run_metrics))  # warm-up (compiles)
+            runs = asyncio.run(load.responses_vs_chat(url, model, reps, _NEW.value,
+                                                      _WINDOW.value, run_metrics))
+            print(table(runs))
+            for row in summarize(runs):
+                print(f"{row['label']}: median over {row['repeats']}: TTFT p50 "
+                      f"{_fmt(row['ttft_p50_s'])}, ITL p50 {_fmt(row['itl_p50_s'])}, "
+                      f"throughput {_fmt(row['throughput_tok_s'], '')} tok/s")
+            return {"options": options, "runs": runs, "summary": summarize(runs)}
+        texts = [p for ps in reps for p in ps]
+        asyncio.run(load.embeddings_beside_streams(  # warm-up (compiles)
+            url, model, warm, warm, streams=_STREAMS.value, max_tokens=_NEW.value,
+            window_s=min(_WINDOW.value, 8.0), clients=_EMBED_CLIENTS.value,
+            batch=_EMBED_BATCH.value))
+        result = asyncio.run(load.embeddings_beside_streams(
+            url, model, reps[0], texts, streams=_STREAMS.value, max_tokens=_NEW.value,
+            window_s=_WINDOW.value, clients=_EMBED_CLIENTS.value, batch=_EMBED_BATCH.value))
+        print(json.dumps(result, indent=1))
+        return {"options": options, "result": result}
+    finally:
+        if server:
+            server.stop()
+
+
 def summarize(runs: list[dict]) -> list[dict]:
     """Median TTFT p50 and throughput over the repeats of each (label, target)."""
     groups: dict[tuple, list[dict]] = {}
@@ -555,6 +547,15 @@ def main(argv):
     warm = sets[_SEED.value + WARMUP_SEED_OFFSET]
     reps = [sets[_SEED.value + r] for r in range(_REPEATS.value)]
     per_user = -(-(longest + _NEW.value) // _BLOCK.value)
+    if _EXPERIMENT.value != "burst":
+        out = _endpoint_experiment(warm, reps, per_user)
+        if _OUT.value:
+            os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+            with open(_OUT.value, "w") as f:
+                json.dump({"argv": sys.argv, "machine": f"{platform.machine()}, "
+                           f"{os.cpu_count()} CPUs", "load_average": os.getloadavg(), **out},
+                          f, indent=1)
+        return
     num_blocks = _BLOCKS.value or per_user * len(warm) + 8
     runs: list[dict] = []
     started = time.time()

@@ -34,6 +34,7 @@ def _configs():
                            intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                            head_dim=16, num_experts=4, num_experts_per_tok=2,
                            moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                           shared_expert_gate=True,
                            tie_word_embeddings=True),
     }
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from arcjax import LLM, SamplingParams
 from arcjax.errors import EngineConfigError
-from support.hf_models import tiny_model_dir
+from support.hf_models import DEEPSEEK_V2, tiny_model_dir
 
 ARCH = "LlamaForCausalLM"
 # One cache geometry for every engine here (compiled steps are shared between them).
@@ -131,6 +131,9 @@ def test_the_mode_is_a_checked_option_and_a_server_flag():
         with pytest.raises(EngineConfigError) as e:
             EngineConfig.from_options(None, **options)
         assert e.value.field == field
+    with pytest.raises(EngineConfigError) as e:  # latent attention: refused before loading
+        LLM(tiny_model_dir(DEEPSEEK_V2), batch_invariant=True)
+    assert e.value.field == "batch_invariant"
     config = EngineConfig.from_options(None, batch_invariant=True)
     assert config.step_attention_impl == "xla"
     assert EngineConfig.from_options(None).step_attention_impl == "auto"

@@ -14,7 +14,8 @@ from arcjax import LoRARequest, SamplingParams
 from arcjax.errors import EngineConfigError, LoRAAdapterError
 from support.engines import tiny_llm
 from support.hf_models import tiny_model_dir
-from support.lora_adapters import ATTENTION_TARGETS, peft_adapter_dir, peft_greedy
+from support.lora_adapters import (ATTENTION_TARGETS, LORA_OPTIONS, peft_adapter_dir,
+                                   peft_greedy)
 
 ARCH = "LlamaForCausalLM"
 MAX_TOKENS = 6
@@ -55,10 +56,8 @@ def _expected() -> list[list[int]]:
             for p, n in zip(prompts, names)]
 
 
-# Two slots for three adapters (slots swap; two of them on the host, so one is read again),
-# prefix caching on. Both engines share their compiled steps (same shapes and options).
-LORA_OPTIONS = dict(enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2,
-                    policy="token_budget", chunk_tile=16, max_num_batched_tokens=64)
+# LORA_OPTIONS: two slots for three adapters (slots swap; two of them on the host, so one
+# is read again), prefix caching on. Both engines share their compiled steps.
 
 
 @pytest.fixture(scope="module")

@@ -156,8 +156,9 @@ def test_gpt_oss_refusals_name_the_field(change, field):
 
 
 @pytest.mark.parametrize("arch", ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"])
-def test_loading_refuses_what_the_decoder_does_not_run_yet(tmp_path, arch):
+def test_loading_reads_deepseek_configs(tmp_path, arch):
+    """The decoder runs DeepSeek (tests/test_engine_deepseek.py): its config.json loads."""
     hf = _deepseek(arch[8:10])
     (tmp_path / "config.json").write_text(json.dumps({**hf.to_dict(), "architectures": [arch]}))
-    with pytest.raises(ModelConfigError, match=f"{arch}.*does not run it yet"):
-        read_config(tmp_path)
+    cfg = read_config(tmp_path)
+    assert cfg.architecture == arch and cfg.is_mla and cfg.mixed_layers

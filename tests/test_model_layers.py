@@ -20,7 +20,8 @@ DENSE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_lay
 MOE = ModelConfig(architecture="Qwen2MoeForCausalLM", vocab_size=64, hidden_size=32,
                   intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                  shared_expert_intermediate_size=24, tie_word_embeddings=True)
+                  shared_expert_intermediate_size=24, shared_expert_gate=True,
+                  tie_word_embeddings=True)
 
 
 @pytest.mark.parametrize("cfg", [DENSE, MOE], ids=["dense", "moe"])

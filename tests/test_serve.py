@@ -502,6 +502,16 @@ def test_error_statuses(server, llm):
         full.stop()
 
 
+def test_embeddings_are_refused_by_a_generation_engine(server):
+    """A server whose engine was built without runner="pooling" refuses /v1/embeddings
+    clearly (400 naming the model, saying how to start one that embeds)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(server).embeddings.create(model=MODEL, input="def fibonacci(n):")
+    assert e.value.body["param"] == "model"
+    assert e.value.body["code"] == "embeddings_not_supported"
+    assert "--runner pooling" in e.value.body["message"]
+
+
 # --- metrics --------------------------------------------------------------------------------
 def test_metrics_parse_and_count(server):
     _client(server).completions.create(model=MODEL, prompt=PROMPTS, max_tokens=8,

@@ -305,7 +305,7 @@ def test_vllm_flag_names_are_accepted_or_refused_by_name(capsys):
                         "--dtype", "auto"]).engine_options == {"max_model_len": 4096}
     for argv, name in ((["--swap-space", "4"], "--swap-space"),
                        (["--pipeline-parallel-size=2"], "--pipeline-parallel-size"),
-                       (["--enable-lora"], "--enable-lora"),
+                       (["--cpu-offload-gb", "4"], "--cpu-offload-gb"),
                        (["--enable-chunked-prefill", "false"], "--enable-chunked-prefill"),
                        (["--no-such-flag"], "--no-such-flag"),
                        (["--enable-prefix"], "--enable-prefix")):  # no abbreviations

@@ -94,6 +94,31 @@ def test_reasoning_and_content_streamed_and_not(client, llm, end_id):
     assert c.text == data["reasoning"] + "</think>" + msg.content
 
 
+def test_responses_carry_a_reasoning_item_before_the_message(client, end_id):
+    """/v1/responses reads the same split: a reasoning item (its reasoning_text the chat
+    message's `reasoning`), then the message (the chat message's content); streamed, the
+    reasoning_text deltas and the output_text deltas join to them; effort "none" closes the
+    block (no reasoning item)."""
+    extra = {"logit_bias": {str(end_id): 5}}
+    chat = client.chat.completions.create(model=MODEL, messages=USER, extra_body=extra,
+                                          **THINK).choices[0].message.model_dump()
+    kw = dict(model=MODEL, input=USER[0]["content"], temperature=THINK["temperature"],
+              max_output_tokens=THINK["max_tokens"], extra_body={**extra, "seed": THINK["seed"]})
+    resp = client.responses.create(**kw)
+    assert [o.type for o in resp.output] == ["reasoning", "message"]
+    assert resp.output[0].content[0].text == chat["reasoning"]
+    assert resp.output_text == chat["content"]
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+        chat["reasoning"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        chat["content"]
+    off = client.responses.create(**{**kw, "max_output_tokens": 4}, reasoning={"effort": "none"})
+    assert [o.type for o in off.output] == ["message"]
+
+
 def _engine_output(llm, ids, params):
     import asyncio
 

@@ -25,26 +25,9 @@ from arcjax.entrypoints.chat_template import ChatTemplate
 from arcjax.entrypoints.openai.api_server import OpenAIServer, ServeConfig
 from arcjax.entrypoints.openai.tool_calls import template_messages
 from support.hf_models import tiny_model_with_chat_template
-from support.running_server import GEOMETRY, RunningServer
+from support.running_server import GEOMETRY, TOOLS_TEMPLATE, WEATHER, RunningServer
 
 MODEL = "tiny-tools"
-TEMPLATE = (
-    "{%- if tools %}tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}\n"
-    "{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'tool' %}tool: <tool_response>{{ m.content }}</tool_response>\n"
-    "{%- elif m.role == 'assistant' and m.tool_calls %}assistant:"
-    "{%- for tc in m.tool_calls %}<tool_call>"
-    "{{ {'name': tc.function.name, 'arguments': tc.function.arguments} | tojson }}"
-    "</tool_call>{%- endfor %}\n"
-    "{%- else %}{{ m.role }}: {{ m.content }}\n{% endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}assistant:{% endif %}")
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-        "unit": {"type": "string", "enum": ["C", "F"]}},
-        "required": ["city", "unit"], "additionalProperties": False}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
     "additionalProperties": False}}}
@@ -59,7 +42,7 @@ class Weather(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return tiny_model_with_chat_template(TEMPLATE)
+    return tiny_model_with_chat_template(TOOLS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.mla import MLA_IMPLS
 from arcjax.engine.engine_config import EngineConfig
 from arcjax.engine.engine import Engine
 from arcjax.spec_decode.speculator import Speculator
@@ -23,8 +24,10 @@ from arcjax.model.formats.gguf_tokenizer import has_tokenizer
 from arcjax.model.formats.hub import ModelSource, resolve_model
 from arcjax.model.formats.loader import load_model, model_config
 from arcjax.model.formats.pooler_config import read_pooler_config
+from arcjax.model.formats.quant_config import checkpoint_quantization
 from arcjax.model.kv_layout import kv_layout
 from arcjax.model.kv_scales import calibrated_kv_scales, calibration_ids
+from arcjax.model.specs import page_shapes
 from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.reasoning.model_reasoning import ModelReasoning
 from arcjax.runtime.buckets import BucketSet
@@ -36,6 +39,8 @@ from arcjax.spec_decode.ngram_proposer import NgramProposer
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache cap on CPU
+# What latent attention runs under jit: `MLA_IMPLS` less the oracle (it reads host values).
+LATENT_ATTENTION_IMPLS = tuple(impl for impl in MLA_IMPLS if impl != "reference")
 
 
 def default_model_path() -> Path:
@@ -73,8 +78,7 @@ def _default_num_blocks(cfg, dtype, block_size: int, max_blocks: int, max_num_se
     # Per device: the cache is split by KV head over tp devices (cfg: the sharded config).
     # A block holds `num_slots` layers' pages (arcjax/model/kv_layout.py).
     slots = cfg.num_layers if num_slots is None else num_slots
-    per_block = (2 * slots * block_size * cfg.num_kv_heads * cfg.head_dim
-                 * dtype.itemsize) // tp
+    per_block = (slots * block_size * cfg.kv_values_per_token() * dtype.itemsize) // tp
     stats = (jax.devices()[0].memory_stats() or {}) if _on_gpu() else {}
     if stats.get("bytes_limit"):
         limit, used = stats["bytes_limit"], stats.get("bytes_in_use", 0)
@@ -116,6 +120,7 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     if spec is not None and spec.method == "draft_model":  # checked before any weights load
         limit = model_config(source).max_position_embeddings
         draft = spec.check_draft_model(source, config.max_model_len or min(limit, 4096))
+    _check_latent_attention(config, source)
     parallel = None
     if jax.process_count() > 1 and config.async_scheduling:
         raise EngineConfigError("async_scheduling", "not supported across several processes "
@@ -152,9 +157,10 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
         cfg, kv_dtype, config.scheduler.block_size, kv.num_groups * max_blocks,
         config.scheduler.max_num_seqs, config.kv_memory_fraction, config.tensor_parallel_size,
         kv.num_slots, config.gpu_memory_utilization)
-    page = (config.scheduler.block_size, cfg.num_kv_heads, cfg.head_dim)  # every device's
+    pages = page_shapes(cfg, config.scheduler.block_size)  # K's and V's, every device's
     host_blocks = HostKVPool.slots_for(int(config.kv_offloading_size * (1 << 30)),
-                                       num_slots=kv.num_slots, page_shape=page, dtype=kv_dtype)
+                                       num_slots=kv.num_slots, page_shape=pages[0],
+                                       v_page_shape=pages[1], dtype=kv_dtype)
     if config.kv_offloading_size and not host_blocks:
         raise EngineConfigError("kv_offloading_size", f"{config.kv_offloading_size} GiB holds "
                                 f"no KV block of this model")
@@ -197,6 +203,37 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
     return engine
+
+
+def _check_latent_attention(config: EngineConfig, source: ModelSource) -> None:
+    """Refuses, before any weights load, what latent attention (DeepSeek's MLA,
+    arcjax/model/mla_layers.py) does not run with yet: FP8 pages (the latent pages carry no
+    scales), quantized weights (the latent projections and the dense-layer stack are not in
+    the quantizers' tables), LoRA adapters (none target its projections), batch-invariant
+    mode (the latent kernels have no fixed tiles), and attention
+    implementations other than `pallas_kernels.mla`'s. Tensor and expert parallelism are
+    refused by `arcjax.parallel.layout.check_tensor_parallel`."""
+    cfg = model_config(source)
+    if not cfg.is_mla:
+        return
+    arch = cfg.architecture
+    if config.kv_cache_dtype == "fp8":
+        raise EngineConfigError("kv_cache_dtype", f"fp8 pages are not supported for {arch}'s "
+                                "latent attention (its latent pages carry no scales)")
+    quantized = not source.is_gguf and checkpoint_quantization(source.path) is not None
+    if config.quantization not in (None, "dequantize") or quantized:
+        raise EngineConfigError("quantization", f"quantized weights are not supported for "
+                                f"{arch} yet (latent attention loads float weights only)")
+    if config.enable_lora:
+        raise EngineConfigError("enable_lora", f"LoRA adapters are not supported for {arch}'s "
+                                "latent attention")
+    if config.batch_invariant:
+        raise EngineConfigError("batch_invariant", f"not built for {arch}'s latent attention "
+                                "yet (its kernels' tiles follow the batch)")
+    if config.attention_impl not in LATENT_ATTENTION_IMPLS:
+        raise EngineConfigError("attention_impl", f"{config.attention_impl!r} does not run "
+                                f"latent attention ({arch}); supported: "
+                                f"{', '.join(LATENT_ATTENTION_IMPLS)}")
 
 
 def _kv_scales(config: EngineConfig, model, tokenizer, dtype):

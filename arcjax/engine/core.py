@@ -166,7 +166,8 @@ class EngineCore:
     def stats(self) -> dict[str, int | float]:
         """The scheduler's side of `Engine.stats` (any thread: it reads one immutable
         state): requests waiting and running, KV blocks in use and in all, steps; with a
-        host tier its slots and what it moved."""
+        host tier its slots and what it moved; with LoRA its device slots, the adapters
+        written into them (swaps), read from disk and loaded on the host now."""
         state = self.state
         out = {"waiting": len(state.waiting), "running": state.num_running,
                "kv_blocks_in_use": state.pool.num_in_use,
@@ -182,6 +183,11 @@ class EngineCore:
                     "kv_bytes_to_device": tier.bytes_to_device,
                     "kv_load_seconds_sum": tier.load_seconds,
                     "kv_loads_timed": tier.loads_timed}
+        table = self.runner.lora
+        if table is not None:  # LoRA: device slots and their swaps, host loads
+            out |= {"lora_slots_total": table.num_slots - 1, "lora_slot_swaps": table.swaps,
+                    "lora_adapter_loads": self.adapters.loads,
+                    "lora_adapters_loaded": len(self.adapters.loaded())}
         return out
 
     def blocks_in_use(self) -> int:

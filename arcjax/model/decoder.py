@@ -32,7 +32,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels import mla as mla_kernels
 from pallas_kernels.backends import Choice
+from pallas_kernels.mla_inputs import MLAInputs
 from arcjax.model.lora_delta import LoRAWeights
 from arcjax.model.kv_layout import KVLayout, kv_layout
 from arcjax.model.model_config import ModelConfig, rope_inv_freq
@@ -142,6 +144,9 @@ def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: 
     k = cache["k"]  # [P * num_blocks, block_size, Hkv, D] (P slots)
     tp = parallel.tp if parallel is not None else 1
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    if cfg.is_mla:  # latent attention: its own implementations (`pallas_kernels.mla`)
+        return _latent_choice(cache, cfg=cfg, attn_impl=attn_impl, tokens=tokens,
+                              max_q_len=max_q_len, dtype=dtype, platform=platform)
     q = sds((tokens, cfg.num_heads // tp, cfg.head_dim), dtype)
     pages = sds((k.shape[0], k.shape[1], k.shape[2] // tp, k.shape[3]), k.dtype)
     scale = sds((), jnp.float32) if "k_scale" in cache else None
@@ -154,6 +159,33 @@ def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: 
         v_scale=scale, max_q_len=max_q_len,
         sinks=sds((cfg.num_heads // tp,), jnp.float32) if cfg.attention_sinks else None)
     return pallas_kernels.choose_inputs(attn_impl, inputs, platform=platform)
+
+
+def _latent_inputs(cfg: ModelConfig, *, q_latent, q_rope, latent_pages, rope_pages,
+                   block_tables, kv_lens, cu_seqlens_q, num_seqs, max_q_len) -> MLAInputs:
+    """One latent attention layer's call (pages [P * num_blocks, block_size, D] each)."""
+    return MLAInputs.create(q_latent=q_latent, q_rope=q_rope, latent_pages=latent_pages,
+                            rope_pages=rope_pages, block_tables=block_tables, kv_lens=kv_lens,
+                            cu_seqlens_q=cu_seqlens_q, num_seqs=num_seqs,
+                            sm_scale=cfg.sm_scale, max_q_len=max_q_len)
+
+
+def _latent_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: int,
+                   max_q_len: int | None, dtype, platform: str | None) -> Choice:
+    """`attention_choice` of a latent attention model (`pallas_kernels.mla.MLA_IMPLS`; a
+    GPU kernel no recorded pass vouches for yet: verified False)."""
+    sds, i32 = jax.ShapeDtypeStruct, jnp.int32
+    latent, rope = cache["k"], cache["v"]  # [P * num_blocks, block_size, 1, Dl / Dr]
+    inputs = _latent_inputs(
+        cfg, q_latent=sds((tokens, cfg.num_heads, latent.shape[3]), dtype),
+        q_rope=sds((tokens, cfg.num_heads, rope.shape[3]), dtype),
+        latent_pages=sds(latent.shape[:2] + latent.shape[3:], latent.dtype),
+        rope_pages=sds(rope.shape[:2] + rope.shape[3:], rope.dtype),
+        block_tables=sds((1, 1), i32), kv_lens=sds((1,), i32), cu_seqlens_q=sds((2,), i32),
+        num_seqs=sds((), i32), max_q_len=max_q_len)
+    impl = mla_kernels.resolve_mla_impl(attn_impl, inputs, platform=platform)
+    return Choice(impl=impl, verified=None if impl in ("xla", "reference") else False,
+                  shape_class="mla")
 
 
 def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
@@ -253,7 +285,24 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                                                      args_axes=(KV_AXES, KV_AXES, ()))
             return out, (kc, vc)
 
-        x, (k_cache, v_cache), stats = block(x, batch.positions, const["inv_freq"], attend,
+        def attend_latent(q, latent, k_pe):  # q [T, Hq, dn+dr], latent / k_pe [T, 1, D]
+            lat_pages, rope_pages = (c.reshape(c.shape[0], c.shape[1], c.shape[3])
+                                     for c in (k_cache, v_cache))  # drop the unit head axis
+            lat_pages, rope_pages = mla_kernels.write_latent(lat_pages, rope_pages,
+                                                             latent[:, 0], k_pe[:, 0], slots)
+            q_latent, q_rope = block.attn.absorb(q)
+            inputs = _latent_inputs(
+                cfg, q_latent=q_latent, q_rope=q_rope, latent_pages=lat_pages,
+                rope_pages=rope_pages,
+                block_tables=batch.block_tables[group] + slot * num_blocks,
+                kv_lens=batch.kv_lens, cu_seqlens_q=batch.cu_seqlens_q,
+                num_seqs=batch.num_seqs, max_q_len=max_q_len)
+            out = mla_kernels.mla_attention(inputs, impl=attn_impl).astype(q.dtype)
+            return block.attn.values(out), (lat_pages.reshape(k_cache.shape),
+                                            rope_pages.reshape(v_cache.shape))
+
+        x, (k_cache, v_cache), stats = block(x, batch.positions, const["inv_freq"],
+                                             attend_latent if cfg.is_mla else attend,
                                              valid=valid_slot, layer=l, moe_impl=moe_impl,
                                              parallel=parallel, lora=layer_lora, rows=rows)
         return (x, k_cache, v_cache), stats
@@ -302,6 +351,8 @@ def forward_dense(params: Params, cfg: ModelConfig, token_ids: jax.Array,
         allowed = dense_mask(L, const.get("window", jnp.int32(L)))
 
         def attend(q, k, v):  # q [B, L, Hq, D], k/v [B, L, Hkv, D]
+            if cfg.is_mla:  # k, v: the latent and the rope key; every head's K and V
+                k, v = block.attn.expand(k, v)
             k = jnp.repeat(k, cfg.q_per_kv, axis=2)
             v = jnp.repeat(v, cfg.q_per_kv, axis=2)
             s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)

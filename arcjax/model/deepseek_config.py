@@ -154,7 +154,9 @@ def fields(d: Mapping, arch: str, rope_scaling: tuple | None) -> dict:
                     qk_nope_head_dim=d.get("qk_nope_head_dim"),
                     qk_rope_head_dim=d.get("qk_rope_head_dim"),
                     v_head_dim=d.get("v_head_dim"),
-                    rope_interleave=bool(d.get("rope_interleave", True)))
+                    # V2's complex-number rope always rotates interleaved pairs
+                    rope_interleave=arch == "DeepseekV2ForCausalLM"
+                    or bool(d.get("rope_interleave", True)))
     scale = 1.0
     if rope_scaling is not None and rope_scaling[0] == "yarn" and rope_scaling[8]:
         scale = yarn_mscale(rope_scaling[1], rope_scaling[8]) ** 2

@@ -231,7 +231,7 @@ def experts(d: Mapping, arch: str, num_layers: int) -> dict:
     return {"num_experts": count, "num_experts_per_tok": top_k,
             "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
             "moe_intermediate_size": _positive_int(d, "moe_intermediate_size"),
-            "shared_expert_intermediate_size": shared}
+            "shared_expert_intermediate_size": shared, "shared_expert_gate": bool(shared)}
 
 
 # ---- Gemma ---------------------------------------------------------------------------------

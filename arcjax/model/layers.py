@@ -13,6 +13,8 @@ axis. The module tree:
                                kv_heads), wo [Hq*D, H] (heads, embed); Qwen2: bq, bk, bv;
                                Llama's attention_bias: bo; Qwen3: q_norm, k_norm [D] (None);
                                gpt-oss: sinks [Hq] (heads)
+                      or MLAAttention  DeepSeek's latent attention (arcjax/model/mla_layers.py):
+                               wq or wq_a, q_a_norm, wq_b; wkv_a, kv_a_norm, wkv_b, wo
       post_attn_norm  RMSNorm  (Gemma's sandwich norms)
       mlp_norm        RMSNorm
       mlp             MLP      w_gate, w_up [H, I] (embed, mlp), w_down [I, H] (mlp, embed)
@@ -20,7 +22,9 @@ axis. The module tree:
                                we_down [E, Im, H] (expert, embed/moe_mlp), `ExpertWeight`s;
                                Qwen2-MoE's shared expert ws_gate, ws_up, ws_down, ws_router;
                                gpt-oss: router_bias [E], be_gate, be_up [E, Im], be_down
-                               [E, H] (`ExpertWeight`s)
+                               [E, H] (`ExpertWeight`s); DeepSeek-V3: router_correction [E]
+    dense_layers    Block      DeepSeek's first_k_dense_replace layers, stacked [K, ...]
+                               apart (their MLP dense; `layers` then holds the other L - K)
       post_mlp_norm   RMSNorm  (Gemma)
     final_norm      RMSNorm
     lm_head         LMHead     kernel [H, V] (embed, vocab); None when tied to the embedding
@@ -109,8 +113,11 @@ class RMSNorm(nnx.Module):
     """RMSNorm over the last axis (width `dim`, logical axis `axis`); Gemma's (1 + w) form
     starts at zero, every other at one: each starts as the identity scale."""
 
-    def __init__(self, cfg: ModelConfig, dim: int, axis: str | None, *, rngs: nnx.Rngs):
-        self.eps, self.unit_offset = cfg.rms_norm_eps, cfg.norm_unit_offset
+    def __init__(self, cfg: ModelConfig, dim: int, axis: str | None, *, rngs: nnx.Rngs,
+                 eps: float | None = None):
+        # eps: the model's rms_norm_eps unless given (DeepSeek's latent norms: 1e-6)
+        self.eps = cfg.rms_norm_eps if eps is None else eps
+        self.unit_offset = cfg.norm_unit_offset
         self.scale = _param(rngs, (dim,), "zeros" if cfg.norm_unit_offset else "ones", (axis,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -233,7 +240,11 @@ class MoE(nnx.Module):
         self.ws_gate = _param(rngs, (H, Is), "normal", ("embed", "mlp")) if shared else None
         self.ws_up = _param(rngs, (H, Is), "normal", ("embed", "mlp")) if shared else None
         self.ws_down = _param(rngs, (Is, H), "normal", ("mlp", "embed")) if shared else None
-        self.ws_router = _param(rngs, (H, 1), "normal", ("embed", None)) if shared else None
+        gated = shared and cfg.shared_expert_gate  # Qwen2-MoE's; DeepSeek's are ungated
+        self.ws_router = _param(rngs, (H, 1), "normal", ("embed", None)) if gated else None
+        # DeepSeek-V3's noaux_tc score correction bias (moves the choice, not the weights)
+        self.router_correction = (_param(rngs, (E,), "zeros", (None,))
+                                  if cfg.router.correction_bias else None)
         # gpt-oss: the router's bias and every expert's gate, up and down biases
         self.router_bias = (_param(rngs, (E,), "zeros", (None,)) if cfg.router.bias
                             else None)
@@ -248,11 +259,13 @@ class MoE(nnx.Module):
     def __call__(self, h: jax.Array, *, valid: jax.Array, layer: jax.Array, impl: str,
                  parallel) -> tuple[jax.Array, jax.Array]:
         """h [..., H]; valid [...] bool, real tokens (padding goes to no expert); layer: []
-        int32, which layer's experts (they are stacked [L, E, ...]); impl: `moe.IMPLS`;
+        int32, which of the stack's layers' experts (they are stacked [L, E, ...] over the
+        stack's layers, `Block.first_layer`); impl: `moe.IMPLS`;
         parallel: an `arcjax.parallel.TensorParallel` or None.
         Returns (out [..., H], tokens per expert [E] int32)."""
         cfg = self.cfg
-        names = ("router", "router_bias", "ws_gate", "ws_up", "ws_down", "ws_router")
+        names = ("router", "router_bias", "router_correction", "ws_gate", "ws_up", "ws_down",
+                 "ws_router")
         weights = {name: value(getattr(self, name)) for name in names
                    if getattr(self, name) is not None}
         experts = {name: value(getattr(self, name))
@@ -268,16 +281,26 @@ class MoE(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One decoder layer: attention and MLP (or experts), each behind its norm, residuals."""
+    """One decoder layer: attention (per-head, or DeepSeek's latent attention,
+    `arcjax.model.mla_layers`) and MLP (or experts), each behind its norm, residuals.
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    `attention`: the attention module's class (`Attention`, or `MLAAttention` for a latent
+    attention model: `arcjax.model.binding` passes it, the module that imports both);
+    `experts`: this layer's MLP is a mixture of experts (default: the model's kind);
+    `first_layer`: the model layer its stack starts at (a model mixing dense and expert
+    layers stacks each kind apart, `Decoder`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention: type | None = None,
+                 experts: bool | None = None, first_layer: int = 0):
         norm = functools.partial(RMSNorm, cfg, cfg.hidden_size, "embed", rngs=rngs)
         sandwich = cfg.sandwich_norms
+        experts = cfg.is_moe if experts is None else experts
+        self.cfg, self.first_layer = cfg, first_layer
         self.attn_norm = norm()
-        self.attn = Attention(cfg, rngs=rngs)
+        self.attn = (attention or Attention)(cfg, rngs=rngs)
         self.post_attn_norm = norm() if sandwich else None
         self.mlp_norm = norm()
-        self.mlp = MoE(cfg, rngs=rngs) if cfg.is_moe else MLP(cfg, rngs=rngs)
+        self.mlp = MoE(cfg, rngs=rngs) if experts else MLP(cfg, rngs=rngs)
         self.post_mlp_norm = norm() if sandwich else None
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend, *,
@@ -285,13 +308,14 @@ class Block(nnx.Module):
                  lora: LayerLoRA | None = None, rows: RowTiles | None = None):
         """x [..., T, H] -> (x, aux, tokens per expert [E] or None).
 
-        `attend(q, k, v) -> ([..., T, Hq, D], aux)` is the only difference between the paged
-        and dense modes; positions [..., T]; inv_freq [D/2] (this layer's rope); valid,
-        layer, moe_impl, parallel: for the experts (`MoE`); lora: the LoRA adapters' deltas
-        of the projections (the paged mode's; a mixture of experts' attention only).
-        rows: None, or the fixed row tiles (`arcjax.model.row_tiles`) the row-wise parts
-        (norms, projections, MLP or experts, residuals) run over: batch-invariant mode, x
-        [T, H], without LoRA."""
+        `attend(q, k, v) -> ([..., T, Hq, Dv], aux)` is the only difference between the
+        paged and dense modes (for latent attention k and v are the latent and the rope
+        key, `MLAAttention.qkv`); positions [..., T]; inv_freq [D/2] (this layer's rope);
+        valid, layer (the model's layer index), moe_impl, parallel: for the experts
+        (`MoE`); lora: the LoRA adapters' deltas of the projections (the paged mode's; a
+        mixture of experts' attention only). rows: None, or the fixed row tiles
+        (`arcjax.model.row_tiles`) the row-wise parts (norms, projections, MLP or experts,
+        residuals) run over: batch-invariant mode, x [T, H], without LoRA."""
         with jax.named_scope("qkv"):
             if rows is None:
                 q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq, lora)
@@ -323,9 +347,12 @@ class Block(nnx.Module):
         """The residual stream after the MLP (or experts), and tokens per expert or None."""
         h = self.mlp_norm(x)
         if isinstance(self.mlp, MoE):
-            h, stats = self.mlp(h, valid=valid, layer=layer, impl=moe_impl, parallel=parallel)
-        else:
-            h, stats = self.mlp(h, lora), None
+            h, stats = self.mlp(h, valid=valid, layer=layer - self.first_layer,
+                                impl=moe_impl, parallel=parallel)
+        else:  # a dense layer of a mixture of experts routes no token: zero counts
+            h = self.mlp(h, lora)
+            stats = (jnp.zeros(self.cfg.num_experts, jnp.int32) if self.cfg.is_moe
+                     else None)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         return x + h, stats
@@ -340,41 +367,62 @@ class LMHead(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """The whole model: embedding, the stacked layers, final norm and head."""
+    """The whole model: embedding, the stacked layers, final norm and head.
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    A model whose first layers are dense and the rest mixtures of experts (DeepSeek's
+    `first_k_dense_replace`, `ModelConfig.num_dense_layers`) stacks each kind apart:
+    `dense_layers` [K, ...] then `layers` [L - K, ...], scanned one after the other.
+    `attention`: every layer's attention class (`Block`; None: `Attention`)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, attention: type | None = None):
         self.cfg = cfg
         self.embed = Embed(cfg, rngs=rngs)
 
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stack(key):
-            return Block(cfg, rngs=nnx.Rngs(params=key))
+        def stack(count: int, **kind):
+            @nnx.vmap(in_axes=0, out_axes=0,
+                      transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def build(key):
+                return Block(cfg, rngs=nnx.Rngs(params=key), attention=attention, **kind)
 
-        self.layers = stack(jax.random.split(rngs.params(), cfg.num_layers))
+            return build(jax.random.split(rngs.params(), count))
+
+        dense = cfg.num_dense_layers
+        self.dense_layers = stack(dense, experts=False) if dense else None
+        self.layers = stack(cfg.num_layers - dense, first_layer=dense)
         self.final_norm = RMSNorm(cfg, cfg.hidden_size, "embed", rngs=rngs)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg, rngs=rngs)
+
+    def _stacks(self) -> list[tuple[int, int, nnx.Module]]:
+        """(first layer, layer count, stacked Blocks) of each stack, in layer order."""
+        dense = self.cfg.num_dense_layers
+        out = [(0, dense, self.dense_layers)] if dense else []
+        return out + [(dense, self.cfg.num_layers - dense, self.layers)]
 
     def scan_layers(self, step, carry, xs):
         """`jax.lax.scan` of `step(block, carry, x) -> (carry, y)` over the layers, where
         `block` is one layer's `Block` (its expert weights whole, see the NOTE) and `x` the
         layer's slice of `xs` ([L, ...] arrays). Returns (carry, ys stacked [L, ...])."""
-        graphdef, experts, stacked = self._split_layers()
+        ys = []
+        for first, count, layers in self._stacks():
+            graphdef, experts, stacked = nnx.split(layers, ExpertWeight, ...)
 
-        def body(carry, xs):
-            layer_state, x = xs
-            return step(nnx.merge(graphdef, experts, layer_state), carry, x)
+            def body(carry, xs, graphdef=graphdef, experts=experts):
+                layer_state, x = xs
+                return step(nnx.merge(graphdef, experts, layer_state), carry, x)
 
-        return jax.lax.scan(body, carry, (stacked, xs))
+            part = jax.tree.map(lambda a, first=first, count=count: a[first:first + count], xs)
+            carry, y = jax.lax.scan(body, carry, (stacked, part))
+            ys.append(y)
+        return carry, (ys[0] if len(ys) == 1
+                       else jax.tree.map(lambda *y: jnp.concatenate(y), *ys))
 
     def block(self, index: int) -> Block:
         """Layer `index`'s `Block` alone (its slice of each layer parameter, the experts
         whole), for a caller that runs one layer outside the scan (a benchmark)."""
-        graphdef, experts, stacked = self._split_layers()
-        return nnx.merge(graphdef, experts, jax.tree.map(lambda w: w[index], stacked))
-
-    def _split_layers(self):
-        """(one Block's graph, the stacked expert weights, every other layer parameter)."""
-        return nnx.split(self.layers, ExpertWeight, ...)
+        first, _, layers = next(s for s in reversed(self._stacks()) if s[0] <= index)
+        graphdef, experts, stacked = nnx.split(layers, ExpertWeight, ...)
+        return nnx.merge(graphdef, experts,
+                         jax.tree.map(lambda w: w[index - first], stacked))
 
     def head(self, h: jax.Array, parallel=None) -> jax.Array:
         """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last

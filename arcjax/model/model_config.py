@@ -105,10 +105,12 @@ class ModelConfig:
                 f"architecture {self.architecture!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if self.moe_layers and (len(self.moe_layers) != self.num_layers or not self.is_moe
-                                or not any(self.moe_layers)):
+                                or not any(self.moe_layers)
+                                or list(self.moe_layers) != sorted(self.moe_layers)):
             raise ModelConfigError("config.json", f"moe_layers must give each of the "
-                                   f"{self.num_layers} layers a kind, an expert layer at "
-                                   "least, and only for a mixture of experts")
+                                   f"{self.num_layers} layers a kind, dense layers first "
+                                   "then an expert layer at least, and only for a mixture "
+                                   "of experts")
         if self.router.grouped and (self.num_experts % self.router.n_group or (
                 self.router.topk_group * self.num_experts // self.router.n_group
                 < self.num_experts_per_tok)):
@@ -155,6 +157,12 @@ class ModelConfig:
     def mixed_layers(self) -> bool:
         """Dense and expert layers mix (`moe_layers`)."""
         return bool(self.moe_layers) and not all(self.moe_layers)
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Dense layers before the expert layers (DeepSeek's first_k_dense_replace; 0 when
+        every layer is of the model's kind)."""
+        return self.moe_layers.count(False) if self.moe_layers else 0
 
     @property
     def expert_act(self) -> str:

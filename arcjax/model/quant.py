@@ -227,7 +227,7 @@ def quantized_specs(specs: dict, params: dict, degree=None) -> dict:
 def weight_dtype(params: dict) -> str:
     """The storage dtype of the layer weights ("float8_e4m3fn", "int8", "bfloat16", or a
     packed format: "q4_1", "awq", ...)."""
-    w = params["layers"]["wq"]
+    w = params["layers"]["wo"]  # every attention has its output projection
     return w.dtype if isinstance(w, PackedWeight) else str(jnp.dtype(w.dtype))
 
 

@@ -23,7 +23,9 @@ import jax.numpy as jnp
 from arcjax.model.model_config import ModelConfig
 
 Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_head"?}
-Cache = dict  # {"k": [L * num_blocks, block_size, Hkv, D], "v": same, FP8: "k_scale": [L], ...}
+# {"k": [L * num_blocks, block_size, Hkv, D], "v": same, FP8: "k_scale": [L], ...}; latent
+# attention: "k" [L * num_blocks, block_size, 1, kv_lora_rank], "v" [..., 1, qk_rope_head_dim]
+Cache = dict
 CACHE_AXES = ("pages", None, "kv_heads", None)  # logical axes of a cache array
 
 
@@ -70,14 +72,32 @@ def cache_specs(cfg: ModelConfig, num_blocks: int, block_size: int, *,
     loop then carries the whole cache and addresses a layer by offsetting block tables
     and slots, so K/V writes are in-place scatters into the donated buffer and no layer
     slice is ever copied.
+
+    NOTE: a latent attention model (DeepSeek's MLA, `ModelConfig.is_mla`) caches one
+    latent and one rope key per token and layer, shared by every head: its "k" pages hold
+    the latents (one "head" of kv_lora_rank) and its "v" pages the rope keys (one of
+    qk_rope_head_dim). They are pages like any other (blocks, slots, the host tier, prefix
+    caching); only attention reads them differently (`arcjax.model.mla_layers`).
     """
     slots = cfg.num_layers if num_slots is None else num_slots
-    shape = (slots * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    spec = ParamSpec(shape, "zeros", CACHE_AXES)
+    pages = (slots * num_blocks, block_size)
+    k_shape, v_shape = page_shapes(cfg, block_size)
+    specs = {"k": ParamSpec(pages + k_shape[1:], "zeros", CACHE_AXES),
+             "v": ParamSpec(pages + v_shape[1:], "zeros", CACHE_AXES)}
     if not scaled:
-        return {"k": spec, "v": spec}
+        return specs
     scale = ParamSpec((cfg.num_layers,), "ones", (None,))
-    return {"k": spec, "v": spec, "k_scale": scale, "v_scale": scale}
+    return {**specs, "k_scale": scale, "v_scale": scale}
+
+
+def page_shapes(cfg: ModelConfig, block_size: int) -> tuple[tuple[int, ...], ...]:
+    """The shape of one page of "k" and of "v", (block_size, heads, width) each (every
+    device's heads): per-head keys and values, or latent attention's latent and rope key
+    (see `cache_specs`'s NOTE)."""
+    if cfg.mla is not None:
+        return (block_size, 1, cfg.mla.kv_lora_rank), (block_size, 1, cfg.mla.qk_rope_head_dim)
+    page = (block_size, cfg.num_kv_heads, cfg.head_dim)
+    return page, page
 
 
 def is_scaled(dtype) -> bool:

@@ -75,6 +75,11 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
     field = "tensor_parallel_size"
     _size(field, tp)
     _size("expert_parallel_size", ep)
+    if cfg.is_mla and max(tp, ep) > 1:  # docs/decisions/0018-latent-attention-on-one-device.md
+        raise EngineConfigError(field if tp > 1 else "expert_parallel_size",
+                                f"{max(tp, ep)}: {cfg.architecture}'s latent attention runs "
+                                "on one device for now (its latent cache is not split by "
+                                "heads)", limit=1)
     if cfg.num_heads % tp:
         raise EngineConfigError(field, f"{tp} does not divide the model's {cfg.num_heads} "
                                        "attention heads")

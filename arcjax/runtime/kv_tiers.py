@@ -71,13 +71,15 @@ class HostKVPool:
     """The host slots and their transfers (see the module docstring)."""
 
     def __init__(self, num_host_slots: int, *, num_slots: int, num_blocks: int,
-                 page_shape: tuple[int, int, int], dtype, cache_sharding=None):
-        # page_shape: (block_size, Hkv, D) of the whole model (every device's heads)
+                 page_shape: tuple[int, int, int], dtype, cache_sharding=None,
+                 v_page_shape: tuple[int, int, int] | None = None):
+        # page_shape: (block_size, Hkv, D) of the whole model (every device's heads);
+        # v_page_shape: V's when it differs (latent attention: the rope keys' pages)
         self.num_host_slots, self.num_slots, self.num_blocks = num_host_slots, num_slots, num_blocks
-        shape = (num_host_slots, num_slots, *page_shape)
-        self.k = np.zeros(shape, dtype)  # calloc: pages are committed when first written
-        self.v = np.zeros(shape, dtype)
-        self.block_bytes = 2 * self.k[0].nbytes
+        self.k = np.zeros((num_host_slots, num_slots, *page_shape), dtype)  # calloc: pages
+        self.v = np.zeros((num_host_slots, num_slots, *(v_page_shape or page_shape)),
+                          dtype)  # are committed when first written
+        self.block_bytes = self.k[0].nbytes + self.v[0].nbytes
         self._sharding = _data_sharding(cache_sharding)
         self._stores: list[tuple[np.ndarray, jax.Array, jax.Array, int]] = []  # in flight
         self._loads: list[tuple[float, jax.Array]] = []  # (dispatched, device data)
@@ -85,9 +87,10 @@ class HostKVPool:
 
     @staticmethod
     def slots_for(size_bytes: int, *, num_slots: int, page_shape: tuple[int, int, int],
-                  dtype) -> int:
+                  dtype, v_page_shape: tuple[int, int, int] | None = None) -> int:
         """Host slots that fit in `size_bytes` (a slot holds one block's K and V)."""
-        per_slot = 2 * num_slots * int(np.prod(page_shape)) * np.dtype(dtype).itemsize
+        values = int(np.prod(page_shape)) + int(np.prod(v_page_shape or page_shape))
+        per_slot = num_slots * values * np.dtype(dtype).itemsize
         return int(size_bytes // per_slot)
 
     def _pages(self, blocks: Sequence[int], count: int, fill: int) -> np.ndarray:

@@ -215,7 +215,8 @@ class ModelRunner:
         k = self.cache["k"]
         self.host_pool = HostKVPool(
             host_slots, num_slots=self.kv.num_slots, num_blocks=num_blocks,
-            page_shape=k.shape[1:], dtype=k.dtype, cache_sharding=k.sharding,
+            page_shape=k.shape[1:], v_page_shape=self.cache["v"].shape[1:], dtype=k.dtype,
+            cache_sharding=k.sharding,
         ) if host_slots else None
         self.executables = executables if executables is not None else ExecutableCache()
         # (bucket, variant, (prompt logprobs?, pooling?)) -> executable

@@ -59,6 +59,21 @@ _EXTRA[GPT_OSS] = dict(
     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                      "truncate": False, "original_max_position_embeddings": 64,
                      "rope_theta": 150000.0})
+# DeepSeek: latent attention (V2 without a query bottleneck, V3 with one; YaRN with mscale
+# and mscale_all_dim on V3, so the softmax scale and rope factor really act), V3's dense
+# first layer then expert layers (V2: experts in every layer), shared experts, V2's group-limited softmax router and V3's
+# sigmoid noaux_tc router (its correction bias perturbed like every weight).
+DEEPSEEK_V2, DEEPSEEK_V3 = "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"
+_DEEPSEEK = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+                 qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+                 n_group=4, topk_group=2, routed_scaling_factor=1.5, num_hidden_layers=3)
+_EXTRA[DEEPSEEK_V2] = dict(_DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy",
+                           first_k_dense_replace=0)  # every layer experts: one layer stack
+_EXTRA[DEEPSEEK_V3] = dict(
+    _DEEPSEEK, q_lora_rank=24, norm_topk_prob=True,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 0.9, "mscale_all_dim": 0.7,
+                     "original_max_position_embeddings": 64, "rope_theta": 10000.0})
 _CONFIG_CLASS = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 

@@ -20,6 +20,11 @@ from support.scratch import scratch_dir
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_TARGETS = ALL_TARGETS[:4]
+# The LoRA engines of the tests (with support.engines.GEOMETRY): two device slots of rank
+# 16, two host slots; one set of shapes, so every such engine of a process shares its
+# compiled steps.
+LORA_OPTIONS = dict(enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2,
+                    policy="token_budget", chunk_tile=16, max_num_batched_tokens=64)
 
 
 def _fresh_model(path: str):
@@ -99,3 +104,4 @@ def peft_greedy(model_dir: str, adapter_dir: str | None, ids, n: int) -> list[in
             input_ids=torch.tensor([list(ids)]), do_sample=False, max_new_tokens=n,
             min_new_tokens=n, pad_token_id=0, eos_token_id=None)
     return out[0, len(ids):].tolist()
+

@@ -1,7 +1,8 @@
 """An in-process OpenAI-compatible server for the serving tests (tests/test_serve.py,
 tests/test_structured_serve.py): `RunningServer(api)` runs `build_server(api)` on a free
 port of 127.0.0.1 in a daemon thread; the tiny byte-level-BPE Llama with a chat template,
-and the cache geometry its engines use."""
+the cache geometry its engines use, and the tool-calling chat template and tool of the
+structured-output and Responses tests."""
 
 from __future__ import annotations
 
@@ -15,6 +16,23 @@ GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=
                 attention_impl="xla", chunk_tile=16, max_num_batched_tokens=128)
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + "
                  "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+TOOLS_TEMPLATE = (  # the Hermes/Qwen tool format, tersely (tests/test_structured_serve.py)
+    "{%- if tools %}tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}\n"
+    "{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}tool: <tool_response>{{ m.content }}</tool_response>\n"
+    "{%- elif m.role == 'assistant' and m.tool_calls %}assistant:"
+    "{%- for tc in m.tool_calls %}<tool_call>"
+    "{{ {'name': tc.function.name, 'arguments': tc.function.arguments} | tojson }}"
+    "</tool_call>{%- endfor %}\n"
+    "{%- else %}{{ m.role }}: {{ m.content }}\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}assistant:{% endif %}")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "unit": {"type": "string", "enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
 
 
 def chat_model_dir() -> str:

@@ -4,9 +4,14 @@
    endpoint: `serving_completion.OpenAIServingCompletion` (/v1/completions),
    `serving_chat.OpenAIServingChat` (/v1/chat/completions, messages rendered by
    `chat_template.ChatTemplate`), `serving_tokenization.OpenAIServingTokenization`
-   (/tokenize, /detokenize), `serving_models.OpenAIServingModels` (/v1/models, the
-   `model` checks, generation_config.json's defaults); they share a
-   `serving_engine.ServingContext`. The request models (`protocol.py`) and `openai`'s
+   (/tokenize, /detokenize), `serving_responses.OpenAIServingResponses` (/v1/responses:
+   create, retrieve, delete, cancel, input items; kept in a `responses_store.ResponseStore`;
+   prepared by the chat endpoint), `serving_embedding.OpenAIServingEmbedding`
+   (/v1/embeddings: an engine built with runner="pooling" embeds beside generating),
+   `serving_models.OpenAIServingModels` (/v1/models, the `model` checks and LoRA
+   adapters: `--lora-modules`, `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`,
+   generation_config.json's defaults); they share a `serving_engine.ServingContext`. The
+   request models (`protocol.py`) and `openai`'s
    response types give the OpenAPI schema (/openapi.json, /docs).
 2. A generation request is admitted here (`_admit`: the API key, draining, and the body
    read under a size cap: 413 before parsing), then handed to its endpoint, which prepares
@@ -39,21 +44,26 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from arcjax.entrypoints.async_llm import AsyncLLM
 from arcjax.entrypoints.chat_template import ChatTemplate
 from arcjax.entrypoints.openai.http_server import (HTTPError, TraceFanout, build_server,
                                                    error_response, too_large)
+from arcjax.entrypoints.openai.lora_modules import RUNTIME_UPDATING_ENV, LoRAModulePath
 from arcjax.entrypoints.openai.openapi import document, install_schema
 from arcjax.entrypoints.openai.request_params import DEFAULT_MAX_STOP_STRINGS
+from arcjax.entrypoints.openai.responses_store import (DEFAULT_MAX_BYTES, DEFAULT_TTL,
+                                                       ResponseStore)
 from arcjax.entrypoints.openai.server_metrics import ServerMetrics
 from arcjax.entrypoints.openai.serving_chat import OpenAIServingChat
 from arcjax.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from arcjax.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from arcjax.entrypoints.openai.serving_engine import RequestTracker, ServingContext
 from arcjax.entrypoints.openai.serving_models import (GENERATION_CONFIGS, OpenAIServingModels,
                                                       generation_defaults)
+from arcjax.entrypoints.openai.serving_responses import OpenAIServingResponses
 from arcjax.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from arcjax.entrypoints.openai.tool_parsers import PARSERS, guess_parser
 from arcjax.errors import EngineDeadError, InputError, UnknownRequestError
@@ -88,6 +98,14 @@ class ServeConfig:
       generation_config: "auto" (the model's generation_config.json gives the sampling
         defaults), "vllm" (OpenAI's defaults) or a folder holding a generation_config.json.
       return_tokens_as_token_ids: logprob tokens as "token_id:<id>" unless a request says.
+      responses_store_bytes, responses_store_ttl: the bounds of the responses
+        `/v1/responses` keeps (`store: true`): bytes in all (least recently used go
+        first), seconds after the last write.
+      lora_modules: LoRA adapters served from start (`--lora-modules`; the engine needs
+        enable_lora); a request's `model` selects one by name.
+      allow_runtime_lora_updating: whether `POST /v1/load_lora_adapter` and
+        `/v1/unload_lora_adapter` answer (else 404, as vLLM without
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     """
 
     host: str = "127.0.0.1"
@@ -104,8 +122,16 @@ class ServeConfig:
     chat_template: str | None = None
     generation_config: str = "auto"
     return_tokens_as_token_ids: bool = False
+    responses_store_bytes: int = DEFAULT_MAX_BYTES
+    responses_store_ttl: float = DEFAULT_TTL
+    lora_modules: tuple[LoRAModulePath, ...] = ()
+    allow_runtime_lora_updating: bool = False
 
     def __post_init__(self):
+        modules = tuple(self.lora_modules)
+        if not all(isinstance(m, LoRAModulePath) for m in modules):
+            raise ValueError(f"lora_modules must be LoRAModulePath items, got {modules!r}")
+        object.__setattr__(self, "lora_modules", modules)
         names = self.served_model_name
         if isinstance(names, (list, tuple)):
             if not names or not all(isinstance(n, str) and n for n in names):
@@ -120,6 +146,11 @@ class ServeConfig:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         if self.max_stop_strings < 0:
             raise ValueError(f"max_stop_strings must be >= 0, got {self.max_stop_strings}")
+        if self.responses_store_bytes < 1:
+            raise ValueError(f"responses_store_bytes must be >= 1, got "
+                             f"{self.responses_store_bytes}")
+        if not self.responses_store_ttl > 0:
+            raise ValueError(f"responses_store_ttl must be > 0, got {self.responses_store_ttl}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.generation_config not in GENERATION_CONFIGS and not os.path.isdir(
@@ -143,7 +174,8 @@ class OpenAIServer:
         self.llm = llm
         self.config = config or ServeConfig()
         engine = llm.engine
-        self.models = OpenAIServingModels(llm, self.config.served_model_names)
+        self.models = OpenAIServingModels(llm, self.config.served_model_names,
+                                          self.config.lora_modules)
         self.model_name = self.models.model_name
         self.metrics = ServerMetrics(engine, self.model_name)
         self._fanout = TraceFanout.install(engine)
@@ -169,6 +201,9 @@ class OpenAIServer:
         self.completion = OpenAIServingCompletion(context)
         self.chat = OpenAIServingChat(context, chat_template, tool_parser)
         self.tokenization = OpenAIServingTokenization(context, self.chat)
+        self.responses = OpenAIServingResponses(
+            context, self.chat, ResponseStore(cfg.responses_store_bytes, cfg.responses_store_ttl))
+        self.embedding = OpenAIServingEmbedding(context)
         self.app = self._build_app()
 
     def _chat_template(self, model_dir) -> ChatTemplate:
@@ -219,8 +254,16 @@ class OpenAIServer:
         app.get("/metrics")(self.metrics_endpoint)
         app.get("/v1/models")(self.show_available_models)
         app.get("/v1/models/{model:path}")(self.show_model)
+        app.post("/v1/load_lora_adapter")(self.load_lora_adapter)
+        app.post("/v1/unload_lora_adapter")(self.unload_lora_adapter)
         document(app, "/v1/completions", self.create_completion)
         document(app, "/v1/chat/completions", self.create_chat_completion)
+        document(app, "/v1/responses", self.create_response)
+        app.get("/v1/responses/{response_id}")(self.retrieve_response)
+        app.delete("/v1/responses/{response_id}")(self.delete_response)
+        app.post("/v1/responses/{response_id}/cancel")(self.cancel_response)
+        app.get("/v1/responses/{response_id}/input_items")(self.response_input_items)
+        document(app, "/v1/embeddings", self.create_embedding)
         document(app, "/tokenize", self.tokenize)
         document(app, "/detokenize", self.detokenize)
         install_schema(app)
@@ -256,11 +299,51 @@ class OpenAIServer:
         self._authorize(request)
         return JSONResponse(self.models.show_model(model))
 
+    async def load_lora_adapter(self, request: Request) -> Response:
+        raw = await self._admit(request)
+        self._runtime_lora_updating()
+        return PlainTextResponse(await self.models.load_lora_adapter(raw, self._pool))
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        raw = await self._admit(request)
+        self._runtime_lora_updating()
+        return PlainTextResponse(await self.models.unload_lora_adapter(raw))
+
+    def _runtime_lora_updating(self) -> None:
+        if not self.config.allow_runtime_lora_updating:
+            raise HTTPError(404, "runtime LoRA updating is off: start the server with "
+                                 "--allow-runtime-lora-updating (or "
+                                 f"{RUNTIME_UPDATING_ENV}=True)", "not_found_error",
+                            code="runtime_lora_updating_disabled")
+
     async def create_completion(self, request: Request) -> Response:
         return await self.completion.create_completion(request, await self._admit(request))
 
     async def create_chat_completion(self, request: Request) -> Response:
         return await self.chat.create_chat_completion(request, await self._admit(request))
+
+    async def create_response(self, request: Request) -> Response:
+        return await self.responses.create_response(request, await self._admit(request))
+
+    async def retrieve_response(self, response_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(self.responses.retrieve(response_id))
+
+    async def delete_response(self, response_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(self.responses.delete(response_id))
+
+    async def cancel_response(self, response_id: str, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(await self.responses.cancel(response_id))
+
+    async def response_input_items(self, response_id: str, request: Request,
+                                   order: str = "desc", limit: int = 20) -> Response:
+        self._authorize(request)
+        return JSONResponse(self.responses.input_items(response_id, order, limit))
+
+    async def create_embedding(self, request: Request) -> Response:
+        return await self.embedding.create_embedding(request, await self._admit(request))
 
     async def tokenize(self, request: Request) -> Response:
         return await self.tokenization.tokenize(await self._admit(request))

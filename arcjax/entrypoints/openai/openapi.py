@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from openai.types import Completion
+from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response as ResponseObject
 from pydantic import BaseModel
 
 from arcjax.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                 DetokenizeRequest, TokenizeRequest)
+from arcjax.entrypoints.openai.responses_protocol import ResponsesRequest
+from arcjax.entrypoints.openai.serving_embedding import EmbeddingRequest
 
 
 class TokenizeResponse(BaseModel):
@@ -38,6 +41,9 @@ ROUTES = {
                         "Create a completion (stream: server-sent events)"),
     "/v1/chat/completions": (ChatCompletionRequest, ChatCompletion,
                              "Create a chat completion (stream: server-sent events)"),
+    "/v1/responses": (ResponsesRequest, ResponseObject,
+                      "Create a response (stream: typed server-sent events)"),
+    "/v1/embeddings": (EmbeddingRequest, CreateEmbeddingResponse, "Create embeddings"),
     "/tokenize": (TokenizeRequest, TokenizeResponse, "Tokenize a prompt or a conversation"),
     "/detokenize": (DetokenizeRequest, DetokenizeResponse, "Detokenize token ids"),
 }

@@ -9,7 +9,10 @@
   histograms; prompt, generated and prefix-cache-hit token counters; requests by finish reason.
 - At scrape time: gauges from `Engine.stats()` (running, waiting, KV blocks in use / total),
   and with a host tier (`kv_offloading_size`) its slots and counters: blocks loaded back
-  (host hits) and stored, bytes moved each way, and the loads' latency (sum and count).
+  (host hits) and stored, bytes moved each way, and the loads' latency (sum and count);
+  with LoRA its device slots, slot swaps, adapters read from disk and loaded on the host.
+- Per adapter (event loop): finished requests by the LoRA adapter they ran with
+  (`arcjax_lora_requests_total{lora_name}`).
 
 vLLM's names (`vllm:*`) are exported beside these from the same events
 (`vllm_metrics.VllmMetrics`).
@@ -26,7 +29,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from arcjax.entrypoints.openai.vllm_metrics import VllmMetrics
-from arcjax.outputs import RequestOutput
+from arcjax.outputs import PoolingRequestOutput, RequestOutput
+from arcjax.pooling_params import PoolingParams
 from arcjax.sampling_params import SamplingParams
 from scheduler.metrics import StepRecord
 from scheduler.step_plan import Engaged
@@ -51,6 +55,13 @@ HOST_TIER_COUNTERS = (
     ("arcjax_kv_loads_timed", "kv_loads_timed", "Host-tier loads timed."),
 )
 
+# LoRA's counters (`EngineCore.stats`), exposed as `<name>_total`.
+LORA_COUNTERS = (
+    ("arcjax_lora_slot_swaps", "lora_slot_swaps", "LoRA adapters written into a device slot."),
+    ("arcjax_lora_adapter_loads", "lora_adapter_loads",
+     "LoRA adapters read from disk (or the Hub) into host memory."),
+)
+
 
 class _EngineGauges:
     """Gauges read from `engine.stats()` once per scrape."""
@@ -66,11 +77,22 @@ class _EngineGauges:
                 ("arcjax_kv_blocks_in_use", "kv_blocks_in_use", "KV cache blocks in use."),
                 ("arcjax_kv_blocks_total", "kv_blocks_total", "KV cache blocks in all.")):
             yield GaugeMetricFamily(name, doc, value=s[key])
+        yield from self._lora(s)
         if "kv_host_blocks_total" not in s:  # no host tier
             return
         yield GaugeMetricFamily("arcjax_kv_host_blocks_total", "Host-tier KV block slots.",
                                 value=s["kv_host_blocks_total"])
         for name, key, doc in HOST_TIER_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=s[key])
+
+    def _lora(self, s: dict):
+        if "lora_slots_total" not in s:  # LoRA is off
+            return
+        yield GaugeMetricFamily("arcjax_lora_slots_total", "Device slots for LoRA adapters "
+                                "(max_loras).", value=s["lora_slots_total"])
+        yield GaugeMetricFamily("arcjax_lora_adapters_loaded", "LoRA adapters loaded in "
+                                "host memory.", value=s["lora_adapters_loaded"])
+        for name, key, doc in LORA_COUNTERS:
             yield CounterMetricFamily(name, doc, value=s[key])
 
 
@@ -117,6 +139,8 @@ class ServerMetrics:
         self._spec_per_pos = counter("arcjax_spec_decode_num_accepted_tokens_per_pos",
                                      "Draft tokens accepted, by position in the draft.",
                                      ["position"])
+        self._lora_requests = counter("arcjax_lora_requests", "Finished requests by the LoRA "
+                                      "adapter they ran with.", ["lora_name"])
         self._knob_family = knob
         self._labels = labels
         r.register(_EngineGauges(engine))
@@ -146,9 +170,22 @@ class ServerMetrics:
                 child.inc()
 
     # --- event loop -------------------------------------------------------------------
-    def on_finished(self, out: RequestOutput, params: SamplingParams | None = None) -> None:
-        """Records one finished request (`params`: its sampling parameters, when known)."""
+    def on_finished(self, out: RequestOutput | PoolingRequestOutput,
+                    params: SamplingParams | PoolingParams | None = None,
+                    lora_name: str | None = None) -> None:
+        """Records one finished request (`params`: its parameters, when known; `lora_name`:
+        the LoRA adapter it ran with, None: the base model); an embedding counts its
+        prompt tokens and its finish reason."""
+        if isinstance(out, PoolingRequestOutput):
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            self.vllm.on_pooled(out)
+            child = self.requests.get(out.finish_reason)
+            if child is not None:
+                child.inc()
+            return
         self.vllm.on_finished(out, params)
+        if lora_name is not None:
+            self._lora_requests.labels(lora_name=lora_name, **self._labels).inc()
         m = out.metrics
         if m.ttft is not None:
             self.ttft.observe(m.ttft)

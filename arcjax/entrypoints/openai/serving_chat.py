@@ -33,6 +33,7 @@ from arcjax.entrypoints.openai.serving_engine import OpenAIServing, ServingConte
 from arcjax.entrypoints.openai.streamed_choices import ServedRequest, StreamedChoices
 from arcjax.entrypoints.openai.tool_calls import tool_calls_json
 from arcjax.errors import RequestError
+from arcjax.lora.lora_request import LoRARequest
 from arcjax.outputs import RequestOutput
 
 OBJECT = "chat.completion.chunk"
@@ -40,11 +41,13 @@ OBJECT = "chat.completion.chunk"
 
 @dataclasses.dataclass(frozen=True)
 class ChatPrepared:
-    """A chat request ready to queue: parsed, its prompt text and token ids."""
+    """A chat request ready to queue: parsed, its prompt text and token ids, the LoRA
+    adapter its `model` names (None: the base model)."""
 
     parsed: ParsedRequest
     prompt_text: str
     prompt: tuple[int, ...]
+    lora: LoRARequest | None = None
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -70,7 +73,7 @@ class OpenAIServingChat(OpenAIServing):
         """Answers one admitted request whose body is `raw`."""
         prep = await self._in_pool(self._prepare, raw)
         return await self._serve(request, prep.parsed, [prep.prompt], [prep.parsed.params],
-                                 prep.prompt_text)
+                                 prep.prompt_text, prep.lora)
 
     def render(self, parsed: ParsedRequest) -> str:
         """The prompt text of a parsed chat request (any thread)."""
@@ -109,10 +112,18 @@ class OpenAIServingChat(OpenAIServing):
         """(worker pool) The parsed request, its params, and the rendered prompt's ids."""
         self.check_size(raw)
         self.check_body_values(raw)
+        return self.prepare(self.parse(raw))
+
+    def parse(self, raw: bytes) -> ParsedRequest:
+        """(any thread) A chat body parsed with this server's defaults and tool parser."""
+        return parse_chat(raw, self.defaults, self.max_stop_strings, self.tool_parser,
+                          self.llm.engine.inputs.check_text_length)
+
+    def prepare(self, parsed: ParsedRequest) -> ChatPrepared:
+        """(worker pool) A parsed chat request rendered, tokenized and checked by the engine
+        (the Responses endpoint's requests come here too: one copy of the chat path)."""
         engine = self.llm.engine
-        parsed = parse_chat(raw, self.defaults, self.max_stop_strings, self.tool_parser,
-                            engine.inputs.check_text_length)
-        self.models.check_model(parsed.request.model)
+        lora = self.models.check_model(parsed.request.model)
         text = self.render(parsed)
         params = parsed.params
         try:  # the template printed the special tokens
@@ -124,8 +135,8 @@ class OpenAIServingChat(OpenAIServing):
         if params.skip_special_tokens and self._needs_special_tokens(parsed):
             params = dataclasses.replace(params, skip_special_tokens=False)
         params = self.fill_max_tokens(parsed, params, prompt)
-        ids = self._engine_check(prompt, params, parsed, "messages")
-        return ChatPrepared(dataclasses.replace(parsed, params=params), text, ids)
+        ids = self._engine_check(prompt, params, parsed, "messages", lora)
+        return ChatPrepared(dataclasses.replace(parsed, params=params), text, ids, lora)
 
     # --- responses ------------------------------------------------------------------------
     def _echo(self, parsed: ParsedRequest) -> str:

@@ -11,6 +11,7 @@ context left), `stream_options.continuous_usage_stats` (`usage` on every chunk).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import Request
@@ -23,9 +24,22 @@ from arcjax.entrypoints.openai.response_logprobs import (choice_logprobs, comple
 from arcjax.entrypoints.openai.serving_engine import OpenAIServing
 from arcjax.entrypoints.openai.streamed_choices import ServedRequest, StreamedChoices
 from arcjax.errors import RequestError
+from arcjax.lora.lora_request import LoRARequest
 from arcjax.outputs import CompletionOutput, RequestOutput
+from arcjax.sampling_params import SamplingParams
 
 OBJECT = "text_completion"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionPrepared:
+    """A completion request ready to queue: parsed, every prompt's token ids and params,
+    the LoRA adapter its `model` names (None: the base model)."""
+
+    parsed: ParsedRequest
+    prompts: tuple[tuple[int, ...], ...]
+    params: tuple[SamplingParams, ...]
+    lora: LoRARequest | None
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -36,14 +50,16 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: Request, raw: bytes) -> Response:
         """Answers one admitted request whose body is `raw`."""
-        parsed, prompts, params = await self._in_pool(self._prepare, raw)
-        return await self._serve(request, parsed, prompts, params)
+        prep = await self._in_pool(self._prepare, raw)
+        return await self._serve(request, prep.parsed, prep.prompts, prep.params,
+                                 lora=prep.lora)
 
-    def _prepare(self, raw: bytes):
-        """(worker pool) The parsed request, every prompt's token ids and params."""
+    def _prepare(self, raw: bytes) -> CompletionPrepared:
+        """(worker pool) The parsed request, every prompt's token ids and params, the
+        adapter its `model` names."""
         self.check_body_values(raw)
         parsed = parse_completion(raw, self.defaults, self.max_stop_strings)
-        self.models.check_model(parsed.request.model)
+        lora = self.models.check_model(parsed.request.model)
         add_special, inputs = parsed.request.add_special_tokens, self.llm.engine.inputs
         ids, params = [], []
         for p in parsed.prompts:
@@ -54,9 +70,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 except RequestError as e:
                     raise RequestError("prompt", e.message, limit=e.limit) from None
             sp = self.fill_max_tokens(parsed, parsed.params, p)
-            ids.append(self._engine_check(p, sp, parsed, "prompt"))
+            ids.append(self._engine_check(p, sp, parsed, "prompt", lora))
             params.append(sp)
-        return parsed, ids, params
+        return CompletionPrepared(parsed, tuple(ids), tuple(params), lora)
 
     # --- the prompt's part of a choice (echo) ---------------------------------------------
     def _echo_only(self, parsed: ParsedRequest) -> bool:

@@ -5,7 +5,8 @@ off the event loop, queueing under one admission step, collecting or streaming o
    draining and the size cap are checked there) and prepares it in the worker pool
    (`_in_pool`): validated by `protocol` and turned into engine inputs by
    `request_params` (typed errors name the field), every prompt tokenized and checked by
-   `Engine.check` (`_engine_check`: all or nothing).
+   `Engine.check` (`_engine_check`: all or nothing). A `model` naming a LoRA adapter
+   (`OpenAIServingModels.check_model`) runs every prompt with it.
 2. `_serve`: back on the loop, one synchronous step checks the queue limit and queues
    every prompt (`_submit`, `AsyncLLM.submit`, with the request's `priority`) under the
    request id ("<prefix>-<request_id or hex>-<prompt index>"); with `n` > 1 the engine
@@ -53,7 +54,9 @@ from arcjax.entrypoints.openai.streamed_choices import (ServedRequest, StreamedC
                                                         event_stream)
 from arcjax.entrypoints.openai.structured_fields import rename_field
 from arcjax.errors import RequestError, StructuredOutputsError
-from arcjax.outputs import RequestOutput
+from arcjax.lora.lora_request import LoRARequest
+from arcjax.outputs import PoolingRequestOutput, RequestOutput
+from arcjax.pooling_params import PoolingParams
 from arcjax.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -84,13 +87,14 @@ class RequestTracker:
         self.in_flight = 0
         self.ignored_logged: set[str] = set()
 
-    def ignored_header(self, parsed: ParsedRequest) -> dict:
-        """Logs each unknown field name once; the response header listing this request's."""
-        for name in parsed.ignored:
+    def ignored_header(self, ignored: Sequence[str]) -> dict:
+        """Logs each unknown field name once; the response header listing this request's
+        (`ignored`: its unknown fields)."""
+        for name in ignored:
             if name not in self.ignored_logged:
                 self.ignored_logged.add(name)
                 log.warning("ignoring the unknown request field %r (logged once)", name)
-        return {IGNORED_FIELDS_HEADER: ", ".join(parsed.ignored)} if parsed.ignored else {}
+        return {IGNORED_FIELDS_HEADER: ", ".join(ignored)} if ignored else {}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -125,13 +129,10 @@ async def in_pool(pool: ThreadPoolExecutor, fn: Callable[[bytes], object], raw: 
     return await asyncio.get_running_loop().run_in_executor(pool, fn, raw)
 
 
-class OpenAIServing(abc.ABC):
-    """The base of the generation endpoints (see the module docstring). A subclass sets
-    `REQUEST_ID_PREFIX` and `CHAT` and builds its whole response (`_response`) and its
-    stream's chunks (`_chunks`)."""
-
-    REQUEST_ID_PREFIX: ClassVar[str]  # the response id's prefix ("cmpl", "chatcmpl")
-    CHAT: ClassVar[bool]  # log-probabilities in chat's shape (else completions')
+class OpenAIServingBase:
+    """What every endpoint that queues requests shares (generation, the Responses API,
+    embeddings): preparing in the worker pool, queueing under the admission step, reading
+    the outputs."""
 
     def __init__(self, context: ServingContext):
         self.llm = context.llm
@@ -160,17 +161,113 @@ class OpenAIServing(abc.ABC):
                                f"{BODY_PROMPTS} prompts of max_model_len tokens, the vocabulary "
                                f"or the longest text prompt need", limit=limit)
 
-    def _engine_check(self, prompt, params, parsed: ParsedRequest,
-                      prompt_field: str) -> tuple[int, ...]:
-        """`Engine.check` with the request's own field names. Returns the prompt's ids."""
+    def _engine_check(self, prompt, params, parsed: ParsedRequest, prompt_field: str,
+                      lora: LoRARequest | None = None) -> tuple[int, ...]:
+        """`Engine.check` (with the adapter `model` selects) with the request's own field
+        names. Returns the prompt's ids."""
         try:
-            return self.llm.engine.check(prompt, params)[1]
+            return self.llm.engine.check(prompt, params, lora)[1]
         except StructuredOutputsError as e:  # a constraint that does not compile
             raise rename_field(e, parsed.constraint) from None
         except RequestError as e:
             max_field = parsed.max_tokens_field if parsed.max_tokens_given else prompt_field
             field = {"prompt": prompt_field, "max_tokens": max_field}.get(e.field, e.field)
             raise RequestError(field, e.message, limit=e.limit) from None
+
+    # --- queueing and outputs (event loop) -------------------------------------------------
+    def _submit(self, rid: str, prompts, params: Sequence[SamplingParams | PoolingParams],
+                priority: int = 0, lora: LoRARequest | None = None) -> list[RequestStream]:
+        """Checks the queue limit (and that the LoRA adapter `lora` is still served) and
+        queues every prompt (with its params and `lora`) in one step (no other request is
+        admitted in between: exact under concurrency); all or nothing."""
+        self.models.check_served(lora)
+        with self.llm.admission_lock:
+            limit = self._max_queued
+            n = sum(p.n if isinstance(p, SamplingParams) else 1 for p in params)
+            if limit is not None and self.llm.engine.stats()["waiting"] + n > limit:
+                raise HTTPError(429, f"too many requests waiting (limit {limit}); retry later",
+                                "rate_limit_error", code="queue_full")
+            streams: list[RequestStream] = []
+            try:
+                for i, (p, sp) in enumerate(zip(prompts, params)):
+                    streams.append(self.llm.submit(p, sp, f"{rid}-{i}", priority,
+                                                   lora_request=lora))
+            except BaseException:
+                for s in streams:
+                    s.cancel()
+                raise
+        return streams
+
+    async def _outputs(self, gens: list[RequestStream],
+                       params: Sequence[SamplingParams | PoolingParams],
+                       lora: LoRARequest | None = None
+                       ) -> AsyncIterator[tuple[int, RequestOutput | PoolingRequestOutput]]:
+        """(prompt index, output) of every prompt (queued with `params[i]` and the adapter
+        `lora`), as they come. Leaving early aborts the requests still running (their
+        streams are closed)."""
+        adapter = None if lora is None else lora.lora_name
+        rids = [g.request_id for g in gens]
+        self.tracker.active.update(rids)
+        finished: set[int] = set()
+        tasks: list[asyncio.Task] = []
+        try:
+            if len(gens) == 1:  # the common case: no merging
+                async for out in gens[0]:
+                    if out.finished:
+                        finished.add(0)
+                        self.metrics.on_finished(out, params[0], adapter)
+                    yield 0, out
+                return
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i, gen):
+                try:
+                    async for out in gen:
+                        queue.put_nowait((i, out, None))
+                except Exception as e:  # noqa: BLE001  handed to the consumer
+                    queue.put_nowait((i, None, e))
+
+            tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+            while len(finished) < len(gens):
+                i, out, err = await queue.get()
+                if err is not None:
+                    raise err
+                if out.finished:
+                    finished.add(i)
+                    self.metrics.on_finished(out, params[i], adapter)
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                try:
+                    await t
+                except asyncio.CancelledError:
+                    pass
+            for i, gen in enumerate(gens):
+                if i not in finished:
+                    await gen.aclose()  # aborts it
+                    self.metrics.on_aborted()
+            self.tracker.active.difference_update(rids)
+
+    @staticmethod
+    async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput | PoolingRequestOutput]],
+                       num_prompts: int) -> list[RequestOutput | PoolingRequestOutput]:
+        """Every prompt's final output (FINAL_ONLY outputs: the only one)."""
+        finals: list[RequestOutput | None] = [None] * num_prompts
+        async for i, out in outputs:
+            if out.finished:
+                finals[i] = out
+        return finals
+
+
+class OpenAIServing(OpenAIServingBase, abc.ABC):
+    """The base of the generation endpoints (see the module docstring). A subclass sets
+    `REQUEST_ID_PREFIX` and `CHAT` and builds its whole response (`_response`) and its
+    stream's chunks (`_chunks`)."""
+
+    REQUEST_ID_PREFIX: ClassVar[str]  # the response id's prefix ("cmpl", "chatcmpl")
+    CHAT: ClassVar[bool]  # log-probabilities in chat's shape (else completions')
 
     # --- generation (event loop) ------------------------------------------------------------
     @abc.abstractmethod
@@ -196,23 +293,24 @@ class OpenAIServing(abc.ABC):
 
     async def _serve(self, request: Request, parsed: ParsedRequest,
                      prompts: Sequence[tuple[int, ...]], params: Sequence[SamplingParams],
-                     prompt_text: str | None = None) -> Response:
-        """Queues the prompts (each with its params) and answers: the whole response, or
-        its event stream."""
+                     prompt_text: str | None = None, lora: LoRARequest | None = None
+                     ) -> Response:
+        """Queues the prompts (each with its params, all with the LoRA adapter `lora`, None:
+        the base model) and answers: the whole response, or its event stream."""
         rid = parsed.request.request_id or uuid.uuid4().hex
         as_ids = parsed.request.return_tokens_as_token_ids
         served = ServedRequest(parsed=parsed, request_id=f"{self.REQUEST_ID_PREFIX}-{rid}",
-                               created=int(time.time()), model=self.models.model_name,
+                               created=int(time.time()), model=self.models.model_name_of(lora),
                                prompts=tuple(tuple(p) for p in prompts),
                                names=TokenNames(self.tokens_as_ids if as_ids is None
                                                 else as_ids), prompt_text=prompt_text)
-        headers = self.tracker.ignored_header(parsed)
+        headers = self.tracker.ignored_header(parsed.ignored)
         # streams carry what is new in each step; a whole response needs the final only
         kind = RequestOutputKind.DELTA if parsed.stream else RequestOutputKind.FINAL_ONLY
         streams = self._submit(served.request_id, prompts,
                                [dataclasses.replace(p, output_kind=kind) for p in params],
-                               parsed.request.priority)
-        outputs = self._outputs(streams, params)
+                               parsed.request.priority, lora)
+        outputs = self._outputs(streams, params, lora)
         self.tracker.in_flight += 1
         handed_over = False
         try:
@@ -242,81 +340,3 @@ class OpenAIServing(abc.ABC):
             if not handed_over:
                 await close_outputs(outputs, streams)
                 self.tracker.in_flight -= 1
-
-    def _submit(self, rid: str, prompts, params: Sequence[SamplingParams],
-                priority: int) -> list[RequestStream]:
-        """Checks the queue limit and queues every prompt in one step (no other request
-        is admitted in between: exact under concurrency); all or nothing."""
-        with self.llm.admission_lock:
-            limit = self._max_queued
-            n = sum(p.n for p in params)
-            if limit is not None and self.llm.engine.stats()["waiting"] + n > limit:
-                raise HTTPError(429, f"too many requests waiting (limit {limit}); retry later",
-                                "rate_limit_error", code="queue_full")
-            streams: list[RequestStream] = []
-            try:
-                for i, (p, sp) in enumerate(zip(prompts, params)):
-                    streams.append(self.llm.submit(p, sp, f"{rid}-{i}", priority))
-            except BaseException:
-                for s in streams:
-                    s.cancel()
-                raise
-        return streams
-
-    async def _outputs(self, gens: list[RequestStream], params: Sequence[SamplingParams]
-                       ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(prompt index, output) of every prompt (queued with `params[i]`), as they come.
-        Leaving early aborts the requests still running (their streams are closed)."""
-        rids = [g.request_id for g in gens]
-        self.tracker.active.update(rids)
-        finished: set[int] = set()
-        tasks: list[asyncio.Task] = []
-        try:
-            if len(gens) == 1:  # the common case: no merging
-                async for out in gens[0]:
-                    if out.finished:
-                        finished.add(0)
-                        self.metrics.on_finished(out, params[0])
-                    yield 0, out
-                return
-            queue: asyncio.Queue = asyncio.Queue()
-
-            async def pump(i, gen):
-                try:
-                    async for out in gen:
-                        queue.put_nowait((i, out, None))
-                except Exception as e:  # noqa: BLE001  handed to the consumer
-                    queue.put_nowait((i, None, e))
-
-            tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
-            while len(finished) < len(gens):
-                i, out, err = await queue.get()
-                if err is not None:
-                    raise err
-                if out.finished:
-                    finished.add(i)
-                    self.metrics.on_finished(out, params[i])
-                yield i, out
-        finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                try:
-                    await t
-                except asyncio.CancelledError:
-                    pass
-            for i, gen in enumerate(gens):
-                if i not in finished:
-                    await gen.aclose()  # aborts it
-                    self.metrics.on_aborted()
-            self.tracker.active.difference_update(rids)
-
-    @staticmethod
-    async def _collect(outputs: AsyncIterator[tuple[int, RequestOutput]],
-                       num_prompts: int) -> list[RequestOutput]:
-        """Every prompt's final output (FINAL_ONLY outputs: the only one)."""
-        finals: list[RequestOutput | None] = [None] * num_prompts
-        async for i, out in outputs:
-            if out.finished:
-                finals[i] = out
-        return finals

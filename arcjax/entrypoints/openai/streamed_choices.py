@@ -91,6 +91,11 @@ class StreamedChoices:
                                                "internal_error")
         return OutputDeltas(tuple(deltas), failure, i, out.prompt_logprobs)
 
+    @property
+    def finals(self) -> tuple[RequestOutput | None, ...]:
+        """Each prompt's final output (None until it came)."""
+        return tuple(self._finals)
+
     def usage_so_far(self) -> dict:
         """`usage` now (`stream_options.continuous_usage_stats`: on every chunk)."""
         prompt = sum(len(p) for p in self._served.prompts)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from arcjax.outputs import RequestOutput
+from arcjax.outputs import PoolingRequestOutput, RequestOutput
 from arcjax.sampling_params import SamplingParams
 from scheduler.metrics import StepRecord
 
@@ -141,6 +141,15 @@ class VllmMetrics:
             self.spec_accepted.inc(record.spec_accepted_tokens)
             for position, n in enumerate(record.spec_accepted_per_pos):
                 self._spec_per_pos.labels(position=str(position), **self._labels).inc(n)
+
+    def on_pooled(self, out: PoolingRequestOutput) -> None:
+        """One finished embedding request (event loop): its prompt tokens and reason."""
+        prompt = len(out.prompt_token_ids)
+        self.prompt_tokens.inc(prompt)
+        self.prompt_hist.observe(prompt)
+        child = self.success.get(out.finish_reason)
+        if child is not None:
+            child.inc()
 
     def on_finished(self, out: RequestOutput, params: SamplingParams | None) -> None:
         """One finished request (event loop)."""

@@ -99,7 +99,7 @@ def _experts(f, arch: str, count: int) -> dict:
     norm = _field(f, "expert_weights_norm", _NORM_TOPK[arch], required=False)
     return {"num_experts": count, "num_experts_per_tok": int(_field(f, "expert_used_count")),
             "moe_intermediate_size": width, "shared_expert_intermediate_size": shared,
-            "norm_topk_prob": bool(norm)}
+            "shared_expert_gate": bool(shared), "norm_topk_prob": bool(norm)}
 
 
 def _gemma(f, arch: str, hidden: int, heads: int, head_dim: int, layers: int) -> dict:

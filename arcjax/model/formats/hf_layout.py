@@ -27,14 +27,6 @@ from arcjax.errors import ModelConfigError, WeightsError
 from arcjax.model.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from arcjax.model.specs import Params, is_spec, param_specs
 
-# Architectures whose config parses but whose layers the decoder does not assemble yet,
-# with what is missing: loading one is refused rather than run wrong.
-DECODER_PENDING = {
-    "DeepseekV2ForCausalLM": "multi-head latent attention over a latent paged cache in the "
-                             "decoder, and the dense-then-expert layer mix",
-    "DeepseekV3ForCausalLM": "multi-head latent attention over a latent paged cache in the "
-                             "decoder, and the dense-then-expert layer mix",
-}
 # arcjax name -> (Hugging Face name pattern, transpose). "{i}" is the layer index, "{e}" the
 # expert's (expert weights are stacked [L, E, ...] from one tensor per layer and expert).
 _LAYER_NAMES = {
@@ -87,8 +79,26 @@ def fused_name(name: str) -> str:
     return name.split(FUSED, 1)[0]
 
 
+# DeepSeek-V2/V3: latent attention's projections (`arcjax.model.mla_layers`), the router
+# and its noaux_tc correction, experts one tensor each, the ungated shared experts.
+_DEEPSEEK_ATTN = "model.layers.{i}.self_attn."
+DEEPSEEK_LAYER_NAMES = {
+    "wq_a": (_DEEPSEEK_ATTN + "q_a_proj.weight", True),
+    "q_a_norm": (_DEEPSEEK_ATTN + "q_a_layernorm.weight", False),
+    "wq_b": (_DEEPSEEK_ATTN + "q_b_proj.weight", True),
+    "wkv_a": (_DEEPSEEK_ATTN + "kv_a_proj_with_mqa.weight", True),
+    "kv_a_norm": (_DEEPSEEK_ATTN + "kv_a_layernorm.weight", False),
+    "wkv_b": (_DEEPSEEK_ATTN + "kv_b_proj.weight", True),
+    "router_correction": ("model.layers.{i}.mlp.gate.e_score_correction_bias", False),
+    "ws_gate": ("model.layers.{i}.mlp.shared_experts.gate_proj.weight", True),
+    "ws_up": ("model.layers.{i}.mlp.shared_experts.up_proj.weight", True),
+    "ws_down": ("model.layers.{i}.mlp.shared_experts.down_proj.weight", True),
+}
+
 # Where an architecture names a weight differently.
 _ARCH_LAYER_NAMES = {
+    "DeepseekV2ForCausalLM": DEEPSEEK_LAYER_NAMES,
+    "DeepseekV3ForCausalLM": DEEPSEEK_LAYER_NAMES,
     "MixtralForCausalLM": {
         "router": ("model.layers.{i}.block_sparse_moe.gate.weight", True),
         "we_gate": ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", True),
@@ -152,8 +162,8 @@ def read_config(model_dir: str | os.PathLike) -> ModelConfig:
     """The model's config.json as a ModelConfig.
 
     Raises:
-      ModelConfigError: missing, unparsable, not a JSON object, missing fields, unsupported,
-        or an architecture the decoder does not run yet (`DECODER_PENDING`).
+      ModelConfigError: missing, unparsable, not a JSON object, missing fields or
+        unsupported.
     """
     data = read_config_json(model_dir)
     path = Path(model_dir) / "config.json"
@@ -165,10 +175,6 @@ def read_config(model_dir: str | os.PathLike) -> ModelConfig:
         raise ModelConfigError(path, f"required field {e.args[0]!r} is missing") from e
     except (TypeError, ValueError) as e:
         raise ModelConfigError(path, f"a field has the wrong type ({e})") from e
-    if cfg.architecture in DECODER_PENDING:
-        raise ModelConfigError(path, f"architecture {cfg.architecture!r} is read (config, "
-                               "kernels, router, experts) but the decoder does not run it "
-                               f"yet: {DECODER_PENDING[cfg.architecture]}")
     return cfg
 
 
@@ -184,22 +190,34 @@ def hf_layer_name(cfg: ModelConfig, key: str, layer: int, expert: int = 0) -> st
     return layer_names(cfg)[key][0].format(i=layer, e=expert)
 
 
+def layer_stacks(cfg: ModelConfig) -> dict[str, int]:
+    """Each stack of layer parameters in the params tree -> the model layer it starts at:
+    {"layers": 0}, or {"dense_layers": 0, "layers": K} for a model whose first K layers
+    are dense (`ModelConfig.num_dense_layers`)."""
+    dense = cfg.num_dense_layers
+    return {"dense_layers": 0, "layers": dense} if dense else {"layers": 0}
+
+
 def hf_entries(cfg: ModelConfig):
     """Yields (path in params tree, index into that array, HF name, transpose): index is
-    () for a top-level array, (layer,) or (layer, expert) for stacked ones."""
+    () for a top-level array, (layer,) or (layer, expert) for stacked ones (the layer
+    counted in its stack, `layer_stacks`)."""
     specs = param_specs(cfg)
     names = layer_names(cfg)
+    stacks = layer_stacks(cfg)
     for key in specs:
-        if key == "layers":
-            for lkey, spec in specs["layers"].items():
+        if key in stacks:
+            first = stacks[key]
+            for lkey, spec in specs[key].items():
                 pattern, t = names[lkey]
                 experts = spec.axes[1] == "expert"
-                for i in range(cfg.num_layers):
+                for i in range(spec.shape[0]):
+                    layer = first + i
                     if experts:
                         for e in range(cfg.num_experts):
-                            yield ("layers", lkey), (i, e), pattern.format(i=i, e=e), t
+                            yield (key, lkey), (i, e), pattern.format(i=layer, e=e), t
                     else:
-                        yield ("layers", lkey), (i,), pattern.format(i=i), t
+                        yield (key, lkey), (i,), pattern.format(i=layer), t
         else:
             name, t = TOP_NAMES[key]
             yield (key,), (), name, t
@@ -231,7 +249,8 @@ def assemble_host(cfg: ModelConfig, read, dtype, where, skip: tuple[str, ...] = 
     np_dtype = np.dtype(jnp.dtype(dtype))
     specs = param_specs(cfg)
     specs = {k: v for k, v in specs.items() if k not in skip}
-    specs["layers"] = {k: v for k, v in specs["layers"].items() if k not in skip}
+    for stack in layer_stacks(cfg):
+        specs[stack] = {k: v for k, v in specs[stack].items() if k not in skip}
     host = jax.tree.map(lambda s: np.empty(s.shape, np_dtype), specs, is_leaf=is_spec)
     for path, index, name, transpose in hf_entries(cfg):
         if path[-1] in skip:

@@ -1,0 +1,141 @@
+"""DeepSeek-V2 and V3 (latent attention, a dense layer then expert layers, shared experts,
+V2's group-limited and V3's noaux_tc routers, V3's query bottleneck and YaRN) through the
+engine, against transformers: greedy tokens and prompt log-probabilities over a latent paged
+cache (the absorbed attention of every prefill chunk and decode row against transformers'
+per-head attention), the dense forward (heads expanded), prefix caching, the policies,
+overlapped on and off, preemption, KV bytes per token, and what is refused.
+
+Engines of one architecture share one cache geometry, so they share compiled steps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from arcjax import LLM, SamplingParams
+from arcjax.errors import EngineConfigError
+from arcjax.model import forward_dense
+from support.device_caches import device_cache
+from support.hf_models import DEEPSEEK_V2, DEEPSEEK_V3, hf_greedy, hf_logits, tiny_model_dir
+
+# One token bucket (32) for every chunk: each engine compiles few steps. 9 blocks of 8
+# tokens: the 50-token prompt's 8 blocks fit, three prompts at once (8 + 3 + 5) do not.
+GEOMETRY = dict(block_size=8, num_kv_blocks=9, max_model_len=64, max_num_seqs=4,
+                attention_impl="xla", chunk_tile=32, max_num_batched_tokens=32)
+LONG = 50  # two chunks of 32
+MAX_TOKENS = 8
+K = 3
+
+
+def _prompts():
+    rs = np.random.RandomState(21)
+    return [rs.randint(3, 384, n).tolist() for n in (LONG, 9, 30)]
+
+
+@functools.lru_cache(maxsize=None)
+def _expected(arch: str, index: int) -> list[int]:
+    return hf_greedy(tiny_model_dir(arch), _prompts()[index], MAX_TOKENS)
+
+
+@device_cache
+def _llm(arch: str, **options) -> LLM:
+    return LLM(tiny_model_dir(arch), **{**GEOMETRY, **options})
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.mark.parametrize("arch", [DEEPSEEK_V2, DEEPSEEK_V3])
+def test_greedy_and_prompt_logprobs_equal_transformers_over_the_latent_cache(arch):
+    """A 50-token prompt in two chunks: greedy tokens equal transformers', prompt
+    log-probabilities within 1e-4 of its log_softmax (absorbed latent attention against its
+    per-head attention); the dense forward (every head's K and V expanded) gives its logits
+    too (V3). The cache holds one latent and one rope key per token and layer; run again,
+    the prefix cache serves the prompt's blocks; a dense layer (V3's first) routes no token,
+    each expert layer k per token; the trace summary states the KV bytes per token beside
+    per-head's."""
+    llm = _llm(arch)
+    prompt = _prompts()[0]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                            prompt_logprobs=K)
+    first = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert list(first.token_ids) == _expected(arch, 0)
+    assert len(set(first.token_ids)) > 1  # the tiny model does not repeat one token
+    logits = hf_logits(tiny_model_dir(arch), prompt)
+    ref = _log_softmax(logits)
+    for p in range(1, len(prompt)):
+        entry = first.prompt_logprobs[p]
+        assert abs(entry[prompt[p]].logprob - ref[p - 1, prompt[p]]) < 1e-4
+        best = max(entry, key=lambda t: entry[t].logprob)
+        assert entry[best].rank == 1 and abs(entry[best].logprob - ref[p - 1].max()) < 1e-4
+    runner = llm.engine.runner
+    cfg = runner.cfg
+    if arch == DEEPSEEK_V3:
+        dense = np.asarray(forward_dense(runner.params, cfg,
+                                         jnp.asarray([prompt], jnp.int32)))[0]
+        np.testing.assert_allclose(dense, logits, atol=1e-4 * max(1.0, np.abs(logits).max()),
+                                   rtol=0)
+    mla = cfg.mla
+    assert runner.cache["k"].shape[1:] == (8, 1, mla.kv_lora_rank)
+    assert runner.cache["v"].shape[1:] == (8, 1, mla.qk_rope_head_dim)
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.token_ids == first.token_ids
+    assert again.num_cached_tokens == (LONG - 1) // 8 * 8
+    assert llm.engine.blocks_in_use() == 0
+    llm.engine.check_trace()
+    dense_layers = cfg.num_dense_layers
+    assert dense_layers == (1 if arch == DEEPSEEK_V3 else 0)
+    for r in llm.engine.trace:
+        computed = r.prefill_tokens + r.decode_tokens
+        assert len(r.expert_tokens) == cfg.num_layers == 3
+        assert all(sum(layer) == 0 for layer in r.expert_tokens[:dense_layers])
+        assert all(sum(layer) == cfg.num_experts_per_tok * computed
+                   for layer in r.expert_tokens[dense_layers:])
+    summary = llm.trace_summary(1.0)
+    assert summary["kv_layout"] == "mla_latent"
+    assert summary["kv_bytes_per_token"] == 3 * (32 + 16) * 4
+    assert summary["per_head_kv_bytes_per_token"] == 3 * 4 * (16 + 16 + 24) * 4
+
+
+TOKEN_BUDGET = dict(policy="token_budget", max_num_partial_prefills=2, async_scheduling=True)
+ALTERNATE = dict(policy="alternate", async_scheduling=False, enable_prefix_caching=False)
+
+
+def test_policies_overlap_and_preemption_equal_transformers():
+    """DeepSeek-V3 (the dense layer, the query bottleneck, YaRN): three prompts (one past a chunk) in a cache too small for all three (preemption:
+    recomputed over the latent pages), under token_budget (two prompts chunked at once,
+    overlapped, prefix caching) and alternate (serial, no prefix caching): the same greedy
+    tokens as transformers. (Prompt log-probabilities asked for: the steps compiled for the
+    test above serve these too.)"""
+    arch = DEEPSEEK_V3
+    want = [_expected(arch, i) for i in range(3)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True,
+                            prompt_logprobs=K)
+    for schedule in (TOKEN_BUDGET, ALTERNATE):
+        llm = _llm(arch, **schedule)
+        outs = llm.generate(_prompts(), params, use_tqdm=False)
+        assert [list(o.token_ids) for o in outs] == want, schedule
+        assert llm.engine.blocks_in_use() == 0
+        preempted = sum(len(r.engaged["preempted"]) for r in llm.engine.trace)
+        assert preempted > 0, schedule
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
+    (dict(expert_parallel_size=2), "expert_parallel_size"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (dict(quantization="int8"), "quantization"),
+    (dict(attention_impl="reference"), "attention_impl"),
+    (dict(enable_lora=True), "enable_lora"),
+])
+def test_what_latent_attention_does_not_run_with_is_a_typed_error(options, field):
+    """Refused before any weights load, naming the option."""
+    with pytest.raises(EngineConfigError) as e:
+        LLM(tiny_model_dir(DEEPSEEK_V2), **{**GEOMETRY, **options})
+    assert e.value.field == field
