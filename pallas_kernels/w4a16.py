@@ -40,6 +40,10 @@ from pallas_kernels.kernel_errors import KernelArgumentError
 from pallas_kernels.pallas_gpu import dot_precision
 
 TARGET_PROGRAMS = 128  # about an H100/H200's SM count: programs that keep it busy
+# The most rows (M) the engine's step sends through the kernel: decode shapes, where the
+# weight's bytes are the whole cost. Its x block and float32 accumulator grow with M; a
+# wider step (a prefill chunk) is compute-bound and takes XLA's dequantize-then-dot.
+MAX_ROWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +91,19 @@ def plan_w4a16(m: int, k: int, n: int, group: int, *, block_n: int | None = None
     if steps % splits:
         raise KernelArgumentError("splits", f"{splits} does not divide the {steps} K steps")
     return W4A16Plan(block_m, block_n, block_k, splits)
+
+
+def w4a16_unsupported(m: int, k: int, n: int, group: int) -> str | None:
+    """Why `w4a16_matmul` would not take x [m, k] @ w [k, n] with scales every `group`
+    rows in the engine's step (more than MAX_ROWS rows, or no tiling), or None if it
+    would."""
+    if m > MAX_ROWS:
+        return f"M={m} is more than the kernel's {MAX_ROWS} decode rows"
+    try:
+        plan_w4a16(m, k, n, group)
+    except KernelArgumentError as e:
+        return str(e)
+    return None
 
 
 def _kernel(x_ref, qw_ref, scale_ref, *refs, plan: W4A16Plan, group: int, shift: int,

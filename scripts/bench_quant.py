@@ -12,19 +12,23 @@ the engine (`arcjax.LLM`):
   packed        the weights as stored, packed on the device (GGUF / packed sources only);
   fp8_weights   `quantization="fp8"` (a GGUF file dequantized first);
   int8_weights  `quantization="int8"`;
-  fp8_kv        float weights, `kv_cache_dtype="fp8"` (scales calibrated at build time).
+  fp8_kv        float weights, `kv_cache_dtype="fp8"` (scales calibrated at build time);
+  fp8_kv_unit   the same with scales of 1.0 (`calculate_kv_scales=False`): what the
+                calibration is compared against.
 
 1. Perplexity on held-out text (the stdlib files the packaged model's training held out):
    `--windows` windows of `--window` tokens, every position scored with prompt
    log-probabilities (so the FP8 KV cache is read as in serving). Relative change vs float.
 2. Greedy agreement with the float setting over `--prompts` prompts (held-out text) x
-   `--new_tokens` tokens: the share of positions equal, and the mean matching prefix. For
+   `--new_tokens` tokens (`--prompts=0`: none): the share of positions equal, and the
+   mean matching prefix. For
    a GGUF file, the packed setting's greedy tokens are also compared with transformers
    reading the same file (`gguf_file=`) on the first `--hf_prompts` prompts.
 3. Device bytes of the parameters, and of the KV cache per token (K and V of every layer).
 4. Step time of the setting's params (`arcjax.bench.step_timing`): a decode step of
    `--decode_rows` rows `--context` tokens in, and a `--prefill`-token prefill, median of
-   `--step_iters` synchronized runs (KV pages in the compute dtype for every setting).
+   `--step_iters` synchronized runs (KV pages in the compute dtype for every setting;
+   `--step_iters=0`: not timed).
 
   python scripts/bench_quant.py --out=runs/quant.json
   python scripts/bench_quant.py --models=default --windows=4 --prompts=8 --new_tokens=16
@@ -46,7 +50,9 @@ from arcjax.entrypoints.flags import config_from_flags, define_flags
 
 SETTINGS = {"float": {"quantization": "dequantize"}, "packed": {},
             "fp8_weights": {"quantization": "fp8"}, "int8_weights": {"quantization": "int8"},
-            "fp8_kv": {"quantization": "dequantize", "kv_cache_dtype": "fp8"}}
+            "fp8_kv": {"quantization": "dequantize", "kv_cache_dtype": "fp8"},
+            "fp8_kv_unit": {"quantization": "dequantize", "kv_cache_dtype": "fp8",
+                            "calculate_kv_scales": False}}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,12 +146,15 @@ def evaluate(llm, windows: list[list[int]], prompts: list[list[int]], new_tokens
         logprobs += [pos[t].logprob for pos, t in zip(out.prompt_logprobs[1:], ids[1:])]
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    tokens = [list(o.token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    tokens = ([list(o.token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)]
+              if prompts else [])
     runner = llm.engine.runner
     from arcjax.model.quant import param_bytes, storage_dtypes
 
     cache_bytes = sum(int(x.nbytes) for x in (runner.cache["k"], runner.cache["v"]))
-    return {"perplexity": math.exp(-float(np.mean(logprobs))), "tokens": tokens,
+    scales = {name: np.asarray(runner.cache[name]).tolist()  # FP8 pages: [L] each
+              for name in ("k_scale", "v_scale") if name in runner.cache}
+    return {"perplexity": math.exp(-float(np.mean(logprobs))), "tokens": tokens, **scales,
             "greedy_s": time.perf_counter() - t0,
             "param_bytes": param_bytes(runner.params),
             "kv_bytes_per_token": cache_bytes / (runner.num_blocks * runner.block_size),
@@ -173,6 +182,9 @@ def transformers_agreement(gguf_path: str, prompts: list[list[int]], tokens, n: 
 
 
 def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    if not ref:  # --prompts=0
+        return {"greedy_agreement": math.nan, "mean_matching_prefix": math.nan,
+                "identical_prompts": 0}
     same = [a == b for r, g in zip(ref, got) for a, b in zip(r, g)]
     prefixes = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), len(r))
                 for r, g in zip(ref, got)]
@@ -208,7 +220,7 @@ def run_model(name: str, paths: dict, tokenizer_path: str | None, cfg: BenchQuan
         models[setting] = (runner.cfg, runner.params, runner.dtype)  # for the step times
         del llm, runner
         print(f"{name:10s} {setting:13s} ppl {results[setting]['perplexity']:.4f}", flush=True)
-    for setting, times in step_times(models, cfg).items():
+    for setting, times in (step_times(models, cfg) if cfg.step_iters else {}).items():
         results[setting].update(times)
     del models
     packed = results.get("packed")
@@ -235,7 +247,7 @@ def markdown(all_results: dict) -> str:
                 f"{r['perplexity']:.4f} | {100 * r['perplexity_rel_change']:+.2f}% | "
                 f"{100 * r['greedy_agreement']:.1f}% | {r['mean_matching_prefix']:.1f} | "
                 f"{r['param_bytes'] / 2**20:.1f} | {r['kv_bytes_per_token']:.0f} | "
-                f"{r['decode_ms']:.2f} | {r['prefill_ms']:.2f} |")
+                f"{r.get('decode_ms', math.nan):.2f} | {r.get('prefill_ms', math.nan):.2f} |")
             if "transformers_prompts" in r:
                 lines.append(f"| {model} | {setting} vs transformers (same file) | | | | | "
                              f"{r['transformers_identical_prompts']}/"

@@ -11,6 +11,8 @@
     implementation="cudnn")`) on the dense shapes of the kernel table's prefill cases.
   - `moe_grouped_gemm`: one Mixtral-8x7B-shaped MoE layer (`arcjax.model.moe.moe_mlp`)
     with `ragged_dot` and the tiled grouped GEMM, at decode and prefill token counts.
+  - `w4a16_decode`: the W4A16 kernel against its oracle, XLA's dequantize-then-dot and a
+    bf16 weight on 8B-model decode shapes (`W4A16_SHAPES`).
 """
 
 from __future__ import annotations
@@ -155,4 +157,54 @@ def moe_grouped_gemm(task: Task, emit: Emitter) -> dict:
                 continue
             flops = 2.0 * tokens * top_k * 3 * hidden * width  # gate, up, down
             emit.row(row | timing | dict(tflops=flops / timing["ms"] / 1e9))
+    return {}
+
+
+W4A16_SHAPES = ((1, 4096, 4096), (16, 4096, 14336), (1, 14336, 4096))  # M x K x N, decode
+W4A16_TOLERANCE = 2e-2  # max |kernel - oracle| / max |oracle| (bf16 outputs)
+
+
+def w4a16_decode(task: Task, emit: Emitter) -> dict:
+    """The W4A16 kernel (`pallas_kernels.w4a16`) on 8B-model decode shapes, AWQ zero points
+    and GGUF Q4_1 mins: checked against its oracle, timed beside XLA's dequantize-then-dot
+    (the engine's path off the kernel) and a bf16 weight; TB/s of the bytes each reads
+    (packed for the kernel and XLA, 2 a weight for bf16), set against the copy ceiling."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from gpu_quant4 import operands
+    from pallas_kernels.w4a16 import w4a16_matmul, w4a16_reference
+
+    shapes = ((1, 256, 64), (4, 128, 128)) if task.smoke else W4A16_SHAPES
+    for m, k, n in shapes:
+        for kind in ("zero", "offset"):
+            case = f"w4a16_{m}x{k}x{n}_{kind}"
+            emit.start(case)
+            ops = operands(m, k, n, kind, group=min(128, k))
+            group, shift = ops["group"], ops["shift"]
+            args = tuple(ops[name] for name in ("x", "qweight", "scale", "zero", "offset"))
+            kernel = jax.jit(lambda x, q, s, z, o: w4a16_matmul(
+                x, q, s, z, o, group=group, shift=shift, interpret=task.smoke))
+            row = dict(case=case, kind="decode", rows=m, shape=f"{m}x{k}x{n}", zero=kind)
+            try:
+                got = np.asarray(kernel(*args), np.float32)
+                timing = time_call(kernel, args, smoke=task.smoke)
+            except Exception as e:  # noqa: BLE001 - a kernel that fails is a result
+                emit.row(row | dict(impl="w4a16", error=f"{type(e).__name__}: {str(e)[:300]}"))
+                continue
+            want = np.asarray(w4a16_reference(*args, group=group, shift=shift), np.float32)
+            err = float(np.max(np.abs(got - want)) / max(1e-6, float(np.max(np.abs(want)))))
+            bad = {} if err <= W4A16_TOLERANCE else {"error": f"max rel err {err:.2g} over "
+                                                              f"{W4A16_TOLERANCE}"}
+            emit.row(row | timing | dict(impl="w4a16", max_rel_err=err, **bad,
+                                         tbps=ops["nbytes"] / timing["ms"] / 1e9))
+            dense = jnp.asarray(np.random.default_rng(1).normal(size=(k, n)) * 0.01,
+                                jnp.bfloat16)
+            for impl, fn, inputs, nbytes in (
+                    ("xla", lambda x, w: x @ w.dequantize(x.dtype), (ops["x"], ops["w"]),
+                     ops["nbytes"]),
+                    ("bf16", lambda x, w: x @ w, (ops["x"], dense), 2 * k * n)):
+                t = time_call(jax.jit(fn), inputs, smoke=task.smoke)
+                emit.row(row | t | dict(impl=impl, tbps=nbytes / t["ms"] / 1e9))
     return {}

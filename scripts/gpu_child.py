@@ -143,6 +143,7 @@ def _runners(kind: str):
     return {"environment": environment, "correctness": gpu_kernels.correctness,
             "table": gpu_kernels.table, "ceilings": gpu_bench.ceilings,
             "cudnn": gpu_bench.cudnn_reference, "moe": gpu_bench.moe_grouped_gemm,
+            "w4a16": gpu_bench.w4a16_decode,
             "e2e": gpu_e2e.run}[kind]
 
 

@@ -14,8 +14,9 @@ points, GGUF Q4_1 mins, a constant shift), one row:
   python scripts/gpu_quant4.py --out=runs/gpu_quant4.json
   python scripts/gpu_quant4.py --smoke            # tiny shapes, CPU, interpret mode
 
-Standalone (scripts/gpu_check.sh's sections are being rewritten): see WORKSPACE.md for how
-it joins gpu_check. Writes the JSON and prints the markdown table.
+Standalone: every shape and kind, more iterations. scripts/gpu_check.sh's `kernel_table.w4a16`
+task times three of these shapes (`gpu_bench.w4a16_decode`, its operands from here).
+Writes the JSON and prints the markdown table.
 """
 
 from __future__ import annotations
@@ -53,16 +54,16 @@ def copy_rate(nbytes: int, iters: int) -> float:
     return 2 * nbytes / (time_ms(copy, (x,), warmup=2, iters=iters) / 1e3)
 
 
-def row(m: int, k: int, n: int, kind: str, cfg: GpuQuant4Config, rate: float) -> dict:
-    import jax
+def operands(m: int, k: int, n: int, kind: str, group: int, seed: int = 0) -> dict:
+    """Random operands of one W4A16 matmul: x [m, k] bf16, qweight [k / 8, n], fp16
+    scales every `group` rows, and the zero-point kind's arrays ("zero": AWQ / GPTQ zero
+    points, "offset": GGUF Q4_1 mins, "shift": the constant 8). Also the weight as a
+    `PackedWeight` (`w`, what the XLA path dequantizes) and its packed bytes."""
     import jax.numpy as jnp
 
     from arcjax.model.packed import PackedLayout, PackedWeight
-    from pallas_kernels.testing import time_ms
-    from pallas_kernels.w4a16 import plan_w4a16, w4a16_matmul, w4a16_reference
 
-    group = min(cfg.group, k)
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     g = k // group
     qweight = jnp.asarray(rng.integers(0, 2**32, size=(k // 8, n), dtype=np.uint64)
                           .astype(np.uint32))
@@ -72,6 +73,25 @@ def row(m: int, k: int, n: int, kind: str, cfg: GpuQuant4Config, rate: float) ->
               if kind == "offset" else None)
     shift = 8 if kind == "shift" else 0
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    w = PackedWeight((qweight,), scale, zero, offset, None,
+                     PackedLayout("w4", (4,), group, k, shift))
+    nbytes = sum(int(a.nbytes) for a in (qweight, scale, zero, offset) if a is not None)
+    return dict(x=x, qweight=qweight, scale=scale, zero=zero, offset=offset, shift=shift,
+                group=group, w=w, nbytes=nbytes)
+
+
+def row(m: int, k: int, n: int, kind: str, cfg: GpuQuant4Config, rate: float) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.testing import time_ms
+    from pallas_kernels.w4a16 import plan_w4a16, w4a16_matmul, w4a16_reference
+
+    group = min(cfg.group, k)
+    ops = operands(m, k, n, kind, group)
+    x, qweight, scale, zero, offset, shift, w = (ops[name] for name in (
+        "x", "qweight", "scale", "zero", "offset", "shift", "w"))
+    rng = np.random.default_rng(1)
     interpret = cfg.smoke
     kernel = jax.jit(lambda x, q, s, z, o: w4a16_matmul(x, q, s, z, o, group=group,
                                                         shift=shift, interpret=interpret))
@@ -79,16 +99,13 @@ def row(m: int, k: int, n: int, kind: str, cfg: GpuQuant4Config, rate: float) ->
     got = np.asarray(kernel(*args), np.float32)
     want = np.asarray(w4a16_reference(*args, group=group, shift=shift), np.float32)
     err = float(np.max(np.abs(got - want)) / max(1e-6, np.max(np.abs(want))))
-    w = PackedWeight((qweight,), scale, zero, offset, None,
-                     PackedLayout("w4", (4,), group, k, shift))
     xla = jax.jit(lambda x, w: x @ w.dequantize(x.dtype))
     dense_w = jnp.asarray(rng.normal(size=(k, n)) * 0.01, jnp.bfloat16)
     bf16 = jax.jit(lambda x, w: x @ w)
     timing = dict(warmup=cfg.warmup, iters=cfg.iters)
     ms = {"kernel": time_ms(kernel, args, **timing), "xla": time_ms(xla, (x, w), **timing),
           "bf16": time_ms(bf16, (x, dense_w), **timing)}
-    packed_bytes = sum(int(a.nbytes) for a in (qweight, scale, zero, offset) if a is not None)
-    moved = {"kernel": packed_bytes, "xla": packed_bytes, "bf16": 2 * k * n}
+    moved = {"kernel": ops["nbytes"], "xla": ops["nbytes"], "bf16": 2 * k * n}
     out = {"shape": f"{m}x{k}x{n}", "kind": kind, "group": group,
            "plan": dataclasses.asdict(plan_w4a16(m, k, n, group)), "max_rel_err": err,
            "ms": ms, "copy_rate_gbs": rate / 1e9}

@@ -10,14 +10,41 @@ them, so nothing compiled in the suite was ever freed: it crossed the limit abou
 After each test module, when the process holds more than MAX_MAPPINGS regions, the shared
 executables, every cache registered with `support.device_caches` (the cached engines and
 loaded params) and JAX's caches are dropped (later modules compile what they need again).
+
+NOTE: compiling is most of the suite's time (an engine module spends ~70% of it in XLA), and
+the same programs are compiled again and again: by both xdist workers, by a module after the
+caches were dropped, and by the subprocesses tests start (servers, multi-device runs, the GPU
+check's tasks). So the suite runs with JAX's persistent compilation cache in one directory per
+run: the first process to start (the xdist controller, or a lone pytest) makes it, every later
+worker and subprocess inherits it through `JAX_COMPILATION_CACHE_DIR`, and the maker deletes it
+at exit. A compile found there is the executable XLA wrote, byte for byte, so no test sees a
+different program. Its size limit turns on JAX's file lock (two workers write at once). Set
+`JAX_COMPILATION_CACHE_DIR` yourself to keep a cache across runs (it is then never deleted).
 """
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _share_compiled_programs() -> None:
+    """One persistent compilation cache for this run's processes (before JAX is imported)."""
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        path = tempfile.mkdtemp(prefix="arcjax-tests-xla-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    # compiles under a quarter second are cheaper to redo than to write
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+
+
+_share_compiled_programs()
 
 from hypothesis import settings  # noqa: E402
 

@@ -123,6 +123,8 @@ def test_the_mode_is_a_checked_option_and_a_server_flag():
     for options, field in ((dict(batch_invariant="yes"), "batch_invariant"),
                            (dict(batch_invariant=True, attention_impl="pallas_gpu"),
                             "attention_impl"),
+                           (dict(batch_invariant=True, packed_matmul_impl="w4a16"),
+                            "packed_matmul_impl"),
                            (dict(batch_invariant=True, enable_lora=True), "enable_lora"),
                            (dict(batch_invariant=True, tensor_parallel_size=2),
                             "tensor_parallel_size"),

@@ -55,3 +55,15 @@ def test_device_caches_are_registered_and_cleared():
     assert engine("a") is first and built == ["a"]
     assert clear_device_caches() >= 1
     assert engine("a") is not first and built == ["a", "a"]
+
+
+def test_the_run_shares_one_persistent_compilation_cache():
+    # tests/conftest.py names the directory before JAX is imported (JAX reads it then):
+    # every worker and subprocess of the run finds the programs another one compiled.
+    import os
+
+    import jax
+
+    assert jax.config.jax_compilation_cache_dir == os.environ["JAX_COMPILATION_CACHE_DIR"]
+    assert os.path.isdir(jax.config.jax_compilation_cache_dir)
+    assert jax.config.jax_compilation_cache_max_size > 0  # JAX's file lock: two writers

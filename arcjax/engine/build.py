@@ -27,6 +27,7 @@ from arcjax.model.formats.pooler_config import read_pooler_config
 from arcjax.model.formats.quant_config import checkpoint_quantization
 from arcjax.model.kv_layout import kv_layout
 from arcjax.model.kv_scales import calibrated_kv_scales, calibration_ids
+from arcjax.model import packed_matmul
 from arcjax.model.specs import page_shapes
 from arcjax.parallel import StepSync, TensorParallel, follow
 from arcjax.reasoning.model_reasoning import ModelReasoning
@@ -130,7 +131,12 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
         raise EngineConfigError("tensor_parallel_size", f"over {jax.process_count()} "
                                 f"processes it must span all {jax.device_count()} devices, "
                                 f"got {max(tp, ep)}", limit=jax.device_count())
-    if max(tp, ep) > 1 or jax.process_count() > 1:
+    meshed = max(tp, ep) > 1 or jax.process_count() > 1
+    reason = packed_matmul.impl_unavailable(config.packed_matmul_impl,
+                                            platform=jax.default_backend(), parallel=meshed)
+    if reason is not None:  # the kernel off the GPU, or under a mesh
+        raise EngineConfigError("packed_matmul_impl", reason)
+    if meshed:
         parallel = TensorParallel.create(model_config(source), tp, ep=ep)
     # With `parallel`, cfg is the sharded config (KV heads repeated when tp exceeds them).
     model = load_model(source, dtype=dtype, cache_dir=config.cache_dir, parallel=parallel,
@@ -187,6 +193,11 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                          kv_scales=_kv_scales(config, model, tokenizer, dtype),
                          kv=kv, host_slots=host_blocks, pooling=config.runner == "pooling",
                          lora=slots, lora_impl=lora_impl,
+                         matmul_impl=("xla" if config.batch_invariant  # XLA's products
+                                      else packed_matmul.resolve_impl(
+                                          config.packed_matmul_impl, params,
+                                          platform=jax.default_backend(),
+                                          parallel=parallel is not None)),
                          batch_invariant=config.batch_invariant)
     speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
                   else None)
@@ -238,11 +249,14 @@ def _check_latent_attention(config: EngineConfig, source: ModelSource) -> None:
 
 def _kv_scales(config: EngineConfig, model, tokenizer, dtype):
     """FP8 pages' [2, L] K and V scales: the checkpoint's, else calibrated from one
-    prefill of a fixed prompt (`arcjax.model.kv_scales`); None for other pages."""
+    prefill of a fixed prompt (`arcjax.model.kv_scales`) unless `calculate_kv_scales` is
+    off; None (the runner's 1.0) for other pages or without calibration."""
     if config.kv_cache_dtype != "fp8":
         return None
     if model.kv_scales is not None:
         return model.kv_scales
+    if not config.calculate_kv_scales:
+        return None
     return calibrated_kv_scales(model.cfg, model.params, calibration_ids(tokenizer, model.cfg),
                                 dtype)
 

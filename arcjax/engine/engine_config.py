@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import scheduler
 from arcjax.errors import ConfigError, EngineConfigError
 from arcjax.lora.lora_config import LoRAConfig
+from arcjax.model.packed_matmul import IMPLS as PACKED_MATMUL_IMPLS
 from arcjax.reasoning import NO_PARSER
 from arcjax.reasoning import PARSERS as REASONING_PARSERS
 from arcjax.spec_decode.speculative_config import SpeculativeConfig
@@ -77,7 +78,12 @@ class EngineConfig:
         the jitted matmuls.
       kv_cache_dtype: "auto" = the compute dtype; "fp8" = float8_e4m3fn pages with one
         scale per layer for K and one for V (the checkpoint's k_scale/v_scale when it has
-        them, else 1.0), about twice the tokens in the same memory.
+        them, else calibrated: `calculate_kv_scales`), about twice the tokens in the same
+        memory.
+      calculate_kv_scales: FP8 pages of a checkpoint without k_scale/v_scale: True = the
+        scales are calibrated from one prefill of a fixed prompt when the engine is built
+        (`arcjax.model.kv_scales`); False = 1.0 (vLLM's default for the option of this
+        name). Read only with kv_cache_dtype="fp8".
       dtype: "float32" | "bfloat16" | "float16"; None = float32 on CPU, bfloat16 on GPU.
       max_model_len: longest prompt + output; None = min(model's limit, 4096).
       num_kv_blocks: KV cache size in blocks; None = from gpu_memory_utilization (or
@@ -102,6 +108,11 @@ class EngineConfig:
         on a GPU, xla elsewhere; the trace summary names it) | "xla" | "pallas_gpu"
         (Pallas-Triton) | "triton" (the Triton kernel through jax-triton). A GPU kernel
         off the GPU, or without its packages, is refused when the engine is built.
+      packed_matmul_impl: how packed 4-bit weights multiply inside the step
+        (`arcjax.model.packed_matmul`): "auto" (the W4A16 Pallas kernel in decode-sized
+        matmuls on a GPU with one device, XLA's dequantize-then-dot elsewhere; the trace
+        summary names it) | "xla" | "w4a16" (the kernel; NVIDIA GPU, one device) |
+        "w4a16_interpret" (the kernel in Pallas' interpreter, on any platform: tests).
       seed: seeds requests whose SamplingParams have no seed.
       cache_dir: where converted params are cached (orbax); None = no cache.
       trace_capacity: engine steps the trace ring keeps (oldest dropped first).
@@ -142,8 +153,8 @@ class EngineConfig:
         runs beside it, however its prompt is chunked, whatever the prefix cache held and
         whether its drafts are verified (docs/design/batch-invariance.md): every row-wise
         operation runs over fixed row tiles and attention on the xla path's fixed query
-        tiles and position-aligned key blocks. attention_impl "auto" then means "xla" (the
-        GPU kernels refuse it); not with enable_lora or a mesh (tensor_parallel_size or
+        tiles and position-aligned key blocks. attention_impl and packed_matmul_impl "auto"
+        then mean "xla" (the GPU kernels refuse it); not with enable_lora or a mesh (tensor_parallel_size or
         expert_parallel_size > 1).
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
@@ -158,6 +169,7 @@ class EngineConfig:
     dtype: str | None = None
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = True
     max_model_len: int | None = None
     num_kv_blocks: int | None = None
     kv_memory_fraction: float = 0.5
@@ -166,6 +178,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     tokenizer: str | None = None
     attention_impl: str = "auto"
+    packed_matmul_impl: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
     trace_capacity: int = 10_000
@@ -198,6 +211,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError("kv_cache_dtype", f"must be one of {KV_CACHE_DTYPES}, got "
                                                       f"{self.kv_cache_dtype!r}")
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise EngineConfigError("calculate_kv_scales", f"must be a bool, got "
+                                                           f"{self.calculate_kv_scales!r}")
         if self.dtype is not None and str(self.dtype) not in DTYPES:
             raise EngineConfigError("dtype", f"must be one of {DTYPES} or None, got {self.dtype!r}")
         if self.dtype is not None:
@@ -246,6 +262,9 @@ class EngineConfig:
                 f"is host-side numpy and cannot run in the jitted step; 'mosaic_gpu' serves "
                 f"decode-only batches, which 'auto' gives it on a GPU where it has passed "
                 f"scripts/gpu_check.sh), got {self.attention_impl!r}")
+        if self.packed_matmul_impl not in PACKED_MATMUL_IMPLS:
+            raise EngineConfigError("packed_matmul_impl", f"must be one of "
+                                    f"{PACKED_MATMUL_IMPLS}, got {self.packed_matmul_impl!r}")
         if self.runner not in RUNNERS:
             raise EngineConfigError("runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _int("seed", self.seed, 0)
@@ -291,6 +310,10 @@ class EngineConfig:
                                                        f"{self.batch_invariant!r}")
         if not self.batch_invariant:
             return
+        if self.packed_matmul_impl not in ("auto", "xla"):
+            raise EngineConfigError("packed_matmul_impl", f"batch_invariant runs XLA's "
+                                    f"products (the W4A16 kernel's tiles are not fixed), got "
+                                    f"{self.packed_matmul_impl!r}")
         if self.attention_impl not in ("auto", "xla"):
             raise EngineConfigError("attention_impl", f"batch_invariant is built on the xla "
                                     f"attention path only (the GPU kernels' tiles follow the "

@@ -258,7 +258,9 @@ class LLM:
     # --- trace ------------------------------------------------------------------------
     def trace_summary(self, wall_time: float) -> dict:
         """The trace's run summary (`arcjax.engine.trace.summarize`) with the weights' and
-        KV pages' storage dtypes, the KV bytes per token (`kv_cache_report`) and the attention implementation the traced steps ran
+        KV pages' storage dtypes, the KV bytes per token (`kv_cache_report`), how packed
+        weights multiply (`packed_matmul`: "xla" or the W4A16 kernel,
+        `arcjax.model.packed_matmul`) and the attention implementation the traced steps ran
         (`attention`, per bucket kind: `arcjax.engine.trace.attention_report`)."""
         configured = {k: v for k, v in self.scheduler_options.items()
                       if k in ("prefill_max_seqs", "prefill_floor_steps",
@@ -268,6 +270,7 @@ class LLM:
         runner = self.engine.runner
         return {**summary, **storage_dtypes(runner.params, runner.cache),
                 **kv_cache_report(runner.cfg, runner.kv_cache_dtype),
+                "packed_matmul": runner.matmul_impl,
                 "attention": attention_report(runner.attn_impl, dict(runner.attention_impls),
                                               records, dict(runner.attention_verified))}
 

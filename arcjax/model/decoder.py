@@ -91,10 +91,11 @@ def _model(cfg: ModelConfig, params: Params):
     return binding.bind(cfg, params)
 
 
-def lm_head(params: Params, cfg: ModelConfig, h: jax.Array, parallel=None) -> jax.Array:
+def lm_head(params: Params, cfg: ModelConfig, h: jax.Array, parallel=None,
+            matmul_impl: str = "xla") -> jax.Array:
     """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last
     layer's output) -> logits [..., V] float32, whole rows on every device."""
-    return _model(cfg, params).head(h, parallel)
+    return _model(cfg, params).head(h, parallel, matmul_impl)
 
 
 def _attention_inputs(cfg: ModelConfig, *, q: jax.Array, k_pages: jax.Array,
@@ -208,7 +209,7 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                        max_q_len: int | None = None, parallel=None, moe_impl: str = "auto",
                        head: bool = True, kv: KVLayout | None = None,
                        lora: LoRAWeights | None = None, lora_impl: str = "masked",
-                       batch_invariant: bool = False
+                       matmul_impl: str = "xla", batch_invariant: bool = False
                        ) -> tuple[jax.Array, Cache, jax.Array | None]:
     """One ragged step over the paged cache.
 
@@ -228,6 +229,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     one executable serves every layer.
     `lora`: the LoRA adapters' slots and each token's slot (`arcjax.model.lora_delta`), or
     None; `lora_impl` (static): their delta's implementation (`lora_delta.IMPLS`).
+    `matmul_impl` (static): how packed projections multiply (`packed_matmul.IMPLS`,
+    resolved: "xla", or the W4A16 kernel in decode-sized matmuls).
     `batch_invariant` (static): every row computed the same way whatever else the step
     holds (docs/design/batch-invariance.md): the row-wise parts of each layer and the head
     over fixed row tiles (`token_rows`, `head_rows`), attention on the xla path's fixed
@@ -304,7 +307,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
         x, (k_cache, v_cache), stats = block(x, batch.positions, const["inv_freq"],
                                              attend_latent if cfg.is_mla else attend,
                                              valid=valid_slot, layer=l, moe_impl=moe_impl,
-                                             parallel=parallel, lora=layer_lora, rows=rows)
+                                             parallel=parallel, lora=layer_lora,
+                                             matmul_impl=matmul_impl, rows=rows)
         return (x, k_cache, v_cache), stats
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -313,8 +317,9 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                                                  (layer_ids, layer_constants(cfg, kv), lora_ab))
     x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
     if head:
-        x = (model.head(x, parallel) if not batch_invariant
-             else head_rows(batch, x.shape[0]).map(lambda h: model.head(h, parallel), x))
+        x = (model.head(x, parallel, matmul_impl) if not batch_invariant
+             else head_rows(batch, x.shape[0]).map(
+                 lambda h: model.head(h, parallel, matmul_impl), x))
     return x, {**cache, "k": k_new, "v": v_new}, stats
 
 

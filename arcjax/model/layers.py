@@ -54,7 +54,8 @@ from arcjax.model.lora_delta import LayerLoRA
 from arcjax.model import moe
 from arcjax.model.expert_ffn import ExpertAct
 from arcjax.model.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
-from arcjax.model.quant import dense, embedding_rows, float_dtype, tied_head
+from arcjax.model.packed_matmul import matmul
+from arcjax.model.quant import embedding_rows, float_dtype, tied_head
 from arcjax.model.row_tiles import RowTiles
 
 NORMAL_STD = 0.02  # the "normal" initializer's standard deviation
@@ -171,13 +172,14 @@ class Attention(nnx.Module):
         return None if self.sinks is None else value(self.sinks).astype(jnp.float32)
 
     def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
-            lora: LayerLoRA | None = None):
+            lora: LayerLoRA | None = None, matmul_impl: str = "xla"):
         """x: [..., T, H] normalized -> q [..., T, Hq, D], k and v [..., T, Hkv, D].
-        `lora`: the LoRA adapters' per-token deltas (x is then [T, H])."""
+        `lora`: the LoRA adapters' per-token deltas (x is then [T, H]); `matmul_impl`:
+        how packed weights multiply (`arcjax.model.packed_matmul.IMPLS`, resolved)."""
         cfg, dt = self.cfg, x.dtype
-        # dense(): a quantized weight (FP8/INT8) is dequantized here, inside the step.
-        q, k, v = (x @ dense(value(self.wq), dt), x @ dense(value(self.wk), dt),
-                   x @ dense(value(self.wv), dt))
+        # a quantized or packed weight is dequantized inside the step (or read packed by
+        # the W4A16 kernel: `packed_matmul`)
+        q, k, v = (matmul(x, value(w), matmul_impl) for w in (self.wq, self.wk, self.wv))
         if lora is not None:
             q, k, v = lora.add("wq", x, q), lora.add("wk", x, k), lora.add("wv", x, v)
         if self.bq is not None:
@@ -191,10 +193,12 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rope(q, positions, cfg, inv_freq), rope(k, positions, cfg, inv_freq), v
 
-    def out(self, attn: jax.Array, dtype, lora: LayerLoRA | None = None) -> jax.Array:
-        """attn [..., T, Hq, D] -> [..., T, H]; the weights in `dtype` (the layer input's)."""
+    def out(self, attn: jax.Array, lora: LayerLoRA | None = None,
+            matmul_impl: str = "xla") -> jax.Array:
+        """attn [..., T, Hq, D] (in the layer input's dtype) -> [..., T, H]."""
+        dtype = attn.dtype
         attn = attn.reshape(*attn.shape[:-2], -1)
-        out = attn @ dense(value(self.wo), dtype)
+        out = matmul(attn, value(self.wo), matmul_impl)
         if lora is not None:
             out = lora.add("wo", attn, out)
         if self.bo is not None:
@@ -212,14 +216,15 @@ class MLP(nnx.Module):
         self.w_up = _param(rngs, (H, I), "normal", ("embed", "mlp"))
         self.w_down = _param(rngs, (I, H), "normal", ("mlp", "embed"))
 
-    def __call__(self, h: jax.Array, lora: LayerLoRA | None = None) -> jax.Array:
+    def __call__(self, h: jax.Array, lora: LayerLoRA | None = None,
+                 matmul_impl: str = "xla") -> jax.Array:
         """h [..., H] -> [..., H]; `lora`: the LoRA adapters' deltas (h is then [T, H])."""
-        dt = h.dtype
-        gate, up = h @ dense(value(self.w_gate), dt), h @ dense(value(self.w_up), dt)
+        gate, up = (matmul(h, value(self.w_gate), matmul_impl),
+                    matmul(h, value(self.w_up), matmul_impl))
         if lora is not None:
             gate, up = lora.add("w_gate", h, gate), lora.add("w_up", h, up)
         h = moe.activation(gate, self.act) * up
-        out = h @ dense(value(self.w_down), dt)
+        out = matmul(h, value(self.w_down), matmul_impl)
         return out if lora is None else lora.add("w_down", h, out)
 
 
@@ -305,7 +310,8 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend, *,
                  valid: jax.Array, layer: jax.Array, moe_impl: str, parallel,
-                 lora: LayerLoRA | None = None, rows: RowTiles | None = None):
+                 lora: LayerLoRA | None = None, matmul_impl: str = "xla",
+                 rows: RowTiles | None = None):
         """x [..., T, H] -> (x, aux, tokens per expert [E] or None).
 
         `attend(q, k, v) -> ([..., T, Hq, Dv], aux)` is the only difference between the
@@ -313,44 +319,48 @@ class Block(nnx.Module):
         key, `MLAAttention.qkv`); positions [..., T]; inv_freq [D/2] (this layer's rope);
         valid, layer (the model's layer index), moe_impl, parallel: for the experts
         (`MoE`); lora: the LoRA adapters' deltas of the projections (the paged mode's; a
-        mixture of experts' attention only). rows: None, or the fixed row tiles
+        mixture of experts' attention only); matmul_impl: how packed projections multiply
+        (`arcjax.model.packed_matmul`). rows: None, or the fixed row tiles
         (`arcjax.model.row_tiles`) the row-wise parts (norms, projections, MLP or experts,
         residuals) run over: batch-invariant mode, x [T, H], without LoRA."""
         with jax.named_scope("qkv"):
             if rows is None:
-                q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq, lora)
+                q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq, lora,
+                                        matmul_impl)
             else:
-                q, k, v = rows.map(lambda x, p: self.attn.qkv(self.attn_norm(x), p, inv_freq),
-                                   x, positions)
+                q, k, v = rows.map(lambda x, p: self.attn.qkv(self.attn_norm(x), p, inv_freq,
+                                                              None, matmul_impl), x, positions)
         with jax.named_scope("attention"):
             attn, aux = attend(q, k, v)
         with jax.named_scope("o_proj"):
-            x = (self._o_proj(x, attn, lora) if rows is None
-                 else rows.map(lambda x, a: self._o_proj(x, a, None), x, attn))
+            x = (self._o_proj(x, attn, lora, matmul_impl) if rows is None
+                 else rows.map(lambda x, a: self._o_proj(x, a, None, matmul_impl), x, attn))
         with jax.named_scope("mlp"):
-            mlp = functools.partial(self._mlp, layer=layer, moe_impl=moe_impl, parallel=parallel)
+            mlp = functools.partial(self._mlp, layer=layer, moe_impl=moe_impl, parallel=parallel,
+                                    matmul_impl=matmul_impl)
             if rows is None:
                 x, stats = mlp(x, valid, lora)
             else:
                 x, stats = rows.map_summed(lambda x, v: mlp(x, v, None), x, valid)
         return x, aux, stats
 
-    def _o_proj(self, x: jax.Array, attn: jax.Array, lora: LayerLoRA | None) -> jax.Array:
+    def _o_proj(self, x: jax.Array, attn: jax.Array, lora: LayerLoRA | None,
+                matmul_impl: str) -> jax.Array:
         """The residual stream after attention: x [..., T, H], attn [..., T, Hq, D]."""
-        out = self.attn.out(attn, x.dtype, lora)
+        out = self.attn.out(attn.astype(x.dtype), lora, matmul_impl)
         if self.post_attn_norm is not None:
             out = self.post_attn_norm(out)
         return x + out
 
     def _mlp(self, x: jax.Array, valid: jax.Array, lora: LayerLoRA | None, *,
-             layer: jax.Array, moe_impl: str, parallel):
+             layer: jax.Array, moe_impl: str, parallel, matmul_impl: str):
         """The residual stream after the MLP (or experts), and tokens per expert or None."""
         h = self.mlp_norm(x)
         if isinstance(self.mlp, MoE):
             h, stats = self.mlp(h, valid=valid, layer=layer - self.first_layer,
                                 impl=moe_impl, parallel=parallel)
         else:  # a dense layer of a mixture of experts routes no token: zero counts
-            h = self.mlp(h, lora)
+            h = self.mlp(h, lora, matmul_impl)
             stats = (jnp.zeros(self.cfg.num_experts, jnp.int32) if self.cfg.is_moe
                      else None)
         if self.post_mlp_norm is not None:
@@ -424,14 +434,14 @@ class Decoder(nnx.Module):
         return nnx.merge(graphdef, experts,
                          jax.tree.map(lambda w: w[index - first], stacked))
 
-    def head(self, h: jax.Array, parallel=None) -> jax.Array:
+    def head(self, h: jax.Array, parallel=None, matmul_impl: str = "xla") -> jax.Array:
         """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last
         layer's output) -> logits [..., V] float32, whole rows on every device."""
         cfg = self.cfg
         h = self.final_norm(h)
-        w = (tied_head(value(self.embed.embedding), h.dtype) if self.lm_head is None
-             else dense(value(self.lm_head.kernel), h.dtype))  # [H, V]
-        logits = (h @ w).astype(jnp.float32)
+        w = (tied_head(value(self.embed.embedding)) if self.lm_head is None
+             else value(self.lm_head.kernel))  # [H, V]
+        logits = matmul(h, w, matmul_impl).astype(jnp.float32)
         if cfg.final_logit_softcap is not None:
             cap = cfg.final_logit_softcap
             logits = cap * jnp.tanh(logits / cap)

@@ -35,6 +35,7 @@ from flax import nnx
 from arcjax.model.layers import RMSNorm, _param, rope, value
 from arcjax.model.lora_delta import LayerLoRA
 from arcjax.model.model_config import ModelConfig
+from arcjax.model.packed_matmul import matmul
 from arcjax.model.quant import dense
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm and kv_a_layernorm (not rms_norm_eps)
@@ -76,21 +77,23 @@ class MLAAttention(nnx.Module):
         return rope(x, positions, self.cfg, inv_freq)
 
     def qkv(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array,
-            lora: LayerLoRA | None = None):
+            lora: LayerLoRA | None = None, matmul_impl: str = "xla"):
         """x: [..., T, H] normalized -> (q [..., T, Hq, dn+dr], latent [..., T, 1, Dl],
         k_pe [..., T, 1, dr]), rope applied to q's last dr dims and to k_pe.
-        `lora`: refused earlier (the engine builds no adapters for latent attention)."""
+        `lora`: refused earlier (the engine builds no adapters for latent attention);
+        `matmul_impl`: as `Attention.qkv`'s (`arcjax.model.packed_matmul`)."""
         if lora is not None:
             raise ValueError("LoRA adapters are not supported on latent attention")
-        cfg, mla, dt = self.cfg, self.cfg.mla, x.dtype
+        cfg, mla = self.cfg, self.cfg.mla
         if self.wq is not None:
-            q = x @ dense(value(self.wq), dt)
+            q = matmul(x, value(self.wq), matmul_impl)
         else:
-            q = self.q_a_norm(x @ dense(value(self.wq_a), dt)) @ dense(value(self.wq_b), dt)
+            q = matmul(self.q_a_norm(matmul(x, value(self.wq_a), matmul_impl)),
+                       value(self.wq_b), matmul_impl)
         lead, dn, dl = x.shape[:-1], mla.qk_nope_head_dim, mla.kv_lora_rank
         q = q.reshape(*lead, cfg.num_heads, mla.qk_head_dim)
         q = jnp.concatenate([q[..., :dn], self._rope(q[..., dn:], positions, inv_freq)], -1)
-        kv = x @ dense(value(self.wkv_a), dt)  # [..., T, Dl + dr]
+        kv = matmul(x, value(self.wkv_a), matmul_impl)  # [..., T, Dl + dr]
         latent = self.kv_a_norm(kv[..., :dl])[..., None, :]  # [..., T, 1, Dl]
         k_pe = self._rope(kv[..., None, dl:], positions, inv_freq)  # [..., T, 1, dr]
         return q, latent, k_pe
@@ -127,7 +130,7 @@ class MLAAttention(nnx.Module):
         pe = jnp.broadcast_to(k_pe, (*k_nope.shape[:-1], k_pe.shape[-1]))
         return jnp.concatenate([k_nope, pe], -1), jnp.einsum("...l,lhv->...hv", c, w_uv)
 
-    def out(self, attn: jax.Array, dtype, lora: LayerLoRA | None = None) -> jax.Array:
-        """attn [..., T, Hq, dv] -> [..., T, H]; the weights in `dtype`."""
-        attn = attn.reshape(*attn.shape[:-2], -1)
-        return attn @ dense(value(self.wo), dtype)
+    def out(self, attn: jax.Array, lora: LayerLoRA | None = None,
+            matmul_impl: str = "xla") -> jax.Array:
+        """attn [..., T, Hq, dv] (in the layer input's dtype) -> [..., T, H]."""
+        return matmul(attn.reshape(*attn.shape[:-2], -1), value(self.wo), matmul_impl)

@@ -176,13 +176,20 @@ class PackedWeight:
                                                    or self.g_idx is not None)
 
 
+def w4a16_layout(w: PackedWeight) -> bool:
+    """Whether `w` (one matrix or a stack of them) is in the W4A16 kernel's layout: one
+    4-bit plane in group order (no g_idx), no padding rows (AWQ, GPTQ without act-order,
+    4-bit compressed-tensors, GGUF Q4_0 / Q4_1 / Q4_K)."""
+    return (w.layout.bits == (4,) and w.g_idx is None
+            and w.planes[0].shape[-2] * 8 == w.layout.rows)
+
+
 def w4a16_operands(w: PackedWeight) -> dict | None:
-    """The operands of `pallas_kernels.w4a16.w4a16_matmul` for one matrix [in, out] with
-    one 4-bit plane in group order (no g_idx): qweight, scale, zero, offset, group,
-    shift; None for any other packed weight (those take `dequantize`)."""
+    """The operands of `pallas_kernels.w4a16.w4a16_matmul` for one matrix [in, out] in
+    its layout (`w4a16_layout`): qweight, scale, zero, offset, group, shift; None for any
+    other packed weight (those take `dequantize`)."""
     lay = w.layout
-    if lay.bits != (4,) or w.g_idx is not None or len(w.shape) != 2 or (
-            w.planes[0].shape[0] * 8 != lay.rows):
+    if len(w.shape) != 2 or not w4a16_layout(w):
         return None
     return dict(qweight=w.planes[0], scale=w.scale, zero=w.zero, offset=w.offset,
                 group=lay.group, shift=lay.shift)

@@ -105,12 +105,12 @@ def embedding_rows(embed, ids: jax.Array, dtype) -> jax.Array:
     return embed[ids].astype(dtype)
 
 
-def tied_head(embed, dtype) -> jax.Array:
-    """The tied LM head [H, V] in `dtype`: the embedding table transposed (a packed table
-    is stored that way)."""
+def tied_head(embed):
+    """The tied LM head's weight [H, V]: the embedding table transposed (a packed table is
+    stored that way, and stays packed: `dense` or the W4A16 kernel reads it)."""
     if isinstance(embed, PackedWeight):
-        return embed.dequantize(dtype)
-    return embed.T.astype(dtype)
+        return embed
+    return embed.T
 
 
 def float_dtype(w, dtype):

@@ -60,11 +60,11 @@ from arcjax.runtime import verification
 log = logging.getLogger(__name__)
 
 _STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel", "kv", "lora_impl",
-           "batch_invariant")
+           "matmul_impl", "batch_invariant")
 
 
 def _logits(params, cache, batch, prompt, pooling, lora, *, cfg, attn_impl, dtype, max_q_len,
-            parallel, kv, lora_impl, batch_invariant):
+            parallel, kv, lora_impl, matmul_impl, batch_invariant):
     """The forward: (logits [R, V] at the sampled positions, prompt logprobs or None, pooled
     sums [S, H] or None, the cache, tokens per expert [L, E] or None). `lora`: the adapters'
     `LoRAWeights`, or None. `batch_invariant`: fixed row tiles (`decoder.forward_with_stats`)."""
@@ -72,12 +72,13 @@ def _logits(params, cache, batch, prompt, pooling, lora, *, cfg, attn_impl, dtyp
     out, cache, expert_counts = decoder.forward_with_stats(
         params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
         parallel=parallel, head=not every_row, kv=kv, lora=lora, lora_impl=lora_impl,
-        batch_invariant=batch_invariant)
+        matmul_impl=matmul_impl, batch_invariant=batch_invariant)
     if not every_row:  # [R, V] at `batch.logits_rows`
         return out, None, None, cache, expert_counts
     # hidden states at every token row [T, H]; sampling reads its rows
     sample_rows = (prompt if prompt is not None else pooling).sample_rows
-    head = functools.partial(decoder.lm_head, params, cfg, parallel=parallel)
+    head = functools.partial(decoder.lm_head, params, cfg, parallel=parallel,
+                             matmul_impl=matmul_impl)
     if prompt is None:
         prompt_lp = None
     elif batch_invariant:
@@ -112,8 +113,9 @@ def _sample_tiles(num_seqs, sample_width: int, batch_invariant: bool) -> RowTile
                    donate_argnames=("cache", "counts"))
 def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None,
           pooling=None, lora=None, *, cfg, attn_impl, dtype, max_q_len, parallel=None, kv=None,
-          sample_width=1, lora_impl="masked", batch_invariant=False):
-    # cfg/attn_impl/dtype/max_q_len/parallel/kv/sample_width/lora_impl are static: one
+          sample_width=1, lora_impl="masked", matmul_impl="xla", batch_invariant=False):
+    # cfg/attn_impl/dtype/max_q_len/parallel/kv/sample_width/lora_impl/matmul_impl are
+    # static: one
     # executable per bucket, no recompiles from the traced metadata (num_seqs, kv_lens,
     # ...). `prompt` (prompt logprobs) is None or not: at most a second executable per
     # bucket, built on demand; so is `pooling` (a step with pooling rows: the pooled sums
@@ -126,7 +128,7 @@ def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=Non
     logits, prompt_lp, pooled, cache, experts = _logits(
         params, cache, batch, prompt, pooling, lora, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
         max_q_len=max_q_len, parallel=parallel, kv=kv, lora_impl=lora_impl,
-        batch_invariant=batch_invariant)
+        matmul_impl=matmul_impl, batch_invariant=batch_invariant)
     tokens, yielded, logprobs, counts = _sampled(
         logits, sampling, counts, bitmask, spec, sample_width,
         _sample_tiles(batch.num_seqs, sample_width, batch_invariant))
@@ -137,11 +139,12 @@ def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=Non
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
 def _forward(params, cache, batch, prompt=None, pooling=None, lora=None, *, cfg, attn_impl,
              dtype, max_q_len, parallel=None, kv=None, lora_impl="masked",
-             batch_invariant=False):
+             matmul_impl="xla", batch_invariant=False):
     """`_step` without its sampling: for a step whose bitmask is not known at launch."""
     return _logits(params, cache, batch, prompt, pooling, lora, cfg=cfg, attn_impl=attn_impl,
                    dtype=dtype, max_q_len=max_q_len, parallel=parallel, kv=kv,
-                   lora_impl=lora_impl, batch_invariant=batch_invariant)
+                   lora_impl=lora_impl, matmul_impl=matmul_impl,
+                   batch_invariant=batch_invariant)
 
 
 @functools.partial(jax.jit, static_argnames=("sample_width", "batch_invariant"),
@@ -186,7 +189,8 @@ class ModelRunner:
                  executables: ExecutableCache | None = None, parallel=None,
                  kv_cache_dtype=None, kv_scales=None, kv: KVLayout | None = None,
                  host_slots: int = 0, pooling: bool = False, lora: SlotTable | None = None,
-                 lora_impl: str = "masked", batch_invariant: bool = False):
+                 lora_impl: str = "masked", matmul_impl: str = "xla",
+                 batch_invariant: bool = False):
         # parallel: an arcjax.parallel.TensorParallel (params already in its shardings,
         # cfg its sharded_config); the cache is created in its shards, inputs replicated.
         # kv_cache_dtype: the pages' dtype (None: dtype); float8_e4m3fn pages carry a K and
@@ -198,12 +202,14 @@ class ModelRunner:
         # lora: the LoRA adapters' device slots (every step then takes `LoRAWeights`; the
         # engine fills the slots, `prepare` packs each row's slot), lora_impl their delta's
         # implementation (`arcjax.model.lora_delta.IMPLS`, resolved); None: no adapters.
+        # matmul_impl: how packed weights multiply (`arcjax.model.packed_matmul.IMPLS`,
+        # resolved: the W4A16 kernel in decode-sized matmuls, or XLA).
         # batch_invariant: each row computed alike whatever else its step holds (fixed row
         # tiles, the xla attention's fixed blocks; the engine checks what it excludes).
         self.cfg, self.params, self.parallel = cfg, params, parallel
         self.batch_invariant = batch_invariant
         self.kv = kv if kv is not None else kv_layout(cfg, hybrid=False)
-        self.lora, self.lora_impl = lora, lora_impl
+        self.lora, self.lora_impl, self.matmul_impl = lora, lora_impl, matmul_impl
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_blocks = max_blocks_per_seq
         self.buckets, self.dtype, self.attn_impl = buckets, jnp.dtype(dtype), attn_impl
@@ -318,11 +324,13 @@ class ModelRunner:
     def step_statics(self, bucket: Bucket) -> dict:
         """The static arguments `bucket`'s forward is compiled with (`_STATIC`): the model,
         the attention implementation ("auto" resolved), the dtype, the chunk bound, the mesh,
-        the KV layout, the LoRA delta's implementation, batch invariance. A tool that traces
-        a bucket's forward again (arcjax/bench/step_replay.py) reads them here."""
+        the KV layout, the LoRA delta's and the packed matmuls' implementations, batch
+        invariance. A tool that traces a bucket's forward again
+        (arcjax/bench/step_replay.py) reads them here."""
         return dict(cfg=self.cfg, attn_impl=self._attention_impl(bucket), dtype=self.dtype,
                     max_q_len=bucket.max_q_len, parallel=self.parallel, kv=self.kv,
-                    lora_impl=self.lora_impl, batch_invariant=self.batch_invariant)
+                    lora_impl=self.lora_impl, matmul_impl=self.matmul_impl,
+                    batch_invariant=self.batch_invariant)
 
     def _attention_impl(self, bucket: Bucket) -> str:
         """The attention implementation of `bucket`'s steps: `attn_impl`, "auto" resolved

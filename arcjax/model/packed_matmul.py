@@ -1,0 +1,95 @@
+"""x @ a linear weight inside the step: XLA's dequantize-then-dot, or the W4A16 Pallas kernel.
+
+Every projection of the decoder (attention's q, k, v, o, the dense MLP, the LM head) is
+`matmul(x, w, impl)`. The implementations (`IMPLS`, the engine's `packed_matmul_impl`):
+
+- "xla": `x @ quant.dense(w)`: a packed or quantized weight is dequantized inside the
+  jitted step and XLA multiplies (and fuses what it can). Every platform runs it.
+- "w4a16": a packed weight in the kernel's layout (`packed.w4a16_layout`: one 4-bit plane
+  in group order: AWQ, GPTQ without act-order, 4-bit compressed-tensors, GGUF Q4_0 / Q4_1 /
+  Q4_K) goes through `pallas_kernels.w4a16.w4a16_matmul` (Triton lowering, NVIDIA GPUs)
+  when the matmul has at most `w4a16.MAX_ROWS` rows (decode steps) and shapes the kernel
+  tiles; the weight is read packed and nothing dequantized is written to memory. Every
+  other weight and wider steps (prefill chunks) take "xla". The choice is made while the
+  step is traced (shapes are static), so each bucket's executable holds one or the other.
+- "w4a16_interpret": "w4a16" with the kernel in Pallas' interpreter: the same choices on
+  any platform, for tests on the CPU (slow).
+
+"auto" (`resolve_impl`) is "w4a16" on a GPU for one device when some layer weight is in
+the kernel's layout and Pallas' Triton backend exists, else "xla" (the CPU keeps XLA: the
+interpreter is no kernel). NOTE: where JAX deprecates that backend (0.11), the kernel's
+lowering warns `jax-pallas-triton` (`pallas_kernels.backends`), once per step compiled. One device only: a Pallas call cannot be partitioned by GSPMD,
+so under tensor or expert parallelism the step stays on "xla". The grouped expert GEMMs
+(`arcjax.model.expert_ffn`) and Qwen2-MoE's shared expert keep "xla": the kernel is one
+matrix, not a grouped GEMM. The trace summary names the resolved choice
+(`packed_matmul`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from arcjax.model.packed import PackedWeight, w4a16_layout, w4a16_operands
+from arcjax.model.quant import LINEAR_WEIGHTS, dense
+from pallas_kernels.backends import pallas_triton_state
+from pallas_kernels.w4a16 import w4a16_matmul, w4a16_unsupported
+
+IMPLS = ("auto", "xla", "w4a16", "w4a16_interpret")
+KERNEL_IMPLS = ("w4a16", "w4a16_interpret")
+
+
+def matmul(x: jax.Array, w, impl: str = "xla") -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in x's dtype (`impl`: one of `IMPLS` but "auto",
+    see the module docstring). `w`: an array, a `QuantizedWeight` or a `PackedWeight`."""
+    if impl in KERNEL_IMPLS and isinstance(w, PackedWeight):
+        ops = w4a16_operands(w)
+        rows = math.prod(x.shape[:-1])
+        if ops is not None and w4a16_unsupported(rows, x.shape[-1], w.shape[-1],
+                                                 ops["group"]) is None:
+            out = w4a16_matmul(x.reshape(rows, x.shape[-1]), **ops,
+                               interpret=impl == "w4a16_interpret")  # [M, N]
+            return out.reshape(*x.shape[:-1], w.shape[-1])
+    return x @ dense(w, x.dtype)
+
+
+def kernel_weights(params: dict) -> tuple[str, ...]:
+    """The names of the weights "w4a16" may send through the kernel: the layer weights
+    (and a packed embedding / LM head) in its layout."""
+    names = [name for name in LINEAR_WEIGHTS
+             if isinstance(params["layers"].get(name), PackedWeight)
+             and w4a16_layout(params["layers"][name])]
+    return tuple(names + [name for name in ("embed", "lm_head")
+                          if isinstance(params.get(name), PackedWeight)
+                          and w4a16_layout(params[name])])
+
+
+def impl_unavailable(impl: str, *, platform: str, parallel: bool) -> str | None:
+    """Why `impl` (one of `IMPLS`) cannot run here, or None: the kernel off an NVIDIA GPU
+    (its interpreter runs anywhere), under a mesh, or without Pallas' Triton backend."""
+    if impl not in IMPLS:
+        return f"must be one of {IMPLS}, got {impl!r}"
+    if impl not in KERNEL_IMPLS:
+        return None
+    if parallel:
+        return (f'"{impl}" runs on one device (a Pallas call cannot be partitioned); '
+                f'tensor and expert parallelism take "xla"')
+    if impl == "w4a16" and platform not in ("gpu", "cuda"):
+        return (f'"w4a16" runs on an NVIDIA GPU and this runs on {platform} '
+                f'("w4a16_interpret" runs the kernel in Pallas\' interpreter; "auto" picks '
+                f'xla here)')
+    if pallas_triton_state() == "absent":
+        return f"jax {jax.__version__} has no Pallas Triton backend"
+    return None
+
+
+def resolve_impl(impl: str, params: dict, *, platform: str, parallel: bool) -> str:
+    """The implementation the step runs: `impl` itself, or what "auto" picks (see the
+    module docstring) for `params` on `platform` (`parallel`: a mesh splits the model)."""
+    if impl != "auto":
+        return impl
+    if (platform in ("gpu", "cuda") and kernel_weights(params)
+            and impl_unavailable("w4a16", platform=platform, parallel=parallel) is None):
+        return "w4a16"
+    return "xla"
