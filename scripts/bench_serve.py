@@ -439,6 +439,17 @@ def _run_arm(spec: str, options: dict, warm: list[str], reps: list[list[str]]) -
     return runs
 
 
+def _pair_ratios(runs: list[dict]) -> dict[str, list[float]]:
+    """Per repeat, responses' throughput and TTFT p50 over chat's (the same prompts)."""
+    by = {(r["repeat"], r["label"]): r for r in runs}
+    out = {"throughput": [], "ttft_p50": []}
+    for rep in sorted({r["repeat"] for r in runs}):
+        resp, chat = by[(rep, "responses")], by[(rep, "chat")]
+        out["throughput"].append(resp["throughput_tok_s"] / chat["throughput_tok_s"])
+        out["ttft_p50"].append(resp["ttft_p50_s"] / chat["ttft_p50_s"])
+    return out
+
+
 def _endpoint_experiment(warm: list[str], reps: list[list[str]], per_user: int) -> dict:
     """--experiment=responses | embeddings on one server (--url, or --launch with the first
     arm's options). Returns what goes into --out."""
@@ -446,10 +457,13 @@ def _endpoint_experiment(warm: list[str], reps: list[list[str]], per_user: int) 
 
     embeddings = _EXPERIMENT.value == "embeddings"
     rows = max(len(warm), _STREAMS.value if embeddings else 0)
-    options = _arm_options(_ARMS.value[0], rows, _BLOCKS.value or per_user * (
-        rows + _EMBED_CLIENTS.value * _EMBED_BATCH.value) + 8)
+    if embeddings:  # every embedding in flight holds a sequence slot beside the streams
+        rows += _EMBED_CLIENTS.value * _EMBED_BATCH.value
+    options = _arm_options(_ARMS.value[0], rows, _BLOCKS.value or per_user * rows + 8)
     if embeddings:
         options["runner"] = "pooling"
+    else:  # both endpoints get the same prompts in a repeat: the second must not find them cached
+        options["enable_prefix_caching"] = False
     server = ServerProcess(options) if _LAUNCH.value else None
     try:
         if server:
@@ -469,7 +483,12 @@ def _endpoint_experiment(warm: list[str], reps: list[list[str]], per_user: int) 
                 print(f"{row['label']}: median over {row['repeats']}: TTFT p50 "
                       f"{_fmt(row['ttft_p50_s'])}, ITL p50 {_fmt(row['itl_p50_s'])}, "
                       f"throughput {_fmt(row['throughput_tok_s'], '')} tok/s")
-            return {"options": options, "runs": runs, "summary": summarize(runs)}
+            ratios = _pair_ratios(runs)
+            for key, xs in ratios.items():
+                print(f"responses / chat {key} per repeat: median {statistics.median(xs):.3f}, "
+                      f"range {min(xs):.3f}-{max(xs):.3f}")
+            return {"options": options, "runs": runs, "summary": summarize(runs),
+                    "ratios": ratios}
         texts = [p for ps in reps for p in ps]
         asyncio.run(load.embeddings_beside_streams(  # warm-up (compiles)
             url, model, warm, warm, streams=_STREAMS.value, max_tokens=_NEW.value,

@@ -40,6 +40,14 @@ _SEED = flags.DEFINE_integer("seed", 0, "workload seed")
 _HF_BATCH = flags.DEFINE_integer("hf_batch", 32, "transformers batch size")
 _BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 2048, "arcjax token budget")
 _SEQS = flags.DEFINE_integer("max_num_seqs", 64, "arcjax max running sequences")
+_KV_BLOCKS = flags.DEFINE_string(
+    "num_kv_blocks", None, "arcjax KV cache blocks: unset = the engine's default (on CPU at "
+    "most 256 MiB), 'fit' = every request of the workload at once (no preemption), or a "
+    "number")
+_PREFIX = flags.DEFINE_bool("enable_prefix_caching", True, "arcjax prefix caching (off: a "
+                            "repeat of the workload recomputes its prompts)")
+_QUANT = flags.DEFINE_string("quantization", None, "arcjax quantization option (a GGUF "
+                             "file: 'dequantize' for float weights; unset = as stored)")
 _SKIP_HF = flags.DEFINE_bool("skip_hf", False, "only run arcjax")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
 _CC = flags.DEFINE_string("compilation_cache_dir", None, "JAX persistent compilation cache")
@@ -97,12 +105,19 @@ def build_engines(model_dir, wl: Workload) -> dict:
     max_len = max(max_len, _LONE_PROMPT.value + _LONE_TOKENS.value)
     if _CC.value:
         enable_persistent_compilation_cache(_CC.value)
+    kv = {}
+    if _KV_BLOCKS.value == "fit":  # blocks of 16 tokens (the default block size)
+        kv["num_kv_blocks"] = sum(-(-(len(p) + o) // 16) for p, o in zip(wl.prompts,
+                                                                        wl.outputs)) + 1
+    elif _KV_BLOCKS.value:
+        kv["num_kv_blocks"] = int(_KV_BLOCKS.value)
     engines = {}
     dtype = {"dtype": _DTYPE.value} if _DTYPE.value else {}
     for on, inv in _arms():
         llm = arcjax.LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=_BUDGET.value,
                          max_num_seqs=_SEQS.value, async_scheduling=on, batch_invariant=inv,
-                         **dtype)
+                         quantization=_QUANT.value,
+                         enable_prefix_caching=_PREFIX.value, **kv, **dtype)
         llm.engine.runner.watch_completion = True
         engines[on, inv] = (llm, llm.warmup())
     return engines
@@ -173,14 +188,16 @@ def run_transformers(model_dir, wl: Workload, batch: int) -> dict:
 def main(argv):
     del argv
     import arcjax
-    from arcjax.model.formats.hf_layout import read_config
+    from arcjax.model.formats.hub import resolve_model
+    from arcjax.model.formats.loader import model_config
 
     model_dir = _MODEL.value or str(arcjax.default_model_path())
-    vocab = read_config(model_dir).vocab_size
+    vocab = model_config(resolve_model(model_dir)).vocab_size  # a directory or a GGUF file
     wl = Workload.make(_N.value, [int(x) for x in _PROMPT.value],
                        [int(x) for x in _OUTPUT.value], vocab, _SEED.value)
     res = {"model": model_dir, "num_requests": _N.value, "prompt_len": _PROMPT.value,
-           "output_len": _OUTPUT.value, "seed": _SEED.value, "dtype": _DTYPE.value,
+           "output_len": _OUTPUT.value, "seed": _SEED.value, "num_kv_blocks": _KV_BLOCKS.value,
+           "quantization": _QUANT.value, "dtype": _DTYPE.value,
            "load_average": list(os.getloadavg())}
     engines = build_engines(model_dir, wl)
     runs = {on: [] for on in engines}

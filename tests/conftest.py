@@ -18,8 +18,11 @@ check's tasks). So the suite runs with JAX's persistent compilation cache in one
 run: the first process to start (the xdist controller, or a lone pytest) makes it, every later
 worker and subprocess inherits it through `JAX_COMPILATION_CACHE_DIR`, and the maker deletes it
 at exit. A compile found there is the executable XLA wrote, byte for byte, so no test sees a
-different program. Its size limit turns on JAX's file lock (two workers write at once). Set
-`JAX_COMPILATION_CACHE_DIR` yourself to keep a cache across runs (it is then never deleted).
+different program. No size limit: a limit turns on JAX's eviction, which lists and reads the
+whole directory on every write (quadratic: ~0.2 s a write at 1,500 entries). Without it two
+processes may write one entry at once; a reader that finds it half-written fails to decompress
+it, warns and compiles (JAX catches cache read errors). Set `JAX_COMPILATION_CACHE_DIR`
+yourself to keep a cache across runs (it is then never deleted).
 """
 
 import atexit
@@ -41,7 +44,6 @@ def _share_compiled_programs() -> None:
         atexit.register(shutil.rmtree, path, ignore_errors=True)
     # compiles under a quarter second are cheaper to redo than to write
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.25")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 
 _share_compiled_programs()

@@ -21,6 +21,7 @@ from arcjax.errors import EngineConfigError
 from arcjax.model import forward_dense
 from support.device_caches import device_cache
 from support.hf_models import DEEPSEEK_V2, DEEPSEEK_V3, hf_greedy, hf_logits, tiny_model_dir
+from support.quantized_models import quantized_checkpoint
 
 # One token bucket (32) for every chunk: each engine compiles few steps. 9 blocks of 8
 # tokens: the 50-token prompt's 8 blocks fit, three prompts at once (8 + 3 + 5) do not.
@@ -126,11 +127,52 @@ def test_policies_overlap_and_preemption_equal_transformers():
         assert preempted > 0, schedule
 
 
+BLOCK = 16  # the FP8 checkpoint's scale tile (DeepSeek-V3's is 128; the tiny model is small)
+
+
+def test_fp8_block_checkpoint_loads_as_stored_and_equals_transformers_dequantized():
+    """DeepSeek-V3's own FP8 format (e4m3 weights, `weight_scale_inv` per 16 x 16 tile,
+    `weight_block_size`) of the tiny V3, beside a float twin of the same weights dequantized:
+    loaded as stored, every linear weight of both layer stacks (latent projections, the dense
+    layer, experts, shared experts) is a block-scaled FP8 `QuantizedWeight` whose
+    dequantization (what the step computes) equals the twin's weight exactly; loaded
+    dequantized, the engine gives transformers' greedy tokens and prompt log-probabilities
+    on the twin."""
+    from arcjax.model.formats.hf_checkpoint import load_hf
+    from arcjax.model.formats.hub import resolve_model
+    from arcjax.model.formats.loader import load_model
+    from arcjax.model.quant import QuantizedWeight, dense
+
+    qdir, fdir = quantized_checkpoint("block", src=tiny_model_dir(DEEPSEEK_V3), block=BLOCK)
+    stored = load_model(resolve_model(qdir), dtype=jnp.float32).params
+    _, twin = load_hf(fdir)
+    checked = 0
+    for stack, name in (("dense_layers", "w_gate"), ("layers", "we_down"), ("layers", "ws_up"),
+                        ("layers", "wq_a"), ("layers", "wq_b"), ("layers", "wkv_a"),
+                        ("layers", "wkv_b"), ("dense_layers", "wo")):
+        w = stored[stack][name]
+        assert isinstance(w, QuantizedWeight) and w.block == (BLOCK, BLOCK), (stack, name)
+        assert w.values.dtype == jnp.float8_e4m3fn
+        np.testing.assert_array_equal(np.asarray(dense(w, jnp.float32)),
+                                      np.asarray(twin[stack][name]), err_msg=name)
+        checked += 1
+    assert checked == 8
+    llm = LLM(qdir, quantization="dequantize", **GEOMETRY)  # the float engine's compiled steps
+    prompt = _prompts()[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                ignore_eos=True, prompt_logprobs=K),
+                       use_tqdm=False)[0]
+    assert list(out.token_ids) == hf_greedy(fdir, prompt, MAX_TOKENS)
+    ref = _log_softmax(hf_logits(fdir, prompt))
+    assert max(abs(out.prompt_logprobs[p][prompt[p]].logprob - ref[p - 1, prompt[p]])
+               for p in range(1, len(prompt))) < 1e-4
+
+
 @pytest.mark.parametrize("options, field", [
     (dict(tensor_parallel_size=2), "tensor_parallel_size"),
     (dict(expert_parallel_size=2), "expert_parallel_size"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
-    (dict(quantization="int8"), "quantization"),
+    (dict(quantization="int8"), "quantization"),  # at load: one layer stack only
     (dict(attention_impl="reference"), "attention_impl"),
     (dict(enable_lora=True), "enable_lora"),
 ])

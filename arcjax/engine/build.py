@@ -42,6 +42,9 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache cap on CPU
 # What latent attention runs under jit: `MLA_IMPLS` less the oracle (it reads host values).
 LATENT_ATTENTION_IMPLS = tuple(impl for impl in MLA_IMPLS if impl != "reference")
+# Checkpoint formats a latent attention model loads (besides float): values + scales, read
+# for both layer stacks (`quantized_checkpoint.quantized_host`).
+LATENT_CHECKPOINT_FORMATS = ("fp8", "int8")
 
 
 def default_model_path() -> Path:
@@ -219,9 +222,9 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
 def _check_latent_attention(config: EngineConfig, source: ModelSource) -> None:
     """Refuses, before any weights load, what latent attention (DeepSeek's MLA,
     arcjax/model/mla_layers.py) does not run with yet: FP8 pages (the latent pages carry no
-    scales), quantized weights (the latent projections and the dense-layer stack are not in
-    the quantizers' tables), LoRA adapters (none target its projections), batch-invariant
-    mode (the latent kernels have no fixed tiles), and attention
+    scales), weights quantized at load (`quant.quantize_params` walks one layer stack) and
+    packed checkpoints (untested), LoRA adapters (none target its projections),
+    batch-invariant mode (the latent kernels have no fixed tiles), and attention
     implementations other than `pallas_kernels.mla`'s. Tensor and expert parallelism are
     refused by `arcjax.parallel.layout.check_tensor_parallel`."""
     cfg = model_config(source)
@@ -231,10 +234,13 @@ def _check_latent_attention(config: EngineConfig, source: ModelSource) -> None:
     if config.kv_cache_dtype == "fp8":
         raise EngineConfigError("kv_cache_dtype", f"fp8 pages are not supported for {arch}'s "
                                 "latent attention (its latent pages carry no scales)")
-    quantized = not source.is_gguf and checkpoint_quantization(source.path) is not None
-    if config.quantization not in (None, "dequantize") or quantized:
-        raise EngineConfigError("quantization", f"quantized weights are not supported for "
-                                f"{arch} yet (latent attention loads float weights only)")
+    stored = None if source.is_gguf else checkpoint_quantization(source.path)
+    if config.quantization not in (None, "dequantize") or (
+            stored is not None and stored.fmt not in LATENT_CHECKPOINT_FORMATS):
+        raise EngineConfigError("quantization", f"{arch} loads float checkpoints and FP8 / "
+                                "INT8 ones (DeepSeek-V3's block-scaled FP8) as stored; "
+                                f"got quantization={config.quantization!r}, checkpoint "
+                                f"{stored.fmt if stored is not None else 'float'}")
     if config.enable_lora:
         raise EngineConfigError("enable_lora", f"LoRA adapters are not supported for {arch}'s "
                                 "latent attention")

@@ -438,13 +438,14 @@ class Decoder(nnx.Module):
         """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last
         layer's output) -> logits [..., V] float32, whole rows on every device."""
         cfg = self.cfg
-        h = self.final_norm(h)
-        w = (tied_head(value(self.embed.embedding)) if self.lm_head is None
-             else value(self.lm_head.kernel))  # [H, V]
-        logits = matmul(h, w, matmul_impl).astype(jnp.float32)
-        if cfg.final_logit_softcap is not None:
-            cap = cfg.final_logit_softcap
-            logits = cap * jnp.tanh(logits / cap)
+        with jax.named_scope("lm_head"):
+            h = self.final_norm(h)
+            w = (tied_head(value(self.embed.embedding)) if self.lm_head is None
+                 else value(self.lm_head.kernel))  # [H, V]
+            logits = matmul(h, w, matmul_impl).astype(jnp.float32)
+            if cfg.final_logit_softcap is not None:
+                cap = cfg.final_logit_softcap
+                logits = cap * jnp.tanh(logits / cap)
         if parallel is not None:
             # Keep the projection split by vocabulary (else GSPMD may all-gather a tied
             # embedding's whole table), then gather the rows: sampling reads whole rows.

@@ -47,7 +47,8 @@ SCALE_CANDIDATES = 32  # FP8 block scales tried, spread over one octave
 # MLP, the stacked experts [L, E, in, out] and Qwen2-MoE's shared expert. A model has a
 # subset of them (a mixture of experts has no w_gate).
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
-                  "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down")
+                  "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down",
+                  "wq_a", "wq_b", "wkv_a", "wkv_b")  # the last four: latent attention's
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scale"],

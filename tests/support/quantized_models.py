@@ -14,12 +14,16 @@ import numpy as np
 from support.gguf_files import tiny_gguf_model_dir
 from support.scratch import scratch_dir
 
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+          # DeepSeek's latent attention
+          "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 KV_SCALES = (0.02, 0.02)  # checkpoint k_scale / v_scale (values up to 8.96)
 
 
-def quantize_np(w: np.ndarray, layout: str, fmt: str):
-    """(values, scale as stored, dequantized float32) of a weight [out, in]."""
+def quantize_np(w: np.ndarray, layout: str, fmt: str, block: int = 128):
+    """(values, scale as stored, dequantized float32) of a weight [out, in]; "block": one
+    scale per `block` x `block` tile (the last row and column of tiles may be partial, as
+    DeepSeek-V3's `weight_scale_inv` covers them)."""
     qmax = 448.0 if fmt == "fp8" else 127.0
     if layout == "tensor":
         scale = np.abs(w).max().reshape(1) / qmax
@@ -27,11 +31,14 @@ def quantize_np(w: np.ndarray, layout: str, fmt: str):
     elif layout == "channel":
         scale = np.abs(w).max(axis=1, keepdims=True) / qmax  # [out, 1]
         full = np.broadcast_to(scale, w.shape)
-    else:  # 128 x 128 blocks
+    else:  # block x block tiles
         o, i = w.shape
-        blocks = np.abs(w).reshape(o // 128, 128, i // 128, 128).max(axis=(1, 3))
-        scale = blocks / qmax
-        full = np.repeat(np.repeat(scale, 128, 0), 128, 1)
+        po, pi = -(-o // block) * block, -(-i // block) * block
+        padded = np.zeros((po, pi), w.dtype)
+        padded[:o, :i] = np.abs(w)
+        blocks = padded.reshape(po // block, block, pi // block, block).max(axis=(1, 3))
+        scale = np.where(blocks > 0, blocks, 1.0) / qmax
+        full = np.repeat(np.repeat(scale, block, 0), block, 1)[:o, :i]
     scale = scale.astype(np.float32)
     q = w / full
     if fmt == "fp8":
@@ -41,10 +48,10 @@ def quantize_np(w: np.ndarray, layout: str, fmt: str):
     return values, scale, values.astype(np.float32) * full.astype(np.float32)
 
 
-def _quantization_config(layout: str, fmt: str, kv_scales: bool) -> dict:
+def _quantization_config(layout: str, fmt: str, kv_scales: bool, block: int = 128) -> dict:
     if layout == "block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [128, 128]}
+                "weight_block_size": [block, block]}
     weights = {"num_bits": 8, "type": "float" if fmt == "fp8" else "int", "symmetric": True,
                "strategy": layout, "dynamic": False}
     out = {"quant_method": "compressed-tensors",
@@ -57,9 +64,10 @@ def _quantization_config(layout: str, fmt: str, kv_scales: bool) -> dict:
 
 
 def quantized_checkpoint(layout: str, fmt: str = "fp8", kv_scales: bool = False,
-                         src: str | None = None):
+                         src: str | None = None, block: int = 128):
     """(quantized checkpoint dir, float dir of the same weights dequantized); `src`: the
-    float model (a mixture of experts gets one quantized tensor per layer and expert)."""
+    float model (a mixture of experts gets one quantized tensor per layer and expert);
+    `block`: the tile of the "block" layout."""
     import torch
     from safetensors.numpy import load_file
     from safetensors.torch import save_file
@@ -70,7 +78,7 @@ def quantized_checkpoint(layout: str, fmt: str = "fp8", kv_scales: bool = False,
     quantized, dequantized = {}, {}
     for name, w in state.items():
         if any(f".{p}.weight" in name for p in LINEAR):
-            values, scale, deq = quantize_np(w.astype(np.float32), layout, fmt)
+            values, scale, deq = quantize_np(w.astype(np.float32), layout, fmt, block)
             base = name[:-len(".weight")]
             suffix = "weight_scale_inv" if layout == "block" else "weight_scale"
             quantized[name] = torch.from_numpy(values.view(np.uint8 if fmt == "fp8" else np.int8))
@@ -90,7 +98,7 @@ def quantized_checkpoint(layout: str, fmt: str = "fp8", kv_scales: bool = False,
         cfg = json.load(f)
     with open(os.path.join(fdir, "config.json"), "w") as f:
         json.dump(cfg, f)
-    cfg["quantization_config"] = _quantization_config(layout, fmt, kv_scales)
+    cfg["quantization_config"] = _quantization_config(layout, fmt, kv_scales, block)
     with open(os.path.join(qdir, "config.json"), "w") as f:
         json.dump(cfg, f)
     return qdir, fdir

@@ -1,6 +1,6 @@
 """The soak tests' workload (tests/test_engine_soak.py, tests/test_engine_fault_soak.py): a
-cache geometry small enough to force preemption, forty short prompts, and their greedy
-reference (computed once per process, shared by both modules)."""
+cache geometry small enough to force preemption, forty short prompts, and transformers'
+greedy reference (computed once per process, shared by both modules)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import random
 
 import pytest
 
-from arcjax import LLM, SamplingParams
-from support.hf_models import tiny_model_dir
+from support.hf_models import hf_greedy, tiny_model_dir
 
 ARCH = "LlamaForCausalLM"
 # 12 blocks of 8 tokens for up to 16 running sequences of up to 24 tokens: preemption.
@@ -28,11 +27,9 @@ def soak_prompts() -> list[list[int]]:
 
 @functools.lru_cache(maxsize=None)
 def soak_reference() -> tuple[tuple[int, ...], ...]:
-    """Greedy continuation of every prompt, MAX_NEW tokens, one sequential run each."""
-    llm = LLM(tiny_model_dir(ARCH), **{**GEOMETRY, "num_kv_blocks": 64})
-    params = SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True)
-    return tuple(tuple(llm.generate([p], params, use_tqdm=False)[0].token_ids)
-                 for p in soak_prompts())
+    """transformers' greedy continuation of every prompt, MAX_NEW tokens, one prompt at a
+    time (an engine of its own would compile a second set of steps for its cache)."""
+    return tuple(tuple(hf_greedy(tiny_model_dir(ARCH), p, MAX_NEW)) for p in soak_prompts())
 
 
 @pytest.fixture(scope="module")

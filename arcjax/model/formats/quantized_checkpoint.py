@@ -39,7 +39,8 @@ import ml_dtypes
 import numpy as np
 
 from arcjax.errors import WeightsError
-from arcjax.model.formats.hf_layout import HostModel, assemble_host, hf_layer_name, read_config
+from arcjax.model.formats.hf_layout import (HostModel, assemble_host, hf_layer_name, layer_stacks,
+                                            read_config)
 from arcjax.model.formats.packed_layouts import read_awq, read_gptq, read_pack_quantized
 from arcjax.model.formats.quant_config import CheckpointQuant
 from arcjax.model.packed import PackedWeight, stack_packed
@@ -227,15 +228,17 @@ def quantized_host(model_dir: Path, quant: CheckpointQuant, dtype) -> HostModel:
     def read(name):
         return tensors[name].get(name) if name in tensors else None
 
-    specs = param_specs(cfg)["layers"]
-    keys = tuple(k for k in LINEAR_WEIGHTS if k in specs)
+    all_specs = param_specs(cfg)
+    keys = tuple(k for k in LINEAR_WEIGHTS if any(k in all_specs[s] for s in layer_stacks(cfg)))
     host = assemble_host(cfg, read, dtype, where, skip=keys)
-    for key in keys:
+    for stack, first, key in ((s, f, k) for s, f in layer_stacks(cfg).items() for k in keys
+                              if k in all_specs[s]):
+        specs = all_specs[stack]  # each stack counts its layers from the model's `first`
         lead = specs[key].shape[:2] if specs[key].axes[1] == "expert" else specs[key].shape[:1]
         want = specs[key].shape[len(lead):]
         reads = []
-        for index in np.ndindex(*lead):  # (layer,) or (layer, expert)
-            name = hf_layer_name(cfg, key, *index)
+        for index in np.ndindex(*lead):  # (layer,) or (layer, expert) in the stack
+            name = hf_layer_name(cfg, key, first + index[0], *index[1:])
             if quant.packed:
                 r = read_packed(tensors, name, quant, want[0])
             elif name in tensors:
@@ -249,5 +252,5 @@ def quantized_host(model_dir: Path, quant: CheckpointQuant, dtype) -> HostModel:
                 raise WeightsError(where(name), f"tensor {name} has shape {shape[::-1]}, the "
                                                 f"config implies {want[::-1]}")
             reads.append(r)
-        host["layers"][key] = stack_layer_weight(reads, np_dtype, lead)
+        host[stack][key] = stack_layer_weight(reads, np_dtype, lead)
     return HostModel(cfg, host, read_kv_scales(tensors, cfg.num_layers))
