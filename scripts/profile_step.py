@@ -2,7 +2,9 @@
 for one offline workload and a lone request (`arcjax/bench/step_profile.py` reads the trace).
 
 For each `--dtypes` entry an engine (serial loop, so every stage is timed apart) runs the
-workload twice (the first run compiles what it needs and is not measured): `--num_requests`
+workload twice (the first run compiles what it needs and is not measured; prefix caching is
+off, so the second recomputes the prompts, and the KV cache holds every request at once unless
+`--kv_fit=false`): `--num_requests`
 random-token prompts of `--prompt_len` tokens (min,max; 80-200 tokens is about 60-150
 words), `--output_len` greedy tokens each (EOS ignored), all in flight. The second run
 records each step's bucket, real tokens and sequences (padding = bucket rows computed for
@@ -41,6 +43,8 @@ _SEED = flags.DEFINE_integer("seed", 0, "workload seed")
 _QUANT = flags.DEFINE_string("quantization", "dequantize",
                               "the engine's quantization option: dequantize (float weights, "
                               "as a float checkpoint) or none (a GGUF file's packed weights)")
+_KV_FIT = flags.DEFINE_bool("kv_fit", True, "size the KV cache for every request at once "
+                            "(false: the engine's default, which on CPU may preempt)")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
 
 _SHOWN = ("qkv", "attention", "page_gather", "kv_scatter", "o_proj", "mlp", "dot_unscoped",
@@ -153,9 +157,13 @@ def profile_dtype(model_dir: str, dtype: str) -> dict:
 
     lo, hi = (int(x) for x in _PROMPT.value)
     quant = None if _QUANT.value == "none" else _QUANT.value
-    llm = arcjax.LLM(model_dir, dtype=dtype, max_model_len=max(hi, _LONE_PROMPT.value)
-                     + _OUTPUT.value + 16, max_num_seqs=_N.value, async_scheduling=False,
-                     quantization=quant)
+    max_len = max(hi, _LONE_PROMPT.value) + _OUTPUT.value + 16
+    kv = {} if not _KV_FIT.value else {  # every request at once (16-token blocks)
+        "num_kv_blocks": _N.value * -(-max_len // 16) + 1}
+    # no prefix caching: the measured runs recompute the prompts the first runs saw
+    llm = arcjax.LLM(model_dir, dtype=dtype, max_model_len=max_len, max_num_seqs=_N.value,
+                     async_scheduling=False, quantization=quant, enable_prefix_caching=False,
+                     **kv)
     vocab = llm.engine.runner.cfg.vocab_size
     rs = np.random.RandomState(_SEED.value)
     prompts = [rs.randint(3, vocab, n).tolist() for n in rs.randint(lo, hi + 1, _N.value)]

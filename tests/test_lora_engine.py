@@ -119,7 +119,6 @@ def test_lora_requests_need_enable_lora_and_unsupported_mixes_are_refused():
     with pytest.raises(EngineConfigError) as e:
         tiny_llm(ARCH, enable_lora=True, max_lora_rank=0)
     assert e.value.field == "max_lora_rank"
-    with pytest.raises(EngineConfigError) as e:
-        tiny_llm(ARCH, enable_lora=True, speculative_config={"method": "ngram",
-                                                             "num_speculative_tokens": 2})
-    assert e.value.field == "speculative_config"
+    with pytest.raises(EngineConfigError) as e:  # speculation: tests/test_lora_matrix.py
+        tiny_llm(ARCH, enable_lora=True, tensor_parallel_size=2)
+    assert e.value.field == "tensor_parallel_size"

@@ -2,9 +2,9 @@
 
 1. `op_parts(hlo_text)`: every instruction of an optimized HLO module (`Compiled.as_text()`)
    gets a part (`PARTS`) from its metadata: the named scope in its `op_name` (`qkv`,
-   `attention`, `o_proj`, `mlp`, set by arcjax/model/layers.py) and the functions of its
-   stack frames (the module's `StackFrames` table: `write_kv` is the KV scatter,
-   `LMHead`/`head` the LM head, arcjax/runtime/sampling.py the sampling, its bitmask and
+   `attention`, `o_proj`, `mlp`, `lm_head`, set by arcjax/model/layers.py) and the functions
+   of its stack frames (the module's `StackFrames` table: `write_kv` is the KV scatter,
+   arcjax/runtime/sampling.py the sampling, its bitmask and
    arcjax/runtime/penalties.py the token tables). Inside attention a gather of pages is
    its own part (`page_gather`): an instruction whose fused computation gathers. A matmul
    whose metadata XLA's passes dropped is `dot_unscoped` (in a decode step: the layers'
@@ -116,11 +116,9 @@ def _classify(op_name: str, functions: list[str], files: list[str], gathers: boo
         return "kv_scatter"
     if "/attention/" in scope:
         return "page_gather" if gathers else "attention"
-    for name in ("qkv", "o_proj", "mlp"):
+    for name in ("qkv", "o_proj", "mlp", "lm_head"):
         if f"/{name}/" in scope:
             return name
-    if any(f.startswith("LMHead") or f.endswith(".head") or f == "lm_head" for f in functions):
-        return "lm_head"
     if any(f == "apply_bitmask" for f in functions):
         return "bitmask"
     if any(f.endswith("penalties.py") for f in files):

@@ -105,3 +105,17 @@ def peft_greedy(model_dir: str, adapter_dir: str | None, ids, n: int) -> list[in
             min_new_tokens=n, pad_token_id=0, eos_token_id=None)
     return out[0, len(ids):].tolist()
 
+
+def peft_logprobs(model_dir: str, adapter_dir: str | None, ids, continuation) -> list[float]:
+    """transformers + PEFT's log-probability of each token of `continuation` after `ids`
+    (one forward pass over both; without an adapter, the base model's)."""
+    import torch
+
+    from support.hf_models import hf_model
+
+    model = hf_model(model_dir) if adapter_dir is None else _peft_model(model_dir, adapter_dir)
+    seq = [*ids, *continuation]
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0].double()  # [len(seq), V]
+    logp = torch.log_softmax(logits, dim=-1)
+    return [float(logp[len(ids) - 1 + i, t]) for i, t in enumerate(continuation)]
