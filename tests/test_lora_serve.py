@@ -2,11 +2,11 @@
 `openai` client: adapters from `--lora-modules` listed in /v1/models (with `parent` and
 `root`), `model=<adapter>` on completions and chat giving transformers + PEFT's greedy
 tokens (requests for several adapters and the base model in flight together, more
-adapters than device slots) and on responses (chat's text), runtime load / unload (vLLM's endpoints and bodies, refused
-unless allowed), typed 400 / 404 errors, per-adapter metrics, and `arcjax serve`'s flags.
-One engine serves every server here; the chat model is the tiny Llama (the same weights)
-with a tokenizer and a chat template, so adapters and references are
-tests/test_lora_engine.py's kind."""
+adapters than device slots) and on responses (chat's text), runtime load / unload
+(vLLM's endpoints and bodies, refused unless allowed), typed 400 / 404 errors,
+per-adapter metrics, and `arcjax serve`'s flags. One engine serves every server here;
+the chat model is the tiny Llama (the same weights) with a tokenizer and a chat
+template, so adapters and references are tests/test_lora_engine.py's kind."""
 
 from __future__ import annotations
 
