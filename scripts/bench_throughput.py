@@ -9,17 +9,23 @@ arcjax runs once per `--async_scheduling` arm (overlapped scheduling on / off, e
 one process sharing compiled steps), arms alternating over `--repeats`; each arm reports
 its median tokens/s, the device's idle time between steps (completions watched by a
 thread: `ModelRunner.watch_completion`), and whether its outputs equal the other arms'.
+`--batch_invariant=true,false` adds the batch-invariant mode as arms beside the others
+(each `--async_scheduling` arm once per value), so the mode's cost is measured side by
+side in one run.
 `--lone` also times one request alone (`--lone_prompt` tokens, `--lone_tokens` new):
 time per output token (median over `--lone_repeats`), per arm.
 
   python scripts/bench_throughput.py --num_requests=256 --out=runs/throughput.json
   python scripts/bench_throughput.py --skip_hf --num_requests=64 --lone
+  python scripts/bench_throughput.py --skip_hf --async_scheduling=false \
+      --batch_invariant=true,false --lone --repeats=3
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 
@@ -47,6 +53,9 @@ _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
 _CC = flags.DEFINE_string("compilation_cache_dir", None, "JAX persistent compilation cache")
 _ASYNC = flags.DEFINE_list("async_scheduling", ["true", "false"],
                            "arcjax arms: overlapped scheduling on (true) / off (false)")
+_INVARIANT = flags.DEFINE_list("batch_invariant", ["false"],
+                               "arcjax arms: batch-invariant mode on (true) / off (false)")
+_DTYPE = flags.DEFINE_string("dtype", None, "arcjax compute dtype (default: the engine's)")
 _REPEATS = flags.DEFINE_integer("repeats", 1, "runs of the workload per arm (alternating)")
 _LONE = flags.DEFINE_bool("lone", False, "also time one request alone per arm")
 _LONE_PROMPT = flags.DEFINE_integer("lone_prompt", 128, "--lone: prompt tokens")
@@ -67,11 +76,24 @@ class Workload:
                    outputs=rs.randint(output_len[0], output_len[1] + 1, n).tolist())
 
 
-def _arm(value: str) -> bool:
+def _arm(value: str, flag: str = "async_scheduling") -> bool:
     v = value.strip().lower()
     if v not in ("true", "false", "on", "off", "1", "0"):
-        raise app.UsageError(f"--async_scheduling: expected true or false, got {value!r}")
+        raise app.UsageError(f"--{flag}: expected true or false, got {value!r}")
     return v in ("true", "on", "1")
+
+
+def _arms() -> list[tuple[bool, bool]]:
+    """(async_scheduling, batch_invariant) of each arm."""
+    return [(on, inv) for inv in (_arm(v, "batch_invariant") for v in _INVARIANT.value)
+            for on in map(_arm, _ASYNC.value)]
+
+
+def _arm_name(arm: tuple[bool, bool]) -> str:
+    on, inv = arm
+    name = f"async_scheduling={str(on).lower()}"
+    return name + (f", batch_invariant={str(inv).lower()}"
+                   if len(_INVARIANT.value) > 1 or inv else "")
 
 
 def build_engines(model_dir, wl: Workload) -> dict:
@@ -90,13 +112,14 @@ def build_engines(model_dir, wl: Workload) -> dict:
     elif _KV_BLOCKS.value:
         kv["num_kv_blocks"] = int(_KV_BLOCKS.value)
     engines = {}
-    for on in map(_arm, _ASYNC.value):
+    dtype = {"dtype": _DTYPE.value} if _DTYPE.value else {}
+    for on, inv in _arms():
         llm = arcjax.LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=_BUDGET.value,
-                         max_num_seqs=_SEQS.value, async_scheduling=on,
+                         max_num_seqs=_SEQS.value, async_scheduling=on, batch_invariant=inv,
                          quantization=_QUANT.value,
-                         enable_prefix_caching=_PREFIX.value, **kv)
+                         enable_prefix_caching=_PREFIX.value, **kv, **dtype)
         llm.engine.runner.watch_completion = True
-        engines[on] = (llm, llm.warmup())
+        engines[on, inv] = (llm, llm.warmup())
     return engines
 
 
@@ -174,7 +197,8 @@ def main(argv):
                        [int(x) for x in _OUTPUT.value], vocab, _SEED.value)
     res = {"model": model_dir, "num_requests": _N.value, "prompt_len": _PROMPT.value,
            "output_len": _OUTPUT.value, "seed": _SEED.value, "num_kv_blocks": _KV_BLOCKS.value,
-           "quantization": _QUANT.value}
+           "quantization": _QUANT.value, "dtype": _DTYPE.value,
+           "load_average": list(os.getloadavg())}
     engines = build_engines(model_dir, wl)
     runs = {on: [] for on in engines}
     lone = {on: [] for on in engines}
@@ -192,7 +216,7 @@ def main(argv):
     reference = next(iter(runs.values()))[0]["tokens"]
     res["arms"] = {}
     for on, arm_runs in runs.items():
-        name = f"async_scheduling={str(on).lower()}"
+        name = _arm_name(on)
         best = sorted(arm_runs, key=lambda r: r["tok_s"])[len(arm_runs) // 2]  # its gaps
         same = all(r["tokens"] == reference for r in arm_runs)
         res["arms"][name] = {
@@ -226,6 +250,8 @@ def main(argv):
         hf.pop("tokens")
     for arm in res["arms"].values():
         arm.pop("tokens")
+    res["load_average_end"] = list(os.getloadavg())
+    print(f"load average: start {res['load_average']}, end {res['load_average_end']}")
     if _OUT.value:
         with open(_OUT.value, "w") as f:
             json.dump(res, f, indent=2)

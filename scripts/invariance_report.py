@@ -37,6 +37,9 @@ _NEW = flags.DEFINE_integer("new_tokens", 12, "tokens the probe generates")
 _PROMPT = flags.DEFINE_integer("prompt_len", 300, "the probe's prompt length")
 _OPS = flags.DEFINE_bool("ops", True, "also survey each operation compiled alone "
                          "(`arcjax.bench.op_survey`) at each model's shapes")
+_INVARIANT = flags.DEFINE_bool("batch_invariant", False, "run every engine (the baseline "
+                               "too) with batch_invariant=True")
+_KV = flags.DEFINE_enum("kv_cache_dtype", "auto", ["auto", "fp8"], "every engine's KV pages")
 _OUT = flags.DEFINE_string("out", None, "write the rows as JSON here")
 _CC = flags.DEFINE_string("compilation_cache_dir", None, "JAX persistent compilation cache")
 
@@ -108,17 +111,19 @@ def main(_):
     chosen = [v for v in invariance.variations()
               if _ONLY.value is None or v.name in _ONLY.value]
     rows, taps, replay = [], {}, step_replay.Replay()
-    print(f"machine: {machine()}", flush=True)
+    mode = ((("batch_invariant", True),) if _INVARIANT.value else ()) + (
+        (("kv_cache_dtype", _KV.value),) if _KV.value != "auto" else ())
+    print(f"machine: {machine()}; engine options of every run: {dict(mode)}", flush=True)
     print("| model | dtype | variation | tokens equal | logprobs bitwise | differing "
           "(first) | max abs diff | first difference (replay) |")
     print("|---|---|---|---|---|---|---|---|")
     for name in _MODELS.value:
         model = _model_dir(name)
         for dtype in _DTYPES.value:
-            base = invariance.run_probe(model, dtype, invariance.BASELINE, workload)
+            base = invariance.run_probe(model, dtype, invariance.BASELINE, workload, mode)
             for variation in chosen:
                 t0 = time.perf_counter()
-                run = invariance.run_probe(model, dtype, variation, workload)
+                run = invariance.run_probe(model, dtype, variation, workload, mode)
                 cmp = invariance.compare(base, run)
                 where = ""
                 if _LOCATE.value and not cmp.bitwise:
@@ -140,6 +145,7 @@ def main(_):
         os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
         with open(_OUT.value, "w") as f:
             json.dump({"machine": machine(), "argv": sys.argv,
+                       "mode": dict(mode),
                        "workload": dataclasses.asdict(workload), "rows": rows,
                        "survey": survey}, f, indent=1)
 

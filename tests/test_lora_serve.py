@@ -2,11 +2,11 @@
 `openai` client: adapters from `--lora-modules` listed in /v1/models (with `parent` and
 `root`), `model=<adapter>` on completions and chat giving transformers + PEFT's greedy
 tokens (requests for several adapters and the base model in flight together, more
-adapters than device slots), runtime load / unload (vLLM's endpoints and bodies, refused
-unless allowed), typed 400 / 404 errors, per-adapter metrics, and `arcjax serve`'s flags.
-One engine serves every server here; the chat model is the tiny Llama (the same weights)
-with a tokenizer and a chat template, so adapters and references are
-tests/test_lora_engine.py's kind."""
+adapters than device slots) and on responses (chat's text), runtime load / unload
+(vLLM's endpoints and bodies, refused unless allowed), typed 400 / 404 errors,
+per-adapter metrics, and `arcjax serve`'s flags. One engine serves every server here;
+the chat model is the tiny Llama (the same weights) with a tokenizer and a chat
+template, so adapters and references are tests/test_lora_engine.py's kind."""
 
 from __future__ import annotations
 
@@ -134,6 +134,17 @@ def test_model_field_selects_the_adapter_and_equals_peft(server):
     assert chat.model == "r16"
     prompt = chat.model_extra["prompt_token_ids"]
     assert chat.choices[0].token_ids == _expected("r16", prompt)
+
+
+def test_responses_run_the_adapter_their_model_names(server):
+    """/v1/responses goes through the chat path: its text is chat's for the same adapter."""
+    client = _client(server)
+    chat = client.chat.completions.create(model="attn8", messages=[
+        {"role": "user", "content": "fox"}], max_tokens=MAX_TOKENS, temperature=0)
+    resp = client.responses.create(model="attn8", input="fox", max_output_tokens=MAX_TOKENS,
+                                   temperature=0)
+    assert resp.model == "attn8"
+    assert resp.output_text == chat.choices[0].message.content
 
 
 def test_unknown_models_are_404_and_metrics_count_requests_per_adapter(server):

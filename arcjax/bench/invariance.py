@@ -139,17 +139,21 @@ def _others(variation: Variation, vocab: int) -> list[tuple[int, list[int], int]
              int(rs.randint(1, 17))) for _ in range(variation.others)]
 
 
-def build(model: str | None, dtype: str, variation: Variation) -> LLM:
-    options = {**BASE_OPTIONS, "dtype": dtype, **dict(variation.options)}
+def build(model: str | None, dtype: str, variation: Variation,
+          mode: tuple[tuple[str, object], ...] = ()) -> LLM:
+    """The variation's engine (over BASE_OPTIONS), with the `mode` options every engine of
+    the run shares (batch_invariant, kv_cache_dtype)."""
+    options = {**BASE_OPTIONS, "dtype": dtype, **dict(mode), **dict(variation.options)}
     if variation.prefix_hit:
         options["enable_prefix_caching"] = True
     return LLM(model, **options)
 
 
 def run_probe(model: str | None, dtype: str, variation: Variation,
-              workload: Workload) -> ProbeRun:
-    """Runs the probe under `variation` on a fresh engine (see the module docstring)."""
-    llm = build(model, dtype, variation)
+              workload: Workload, mode: tuple[tuple[str, object], ...] = ()) -> ProbeRun:
+    """Runs the probe under `variation` on a fresh engine (see the module docstring), with
+    the `mode` options (the baseline's engine too)."""
+    llm = build(model, dtype, variation, mode)
     vocab = min(llm.config.vocab_size, 4096)
     prompt = probe_prompt(workload, vocab)
     if variation.prefix_hit:  # leaves the first prefix_hit tokens' blocks in the cache

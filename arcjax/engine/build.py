@@ -190,14 +190,18 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
         lora_impl = resolve_impl(lora.lora_impl, jax.default_backend())
     runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=sched.block_size,
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
-                         attn_impl=config.attention_impl, executables=SHARED_EXECUTABLES,
-                         parallel=parallel, kv_cache_dtype=kv_dtype,
+                         attn_impl=config.step_attention_impl,
+                         executables=SHARED_EXECUTABLES, parallel=parallel,
+                         kv_cache_dtype=kv_dtype,
                          kv_scales=_kv_scales(config, model, tokenizer, dtype),
                          kv=kv, host_slots=host_blocks, pooling=config.runner == "pooling",
                          lora=slots, lora_impl=lora_impl,
-                         matmul_impl=packed_matmul.resolve_impl(
-                             config.packed_matmul_impl, params,
-                             platform=jax.default_backend(), parallel=parallel is not None))
+                         matmul_impl=("xla" if config.batch_invariant  # XLA's products
+                                      else packed_matmul.resolve_impl(
+                                          config.packed_matmul_impl, params,
+                                          platform=jax.default_backend(),
+                                          parallel=parallel is not None)),
+                         batch_invariant=config.batch_invariant)
     speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
                   else None)
     options = {} if clock is None else {"clock": clock}
@@ -208,7 +212,9 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                     model_dir=model_dir, trace_capacity=config.trace_capacity,
                     async_scheduling=overlapped, speculator=speculator, pooler=pooler,
                     adapters=adapters,
-                    reasoning=ModelReasoning.create(config.reasoning_parser, tokenizer),
+                    reasoning=ModelReasoning.create(
+                        config.reasoning_parser, tokenizer,
+                        gate=not config.structured_outputs_in_reasoning),
                     **options)
     if multi_host:  # process 0 admits; every process runs the same plans
         engine.sync = StepSync.create()
@@ -219,7 +225,8 @@ def _check_latent_attention(config: EngineConfig, source: ModelSource) -> None:
     """Refuses, before any weights load, what latent attention (DeepSeek's MLA,
     arcjax/model/mla_layers.py) does not run with yet: FP8 pages (the latent pages carry no
     scales), weights quantized at load (`quant.quantize_params` walks one layer stack) and
-    packed checkpoints (untested), LoRA adapters (none target its projections), and attention
+    packed checkpoints (untested), LoRA adapters (none target its projections),
+    batch-invariant mode (the latent kernels have no fixed tiles), and attention
     implementations other than `pallas_kernels.mla`'s. Tensor and expert parallelism are
     refused by `arcjax.parallel.layout.check_tensor_parallel`."""
     cfg = model_config(source)
@@ -239,6 +246,9 @@ def _check_latent_attention(config: EngineConfig, source: ModelSource) -> None:
     if config.enable_lora:
         raise EngineConfigError("enable_lora", f"LoRA adapters are not supported for {arch}'s "
                                 "latent attention")
+    if config.batch_invariant:
+        raise EngineConfigError("batch_invariant", f"not built for {arch}'s latent attention "
+                                "yet (its kernels' tiles follow the batch)")
     if config.attention_impl not in LATENT_ATTENTION_IMPLS:
         raise EngineConfigError("attention_impl", f"{config.attention_impl!r} does not run "
                                 f"latent attention ({arch}); supported: "

@@ -139,6 +139,9 @@ class EngineConfig:
         the format's markers), "none", or None: implied by each prompt (a request whose
         prompt shows a `<think>` block is split as deepseek_r1 splits; see
         `arcjax.reasoning.model_reasoning`).
+      structured_outputs_in_reasoning: structured outputs constrain the reasoning too
+        (the whole output, as vLLM's `--structured-outputs-config.enable_in_reasoning`);
+        False (default): the grammar starts after the reasoning (`ReasoningGate`).
       enable_lora: serve LoRA adapters (`lora_request=` on each request; docs/design/lora.md):
         `max_loras` (a scheduler knob: adapters running at once, one device slot each),
         `max_lora_rank` (the largest rank, every slot's), `max_cpu_loras` (adapters kept
@@ -149,6 +152,13 @@ class EngineConfig:
         (`PoolingParams`, `LLM.embed`) too, pooled as the model's
         sentence-transformers files say (`arcjax.model.formats.pooler_config`), batched
         with generation requests in the same steps.
+      batch_invariant: every request's logprobs bitwise the same whatever else the engine
+        runs beside it, however its prompt is chunked, whatever the prefix cache held and
+        whether its drafts are verified (docs/design/batch-invariance.md): every row-wise
+        operation runs over fixed row tiles and attention on the xla path's fixed query
+        tiles and position-aligned key blocks. attention_impl and packed_matmul_impl "auto"
+        then mean "xla" (the GPU kernels refuse it); not with enable_lora or a mesh (tensor_parallel_size or
+        expert_parallel_size > 1).
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
         prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
@@ -180,11 +190,13 @@ class EngineConfig:
     async_scheduling: bool | None = None
     speculative_config: SpeculativeConfig | Mapping | str | None = None
     reasoning_parser: str | None = None
+    structured_outputs_in_reasoning: bool = False
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_impl: str = "auto"
     runner: str = "generate"
+    batch_invariant: bool = False
     scheduler: scheduler.SchedulerConfig = dataclasses.field(default_factory=default_scheduler)
 
     def __post_init__(self):
@@ -295,6 +307,35 @@ class EngineConfig:
             if _joined_processes() > 1:
                 raise EngineConfigError("enable_lora", "not supported across several "
                                         "processes yet")
+
+        self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        """What batch_invariant excludes, refused by the field that asks for it."""
+        if not isinstance(self.batch_invariant, bool):
+            raise EngineConfigError("batch_invariant", f"must be a bool, got "
+                                                       f"{self.batch_invariant!r}")
+        if not self.batch_invariant:
+            return
+        if self.packed_matmul_impl not in ("auto", "xla"):
+            raise EngineConfigError("packed_matmul_impl", f"batch_invariant runs XLA's "
+                                    f"products (the W4A16 kernel's tiles are not fixed), got "
+                                    f"{self.packed_matmul_impl!r}")
+        if self.attention_impl not in ("auto", "xla"):
+            raise EngineConfigError("attention_impl", f"batch_invariant is built on the xla "
+                                    f"attention path only (the GPU kernels' tiles follow the "
+                                    f"batch), got {self.attention_impl!r}")
+        for name, on in (("enable_lora", self.enable_lora),
+                         ("tensor_parallel_size", self.tensor_parallel_size > 1),
+                         ("expert_parallel_size", self.expert_parallel_size > 1)):
+            if on:
+                raise EngineConfigError(name, "not supported with batch_invariant yet")
+
+    @property
+    def step_attention_impl(self) -> str:
+        """The attention implementation the steps run: "xla" in batch-invariant mode,
+        else `attention_impl`."""
+        return "xla" if self.batch_invariant else self.attention_impl
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA options as one `LoRAConfig`, or None without enable_lora."""

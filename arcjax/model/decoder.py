@@ -38,6 +38,7 @@ from pallas_kernels.mla_inputs import MLAInputs
 from arcjax.model.lora_delta import LoRAWeights
 from arcjax.model.kv_layout import KVLayout, kv_layout
 from arcjax.model.model_config import ModelConfig, rope_inv_freq
+from arcjax.model.row_tiles import RowTiles
 from arcjax.model.specs import Cache, Params
 
 KV_AXES = (None, "kv_heads", None)  # logical axes of this step's keys / values [T, Hkv, D]
@@ -101,8 +102,8 @@ def _attention_inputs(cfg: ModelConfig, *, q: jax.Array, k_pages: jax.Array,
                      v_pages: jax.Array, block_tables: jax.Array, kv_lens: jax.Array,
                      cu_seqlens_q: jax.Array, num_seqs: jax.Array, window: jax.Array | None,
                      k_scale: jax.Array | None, v_scale: jax.Array | None,
-                     max_q_len: int | None, sinks: jax.Array | None = None
-                     ) -> pallas_kernels.AttentionInputs:
+                     max_q_len: int | None, sinks: jax.Array | None = None,
+                     batch_invariant: bool = False) -> pallas_kernels.AttentionInputs:
     """One layer's attention call as `forward_with_stats` makes it (and `attention_choice`
     resolves it): the arrays as given, with the model's softmax scale and soft-cap.
 
@@ -112,13 +113,14 @@ def _attention_inputs(cfg: ModelConfig, *, q: jax.Array, k_pages: jax.Array,
         cu_seqlens_q, num_seqs: the step's (`StepBatch`); window: [] int32, the layer's
         window (None when no layer slides); k_scale, v_scale: [] float32, FP8 pages'
         scales of this layer (None for unscaled pages); max_q_len: the bucket's chunk bound;
-        sinks: [Hq] float32, the layer's attention sinks (gpt-oss; None without).
+        sinks: [Hq] float32, the layer's attention sinks (gpt-oss; None without);
+        batch_invariant: the xla path's fixed tiles (`AttentionInputs.batch_invariant`).
     """
     return pallas_kernels.AttentionInputs.create(
         q=q, k_pages=k_pages, v_pages=v_pages, block_tables=block_tables, kv_lens=kv_lens,
         cu_seqlens_q=cu_seqlens_q, num_seqs=num_seqs, sm_scale=cfg.sm_scale,
         sliding_window=window, logit_softcap=cfg.attn_logit_softcap, k_scale=k_scale,
-        v_scale=v_scale, max_q_len=max_q_len, sinks=sinks)
+        v_scale=v_scale, max_q_len=max_q_len, sinks=sinks, batch_invariant=batch_invariant)
 
 
 def attention_impl(cache: Cache, **bucket) -> str:
@@ -207,7 +209,7 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                        max_q_len: int | None = None, parallel=None, moe_impl: str = "auto",
                        head: bool = True, kv: KVLayout | None = None,
                        lora: LoRAWeights | None = None, lora_impl: str = "masked",
-                       matmul_impl: str = "xla"
+                       matmul_impl: str = "xla", batch_invariant: bool = False
                        ) -> tuple[jax.Array, Cache, jax.Array | None]:
     """One ragged step over the paged cache.
 
@@ -229,6 +231,10 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     None; `lora_impl` (static): their delta's implementation (`lora_delta.IMPLS`).
     `matmul_impl` (static): how packed projections multiply (`packed_matmul.IMPLS`,
     resolved: "xla", or the W4A16 kernel in decode-sized matmuls).
+    `batch_invariant` (static): every row computed the same way whatever else the step
+    holds (docs/design/batch-invariance.md): the row-wise parts of each layer and the head
+    over fixed row tiles (`token_rows`, `head_rows`), attention on the xla path's fixed
+    tiles and key blocks; not with LoRA or a mesh.
 
     Returns:
       logits [S, V] float32 at `batch.logits_rows` (or hidden states, see `head`), the
@@ -244,6 +250,7 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     valid_slot = batch.slot_mapping[0] < layer_slots  # [T]
 
     scaled = "k_scale" in cache  # FP8 pages: one K and one V scale per layer
+    rows = token_rows(batch) if batch_invariant else None
 
     def paged(inputs: pallas_kernels.AttentionInputs, k: jax.Array, v: jax.Array,
               slots: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -272,7 +279,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                 # [] float32 each, or None: quantized on write, upcast inside attention.
                 k_scale=cache["k_scale"][l] if scaled else None,
                 v_scale=cache["v_scale"][l] if scaled else None, max_q_len=max_q_len,
-                sinks=block.attn.sink_logits())  # [Hq] or None
+                sinks=block.attn.sink_logits(),  # [Hq] or None
+                batch_invariant=batch_invariant)
             if parallel is None:
                 out, kc, vc = paged(inputs, k, v, slots)
             else:  # per device: its heads, its KV heads, its cache shard
@@ -300,7 +308,7 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                                              attend_latent if cfg.is_mla else attend,
                                              valid=valid_slot, layer=l, moe_impl=moe_impl,
                                              parallel=parallel, lora=layer_lora,
-                                             matmul_impl=matmul_impl)
+                                             matmul_impl=matmul_impl, rows=rows)
         return (x, k_cache, v_cache), stats
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -308,8 +316,22 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     (x, k_new, v_new), stats = model.scan_layers(layer, (x, cache["k"], cache["v"]),
                                                  (layer_ids, layer_constants(cfg, kv), lora_ab))
     x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
-    out = model.head(x, parallel, matmul_impl) if head else x
-    return out, {**cache, "k": k_new, "v": v_new}, stats
+    if head:
+        x = (model.head(x, parallel, matmul_impl) if not batch_invariant
+             else head_rows(batch, x.shape[0]).map(
+                 lambda h: model.head(h, parallel, matmul_impl), x))
+    return x, {**cache, "k": k_new, "v": v_new}, stats
+
+
+def token_rows(batch: StepBatch) -> RowTiles:
+    """The fixed row tiles over a step's token rows: its real tokens are live."""
+    return RowTiles(batch.cu_seqlens_q[batch.num_seqs])
+
+
+def head_rows(batch: StepBatch, rows: int) -> RowTiles:
+    """The fixed row tiles over `rows` sampled positions (S * W): the real sequences'
+    positions are live."""
+    return RowTiles(batch.num_seqs * (rows // batch.kv_lens.shape[0]))
 
 
 def dense_mask(length: int, window: jax.Array) -> jax.Array:

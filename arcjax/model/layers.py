@@ -56,6 +56,7 @@ from arcjax.model.expert_ffn import ExpertAct
 from arcjax.model.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
 from arcjax.model.packed_matmul import matmul
 from arcjax.model.quant import embedding_rows, float_dtype, tied_head
+from arcjax.model.row_tiles import RowTiles
 
 NORMAL_STD = 0.02  # the "normal" initializer's standard deviation
 
@@ -309,7 +310,8 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, inv_freq: jax.Array, attend, *,
                  valid: jax.Array, layer: jax.Array, moe_impl: str, parallel,
-                 lora: LayerLoRA | None = None, matmul_impl: str = "xla"):
+                 lora: LayerLoRA | None = None, matmul_impl: str = "xla",
+                 rows: RowTiles | None = None):
         """x [..., T, H] -> (x, aux, tokens per expert [E] or None).
 
         `attend(q, k, v) -> ([..., T, Hq, Dv], aux)` is the only difference between the
@@ -318,30 +320,52 @@ class Block(nnx.Module):
         valid, layer (the model's layer index), moe_impl, parallel: for the experts
         (`MoE`); lora: the LoRA adapters' deltas of the projections (the paged mode's; a
         mixture of experts' attention only); matmul_impl: how packed projections multiply
-        (`arcjax.model.packed_matmul`)."""
+        (`arcjax.model.packed_matmul`). rows: None, or the fixed row tiles
+        (`arcjax.model.row_tiles`) the row-wise parts (norms, projections, MLP or experts,
+        residuals) run over: batch-invariant mode, x [T, H], without LoRA."""
         with jax.named_scope("qkv"):
-            q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq, lora,
-                                    matmul_impl)
+            if rows is None:
+                q, k, v = self.attn.qkv(self.attn_norm(x), positions, inv_freq, lora,
+                                        matmul_impl)
+            else:
+                q, k, v = rows.map(lambda x, p: self.attn.qkv(self.attn_norm(x), p, inv_freq,
+                                                              None, matmul_impl), x, positions)
         with jax.named_scope("attention"):
             attn, aux = attend(q, k, v)
         with jax.named_scope("o_proj"):
-            out = self.attn.out(attn.astype(x.dtype), lora, matmul_impl)
-            if self.post_attn_norm is not None:
-                out = self.post_attn_norm(out)
-            x = x + out
+            x = (self._o_proj(x, attn, lora, matmul_impl) if rows is None
+                 else rows.map(lambda x, a: self._o_proj(x, a, None, matmul_impl), x, attn))
         with jax.named_scope("mlp"):
-            h = self.mlp_norm(x)
-            if isinstance(self.mlp, MoE):
-                h, stats = self.mlp(h, valid=valid, layer=layer - self.first_layer,
-                                    impl=moe_impl, parallel=parallel)
-            else:  # a dense layer of a mixture of experts routes no token: zero counts
-                h = self.mlp(h, lora, matmul_impl)
-                stats = (jnp.zeros(self.cfg.num_experts, jnp.int32) if self.cfg.is_moe
-                         else None)
-            if self.post_mlp_norm is not None:
-                h = self.post_mlp_norm(h)
-            x = x + h
+            mlp = functools.partial(self._mlp, layer=layer, moe_impl=moe_impl, parallel=parallel,
+                                    matmul_impl=matmul_impl)
+            if rows is None:
+                x, stats = mlp(x, valid, lora)
+            else:
+                x, stats = rows.map_summed(lambda x, v: mlp(x, v, None), x, valid)
         return x, aux, stats
+
+    def _o_proj(self, x: jax.Array, attn: jax.Array, lora: LayerLoRA | None,
+                matmul_impl: str) -> jax.Array:
+        """The residual stream after attention: x [..., T, H], attn [..., T, Hq, D]."""
+        out = self.attn.out(attn.astype(x.dtype), lora, matmul_impl)
+        if self.post_attn_norm is not None:
+            out = self.post_attn_norm(out)
+        return x + out
+
+    def _mlp(self, x: jax.Array, valid: jax.Array, lora: LayerLoRA | None, *,
+             layer: jax.Array, moe_impl: str, parallel, matmul_impl: str):
+        """The residual stream after the MLP (or experts), and tokens per expert or None."""
+        h = self.mlp_norm(x)
+        if isinstance(self.mlp, MoE):
+            h, stats = self.mlp(h, valid=valid, layer=layer - self.first_layer,
+                                impl=moe_impl, parallel=parallel)
+        else:  # a dense layer of a mixture of experts routes no token: zero counts
+            h = self.mlp(h, lora, matmul_impl)
+            stats = (jnp.zeros(self.cfg.num_experts, jnp.int32) if self.cfg.is_moe
+                     else None)
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return x + h, stats
 
 
 class LMHead(nnx.Module):

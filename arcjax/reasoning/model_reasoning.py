@@ -8,6 +8,8 @@
                      `</think>` tokens, a request whose prompt shows a think block (the
                      chat template opened one, or closed it) is split as deepseek_r1
                      splits; other requests are not.
+`gate=False` (the engine's `structured_outputs_in_reasoning`): a request's grammar
+constrains its whole output, the reasoning included.
 `ModelReasoning.request(prompt_tail, skip_special_tokens)` gives a request's
 `RequestReasoning` (its parser and the prompt's opening), or None when the request is not
 split; `RequestReasoning.gate(grammar)` puts the request's grammar behind its reasoning.
@@ -42,7 +44,10 @@ class RequestReasoning:
 
     def gate(self, grammar: MaskSource) -> MaskSource:
         """`grammar` starting after the reasoning (as it is when the output starts in the
-        answer, or may open a block whose start marker is not one token)."""
+        answer, or may open a block whose start marker is not one token); unchanged when
+        the model's grammars constrain the reasoning too."""
+        if not self.model.gated:
+            return grammar
         inside = self.model.parser.starts_in_reasoning(self.opening)
         if inside is False or (inside is None and self.model.start_id is None):
             return grammar
@@ -52,14 +57,16 @@ class RequestReasoning:
 class ModelReasoning:
     """A parser and the token ids of its markers (see the module docstring)."""
 
-    def __init__(self, parser: ReasoningParser, tokenizer, implied: bool = False):
-        self.parser, self.implied = parser, implied
+    def __init__(self, parser: ReasoningParser, tokenizer, implied: bool = False,
+                 gate: bool = True):
+        self.parser, self.implied, self.gated = parser, implied, gate
         self.end_ids = tuple(tokenizer.encode(parser.end, add_special_tokens=False))
         self.start_id = _single_token(tokenizer, parser.start)
 
     @classmethod
-    def create(cls, name: str | None, tokenizer) -> "ModelReasoning | None":
-        """The engine's reasoning for option `name` (see the module docstring).
+    def create(cls, name: str | None, tokenizer, gate: bool = True) -> "ModelReasoning | None":
+        """The engine's reasoning for option `name` (see the module docstring); `gate`:
+        grammars start after the reasoning.
 
         Raises:
           EngineConfigError (field "reasoning_parser"): an unknown name, no tokenizer, or
@@ -72,7 +79,7 @@ class ModelReasoning:
             if tokenizer is None or any(tokenizer.token_to_id(m) is None
                                         for m in (parser.start, parser.end)):
                 return None
-            return cls(parser, tokenizer, implied=True)
+            return cls(parser, tokenizer, implied=True, gate=gate)
         if name not in PARSERS:
             raise EngineConfigError("reasoning_parser", f"must be one of {sorted(PARSERS)}, "
                                     f"{NO_PARSER!r} or None, got {name!r}")
@@ -84,7 +91,7 @@ class ModelReasoning:
             if missing:
                 raise EngineConfigError("reasoning_parser", f"{name}: the vocabulary has no "
                                         f"{missing[0]!r} token")
-        return cls(parser, tokenizer)
+        return cls(parser, tokenizer, gate=gate)
 
     def request(self, prompt_tail: str, skip_special_tokens: bool) -> RequestReasoning | None:
         """A request's reasoning, from its prompt's last tokens (decoded with special

@@ -43,6 +43,7 @@ import numpy as np
 from arcjax.lora.slot_table import SlotTable, token_slots
 from arcjax.model import decoder
 from arcjax.model.kv_layout import KVLayout, kv_layout
+from arcjax.model.row_tiles import RowTiles
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import make_cache
 from arcjax.runtime.batching import PreparedStep, prepare_step, warmup_step
@@ -59,44 +60,60 @@ from arcjax.runtime import verification
 log = logging.getLogger(__name__)
 
 _STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel", "kv", "lora_impl",
-           "matmul_impl")
+           "matmul_impl", "batch_invariant")
 
 
 def _logits(params, cache, batch, prompt, pooling, lora, *, cfg, attn_impl, dtype, max_q_len,
-            parallel, kv, lora_impl, matmul_impl):
+            parallel, kv, lora_impl, matmul_impl, batch_invariant):
     """The forward: (logits [R, V] at the sampled positions, prompt logprobs or None, pooled
     sums [S, H] or None, the cache, tokens per expert [L, E] or None). `lora`: the adapters'
-    `LoRAWeights`, or None."""
+    `LoRAWeights`, or None. `batch_invariant`: fixed row tiles (`decoder.forward_with_stats`)."""
     every_row = prompt is not None or pooling is not None
     out, cache, expert_counts = decoder.forward_with_stats(
         params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
         parallel=parallel, head=not every_row, kv=kv, lora=lora, lora_impl=lora_impl,
-        matmul_impl=matmul_impl)
+        matmul_impl=matmul_impl, batch_invariant=batch_invariant)
     if not every_row:  # [R, V] at `batch.logits_rows`
         return out, None, None, cache, expert_counts
     # hidden states at every token row [T, H]; sampling reads its rows
     sample_rows = (prompt if prompt is not None else pooling).sample_rows
-    prompt_lp = (None if prompt is None
-                 else _prompt_logprobs(params, cfg, out, prompt.targets, parallel))
+    head = functools.partial(decoder.lm_head, params, cfg, parallel=parallel,
+                             matmul_impl=matmul_impl)
+    if prompt is None:
+        prompt_lp = None
+    elif batch_invariant:
+        prompt_lp = decoder.token_rows(batch).map(lambda h, t: token_logprobs(head(h), t), out,
+                                                  prompt.targets)
+    else:
+        prompt_lp = _prompt_logprobs(params, cfg, out, prompt.targets, parallel)
     pooled = (None if pooling is None
               else pool_rows(params, cfg, out, pooling, batch.kv_lens.shape[0]))
-    logits = decoder.lm_head(params, cfg, out[sample_rows], parallel, matmul_impl)
+    hidden = out[sample_rows]
+    logits = (decoder.head_rows(batch, hidden.shape[0]).map(head, hidden) if batch_invariant
+              else head(hidden))
     return logits, prompt_lp, pooled, cache, expert_counts
 
 
-def _sampled(logits, sampling, counts, bitmask, spec, sample_width):
-    """(tokens [R], tokens each sequence yields [S] or None, logprobs, count table)."""
+def _sampled(logits, sampling, counts, bitmask, spec, sample_width, rows=None):
+    """(tokens [R], tokens each sequence yields [S] or None, logprobs, count table).
+    `rows`: the live positions' fixed tiles (batch-invariant mode), or None."""
     if spec is None:
-        tokens, logprobs, counts = sample_step(logits, sampling, counts, bitmask)
+        tokens, logprobs, counts = sample_step(logits, sampling, counts, bitmask, rows)
         return tokens, None, logprobs, counts
-    return verification.verify(logits, sampling, spec, counts, sample_width, bitmask)
+    return verification.verify(logits, sampling, spec, counts, sample_width, bitmask, rows)
+
+
+def _sample_tiles(num_seqs, sample_width: int, batch_invariant: bool) -> RowTiles | None:
+    """The sampled positions' fixed tiles in batch-invariant mode (the real sequences'
+    positions live), else None."""
+    return RowTiles(num_seqs * sample_width) if batch_invariant else None
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "sample_width"),
                    donate_argnames=("cache", "counts"))
 def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None,
           pooling=None, lora=None, *, cfg, attn_impl, dtype, max_q_len, parallel=None, kv=None,
-          sample_width=1, lora_impl="masked", matmul_impl="xla"):
+          sample_width=1, lora_impl="masked", matmul_impl="xla", batch_invariant=False):
     # cfg/attn_impl/dtype/max_q_len/parallel/kv/sample_width/lora_impl/matmul_impl are
     # static: one
     # executable per bucket, no recompiles from the traced metadata (num_seqs, kv_lens,
@@ -106,13 +123,15 @@ def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=Non
     # sample_width > 1. `bitmask` [R, ceil(V / 32)] int32 is always an input (all ones for
     # unconstrained rows): structured outputs need no other executable. `lora` (LoRA
     # adapters' slots and each token's slot) is None, or an input of every step: adapters
-    # change no executable.
+    # change no executable. `batch_invariant`: every row computed alike whatever else the
+    # step holds (fixed row tiles; docs/design/batch-invariance.md).
     logits, prompt_lp, pooled, cache, experts = _logits(
         params, cache, batch, prompt, pooling, lora, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
         max_q_len=max_q_len, parallel=parallel, kv=kv, lora_impl=lora_impl,
-        matmul_impl=matmul_impl)
-    tokens, yielded, logprobs, counts = _sampled(logits, sampling, counts, bitmask, spec,
-                                                 sample_width)
+        matmul_impl=matmul_impl, batch_invariant=batch_invariant)
+    tokens, yielded, logprobs, counts = _sampled(
+        logits, sampling, counts, bitmask, spec, sample_width,
+        _sample_tiles(batch.num_seqs, sample_width, batch_invariant))
     return (StepOutput(tokens, logprobs, prompt_lp, num_yielded=yielded,
                        expert_counts=experts, pooled=pooled), cache, counts)
 
@@ -120,17 +139,22 @@ def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=Non
 @functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
 def _forward(params, cache, batch, prompt=None, pooling=None, lora=None, *, cfg, attn_impl,
              dtype, max_q_len, parallel=None, kv=None, lora_impl="masked",
-             matmul_impl="xla"):
+             matmul_impl="xla", batch_invariant=False):
     """`_step` without its sampling: for a step whose bitmask is not known at launch."""
     return _logits(params, cache, batch, prompt, pooling, lora, cfg=cfg, attn_impl=attn_impl,
                    dtype=dtype, max_q_len=max_q_len, parallel=parallel, kv=kv,
-                   lora_impl=lora_impl, matmul_impl=matmul_impl)
+                   lora_impl=lora_impl, matmul_impl=matmul_impl,
+                   batch_invariant=batch_invariant)
 
 
-@functools.partial(jax.jit, static_argnames=("sample_width",), donate_argnames=("counts",))
-def _sample(logits, sampling, counts, bitmask, spec=None, *, sample_width=1):
-    """`_step`'s sampling (and verification) alone, after `_forward`."""
-    return _sampled(logits, sampling, counts, bitmask, spec, sample_width)
+@functools.partial(jax.jit, static_argnames=("sample_width", "batch_invariant"),
+                   donate_argnames=("counts",))
+def _sample(logits, sampling, counts, bitmask, spec=None, num_seqs=None, *, sample_width=1,
+            batch_invariant=False):
+    """`_step`'s sampling (and verification) alone, after `_forward`; `num_seqs` (the
+    step's real sequences) only in batch-invariant mode."""
+    return _sampled(logits, sampling, counts, bitmask, spec, sample_width,
+                    _sample_tiles(num_seqs, sample_width, batch_invariant))
 
 
 PROMPT_LOGPROB_ROWS = 128  # rows whose [rows, V] logits exist at once in a prompt-logprobs step
@@ -165,7 +189,8 @@ class ModelRunner:
                  executables: ExecutableCache | None = None, parallel=None,
                  kv_cache_dtype=None, kv_scales=None, kv: KVLayout | None = None,
                  host_slots: int = 0, pooling: bool = False, lora: SlotTable | None = None,
-                 lora_impl: str = "masked", matmul_impl: str = "xla"):
+                 lora_impl: str = "masked", matmul_impl: str = "xla",
+                 batch_invariant: bool = False):
         # parallel: an arcjax.parallel.TensorParallel (params already in its shardings,
         # cfg its sharded_config); the cache is created in its shards, inputs replicated.
         # kv_cache_dtype: the pages' dtype (None: dtype); float8_e4m3fn pages carry a K and
@@ -179,7 +204,10 @@ class ModelRunner:
         # implementation (`arcjax.model.lora_delta.IMPLS`, resolved); None: no adapters.
         # matmul_impl: how packed weights multiply (`arcjax.model.packed_matmul.IMPLS`,
         # resolved: the W4A16 kernel in decode-sized matmuls, or XLA).
+        # batch_invariant: each row computed alike whatever else its step holds (fixed row
+        # tiles, the xla attention's fixed blocks; the engine checks what it excludes).
         self.cfg, self.params, self.parallel = cfg, params, parallel
+        self.batch_invariant = batch_invariant
         self.kv = kv if kv is not None else kv_layout(cfg, hybrid=False)
         self.lora, self.lora_impl, self.matmul_impl = lora, lora_impl, matmul_impl
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -280,8 +308,10 @@ class ModelRunner:
         if exe is None:
             width = {} if variant == "forward" else {"sample_width": bucket.sample_width}
             if variant == "sample":  # depends on the position count and vocabulary only
-                key = ("sample", bucket.sample_width, self.parallel, input_signature(args))
-                lower = functools.partial(fn.lower, *args, **width)
+                key = ("sample", bucket.sample_width, self.parallel, self.batch_invariant,
+                       input_signature(args))
+                lower = functools.partial(fn.lower, *args, **width,
+                                          batch_invariant=self.batch_invariant)
             else:  # compiled with the implementation "auto" resolves to for this bucket
                 statics = self.step_statics(bucket)
                 key = (variant, *(statics[name] for name in _STATIC), bucket.sample_width,
@@ -294,11 +324,13 @@ class ModelRunner:
     def step_statics(self, bucket: Bucket) -> dict:
         """The static arguments `bucket`'s forward is compiled with (`_STATIC`): the model,
         the attention implementation ("auto" resolved), the dtype, the chunk bound, the mesh,
-        the KV layout, the LoRA delta's and the packed matmuls' implementations. A tool that traces a bucket's forward
-        again (arcjax/bench/step_replay.py) reads them here."""
+        the KV layout, the LoRA delta's and the packed matmuls' implementations, batch
+        invariance. A tool that traces a bucket's forward again
+        (arcjax/bench/step_replay.py) reads them here."""
         return dict(cfg=self.cfg, attn_impl=self._attention_impl(bucket), dtype=self.dtype,
                     max_q_len=bucket.max_q_len, parallel=self.parallel, kv=self.kv,
-                    lora_impl=self.lora_impl, matmul_impl=self.matmul_impl)
+                    lora_impl=self.lora_impl, matmul_impl=self.matmul_impl,
+                    batch_invariant=self.batch_invariant)
 
     def _attention_impl(self, bucket: Bucket) -> str:
         """The attention implementation of `bucket`'s steps: `attn_impl`, "auto" resolved
@@ -411,6 +443,8 @@ class ModelRunner:
         sampling, spec = self._replicated((step.sampling, step.spec))
         args = (forward.logits, sampling, self.counts.table,
                 self._device_bitmask(step.bucket, bitmask), spec)
+        if self.batch_invariant:  # the live positions' tiles: the real sequences' count
+            args += (self._replicated(step.batch.num_seqs),)
         exe = self._executable(step.bucket, "sample", args)
         tokens, yielded, logprobs, self.counts.table = exe(*args)
         handle.out = StepOutput(tokens, logprobs, forward.prompt_logprobs, num_yielded=yielded,

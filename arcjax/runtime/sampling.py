@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arcjax.model.row_tiles import RowTiles
 from arcjax.runtime.penalties import TokenTables, apply_bias, apply_penalties, count_sampled
 from arcjax.sampling_params import MAX_LOGPROBS
 
@@ -115,10 +116,25 @@ def empty_logprobs(rows: int, vocab: int) -> TokenLogprobs:
                          jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32))
 
 
-def logprobs_if(need: jax.Array, logits: jax.Array, tokens: jax.Array) -> TokenLogprobs:
-    """`token_logprobs` when `need` (a traced bool), else zeros (a greedy step skips it)."""
-    return jax.lax.cond(need, lambda: token_logprobs(logits, tokens),
-                        lambda: empty_logprobs(*logits.shape))
+def logprobs_if(need: jax.Array, logits: jax.Array, tokens: jax.Array,
+                rows: RowTiles | None = None) -> TokenLogprobs:
+    """`token_logprobs` when `need` (a traced bool), else zeros (a greedy step skips it);
+    over fixed row tiles with `rows` (batch-invariant mode)."""
+    def compute():
+        if rows is None:
+            return token_logprobs(logits, tokens)
+        return rows.map(token_logprobs, logits, tokens)
+
+    return jax.lax.cond(need, compute, lambda: empty_logprobs(*logits.shape))
+
+
+def sample_rows(logits: jax.Array, sp: SamplingBatch, rows: RowTiles | None) -> jax.Array:
+    """`sample`, or with `rows` (batch-invariant mode) `sample` of each row alone: its
+    optional stages (the filter's fast path or bisection, whether noise is drawn) then
+    follow the row, never its neighbours."""
+    if rows is None:
+        return sample(logits, sp)
+    return rows.with_tile(1).map(sample, logits, sp)
 
 
 _BISECT_STEPS = 40  # halvings of [-1, max prob]: the boundary to ~1e-12 of the top prob
@@ -238,11 +254,12 @@ def adjust_logits(logits: jax.Array, sp: SamplingBatch, tables: TokenTables,
 
 
 def sample_step(logits: jax.Array, sp: SamplingBatch, tables: TokenTables,
-                bitmask: jax.Array | None = None):
+                bitmask: jax.Array | None = None, rows: RowTiles | None = None):
     """The step's sampling. logits [S, V] float32; tables: the token tables (`penalties.py`,
     donated by the caller); bitmask: [S, ceil(V / 32)] int32, the tokens each row may sample
     (all ones for rows without structured outputs), or None (no row is constrained: known
-    when tracing).
+    when tracing); rows: None, or the live rows' fixed tiles (batch-invariant mode:
+    `sample_rows`, `logprobs_if`).
 
     Returns:
       (tokens [S] int32, TokenLogprobs of the sampled tokens (zeros unless some row asked),
@@ -251,7 +268,7 @@ def sample_step(logits: jax.Array, sp: SamplingBatch, tables: TokenTables,
     if bitmask is not None:
         logits = jax.lax.cond(jnp.any(sp.constrained),
                               lambda: apply_bitmask(logits, bitmask), lambda: logits)
-    tokens = sample(adjust_logits(logits, sp, tables), sp)
-    logprobs = logprobs_if(jnp.any(sp.logprobs), logits, tokens)
+    tokens = sample_rows(adjust_logits(logits, sp, tables), sp, rows)
+    logprobs = logprobs_if(jnp.any(sp.logprobs), logits, tokens, rows)
     counts = count_sampled(tables.counts, sp.slot, tokens, sp.penalized)
     return tokens, logprobs, dataclasses.replace(tables, counts=counts)

@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from arcjax.runtime.penalties import TokenTables, count_sampled
+from arcjax.model.row_tiles import RowTiles
 from arcjax.runtime.sampling import (SamplingBatch, TokenLogprobs, adjust_logits, apply_bitmask,
-                                     logprobs_if,
-                                     sample)
+                                     logprobs_if, sample_rows)
 
 
 @jax.tree_util.register_dataclass
@@ -95,7 +95,7 @@ def _draft_counts(spec: SpecInputs, width: int, vocab: int) -> jax.Array:
 
 
 def verify(logits: jax.Array, sp: SamplingBatch, spec: SpecInputs, tables: TokenTables,
-           width: int, bitmask: jax.Array | None = None
+           width: int, bitmask: jax.Array | None = None, rows: RowTiles | None = None
            ) -> tuple[jax.Array, jax.Array, TokenLogprobs, jax.Array]:
     """Samples every position and accepts each row's longest matching draft prefix.
 
@@ -107,6 +107,8 @@ def verify(logits: jax.Array, sp: SamplingBatch, spec: SpecInputs, tables: Token
       width: W (static).
       bitmask: [R, ceil(V / 32)] int32, the tokens each position may take (structured
         outputs: the grammar's state after the drafts before it; all ones elsewhere), or None.
+      rows: None, or the live positions' fixed tiles (batch-invariant mode): each position
+        sampled and its logprobs computed as a plain decode row's.
 
     Returns:
       (target tokens [R] int32, tokens each sequence yields [S] int32 (1 + accepted drafts;
@@ -119,11 +121,11 @@ def verify(logits: jax.Array, sp: SamplingBatch, spec: SpecInputs, tables: Token
         logits = jax.lax.cond(jnp.any(sp.constrained),
                               lambda: apply_bitmask(logits, bitmask), lambda: logits)
     adjusted = adjust_logits(logits, sp, tables, lambda: _draft_counts(spec, width, vocab))
-    tokens = sample(adjusted, sp)  # [R]
+    tokens = sample_rows(adjusted, sp, rows)  # [R]
     match = (spec.has_draft & (tokens == spec.next_draft)).reshape(-1, width)  # [S, W]
     accepted = jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)  # [S]
     yielded = jnp.arange(width)[None, :] <= accepted[:, None]  # [S, W]
-    logprobs = logprobs_if(jnp.any(sp.logprobs), logits, tokens)
+    logprobs = logprobs_if(jnp.any(sp.logprobs), logits, tokens, rows)
     counts = count_sampled(tables.counts, sp.slot, tokens, sp.penalized & yielded.reshape(-1))
     return (tokens, (accepted + 1).astype(jnp.int32), logprobs,
             dataclasses.replace(tables, counts=counts))

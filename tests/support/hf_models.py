@@ -199,13 +199,17 @@ def tiny_model_with_chat_template(template: str | None, arch: str = "LlamaForCau
 # The think block's markers, added to a test tokenizer as ordinary (non-special) tokens, as
 # Qwen3's and DeepSeek-R1's tokenizers have them.
 MARKER_TOKENS = ("<think>", "</think>")
+# harmony's (gpt-oss's) special tokens
+HARMONY_TOKENS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", "<|end|>",
+                  "<|call|>", "<|return|>")
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_reasoning_model(template: str, arch: str = "LlamaForCausalLM") -> str:
-    """`tiny_model_dir(arch)` with a byte-level BPE tokenizer whose last ids are
-    `MARKER_TOKENS` (within the model's 384), BOS added to text prompts, and `template` as
-    its chat template."""
+def tiny_reasoning_model(template: str, arch: str = "LlamaForCausalLM",
+                         markers: tuple[str, ...] = MARKER_TOKENS, special: bool = False) -> str:
+    """`tiny_model_dir(arch)` with a byte-level BPE tokenizer whose last ids are `markers`
+    (within the model's 384; special tokens with `special`), BOS added to text prompts,
+    and `template` as its chat template."""
     import json
     import os
     import shutil
@@ -220,11 +224,11 @@ def tiny_reasoning_model(template: str, arch: str = "LlamaForCausalLM") -> str:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=_COMMON["vocab_size"] - len(MARKER_TOKENS),
+        vocab_size=_COMMON["vocab_size"] - len(markers),
         special_tokens=["<pad>", "<s>", "</s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_TOKENIZER_TEXT], trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKER_TOKENS])
+    tok.add_tokens([AddedToken(t, special=special, normalized=False) for t in markers])
     assert tok.get_vocab_size() <= _COMMON["vocab_size"]  # the text holds fewer merges
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:

@@ -86,7 +86,8 @@ class OpenAIServingChat(OpenAIServing):
                                **parsed.template_kwargs)
 
     def _needs_special_tokens(self, parsed: ParsedRequest) -> bool:
-        """Whether the request's parsers read special tokens (which the text then keeps)."""
+        """Whether the request's parsers read special tokens (which the text then keeps, with
+        no spaces added around them)."""
         engine = self.llm.engine
         reasoning = engine.inputs.reasoning
         if reasoning is not None and reasoning.parser.needs_special_tokens:
@@ -132,8 +133,9 @@ class OpenAIServingChat(OpenAIServing):
                                           truncate_prompt_tokens is None)
         except RequestError as e:
             raise RequestError("messages", e.message, limit=e.limit) from None
-        if params.skip_special_tokens and self._needs_special_tokens(parsed):
-            params = dataclasses.replace(params, skip_special_tokens=False)
+        if self._needs_special_tokens(parsed):  # the markers as the model wrote them
+            params = dataclasses.replace(params, skip_special_tokens=False,
+                                         spaces_between_special_tokens=False)
         params = self.fill_max_tokens(parsed, params, prompt)
         ids = self._engine_check(prompt, params, parsed, "messages", lora)
         return ChatPrepared(dataclasses.replace(parsed, params=params), text, ids, lora)
