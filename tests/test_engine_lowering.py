@@ -16,7 +16,7 @@ import pytest
 
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import cache_specs, is_spec, param_specs
-from arcjax.runtime import runner
+from arcjax.runtime import step_program
 from arcjax.runtime.batching import empty_batch
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.penalties import TokenTables
@@ -65,7 +65,7 @@ def test_every_engine_bucket_lowers_with_a_gpu_kernel(bucket, impl):
     counts = _token_tables()
     bitmask = jax.ShapeDtypeStruct((bucket.seqs * bucket.sample_width,
                                     bitmask_words(CFG.vocab_size)), jnp.int32)
-    text = lowering.lower_for_cuda(runner._step.__wrapped__, params, cache, batch, sampling,
+    text = lowering.lower_for_cuda(step_program.step.__wrapped__, params, cache, batch, sampling,
                                    counts, bitmask, cfg=CFG, attn_impl=impl, dtype=dtype,
                                    max_q_len=bucket.max_q_len)
     assert lowering.triton_kernel_calls(text) >= 1, "attention did not lower to the kernel"
@@ -91,7 +91,7 @@ def test_verification_buckets_lower_with_drafts_and_masks(bucket):
     bitmask = jax.ShapeDtypeStruct((rows, bitmask_words(CFG.vocab_size)), jnp.int32)
     spec = SpecInputs(jax.ShapeDtypeStruct((rows,), jnp.int32),
                       jax.ShapeDtypeStruct((rows,), jnp.bool_))
-    text = lowering.lower_for_cuda(runner._step.__wrapped__, params, cache, batch, sampling,
+    text = lowering.lower_for_cuda(step_program.step.__wrapped__, params, cache, batch, sampling,
                                    counts, bitmask, None, spec, cfg=CFG, attn_impl="pallas_gpu",
                                    dtype=dtype, max_q_len=bucket.max_q_len,
                                    sample_width=bucket.sample_width)

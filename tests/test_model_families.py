@@ -212,7 +212,7 @@ def _avals(jaxpr):
 def test_large_vocabulary_logits_only_at_the_rows_that_need_them():
     """Gemma's 256k vocabulary: an engine step computes [S, V] logits at the sampled rows,
     and a step with prompt log-probabilities [128, V] at a time, never [T, V]."""
-    from arcjax.runtime import runner
+    from arcjax.runtime import step_program
     from arcjax.runtime.batching import empty_batch
     from arcjax.runtime.buckets import Bucket
     from arcjax.runtime.step_output import PromptTargets
@@ -233,7 +233,7 @@ def test_large_vocabulary_logits_only_at_the_rows_that_need_them():
     prompt = PromptTargets(np.zeros(8, np.int32), np.zeros(t, np.int32))
     every_row = dataclasses.replace(batch, logits_rows=np.arange(t, dtype=np.int32))
     for with_prompt in (None, prompt):  # a prompt-logprobs step reads every row (`prepare`)
-        step = functools.partial(runner._step, cfg=cfg, attn_impl="xla", dtype=jnp.float32,
+        step = functools.partial(step_program.step, cfg=cfg, attn_impl="xla", dtype=jnp.float32,
                                  max_q_len=t)
         jaxpr = jax.make_jaxpr(step)(params, cache, every_row if with_prompt else batch,
                                      sampling, counts, None, with_prompt)
@@ -241,7 +241,7 @@ def test_large_vocabulary_logits_only_at_the_rows_that_need_them():
         # rows of [rows, V] arrays, the tied embedding [H, V] and the count table aside
         widest = max(s[0] for s in shapes if len(s) == 2 and s[1] == vocab
                      and s[0] not in (cfg.hidden_size, 9))
-        assert widest == (runner.PROMPT_LOGPROB_ROWS if with_prompt else 8), shapes
+        assert widest == (step_program.PROMPT_LOGPROB_ROWS if with_prompt else 8), shapes
 
 
 def test_dense_forward_matches_transformers_past_the_window():

@@ -22,7 +22,7 @@ from arcjax.model import packed_matmul
 from arcjax.model.formats.hub import resolve_model
 from arcjax.model.formats.loader import load_model
 from arcjax.model.specs import cache_specs, is_spec
-from arcjax.runtime import runner
+from arcjax.runtime import step_program
 from arcjax.runtime.batching import empty_batch
 from arcjax.runtime.buckets import BucketSet
 from arcjax.runtime.penalties import TokenTables
@@ -86,7 +86,7 @@ def test_step_lowers_for_cuda_with_the_kernel_in_decode_buckets():
     for bucket, launches in ((decode, PROJECTIONS), (prefill, 0)):
         tables = (bucket.seqs + 1, cfg.vocab_size)
         text = lowering.lower_for_cuda(
-            runner._step.__wrapped__, params, cache,
+            step_program.step.__wrapped__, params, cache,
             _abstract(empty_batch(bucket, max_blocks=8, block_size=16, num_blocks=32)),
             _abstract(SamplingBatch.build([], bucket.seqs, bucket.seqs)),
             TokenTables(jax.ShapeDtypeStruct(tables, jnp.int32),

@@ -1,4 +1,5 @@
-"""Jitted model steps, one compiled executable per bucket.
+"""Jitted model steps, one compiled executable per bucket (the traced programs are
+`step_program.py`).
 
 1. `prepare(plan, sampling_rows)` packs the plan into a `PreparedStep` (`batching.py`): its
    bucket (`buckets.py`), the host arrays of the ragged batch, the per-row sampling inputs
@@ -15,7 +16,8 @@
    dispatches the step and returns a `StepHandle` (`step_handle.py`) at once (JAX dispatch
    is asynchronous) and starts the tokens' copy to the host; the next step's
    `launch(step, feed=TokenFeed(handle, ...))` takes the tokens this one samples straight
-   from the device into its input ids (`_feed`: no host round trip on the critical path);
+   from the device into its input ids (`step_program.feed`: no host round trip on the
+   critical path);
    `collect(handle)` waits for the tokens on the host. A step whose bitmask is not known
    at launch runs in two parts: `launch_forward(step)` (the handle holds a
    `ForwardResult`), then `launch_sampling(handle, step, bitmask)`.
@@ -43,7 +45,6 @@ import numpy as np
 from arcjax.lora.slot_table import SlotTable, token_slots
 from arcjax.model import decoder
 from arcjax.model.kv_layout import KVLayout, kv_layout
-from arcjax.model.row_tiles import RowTiles
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import make_cache
 from arcjax.runtime.batching import PreparedStep, prepare_step, warmup_step
@@ -51,135 +52,12 @@ from arcjax.runtime.buckets import Bucket, BucketSet
 from arcjax.runtime.executable_cache import ExecutableCache, input_signature
 from arcjax.runtime.kv_tiers import HostKVPool
 from arcjax.runtime.penalties import TokenCounts
-from arcjax.runtime.pooling_inputs import pool_rows
-from arcjax.runtime.sampling import TokenLogprobs, bitmask_words, sample_step, token_logprobs
+from arcjax.runtime.sampling import bitmask_words
 from arcjax.runtime.step_handle import CompletionWatcher, ForwardResult, StepHandle, TokenFeed
+from arcjax.runtime import step_program
 from arcjax.runtime.step_output import StepOutput
-from arcjax.runtime import verification
 
 log = logging.getLogger(__name__)
-
-_STATIC = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel", "kv", "lora_impl",
-           "matmul_impl", "batch_invariant")
-
-
-def _logits(params, cache, batch, prompt, pooling, lora, *, cfg, attn_impl, dtype, max_q_len,
-            parallel, kv, lora_impl, matmul_impl, batch_invariant):
-    """The forward: (logits [R, V] at the sampled positions, prompt logprobs or None, pooled
-    sums [S, H] or None, the cache, tokens per expert [L, E] or None). `lora`: the adapters'
-    `LoRAWeights`, or None. `batch_invariant`: fixed row tiles (`decoder.forward_with_stats`)."""
-    every_row = prompt is not None or pooling is not None
-    out, cache, expert_counts = decoder.forward_with_stats(
-        params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
-        parallel=parallel, head=not every_row, kv=kv, lora=lora, lora_impl=lora_impl,
-        matmul_impl=matmul_impl, batch_invariant=batch_invariant)
-    if not every_row:  # [R, V] at `batch.logits_rows`
-        return out, None, None, cache, expert_counts
-    # hidden states at every token row [T, H]; sampling reads its rows
-    sample_rows = (prompt if prompt is not None else pooling).sample_rows
-    head = functools.partial(decoder.lm_head, params, cfg, parallel=parallel,
-                             matmul_impl=matmul_impl)
-    if prompt is None:
-        prompt_lp = None
-    elif batch_invariant:
-        prompt_lp = decoder.token_rows(batch).map(lambda h, t: token_logprobs(head(h), t), out,
-                                                  prompt.targets)
-    else:
-        prompt_lp = _prompt_logprobs(params, cfg, out, prompt.targets, parallel)
-    pooled = (None if pooling is None
-              else pool_rows(params, cfg, out, pooling, batch.kv_lens.shape[0]))
-    hidden = out[sample_rows]
-    logits = (decoder.head_rows(batch, hidden.shape[0]).map(head, hidden) if batch_invariant
-              else head(hidden))
-    return logits, prompt_lp, pooled, cache, expert_counts
-
-
-def _sampled(logits, sampling, counts, bitmask, spec, sample_width, rows=None):
-    """(tokens [R], tokens each sequence yields [S] or None, logprobs, count table).
-    `rows`: the live positions' fixed tiles (batch-invariant mode), or None."""
-    if spec is None:
-        tokens, logprobs, counts = sample_step(logits, sampling, counts, bitmask, rows)
-        return tokens, None, logprobs, counts
-    return verification.verify(logits, sampling, spec, counts, sample_width, bitmask, rows)
-
-
-def _sample_tiles(num_seqs, sample_width: int, batch_invariant: bool) -> RowTiles | None:
-    """The sampled positions' fixed tiles in batch-invariant mode (the real sequences'
-    positions live), else None."""
-    return RowTiles(num_seqs * sample_width) if batch_invariant else None
-
-
-@functools.partial(jax.jit, static_argnames=(*_STATIC, "sample_width"),
-                   donate_argnames=("cache", "counts"))
-def _step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None,
-          pooling=None, lora=None, *, cfg, attn_impl, dtype, max_q_len, parallel=None, kv=None,
-          sample_width=1, lora_impl="masked", matmul_impl="xla", batch_invariant=False):
-    # cfg/attn_impl/dtype/max_q_len/parallel/kv/sample_width/lora_impl/matmul_impl are
-    # static: one
-    # executable per bucket, no recompiles from the traced metadata (num_seqs, kv_lens,
-    # ...). `prompt` (prompt logprobs) is None or not: at most a second executable per
-    # bucket, built on demand; so is `pooling` (a step with pooling rows: the pooled sums
-    # of their hidden states). `spec` (draft tokens to verify) is set exactly in buckets of
-    # sample_width > 1. `bitmask` [R, ceil(V / 32)] int32 is always an input (all ones for
-    # unconstrained rows): structured outputs need no other executable. `lora` (LoRA
-    # adapters' slots and each token's slot) is None, or an input of every step: adapters
-    # change no executable. `batch_invariant`: every row computed alike whatever else the
-    # step holds (fixed row tiles; docs/design/batch-invariance.md).
-    logits, prompt_lp, pooled, cache, experts = _logits(
-        params, cache, batch, prompt, pooling, lora, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
-        max_q_len=max_q_len, parallel=parallel, kv=kv, lora_impl=lora_impl,
-        matmul_impl=matmul_impl, batch_invariant=batch_invariant)
-    tokens, yielded, logprobs, counts = _sampled(
-        logits, sampling, counts, bitmask, spec, sample_width,
-        _sample_tiles(batch.num_seqs, sample_width, batch_invariant))
-    return (StepOutput(tokens, logprobs, prompt_lp, num_yielded=yielded,
-                       expert_counts=experts, pooled=pooled), cache, counts)
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("cache",))
-def _forward(params, cache, batch, prompt=None, pooling=None, lora=None, *, cfg, attn_impl,
-             dtype, max_q_len, parallel=None, kv=None, lora_impl="masked",
-             matmul_impl="xla", batch_invariant=False):
-    """`_step` without its sampling: for a step whose bitmask is not known at launch."""
-    return _logits(params, cache, batch, prompt, pooling, lora, cfg=cfg, attn_impl=attn_impl,
-                   dtype=dtype, max_q_len=max_q_len, parallel=parallel, kv=kv,
-                   lora_impl=lora_impl, matmul_impl=matmul_impl,
-                   batch_invariant=batch_invariant)
-
-
-@functools.partial(jax.jit, static_argnames=("sample_width", "batch_invariant"),
-                   donate_argnames=("counts",))
-def _sample(logits, sampling, counts, bitmask, spec=None, num_seqs=None, *, sample_width=1,
-            batch_invariant=False):
-    """`_step`'s sampling (and verification) alone, after `_forward`; `num_seqs` (the
-    step's real sequences) only in batch-invariant mode."""
-    return _sampled(logits, sampling, counts, bitmask, spec, sample_width,
-                    _sample_tiles(num_seqs, sample_width, batch_invariant))
-
-
-PROMPT_LOGPROB_ROWS = 128  # rows whose [rows, V] logits exist at once in a prompt-logprobs step
-
-
-def _prompt_logprobs(params, cfg: ModelConfig, hidden, targets, parallel) -> TokenLogprobs:
-    """Log-probabilities of `targets` [T] after each row of `hidden` [T, H], a block of
-    PROMPT_LOGPROB_ROWS rows at a time: never [T, V] logits at once (a 256k vocabulary at
-    T = 2048 would be 2 GiB of float32)."""
-    t = hidden.shape[0]
-    rows = min(PROMPT_LOGPROB_ROWS, t)
-    pad = -t % rows
-    h = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, rows, hidden.shape[-1])
-    ids = jnp.pad(targets, (0, pad)).reshape(-1, rows)
-    out = jax.lax.map(lambda x: token_logprobs(decoder.lm_head(params, cfg, x[0], parallel),
-                                               x[1]), (h, ids))
-    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[:t], out)
-
-
-@jax.jit
-def _feed(token_ids, prev_tokens, rows, positions):
-    """Input ids [T] with row t replaced by `prev_tokens[positions[t]]` wherever rows[t]
-    (prev_tokens: [R], the previous step's sampled positions; see `TokenFeed`)."""
-    return jnp.where(rows, prev_tokens[positions], token_ids)
-
 
 class ModelRunner:
     """Owns params and the paged KV cache; runs one bucket-shaped step at a time."""
@@ -303,7 +181,8 @@ class ModelRunner:
         """The compiled `variant` ("step", "forward" or "sample") of `bucket` for `args`
         (its positional inputs; `every_row`: a step with prompt_logprobs rows, with
         pooling rows)."""
-        fn = {"step": _step, "forward": _forward, "sample": _sample}[variant]
+        fn = {"step": step_program.step, "forward": step_program.forward,
+              "sample": step_program.sample}[variant]
         exe = self._compiled.get((bucket, variant, every_row))
         if exe is None:
             width = {} if variant == "forward" else {"sample_width": bucket.sample_width}
@@ -314,19 +193,19 @@ class ModelRunner:
                                           batch_invariant=self.batch_invariant)
             else:  # compiled with the implementation "auto" resolves to for this bucket
                 statics = self.step_statics(bucket)
-                key = (variant, *(statics[name] for name in _STATIC), bucket.sample_width,
-                       input_signature(args))
+                key = (variant, *(statics[name] for name in step_program.STATIC_ARGS),
+                       bucket.sample_width, input_signature(args))
                 lower = functools.partial(fn.lower, *args, **statics, **width)
             exe = self.executables.get_or_compile(key, lambda: lower().compile())
             self._compiled[(bucket, variant, every_row)] = exe
         return exe
 
     def step_statics(self, bucket: Bucket) -> dict:
-        """The static arguments `bucket`'s forward is compiled with (`_STATIC`): the model,
-        the attention implementation ("auto" resolved), the dtype, the chunk bound, the mesh,
-        the KV layout, the LoRA delta's and the packed matmuls' implementations, batch
-        invariance. A tool that traces a bucket's forward again
-        (arcjax/bench/step_replay.py) reads them here."""
+        """The static arguments `bucket`'s forward is compiled with
+        (`step_program.STATIC_ARGS`): the model, the attention implementation ("auto"
+        resolved), the dtype, the chunk bound, the mesh, the KV layout, the LoRA delta's and
+        the packed matmuls' implementations, batch invariance. A tool that traces a bucket's
+        forward again (arcjax/bench/step_replay.py) reads them here."""
         return dict(cfg=self.cfg, attn_impl=self._attention_impl(bucket), dtype=self.dtype,
                     max_q_len=bucket.max_q_len, parallel=self.parallel, kv=self.kv,
                     lora_impl=self.lora_impl, matmul_impl=self.matmul_impl,
@@ -380,7 +259,7 @@ class ModelRunner:
         batch, prompt, pooling = self._replicated((step.batch, step.prompt, step.pooling))
         if feed is not None:
             rows, positions = self._replicated((feed.rows, feed.positions))
-            batch = dataclasses.replace(batch, token_ids=_feed(
+            batch = dataclasses.replace(batch, token_ids=step_program.feed(
                 batch.token_ids, feed.source.out.tokens, rows, positions))
         return batch, prompt, pooling
 
