@@ -29,6 +29,22 @@ PROMPT_FORMS = ("must be a string, a list of strings, a list of token ids or a l
                 "token ids (non-empty)")
 
 
+def prompt_forms(v) -> tuple:
+    """A prompt field's value (a completion's `prompt`, an embedding's `input`) as a tuple of
+    prompts, each text or a tuple of token ids; ValueError(PROMPT_FORMS) for any other form."""
+    if v is None:
+        raise ValueError("is required")
+    if isinstance(v, str):
+        return (v,)
+    if not v:
+        raise ValueError(PROMPT_FORMS)
+    if isinstance(v[0], int):
+        return (tuple(v),)
+    if any(isinstance(p, list) and not p for p in v):
+        raise ValueError(PROMPT_FORMS)
+    return tuple(p if isinstance(p, str) else tuple(p) for p in v)
+
+
 class ProtocolError(RequestError):
     """A request body the server refuses (field: the request's own field name)."""
 
@@ -262,18 +278,7 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v):
-        """The prompts, each text or a tuple of token ids."""
-        if v is None:
-            raise ValueError("is required")
-        if isinstance(v, str):
-            return (v,)
-        if not v:
-            raise ValueError(PROMPT_FORMS)
-        if isinstance(v[0], int):
-            return (tuple(v),)
-        if any(isinstance(p, list) and not p for p in v):
-            raise ValueError(PROMPT_FORMS)
-        return tuple(p if isinstance(p, str) else tuple(p) for p in v)
+        return prompt_forms(v)
 
     @field_validator("logprobs")
     @classmethod

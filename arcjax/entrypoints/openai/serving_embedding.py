@@ -28,7 +28,7 @@ from pydantic import Field, field_validator
 
 from arcjax.entrypoints.openai.http_server import HTTPError, close_outputs, until_disconnect
 from arcjax.entrypoints.openai.protocol import (PROMPT_FORMS, OpenAIBaseModel, ProtocolError,
-                                                parse_body)
+                                                parse_body, prompt_forms)
 from arcjax.entrypoints.openai.serving_engine import OpenAIServingBase
 from arcjax.errors import RequestError
 from arcjax.outputs import PoolingRequestOutput
@@ -51,18 +51,7 @@ class EmbeddingRequest(OpenAIBaseModel):
     @field_validator("input")
     @classmethod
     def _input(cls, v):
-        """The inputs, each text or a tuple of token ids."""
-        if v is None:
-            raise ValueError("is required")
-        if isinstance(v, str):
-            return (v,)
-        if not v:
-            raise ValueError(PROMPT_FORMS)
-        if isinstance(v[0], int):
-            return (tuple(v),)
-        if any(isinstance(p, list) and not p for p in v):
-            raise ValueError(PROMPT_FORMS)
-        return tuple(p if isinstance(p, str) else tuple(p) for p in v)
+        return prompt_forms(v)
 
 
 def parse_embedding(raw: bytes) -> EmbeddingRequest:
