@@ -122,8 +122,6 @@ def test_the_mode_is_a_checked_option_and_a_server_flag():
     from arcjax.entrypoints.cli import parse_serve
 
     for options, field in ((dict(batch_invariant="yes"), "batch_invariant"),
-                           (dict(batch_invariant=True, attention_impl="pallas_gpu"),
-                            "attention_impl"),
                            (dict(batch_invariant=True, packed_matmul_impl="w4a16"),
                             "packed_matmul_impl"),
                            (dict(batch_invariant=True, enable_lora=True), "enable_lora"),
@@ -139,6 +137,8 @@ def test_the_mode_is_a_checked_option_and_a_server_flag():
     assert e.value.field == "batch_invariant"
     config = EngineConfig.from_options(None, batch_invariant=True)
     assert config.step_attention_impl == "xla"
+    config = EngineConfig.from_options(None, batch_invariant=True, attention_impl="triton")
+    assert config.step_attention_impl == "triton"  # the kernel's batch-invariant plan
     assert EngineConfig.from_options(None).step_attention_impl == "auto"
     assert parse_serve(["serve", "--batch-invariant"]).engine_options == {
         "batch_invariant": True}

@@ -155,9 +155,10 @@ class EngineConfig:
       batch_invariant: every request's logprobs bitwise the same whatever else the engine
         runs beside it, however its prompt is chunked, whatever the prefix cache held and
         whether its drafts are verified (docs/design/batch-invariance.md): every row-wise
-        operation runs over fixed row tiles and attention on the xla path's fixed query
-        tiles and position-aligned key blocks. attention_impl and packed_matmul_impl "auto"
-        then mean "xla" (the GPU kernels refuse it); not with enable_lora or a mesh (tensor_parallel_size or
+        operation runs over fixed row tiles and attention over fixed query tiles and
+        position-aligned key blocks (the xla path's, or the GPU kernels' batch-invariant
+        plan when attention_impl names one). attention_impl and packed_matmul_impl "auto"
+        then mean "xla"; not with enable_lora or a mesh (tensor_parallel_size or
         expert_parallel_size > 1).
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
@@ -313,10 +314,6 @@ class EngineConfig:
             raise EngineConfigError("packed_matmul_impl", f"batch_invariant runs XLA's "
                                     f"products (the W4A16 kernel's tiles are not fixed), got "
                                     f"{self.packed_matmul_impl!r}")
-        if self.attention_impl not in ("auto", "xla"):
-            raise EngineConfigError("attention_impl", f"batch_invariant is built on the xla "
-                                    f"attention path only (the GPU kernels' tiles follow the "
-                                    f"batch), got {self.attention_impl!r}")
         for name, on in (("enable_lora", self.enable_lora),
                          ("tensor_parallel_size", self.tensor_parallel_size > 1),
                          ("expert_parallel_size", self.expert_parallel_size > 1)):
@@ -325,9 +322,11 @@ class EngineConfig:
 
     @property
     def step_attention_impl(self) -> str:
-        """The attention implementation the steps run: "xla" in batch-invariant mode,
-        else `attention_impl`."""
-        return "xla" if self.batch_invariant else self.attention_impl
+        """The attention implementation the steps run: `attention_impl`, "auto" meaning
+        "xla" in batch-invariant mode (the GPU kernels' mode has had no GPU run yet)."""
+        if self.batch_invariant and self.attention_impl == "auto":
+            return "xla"
+        return self.attention_impl
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA options as one `LoRAConfig`, or None without enable_lora."""
