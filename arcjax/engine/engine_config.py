@@ -297,14 +297,6 @@ class EngineConfig:
             raise EngineConfigError("enable_lora", f"must be a bool, got {self.enable_lora!r}")
         if self.enable_lora:
             self.lora_config()  # its fields checked now
-            # n-gram drafts are verified with each row's adapter; a draft model is not tested
-            if spec is not None and spec.method != "ngram":
-                raise EngineConfigError("speculative_config", "a draft model is not "
-                                        "supported with enable_lora yet (method 'ngram' is)")
-            for name, on in (("tensor_parallel_size", self.tensor_parallel_size > 1),
-                             ("expert_parallel_size", self.expert_parallel_size > 1)):
-                if on:
-                    raise EngineConfigError(name, "not supported with enable_lora yet")
             if _joined_processes() > 1:
                 raise EngineConfigError("enable_lora", "not supported across several "
                                         "processes yet")
