@@ -193,9 +193,10 @@ def test_mxfp4_gpt_oss_stays_packed_and_equals_transformers_and_the_decoded_engi
     """A random gpt-oss written in the published MXFP4 layout loads with its experts MXFP4
     on the device (uint8 blocks and scales, 4.25 bits per weight), and gives transformers'
     greedy tokens and prompt logprobs on the decoded twin, for a prompt past the sliding
-    window; `quantization="dequantize"` decodes at load (the experts in the compute dtype,
-    equal to the step's decoding) and gives the same tokens and logprobs; the trace summary
-    names the experts' storage; another quantization is refused."""
+    window, and again from the prefix cache; `quantization="dequantize"` decodes at load
+    (the experts in the compute dtype, equal to the step's decoding) and gives the same
+    tokens and logprobs; the trace summary names the experts' storage; another
+    quantization is refused."""
     import jax.numpy as jnp
 
     from arcjax import LLM, SamplingParams
@@ -225,6 +226,9 @@ def test_mxfp4_gpt_oss_stays_packed_and_equals_transformers_and_the_decoded_engi
     assert max(abs(out.prompt_logprobs[p][prompt[p]].logprob - ref[p - 1, prompt[p]])
                for p in range(1, len(prompt))) < 1e-4
     assert llm.trace_summary(1.0)["expert_weight_dtype"] == "mxfp4"
+    cached = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    assert cached.token_ids == out.token_ids and cached.num_cached_tokens > 0  # prefix cache
 
     dq = LLM(packed, quantization="dequantize", **ENGINE)
     layers = dq.engine.runner.params["layers"]

@@ -70,8 +70,8 @@ class EngineConfig:
         default model.
       revision: a Hub id's branch, tag or commit (None = "main"); ignored for local paths.
       quantization: None = the checkpoint's weights as stored (FP8/INT8 checkpoints stay
-        quantized; AWQ, GPTQ and compressed-tensors pack-quantized checkpoints and GGUF
-        files stay packed); "fp8" (e4m3, per-channel scales) or "int8" (per-channel)
+        quantized; AWQ, GPTQ and compressed-tensors pack-quantized checkpoints, GGUF
+        files and gpt-oss's MXFP4 experts stay packed); "fp8" (e4m3, per-channel scales) or "int8" (per-channel)
         quantizes a float checkpoint (or a GGUF file, dequantized first) at load;
         "dequantize" stores every weight in the compute dtype (the comparison baseline).
         Weights stay quantized or packed on the device; the step dequantizes them inside
