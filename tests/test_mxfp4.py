@@ -125,20 +125,28 @@ K = 2  # prompt logprobs per position
 
 def test_device_decode_equals_the_load_decode_bit_for_bit():
     """`Mxfp4Weight.dequantize` (jax, in the step) equals `mxfp4.decode` (numpy, at load)
-    for every code and the scale bytes whose products are normal float32 values; shapes, one
-    (layer, expert) read through `dense_at`, and the specs' axes."""
+    and `ldexp` of the FP4 table for every code and scale byte (subnormal and infinite
+    products too); shapes, one (layer, expert) read through `dense_at`, the specs' axes."""
     import jax.numpy as jnp
 
-    from arcjax.model.mxfp4_weight import Mxfp4Weight
+    from arcjax.model.mxfp4_weight import FP4_VALUES, Mxfp4Weight
     from arcjax.model.quant import dense, dense_at, weight_axes
 
     rng = np.random.default_rng(2)
     blocks = rng.integers(0, 256, size=(2, 3, 40, 4, 16), dtype=np.uint8)  # [L, E, out, G, 16]
-    scales = rng.integers(2, 252, size=(2, 3, 40, 4), dtype=np.uint8)  # 6 * 2**124 at most
+    scales = rng.integers(0, 255, size=(2, 3, 40, 4), dtype=np.uint8)  # 0xFF is NaN
+    scales[0, 0, :, 0] = np.arange(40)  # the bytes whose products are subnormal
     w = Mxfp4Weight(jnp.asarray(blocks), jnp.asarray(scales))
     assert w.shape == (2, 3, 128, 40) and w.dtype == "mxfp4"
-    want = np.swapaxes(mxfp4.decode(blocks, scales), -1, -2)  # [L, E, in, out] float32
-    np.testing.assert_array_equal(np.asarray(dense(w, jnp.float32)), want)
+    lut = np.asarray(FP4_VALUES, np.float32)
+    with np.errstate(over="ignore"):
+        want = np.ldexp(lut[mxfp4.codes(blocks)].reshape(2, 3, 40, 4, 32),
+                        mxfp4.exponents(scales)[..., None]).reshape(2, 3, 40, 128)
+    np.testing.assert_array_equal(mxfp4.decode(blocks, scales), want)
+    want = np.swapaxes(want, -1, -2)  # [L, E, in, out] float32
+    got = np.asarray(dense(w, jnp.float32))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.isinf(want).any() and (np.abs(want[want != 0]) < 2.0 ** -126).any()
     one = np.asarray(dense_at(w, (1, 2), jnp.bfloat16)).astype(np.float32)
     np.testing.assert_array_equal(one, want[1, 2].astype(jnp.bfloat16).astype(np.float32))
     axes = ("layers", "expert", "moe_mlp", "embed")  # we_down's [L, E, I, H]
@@ -185,9 +193,10 @@ def test_mxfp4_gpt_oss_stays_packed_and_equals_transformers_and_the_decoded_engi
     """A random gpt-oss written in the published MXFP4 layout loads with its experts MXFP4
     on the device (uint8 blocks and scales, 4.25 bits per weight), and gives transformers'
     greedy tokens and prompt logprobs on the decoded twin, for a prompt past the sliding
-    window; `quantization="dequantize"` decodes at load (the experts in the compute dtype,
-    equal to the step's decoding) and gives the same tokens and logprobs; the trace summary
-    names the experts' storage; another quantization is refused."""
+    window, and again from the prefix cache; `quantization="dequantize"` decodes at load
+    (the experts in the compute dtype, equal to the step's decoding) and gives the same
+    tokens and logprobs; the trace summary names the experts' storage; another
+    quantization is refused."""
     import jax.numpy as jnp
 
     from arcjax import LLM, SamplingParams
@@ -217,6 +226,9 @@ def test_mxfp4_gpt_oss_stays_packed_and_equals_transformers_and_the_decoded_engi
     assert max(abs(out.prompt_logprobs[p][prompt[p]].logprob - ref[p - 1, prompt[p]])
                for p in range(1, len(prompt))) < 1e-4
     assert llm.trace_summary(1.0)["expert_weight_dtype"] == "mxfp4"
+    cached = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0,
+                                                   ignore_eos=True), use_tqdm=False)[0]
+    assert cached.token_ids == out.token_ids and cached.num_cached_tokens > 0  # prefix cache
 
     dq = LLM(packed, quantization="dequantize", **ENGINE)
     layers = dq.engine.runner.params["layers"]

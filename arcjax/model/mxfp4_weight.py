@@ -14,11 +14,10 @@ store it, per output row and block of BLOCK = 32 input values:
 decoding: `arcjax.model.formats.mxfp4.decode` runs it with numpy at load (transformers'
 `convert_moe_packed_tensors`, bit-exact), `dequantize` with jax.numpy inside the jitted
 step, where `quant.dense_at` reads one (layer, expert)'s matrix inside the grouped GEMMs.
-Every product is an FP4 value times a power of two, exact in float32 and in bfloat16.
-
-NOTE: XLA:CPU flushes float32 subnormals to zero, so a value below 2**-126 (scale bytes
-0 and 1 only) decodes to 0 in the step where numpy keeps the subnormal; XLA:CPU's matmul
-reads subnormal operands as zero too, so the products agree.
+Every product is an FP4 value times a power of two, exact in float32 (and in bfloat16);
+`block_values` writes its float32 bits from the code and scale fields with integer
+operations, elementwise (XLA fuses them into the GEMM's operand; a table gather and
+`ldexp` cost the CPU step ten times more), and identical under numpy and XLA.
 
 It is a pytree (both arrays are leaves), so layer stacks shard and donate like arrays;
 it answers `PackedWeight`'s protocol (`shape`, `dtype`, `map_arrays`, `dequantize`,
@@ -50,11 +49,24 @@ def unpack_codes(blocks, xp=np):
 
 def block_values(blocks, scales, xp=np):
     """float32 [..., G * 32]: the values of `blocks` [..., G, 16] scaled by their e8m0
-    `scales` [..., G] (`xp`: numpy or jax.numpy)."""
-    lut = xp.asarray(FP4_VALUES, dtype=xp.float32)
-    values = lut[unpack_codes(blocks, xp).astype(xp.int32)]  # [..., G, 32]
-    exponents = scales.astype(xp.int32) - E8M0_BIAS  # [..., G]
-    return xp.ldexp(values, exponents[..., None]).reshape(*blocks.shape[:-2], -1)
+    `scales` [..., G] (`xp`: numpy or jax.numpy): `FP4_VALUES[code] * 2 ** (scale - 127)`,
+    the float32 bits built from the fields in integers (no table gather, no float
+    arithmetic, so no flushing: subnormal and infinite products come out as `ldexp`
+    gives them)."""
+    c = unpack_codes(blocks, xp).astype(xp.uint32)  # [..., G, 32]
+    s = scales.astype(xp.int32)[..., None]  # [..., G, 1]
+    e, m = ((c >> 1) & 3).astype(xp.int32), c & 1  # e2m1: exponent field, mantissa bit
+    # (1 + m / 2) * 2**(e - 1) for e > 0, and 0.5 (e = 0, m = 1) is 1.0 * 2**-1: the
+    # product's float32 exponent field is s + e - 1 either way
+    field = s + e - 1
+    mant = xp.where(e > 0, m, 0).astype(xp.uint32) << 22
+    normal = (xp.clip(field, 0, 255).astype(xp.uint32) << 23) | mant
+    shift = xp.clip(1 - field, 0, 31).astype(xp.uint32)  # field <= 0: a subnormal
+    magnitude = xp.where(field >= 255, xp.uint32(0x7F800000), xp.where(
+        field > 0, normal, ((xp.uint32(1) << 23) | mant) >> shift))
+    magnitude = xp.where((e == 0) & (m == 0), xp.uint32(0), magnitude)
+    bits = ((c >> 3) << 31) | magnitude
+    return bits.view(xp.float32).reshape(*blocks.shape[:-2], -1)
 
 
 @jax.tree_util.register_dataclass

@@ -111,10 +111,12 @@ def packed_experts(cfg: ModelConfig, read, where) -> dict[str, dict[str, Mxfp4We
 
         keys = [k for k in ("we_gate", "we_up", "we_down")
                 if k in specs and layer_blocks(base_part(k, 0)[0]) is not None]
-        arrays = {k: (np.empty((*specs[k].shape[:2], specs[k].shape[3],
-                                -(-specs[k].shape[2] // BLOCK), BLOCK // 2), np.uint8),
-                      np.empty((*specs[k].shape[:2], specs[k].shape[3],
-                                -(-specs[k].shape[2] // BLOCK)), np.uint8)) for k in keys}
+        arrays = {}  # weight -> (blocks [L, E, out, G, 16], scales [L, E, out, G])
+        for k in keys:
+            num_layers, num_experts, rows, cols = specs[k].shape  # [L, E, in, out]
+            scales_shape = (num_layers, num_experts, cols, -(-rows // BLOCK))
+            arrays[k] = (np.empty((*scales_shape, BLOCK // 2), np.uint8),
+                         np.empty(scales_shape, np.uint8))
         for i in range(specs[keys[0]].shape[0] if keys else 0):
             for key in keys:
                 base, part = base_part(key, i)
