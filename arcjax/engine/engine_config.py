@@ -70,8 +70,8 @@ class EngineConfig:
         default model.
       revision: a Hub id's branch, tag or commit (None = "main"); ignored for local paths.
       quantization: None = the checkpoint's weights as stored (FP8/INT8 checkpoints stay
-        quantized; AWQ, GPTQ and compressed-tensors pack-quantized checkpoints and GGUF
-        files stay packed); "fp8" (e4m3, per-channel scales) or "int8" (per-channel)
+        quantized; AWQ, GPTQ and compressed-tensors pack-quantized checkpoints, GGUF
+        files and gpt-oss's MXFP4 experts stay packed); "fp8" (e4m3, per-channel scales) or "int8" (per-channel)
         quantizes a float checkpoint (or a GGUF file, dequantized first) at load;
         "dequantize" stores every weight in the compute dtype (the comparison baseline).
         Weights stay quantized or packed on the device; the step dequantizes them inside
@@ -297,14 +297,6 @@ class EngineConfig:
             raise EngineConfigError("enable_lora", f"must be a bool, got {self.enable_lora!r}")
         if self.enable_lora:
             self.lora_config()  # its fields checked now
-            # n-gram drafts are verified with each row's adapter; a draft model is not tested
-            if spec is not None and spec.method != "ngram":
-                raise EngineConfigError("speculative_config", "a draft model is not "
-                                        "supported with enable_lora yet (method 'ngram' is)")
-            for name, on in (("tensor_parallel_size", self.tensor_parallel_size > 1),
-                             ("expert_parallel_size", self.expert_parallel_size > 1)):
-                if on:
-                    raise EngineConfigError(name, "not supported with enable_lora yet")
             if _joined_processes() > 1:
                 raise EngineConfigError("enable_lora", "not supported across several "
                                         "processes yet")

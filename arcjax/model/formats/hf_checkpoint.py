@@ -117,19 +117,21 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
     return cfg, params
 
 
-def hf_host(model_dir: str | os.PathLike, dtype) -> HostModel:
+def hf_host(model_dir: str | os.PathLike, dtype, mxfp4_packed: bool = False) -> HostModel:
     """The whole checkpoint in host memory, in the params' dtype (gpt-oss: its fused experts,
-    MXFP4 ones decoded, `fused_experts`), for the loader to place on one device or in shards.
+    `fused_experts`), for the loader to place on one device or in shards. MXFP4 experts
+    stay as stored (`Mxfp4Weight`s: `fused_experts.packed_experts`) with `mxfp4_packed`,
+    else they are decoded into the params' dtype.
 
     Raises:
       ModelConfigError, WeightsError: as `load_hf`.
     """
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
-    return HostModel(cfg, _assemble(model_dir, cfg, dtype))
+    return HostModel(cfg, _assemble(model_dir, cfg, dtype, mxfp4_packed))
 
 
-def _assemble(model_dir: Path, cfg: ModelConfig, dtype) -> Params:
+def _assemble(model_dir: Path, cfg: ModelConfig, dtype, mxfp4_packed: bool = False) -> Params:
     """The params tree in host memory (`hf_layout.assemble_host` over the checkpoint)."""
     tensors = _open_checkpoint(model_dir)
 
@@ -139,10 +141,19 @@ def _assemble(model_dir: Path, cfg: ModelConfig, dtype) -> Params:
         file, handle = tensors[name]
         return _read_tensor(file, handle, name)
 
+    def where(name: str):
+        return tensors[name][0] if name in tensors else model_dir
+
+    packed = {}
     if cfg.architecture == fused_experts.ARCHITECTURE:
+        if mxfp4_packed:
+            packed = fused_experts.packed_experts(cfg, read, where)
         read = fused_experts.reader(read)
-    return assemble_host(cfg, read, dtype,
-                         lambda name: tensors[name][0] if name in tensors else model_dir)
+    skip = tuple(k for stack in packed.values() for k in stack)
+    host = assemble_host(cfg, read, dtype, where, skip=skip)
+    for stack, weights in packed.items():
+        host[stack].update(weights)
+    return host
 
 
 def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, shardings, repeat: int):
