@@ -22,8 +22,8 @@ import pytest
 
 from arcjax import LLM, SamplingParams
 from support.device_caches import device_cache
-from support.hf_models import (GPT_OSS, NEW_ARCHS, WINDOW, hf_greedy, hf_logits,
-                               tiny_model_dir)
+from support.hf_models import (DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS, NEW_ARCHS, WINDOW,
+                               hf_greedy, hf_logits, tiny_model_dir)
 from support.hf_models import tiny_model_with_chat_template
 from support.quantized_models import mxfp4_twins
 
@@ -170,9 +170,13 @@ def test_bad_expert_parallel_size_is_a_typed_error(arch, options, match):
     assert e.value.field == "expert_parallel_size"
 
 
-# (architecture, tensor_parallel_size, expert_parallel_size)
+# (architecture, tensor_parallel_size, expert_parallel_size); DeepSeek: latent attention
+# split by head over whole latent pages (docs/decisions/0025-latent-attention-replicated.md),
+# V3's dense first layer and shared experts split like dense MLPs, the experts by "ep"
 PARALLEL_CASES = (("MixtralForCausalLM", 2, 2), ("Qwen2MoeForCausalLM", 1, 2),
-                  ("Gemma2ForCausalLM", 2, 1), (GPT_OSS, 2, 2))
+                  ("Gemma2ForCausalLM", 2, 1), (GPT_OSS, 2, 2), (DEEPSEEK_V2, 2, 2),
+                  (DEEPSEEK_V3, 2, 2))
+LATENT_WEIGHTS = ("wkv_a", "wkv_b", "wo", "ws_up")  # the latent's own projection replicated
 SUBPROCESS_TIMEOUT_S = 600
 
 
@@ -187,10 +191,19 @@ def _run_parallel(model_dirs: dict) -> dict:
         res = llm.generate([_prompts()[0]], SamplingParams(max_tokens=MAX_TOKENS,
                                                            temperature=0, ignore_eos=True),
                            use_tqdm=False)
-        layers = llm.engine.runner.params["layers"]
+        runner = llm.engine.runner
+        layers = runner.params["layers"]
         spec = (list(layers["we_gate"].sharding.spec) if "we_gate" in layers else None)
         out[f"{arch}/{tp}/{ep}"] = {"tokens": list(res[0].token_ids), "we_gate": spec,
-                                    "experts": [r.expert_tokens for r in llm.engine.trace]}
+                                    "experts": [r.expert_tokens for r in llm.engine.trace],
+                                    "cache_split": runner.parallel.cache_split(runner.cfg)}
+        if runner.cfg.is_mla:
+            arrays = {**{n: layers[n] for n in LATENT_WEIGHTS}, "cache": runner.cache["k"],
+                      **({"dense_w_gate": runner.params["dense_layers"]["w_gate"]}
+                         if "dense_layers" in runner.params else {})}
+            out[f"{arch}/{tp}/{ep}"]["specs"] = {
+                name: ("replicated" if x.sharding.is_fully_replicated
+                       else [str(a) for a in x.sharding.spec]) for name, x in arrays.items()}
     out["int8"] = _quantized_experts_split(model_dirs["MixtralForCausalLM"])
     out["mxfp4"] = _mxfp4_experts_split(model_dirs["mxfp4"])
     out["lora"] = _lora_with_experts_split(model_dirs["MixtralForCausalLM"],
@@ -286,6 +299,18 @@ def test_tensor_and_expert_parallel_equal_transformers():
     assert got["MixtralForCausalLM/2/2"]["we_gate"] == [None, "ep", None, "tp"]
     assert got["Qwen2MoeForCausalLM/1/2"]["we_gate"] == [None, ["ep", "tp"], None, None]
     assert all(len(r) == 2 for r in got["MixtralForCausalLM/2/2"]["experts"])
+    # latent attention: the heads' projections split, the latent's own and its pages whole
+    for arch in (DEEPSEEK_V2, DEEPSEEK_V3):
+        specs, tp_ep = got[f"{arch}/2/2"]["specs"], "('ep', 'tp')"
+        assert specs["wkv_a"] == specs["cache"] == "replicated", arch
+        assert specs["wkv_b"] == ["None", "None", tp_ep] and specs["wo"] == ["None", tp_ep,
+                                                                              "None"], arch
+        assert specs["ws_up"] == ["None", "None", tp_ep], arch  # shared experts: a dense MLP
+    assert got[f"{DEEPSEEK_V3}/2/2"]["specs"]["dense_w_gate"] == ["None", "None", "('ep', 'tp')"]
+    assert got[f"{DEEPSEEK_V3}/2/2"]["we_gate"] == [None, "ep", None, "tp"]
+    # what the cache sizing divides a block's bytes by: the KV heads' split, latents' none
+    assert got["MixtralForCausalLM/2/2"]["cache_split"] == 2
+    assert got[f"{DEEPSEEK_V3}/2/2"]["cache_split"] == 1
     q = got["int8"]  # quantized experts split: one device's output, specs covering scales
     for key in ("2/1", "1/2"):
         np.testing.assert_allclose(q[key]["out"], q["1/1"]["out"], atol=1e-5, err_msg=key)

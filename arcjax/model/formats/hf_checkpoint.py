@@ -34,7 +34,7 @@ from safetensors.numpy import save_file
 from arcjax.errors import WeightsError
 from arcjax.model.formats import fused_experts
 from arcjax.model.formats.hf_layout import (TOP_NAMES, HostModel, assemble_host, hf_entries,
-                                            layer_names, read_config, tree_at)
+                                            layer_names, layer_stacks, read_config, tree_at)
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import Params, is_spec, param_specs
 
@@ -162,21 +162,22 @@ def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, shardings, repeat: i
     scfg = cfg.with_kv_repeat(repeat)
     specs, orig_specs = param_specs(scfg), param_specs(cfg)
     names_of = layer_names(cfg)
+    stacks = layer_stacks(cfg)  # {"layers": 0} or {"dense_layers": 0, "layers": K}
     out = {}
     for key in specs:
-        if key == "layers":
-            out["layers"] = {}
-            for lkey, spec in specs["layers"].items():
+        if key in stacks:
+            out[key] = {}
+            for lkey, spec in specs[key].items():
                 pattern, t = names_of[lkey]
+                layers = range(stacks[key], stacks[key] + spec.shape[0])  # model layers
                 if spec.axes[1] == "expert":
                     names = np.array([[pattern.format(i=i, e=e) for e in range(cfg.num_experts)]
-                                      for i in range(cfg.num_layers)], dtype=object)
+                                      for i in layers], dtype=object)
                 else:
-                    names = np.array([pattern.format(i=i) for i in range(cfg.num_layers)],
-                                     dtype=object)
-                out["layers"][lkey] = _sharded_array(
-                    model_dir, tensors, names, t, spec, orig_specs["layers"][lkey],
-                    shardings["layers"][lkey], np_dtype, repeat, cfg)
+                    names = np.array([pattern.format(i=i) for i in layers], dtype=object)
+                out[key][lkey] = _sharded_array(
+                    model_dir, tensors, names, t, spec, orig_specs[key][lkey],
+                    shardings[key][lkey], np_dtype, repeat, cfg)
         else:
             name, t = TOP_NAMES[key]
             out[key] = _sharded_array(model_dir, tensors, np.array(name, dtype=object), t,
