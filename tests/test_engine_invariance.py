@@ -191,7 +191,7 @@ def test_the_mode_is_a_checked_option_and_a_server_flag():
                            (dict(batch_invariant=True, packed_matmul_impl="w4a16"),
                             "packed_matmul_impl"),
                            (dict(batch_invariant=True, enable_lora=True), "enable_lora"),
-                           (dict(batch_invariant=True, tensor_parallel_size=2),
+                           (dict(batch_invariant=True, tensor_parallel_size=4),
                             "tensor_parallel_size"),
                            (dict(batch_invariant=True, expert_parallel_size=2),
                             "expert_parallel_size")):

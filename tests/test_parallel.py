@@ -102,7 +102,34 @@ def _run_tensor_parallel(model_dirs: dict) -> dict:
             errors[tp] = e.field
     out["errors"] = errors
     out["spec"] = _run_speculative(model_dirs["LlamaForCausalLM"])
+    out["invariant"] = _run_batch_invariant(model_dirs["LlamaForCausalLM"])
     return out
+
+
+def _run_batch_invariant(model_dir: str) -> list:
+    """tp=2 with batch_invariant: a probe's greedy tokens and logprob bits alone, then last
+    in two batch mixes of random other requests (the second with prompts chunked at 16)."""
+    import numpy as np
+
+    import arcjax
+
+    probe = (np.random.default_rng(5).integers(3, 380, 7).tolist() * 6)[:40]
+    params = arcjax.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                   logprobs=0)
+    rng, runs = np.random.default_rng(1), []
+    for chunk, others in ((None, 0), (None, 3), (16, 4)):
+        options = dict(GEOMETRY, tensor_parallel_size=2, batch_invariant=True)
+        if chunk is not None:
+            options["long_prefill_token_threshold"] = chunk
+        llm = arcjax.LLM(model_dir, **options)
+        prompts = [rng.integers(3, 380, size=int(n)).tolist()
+                   for n in rng.integers(1, 60, others)]
+        done = llm.generate([*prompts, probe], params, use_tqdm=False)[-1].outputs[0]
+        bits = np.asarray([e[t].logprob for e, t in zip(done.logprobs, done.token_ids)],
+                          np.float32).view(np.int32)
+        runs.append([list(done.token_ids), bits.tolist()])
+        del llm
+    return runs
 
 
 def _run_speculative(model_dir: str) -> dict:
@@ -258,6 +285,13 @@ def test_structured_outputs_under_tensor_parallelism(tp_results):
     one, two = tp_results["structured"]["1"], tp_results["structured"]["2"]
     assert one == two
     assert all(reason == "stop" and re.fullmatch(STRUCTURED_REGEX, text) for text, reason in one)
+
+
+@pytest.mark.slow
+def test_batch_invariant_under_tensor_parallelism(tp_results):
+    # the probe's tokens and logprob bits under tp=2 do not follow its batch or chunking
+    alone, *mixed = tp_results["invariant"]
+    assert len(alone[0]) == MAX_TOKENS and mixed == [alone] * len(mixed)
 
 
 @pytest.mark.slow

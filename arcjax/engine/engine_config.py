@@ -158,8 +158,8 @@ class EngineConfig:
         operation runs over fixed row tiles and attention over fixed query tiles and
         position-aligned key blocks (the xla path's, or the GPU kernels' batch-invariant
         plan when attention_impl names one). attention_impl and packed_matmul_impl "auto"
-        then mean "xla"; not with enable_lora or a mesh (tensor_parallel_size or
-        expert_parallel_size > 1).
+        then mean "xla"; tensor_parallel_size 1 or 2; not with enable_lora or
+        expert_parallel_size > 1.
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
         prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
@@ -314,8 +314,12 @@ class EngineConfig:
             raise EngineConfigError("packed_matmul_impl", f"batch_invariant runs XLA's "
                                     f"products (the W4A16 kernel's tiles are not fixed), got "
                                     f"{self.packed_matmul_impl!r}")
+        if self.tensor_parallel_size > 2:
+            raise EngineConfigError("tensor_parallel_size", f"batch_invariant is built for 1 "
+                                    f"or 2 devices: from 3 on, an all-reduce sums a row's "
+                                    f"partials in an order set by its place in the buffer, "
+                                    f"got {self.tensor_parallel_size}")
         for name, on in (("enable_lora", self.enable_lora),
-                         ("tensor_parallel_size", self.tensor_parallel_size > 1),
                          ("expert_parallel_size", self.expert_parallel_size > 1)):
             if on:
                 raise EngineConfigError(name, "not supported with batch_invariant yet")
