@@ -37,6 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from arcjax.model.layer_arrays import LayerArrays
 from arcjax.model.packed import PackedWeight
 
 FP8 = jnp.float8_e4m3fn
@@ -229,6 +230,8 @@ def weight_dtype(params: dict) -> str:
     """The storage dtype of the layer weights ("float8_e4m3fn", "int8", "bfloat16", or a
     packed format: "q4_1", "awq", ...)."""
     w = params["layers"]["wo"]  # every attention has its output projection
+    if isinstance(w, LayerArrays):  # held one array per layer (the unrolled layer loop)
+        w = w[0]
     return w.dtype if isinstance(w, PackedWeight) else str(jnp.dtype(w.dtype))
 
 
