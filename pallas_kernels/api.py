@@ -30,6 +30,9 @@ XLA_DECODE_BLOCK_K = 128
 # its tile, its chunk or its step.
 INVARIANT_BLOCK_Q = 8
 INVARIANT_BLOCK_K = 128
+# The implementations with a batch-invariant mode ("auto" means "xla" in it; the GPU
+# kernels' mode is `gpu_plan.make_gpu_plan(batch_invariant=True)`).
+INVARIANT_IMPLS = ("auto", "xla", "pallas_gpu", "triton")
 
 
 def _check_impl(impl: str) -> None:
@@ -271,8 +274,13 @@ def paged_attention(inputs: AttentionInputs, *, impl: str = "auto",
         The attention output `[T, Hq, D]` in q's dtype.
     """
     if inputs.batch_invariant:
-        require(impl in ("auto", "xla"), "impl",
-                f"batch_invariant is built for the xla path only, got {impl!r}")
+        require(impl in INVARIANT_IMPLS, "impl",
+                f"batch_invariant is built for {INVARIANT_IMPLS} (\"auto\" runs xla), "
+                f"got {impl!r}")
+        if impl in GPU_IMPLS:
+            _validate_gpu_shapes(inputs, impl)
+            plan = gpu_plan_for(inputs, batch_invariant=True)
+            return _GPU_LAUNCH[impl](inputs, plan, interpret)
         tiles = plan_lib.make_plan(
             num_tokens=inputs.num_tokens, num_seqs=inputs.seq_bucket,
             page_size=inputs.block_size, max_blocks=inputs.max_blocks,

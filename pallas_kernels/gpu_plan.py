@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import plan as plan_lib
+from pallas_kernels.kernel_errors import require
 
 LOG2E = math.log2(math.e)
 MIN_DOT = 16  # smallest matmul dimension the GPU lowering accepts
@@ -44,6 +45,9 @@ MIXED_MAX_SPLITS = 4
 # Three stages: with the page ids carried one step ahead, Triton keeps two K/V loads in
 # flight (cp.async.wait_group 2) instead of waiting for each load before computing.
 NUM_STAGES = 3
+# Batch-invariant plans: one packed-row width for decode and prefill buckets alike (the
+# narrow one: a decode row pays for the idle rows of its tile).
+INVARIANT_BLOCK_M = NARROW_BLOCK_M
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,6 +61,9 @@ class GpuPlan:
     split_max_q_len: int  # sequences with 1 .. this many query tokens are split (<= block_q)
     num_warps: int
     num_stages: int
+    # Batch-invariant plan (`make_gpu_plan(batch_invariant=True)`): every key step runs the
+    # masked body, so a row's keys go through one program text whatever its tile holds.
+    all_masked: bool = False
 
     @property
     def tokens_loaded(self) -> int:
@@ -73,7 +80,7 @@ def make_gpu_plan(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_head
                   head_dim: int, page_size: int, max_blocks: int, max_q_len: int,
                   itemsize: int = 2, block_m: int | None = None, block_k: int | None = None,
                   num_splits: int | None = None, num_warps: int | None = None,
-                  num_stages: int = NUM_STAGES) -> GpuPlan:
+                  num_stages: int = NUM_STAGES, batch_invariant: bool = False) -> GpuPlan:
     """Chooses tile sizes and the split-K factor for one bucket.
 
     Args:
@@ -90,8 +97,19 @@ def make_gpu_plan(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_head
             GPU in decode-only batches, and so each split of a mixed batch's decode
             row walks at least `MIXED_SPLIT_STEPS` key steps.
         num_warps, num_stages: Triton launch parameters.
+        batch_invariant: one plan for every bucket of a cache geometry and dtype (see
+            `INVARIANT_BLOCK_M`): block_m `INVARIANT_BLOCK_M` unless given, tiles never
+            narrowed to the bucket's max_q_len, no split-K (num_splits must be 1 if
+            given), every key step masked (`GpuPlan.all_masked`). A row's program then
+            has the same shapes, key blocks (aligned to absolute positions, as always)
+            and body whatever its chunk, its tile or its bucket holds.
     """
     group = plan_lib.next_pow2(num_heads // num_kv_heads)
+    if batch_invariant:
+        require(num_splits in (None, 1), "num_splits", f"a batch-invariant plan does not "
+                f"split keys (the split follows the batch), got {num_splits}")
+        num_splits = 1
+        block_m = INVARIANT_BLOCK_M if block_m is None else block_m
     if block_m is None:
         wide = itemsize <= 2 and head_dim <= 128 and max_q_len > 1
         block_m = PREFILL_BLOCK_M if wide else NARROW_BLOCK_M
@@ -100,7 +118,8 @@ def make_gpu_plan(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_head
     tiles = plan_lib.make_plan(num_tokens=num_tokens, num_seqs=num_seqs, page_size=page_size,
                                max_blocks=max_blocks, max_q_len=max_q_len,
                                block_q=max(1, block_m // group), block_k=block_k,
-                               pow2_tiles=True, min_block_k=MIN_DOT)
+                               pow2_tiles=True, min_block_k=MIN_DOT,
+                               one_width=batch_invariant)
     rows = max(tiles.block_q * group, MIN_DOT)
     max_steps = plan_lib.cdiv(max_blocks * page_size, tiles.block_k)
     if num_splits is None:
@@ -112,7 +131,8 @@ def make_gpu_plan(*, num_tokens: int, num_seqs: int, num_heads: int, num_kv_head
     if num_warps is None:
         num_warps = 4 if rows * head_dim <= 64 * 64 else 8
     return GpuPlan(tiles=tiles, group=group, rows=rows, num_splits=max(1, num_splits),
-                   split_max_q_len=1, num_warps=num_warps, num_stages=num_stages)
+                   split_max_q_len=1, num_warps=num_warps, num_stages=num_stages,
+                   all_masked=batch_invariant)
 
 
 def split_sequences(plan: GpuPlan, cu_seqlens_q: jax.Array, num_seqs: jax.Array) -> jax.Array:

@@ -21,6 +21,12 @@ Dataflow:
        combines and scatters into place; every other tile writes final rows.
     5. Padding rows (never written) are set to zero.
 
+Batch-invariant plans (`gpu_plan.make_gpu_plan(batch_invariant=True)`, one plan for every
+bucket, no split-K) walk every key step with the masked body: a row's scores and sums are
+then computed by the same program, over the same key blocks (aligned to absolute
+positions), whatever its chunk, its tile or its bucket holds. A step a row cannot see is an
+exact no-op of the online softmax (its p are exact zeros; alpha is 1, or 0 before any key).
+
 Attention sinks (`sinks`, gpt-oss): each packed row's sink logit (base 2) is one more term
 of the final denominator, `l * 2**(m - top) + 2**(sink - top)` with `top = max(m, sink)`;
 a split row's partials take it once, in the combine (`gpu_plan.combine_splits`).
@@ -155,8 +161,9 @@ def _attention_kernel(
 
         # [lo, m1) masked (the window's left edge), [m1, m2) unmasked, [m2, hi) masked
         # (the causal diagonal): consecutive ranges, so the carried page ids fit each.
-        m1 = jnp.clip(full, lo, hi)
-        m2 = jnp.clip(unmasked, m1, hi)
+        # A batch-invariant plan runs every step masked: [lo, hi) in one body.
+        m1 = lo if plan.all_masked else jnp.clip(full, lo, hi)
+        m2 = lo if plan.all_masked else jnp.clip(unmasked, m1, hi)
         carry = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
                  jnp.zeros((rows, head_dim), jnp.float32), page_ids(lo))
         if windowed:

@@ -70,8 +70,8 @@ def launch_params(inputs: AttentionInputs, plan: gpu_plan_lib.GpuPlan, *,
         SPLIT_TOTAL=split_total(plan, inputs.seq_bucket), SM_SCALE=float(inputs.sm_scale),
         HAS_WINDOW=inputs.sliding_window is not None, HAS_SOFTCAP=softcap is not None,
         SOFTCAP=float(softcap or 0.0), PRECISION=_precision(q.dtype),
-        UPCAST_DOTS=interpret and jnp.dtype(q.dtype).itemsize < 4,
-        HAS_SINKS=inputs.sinks is not None)
+        INTERPRETED_DOTS=interpret,
+        HAS_SINKS=inputs.sinks is not None, ALL_MASKED=plan.all_masked)
 
 
 def split_total(plan: gpu_plan_lib.GpuPlan, num_seqs_bucket: int) -> int:

@@ -14,6 +14,7 @@ One program `(h, p, w)` of the grid `(Hkv, num_splits, num_tiles)` (see `gpu_pla
    between are not, steps outside the window or past the last row are never visited.
    The page ids of step i + 1 are loaded during step i, so the K/V loads of the next
    step do not wait behind a table load and the pipeliner keeps them in flight.
+   With ALL_MASKED (a batch-invariant plan, `GpuPlan.all_masked`) every step is masked.
 3. Writes final rows, or (a split decode row's slice of keys) unnormalized partials
    that XLA combines (`gpu_plan.combine_splits`).
 
@@ -50,12 +51,14 @@ def _tanh(x):
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr):
-    """a @ b with float32 accumulation. UPCAST_DOTS (Triton's interpreter only, whose dot
-    multiplies the raw bits of bfloat16 operands) widens the operands first: products of
-    2-byte floats are exact in float32, so the result is what the tensor cores give."""
-    if UPCAST_DOTS:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+def _dot(a, b, PRECISION: tl.constexpr, INTERPRETED_DOTS: tl.constexpr):
+    """a @ b with float32 accumulation. INTERPRETED_DOTS (Triton's interpreter only) sums
+    the float32 products of each output element in k order, as a tensor core reduces every
+    element alike wherever its row sits in the tile: the interpreter's own dot (numpy's
+    BLAS) rounds a row by its position in the tile, and multiplies the raw bits of bfloat16
+    operands. Products of 2-byte floats are exact in float32."""
+    if INTERPRETED_DOTS:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
     return tl.dot(a, b, input_precision=PRECISION)
 
 
@@ -64,7 +67,7 @@ def _kv_step(q, m, l, acc, ids, step, k_ptr, v_ptr, tables_ptr, seq, h, pos, kv_
              window, qk_scale, offs_k, offs_d, BLOCK_K: tl.constexpr, PAGE: tl.constexpr,
              COLS: tl.constexpr, NUM_BLOCKS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
              HEAD_DIM: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-             SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST_DOTS: tl.constexpr,
+             SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED_DOTS: tl.constexpr,
              MASKED: tl.constexpr):
     """One key step of the online softmax; returns (m, l, acc, next step's page ids)."""
     next_ids = _page_ids(tables_ptr, seq, step + 1, offs_k, BLOCK_K, PAGE, COLS, NUM_BLOCKS)
@@ -79,7 +82,7 @@ def _kv_step(q, m, l, acc, ids, step, k_ptr, v_ptr, tables_ptr, seq, h, pos, kv_
     else:
         k = tl.load(k_ptr + ptrs)
         v = tl.load(v_ptr + ptrs)
-    s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, UPCAST_DOTS)  # [M, BK] float32
+    s = _dot(q, tl.trans(k.to(q.dtype)), PRECISION, INTERPRETED_DOTS)  # [M, BK] float32
     if HAS_SOFTCAP:
         s = (SOFTCAP * LOG2E) * _tanh(s * (qk_scale / SOFTCAP))
     else:
@@ -95,7 +98,7 @@ def _kv_step(q, m, l, acc, ids, step, k_ptr, v_ptr, tables_ptr, seq, h, pos, kv_
     if MASKED:
         p = tl.where(ok, p, 0.0)
     l = l * alpha + tl.sum(p, axis=1)
-    pv = _dot(p.to(q.dtype), v.to(q.dtype), PRECISION, UPCAST_DOTS)  # [M, D]
+    pv = _dot(p.to(q.dtype), v.to(q.dtype), PRECISION, INTERPRETED_DOTS)  # [M, D]
     acc = acc * alpha[:, None] + pv
     return m_new, l, acc, next_ids
 
@@ -120,7 +123,7 @@ def ragged_paged_attention_kernel(
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_ROWS: tl.constexpr,
     SPLIT_TOTAL: tl.constexpr, SM_SCALE: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-    UPCAST_DOTS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    INTERPRETED_DOTS: tl.constexpr, HAS_SINKS: tl.constexpr, ALL_MASKED: tl.constexpr,
 ):
     h = tl.program_id(0)
     split = tl.program_id(1)
@@ -160,6 +163,9 @@ def ragged_paged_attention_kernel(
     lo = tl.minimum(lo, hi)
     edge = tl.minimum(tl.maximum(inside, lo), hi)  # [lo, edge): the window's lower edge
     mid = tl.minimum(tl.maximum(diagonal, edge), hi)  # [edge, mid) unmasked; [mid, hi) diagonal
+    if ALL_MASKED:  # batch-invariant plans: every step in the masked body
+        edge = lo
+        mid = lo
 
     rows = tl.arange(0, ROWS)  # [M]
     token = rows // GROUP
@@ -180,17 +186,17 @@ def ragged_paged_attention_kernel(
         m, l, acc, ids = _kv_step(q, m, l, acc, ids, i, k_ptr, v_ptr, tables_ptr, seq, h, pos,
                                   kv_len, key_lo, window, qk_scale, offs_k, offs_d, BLOCK_K,
                                   PAGE, COLS, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, HAS_WINDOW,
-                                  HAS_SOFTCAP, SOFTCAP, PRECISION, UPCAST_DOTS, True)
+                                  HAS_SOFTCAP, SOFTCAP, PRECISION, INTERPRETED_DOTS, True)
     for i in range(edge, mid):
         m, l, acc, ids = _kv_step(q, m, l, acc, ids, i, k_ptr, v_ptr, tables_ptr, seq, h, pos,
                                   kv_len, key_lo, window, qk_scale, offs_k, offs_d, BLOCK_K,
                                   PAGE, COLS, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, HAS_WINDOW,
-                                  HAS_SOFTCAP, SOFTCAP, PRECISION, UPCAST_DOTS, False)
+                                  HAS_SOFTCAP, SOFTCAP, PRECISION, INTERPRETED_DOTS, False)
     for i in range(mid, hi):
         m, l, acc, ids = _kv_step(q, m, l, acc, ids, i, k_ptr, v_ptr, tables_ptr, seq, h, pos,
                                   kv_len, key_lo, window, qk_scale, offs_k, offs_d, BLOCK_K,
                                   PAGE, COLS, NUM_BLOCKS, NUM_KV_HEADS, HEAD_DIM, HAS_WINDOW,
-                                  HAS_SOFTCAP, SOFTCAP, PRECISION, UPCAST_DOTS, True)
+                                  HAS_SOFTCAP, SOFTCAP, PRECISION, INTERPRETED_DOTS, True)
 
     acc = acc * v_scale
     # NOTE: scalar conditions gate row counts, not masks: Triton's interpreter (3.9) turns

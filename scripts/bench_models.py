@@ -9,6 +9,12 @@
      `--decode_rows` rows (each `--context_small` tokens in) and one `--prefill`-token prompt,
      per family at small random-weight shapes of the same kind (Llama, Mixtral, gpt-oss,
      DeepSeek-V2 and V3), the families' steps round-robin, medians of `--iters` runs.
+  3. MXFP4 experts (`--mxfp4`): the device bytes of gpt-oss-20b's and -120b's experts kept
+     MXFP4 (`Mxfp4Weight`: uint8 blocks and e8m0 scales) against decoded to bf16, and the
+     whole model's (computed from `param_specs`, nothing downloaded); and in item 2's round
+     robin the small gpt-oss with its experts MXFP4 on the device (`gpt_oss_mxfp4`: decoded
+     inside the grouped GEMMs) against the same experts decoded at load
+     (`gpt_oss_decoded`), side by side.
 
 CPU:        python scripts/bench_models.py --out=/tmp/models.json
 Smoke test: python scripts/bench_models.py --iters=2 --out=/tmp/models.json
@@ -23,13 +29,18 @@ import platform
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import app, flags
 
 from arcjax.bench.step_timing import blocks_needed, step_call, time_round_robin
 from arcjax.model.deepseek_config import MLAConfig
+from arcjax.model.formats import mxfp4
 from arcjax.model.model_config import ModelConfig
+from arcjax.model.moe import EXPERT_WEIGHTS
+from arcjax.model.mxfp4_weight import BLOCK, Mxfp4Weight
+from arcjax.model.quant import dense
 from arcjax.model.routing import RouterConfig
-from arcjax.model.specs import cache_specs, init_params
+from arcjax.model.specs import cache_specs, init_params, is_spec, param_specs
 
 _KV_DTYPE = flags.DEFINE_string("kv_dtype", "bfloat16", "KV cache dtype of the memory figures")
 _BUDGET = flags.DEFINE_float("kv_budget_gib", 64.0, "KV cache memory of the concurrency figure")
@@ -39,6 +50,8 @@ _CONTEXT_SMALL = flags.DEFINE_integer("context_small", 128, "tokens each decode 
 _PREFILL = flags.DEFINE_integer("prefill", 256, "prompt tokens of the timed prefill step")
 _ITERS = flags.DEFINE_integer("iters", 10, "timed runs per step; the median is reported")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
+_MXFP4 = flags.DEFINE_bool("mxfp4", True, "MXFP4 experts: gpt-oss's device bytes, and the "
+                           "small gpt-oss's steps packed against decoded")
 
 V2_LITE_MLA = MLAConfig(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
                         qk_rope_head_dim=64, v_head_dim=128)
@@ -105,11 +118,63 @@ def small_families() -> dict[str, ModelConfig]:
     }
 
 
-def step_times(iters: int, rows: int, context: int, prefill: int) -> dict:
-    """Median milliseconds of a decode step and a prefill step per family."""
+def gpt_oss_published(num_layers: int, num_experts: int) -> ModelConfig:
+    """gpt-oss-20b's (24 layers, 32 experts) or -120b's (36, 128) shape, from the fields
+    of their published config.json."""
+    return ModelConfig.from_hf_dict({
+        "architectures": ["GptOssForCausalLM"], "vocab_size": 201088, "hidden_size": 2880,
+        "intermediate_size": 2880, "num_hidden_layers": num_layers, "head_dim": 64,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "num_local_experts": num_experts,
+        "num_experts_per_tok": 4, "sliding_window": 128, "swiglu_limit": 7.0,
+        "attention_bias": True, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "max_position_embeddings": 131072, "rope_theta": 150000,
+        "layer_types": ["sliding_attention", "full_attention"] * (num_layers // 2),
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096}})
+
+
+def mxfp4_bytes(cfg: ModelConfig) -> dict:
+    """GiB of `cfg`'s experts and whole params (the rest bf16) with the experts MXFP4 (a
+    byte per two values and one per block of 32: `Mxfp4Weight`'s arrays) or bf16."""
+    specs = param_specs(cfg)
+    experts = [specs["layers"][k].shape for k in EXPERT_WEIGHTS]  # [L, E, in, out]
+    values = sum(math.prod(s) for s in experts)
+    packed = sum(math.prod(s[:2]) * s[3] * (s[2] // BLOCK) * (BLOCK // 2 + 1) for s in experts)
+    total = sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))
+    gib = 1 << 30
+    return {"expert_values": values, "experts_mxfp4_gib": round(packed / gib, 2),
+            "experts_bf16_gib": round(2 * values / gib, 2),
+            "bits_per_expert_weight": 8 * packed / values,
+            "model_mxfp4_gib": round((packed + 2 * (total - values)) / gib, 2),
+            "model_bf16_gib": round(2 * total / gib, 2)}
+
+
+def mxfp4_twins(params: dict) -> tuple[dict, dict]:
+    """`params` with the experts MXFP4 on the device (encoded on the host,
+    `mxfp4.encode`), and the same experts decoded (what loading with
+    quantization="dequantize" stores)."""
+    layers = dict(params["layers"])
+    for k in EXPERT_WEIGHTS:  # [L, E, in, out] -> blocks of the [L, E, out, in] rows
+        blocks, scales = mxfp4.encode(np.swapaxes(np.asarray(layers[k], np.float32), -1, -2))
+        layers[k] = Mxfp4Weight(jnp.asarray(blocks), jnp.asarray(scales))
+    decoded = {**layers, **{k: dense(layers[k], params["layers"][k].dtype)
+                            for k in EXPERT_WEIGHTS}}
+    return {**params, "layers": layers}, {**params, "layers": decoded}
+
+
+def step_times(iters: int, rows: int, context: int, prefill: int,
+               with_mxfp4: bool = False) -> dict:
+    """Median milliseconds of a decode step and a prefill step per family (and the small
+    gpt-oss with MXFP4 experts packed and decoded: `with_mxfp4`)."""
     calls = {}
-    for name, cfg in small_families().items():
-        params = init_params(cfg, jax.random.key(0))
+    models = {name: (cfg, init_params(cfg, jax.random.key(0)))
+              for name, cfg in small_families().items()}
+    if with_mxfp4:
+        cfg, params = models["gpt_oss"]
+        packed, decoded = mxfp4_twins(params)
+        models.update(gpt_oss_mxfp4=(cfg, packed), gpt_oss_decoded=(cfg, decoded))
+    for name, (cfg, params) in models.items():
         for case, (starts, lengths) in (("decode", ([context] * rows, [1] * rows)),
                                         ("prefill", ([0], [prefill]))):
             num_blocks, max_blocks = blocks_needed(starts, lengths)
@@ -127,7 +192,11 @@ def main(argv):
            "deepseek_v2_lite_kv": kv_figures(deepseek_v2_lite(), _KV_DTYPE.value,
                                              _BUDGET.value, _CONTEXT.value),
            "step_ms": step_times(_ITERS.value, _ROWS.value, _CONTEXT_SMALL.value,
-                                 _PREFILL.value)}
+                                 _PREFILL.value, _MXFP4.value)}
+    if _MXFP4.value:
+        out["mxfp4_experts"] = {name: mxfp4_bytes(gpt_oss_published(*shape))
+                                for name, shape in (("gpt-oss-20b", (24, 32)),
+                                                    ("gpt-oss-120b", (36, 128)))}
     out["machine"]["load_average_after"] = os.getloadavg()
     print(json.dumps(out, indent=2))
     if _OUT.value:

@@ -10,7 +10,8 @@ Sections, in order (each flushed to `--out`/gpu_check.json and .md as it changes
      (`pallas_kernels.verified`).
   3. kernel_table: the machine's ceilings (matmul, copy), each implementation's default
      tiling, cuDNN on the prefill shapes, the MoE grouped GEMM, the W4A16 kernel
-     (scripts/gpu_bench.py).
+     (scripts/gpu_bench.py); each GPU kernel's batch-invariant plan, a probe's rows bitwise
+     their lone decodes (scripts/gpu_invariance.py).
   4. end_to_end: one throughput row and one token_budget burst arm (scripts/gpu_e2e.py).
   5. alt_tilings: the Pallas and Triton kernels' alternative tilings, if time is left.
   6. gpu_tests: `pytest -m gpu` over the GPU test files only, last.
@@ -102,6 +103,8 @@ def plan() -> list[TaskSpec]:
         t(section="kernel_table", name="moe", kind="moe", expect_s=25, timeout_s=60, min_s=20),
         t(section="kernel_table", name="w4a16", kind="w4a16", expect_s=25, timeout_s=50,
           min_s=15),
+        t(section="kernel_table", name="invariance", kind="invariance", expect_s=20,
+          timeout_s=60, min_s=15),
         t(section="end_to_end", name="e2e", kind="e2e", expect_s=170, timeout_s=220, min_s=90,
           protected=True),
         *(t(section="alt_tilings", name=i, kind="table", expect_s=25, timeout_s=60, min_s=20,

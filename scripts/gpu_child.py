@@ -138,12 +138,13 @@ def _runners(kind: str):
         return rehearsal
     import gpu_bench
     import gpu_e2e
+    import gpu_invariance
     import gpu_kernels
 
     return {"environment": environment, "correctness": gpu_kernels.correctness,
             "table": gpu_kernels.table, "ceilings": gpu_bench.ceilings,
             "cudnn": gpu_bench.cudnn_reference, "moe": gpu_bench.moe_grouped_gemm,
-            "w4a16": gpu_bench.w4a16_decode,
+            "w4a16": gpu_bench.w4a16_decode, "invariance": gpu_invariance.invariance,
             "e2e": gpu_e2e.run}[kind]
 
 

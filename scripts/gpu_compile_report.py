@@ -65,7 +65,7 @@ class Variant:
     group: int = 4  # query heads per KV head
     num_kv_heads: int = 8
     page_size: int = 16
-    tuning: tuple[tuple[str, int], ...] = ()  # make_gpu_plan overrides
+    tuning: tuple[tuple[str, int | bool], ...] = ()  # make_gpu_plan overrides
     kv_dtype: str | None = None  # page dtype if not `dtype` (Triton kernel: float8 pages)
     window: bool = False  # Triton kernel: a sliding window
     softcap: bool = False  # Triton kernel: a logit soft-cap
@@ -102,6 +102,10 @@ def variants() -> list[Variant]:
                        kernels=("triton",)))
     out.append(Variant(name="decode_window", decode_only=True, window=True,
                        kernels=("triton",)))
+    # Batch-invariant plans (one plan for decode and prefill buckets, no split-K).
+    for decode in (False, True):
+        out.append(Variant(name=f"{'decode' if decode else 'prefill'}_invariant",
+                           decode_only=decode, tuning=(("batch_invariant", True),)))
     return out
 
 

@@ -140,6 +140,9 @@ def figures(section: str, name: str, result: dict) -> str:
             best = _best(rows, kind, key)
             if best is not None:
                 parts.append(f"{best['case']} {_num(best[key])} {unit}{_pct(best, key)}")
+        if name == "invariance":
+            ran = [r for r in rows if "bitwise" in r]
+            parts = [f"{sum(r['bitwise'] for r in ran)}/{len(ran)} bitwise"] if ran else []
         if name == "moe":
             parts = [f"{r['impl']} t{r['tokens']} {_num(r['tflops'])} TFLOP/s"
                      for r in rows if "tflops" in r]

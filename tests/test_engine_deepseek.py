@@ -3,7 +3,9 @@ V2's group-limited and V3's noaux_tc routers, V3's query bottleneck and YaRN) th
 engine, against transformers: greedy tokens and prompt log-probabilities over a latent paged
 cache (the absorbed attention of every prefill chunk and decode row against transformers'
 per-head attention), the dense forward (heads expanded), prefix caching, the policies,
-overlapped on and off, preemption, KV bytes per token, and what is refused.
+overlapped on and off, preemption, n-gram speculative decoding, structured outputs, KV bytes
+per token, and what is refused. Tensor and expert parallelism: tests/test_engine_families.py
+(its two-device subprocess).
 
 Engines of one architecture share one cache geometry, so they share compiled steps.
 """
@@ -11,16 +13,18 @@ Engines of one architecture share one cache geometry, so they share compiled ste
 from __future__ import annotations
 
 import functools
+import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arcjax import LLM, SamplingParams
+from arcjax import LLM, SamplingParams, StructuredOutputsParams
 from arcjax.errors import EngineConfigError
 from arcjax.model import forward_dense
 from support.device_caches import device_cache
-from support.hf_models import DEEPSEEK_V2, DEEPSEEK_V3, hf_greedy, hf_logits, tiny_model_dir
+from support.hf_models import (DEEPSEEK_V2, DEEPSEEK_V3, hf_greedy, hf_logits, tiny_model_dir,
+                               tiny_model_with_tokenizer)
 from support.quantized_models import quantized_checkpoint
 
 # One token bucket (32) for every chunk: each engine compiles few steps. 9 blocks of 8
@@ -168,9 +172,40 @@ def test_fp8_block_checkpoint_loads_as_stored_and_equals_transformers_dequantize
                for p in range(1, len(prompt))) < 1e-4
 
 
+SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3, "disable_by_batch_size": None}
+REGEX = r"[a-z]{2,4}-[0-9]{2}"
+
+
+def test_speculative_decoding_and_structured_outputs_over_the_latent_cache():
+    """n-gram drafts on DeepSeek-V3 (rows verifying K drafted tokens at once: chunks of
+    K + 1 through the absorbed path) on a prompt that repeats itself: transformers' greedy
+    tokens, drafts proposed and some accepted. A regex-constrained request (a tokenizer
+    beside the same weights) completes inside its grammar, with drafts and without, the
+    same tokens either way. (Serial steps: structured outputs then run the compiled steps
+    of the runs before; overlapped, their forward and sampling would compile apart.)"""
+    arch = DEEPSEEK_V3
+    prompt = (_prompts()[1] * 4)[:32]
+    tokenizer = tiny_model_with_tokenizer(arch)
+    llm = LLM(tiny_model_dir(arch), speculative_config=SPEC, tokenizer=tokenizer,
+              async_scheduling=False, **GEOMETRY)
+    out = llm.generate([prompt], SamplingParams(max_tokens=2 * MAX_TOKENS, temperature=0,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    assert list(out.token_ids) == hf_greedy(tiny_model_dir(arch), prompt, 2 * MAX_TOKENS)
+    assert out.metrics.num_draft_tokens > 0
+    assert sum(r.spec_accepted_tokens for r in llm.engine.trace) > 0
+    assert llm.engine.blocks_in_use() == 0
+    llm.engine.check_trace()
+    regex = SamplingParams(max_tokens=24, temperature=0,
+                           structured_outputs=StructuredOutputsParams(regex=REGEX))
+    got = [(o.text, o.finish_reason, list(o.token_ids)) for o in (
+        engine.generate([prompt], regex, use_tqdm=False)[0]
+        for engine in (llm, _llm(arch, tokenizer=tokenizer, async_scheduling=False)))]
+    assert got[0] == got[1]
+    assert re.fullmatch(REGEX, got[0][0]) and got[0][1] == "stop"
+
+
 @pytest.mark.parametrize("options, field", [
-    (dict(tensor_parallel_size=2), "tensor_parallel_size"),
-    (dict(expert_parallel_size=2), "expert_parallel_size"),
     (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
     (dict(quantization="int8"), "quantization"),  # at load: one layer stack only
     (dict(attention_impl="reference"), "attention_impl"),

@@ -2,7 +2,8 @@
 alternating windows, YaRN, biased router and experts, clamped SwiGLU) through the engine, against transformers: greedy tokens and prompt log-probabilities, with prompts longer
 than the sliding window, under every policy, chunk sizes, overlapped scheduling on and off,
 prefix caching, KV blocks released behind the window, router statistics in the trace, chat
-templates, and tensor / expert parallelism over forced CPU devices (a subprocess).
+templates, and tensor / expert parallelism over forced CPU devices (a subprocess; gpt-oss's
+MXFP4 experts too, split by expert while packed).
 
 Engines of one architecture share one cache geometry, so they share compiled steps.
 """
@@ -21,9 +22,10 @@ import pytest
 
 from arcjax import LLM, SamplingParams
 from support.device_caches import device_cache
-from support.hf_models import (GPT_OSS, NEW_ARCHS, WINDOW, hf_greedy, hf_logits,
-                               tiny_model_dir)
+from support.hf_models import (DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS, NEW_ARCHS, WINDOW,
+                               hf_greedy, hf_logits, tiny_model_dir)
 from support.hf_models import tiny_model_with_chat_template
+from support.quantized_models import mxfp4_twins
 
 HERE = Path(__file__).resolve().parent
 # One token bucket (32) for every chunk: each engine compiles few steps.
@@ -168,9 +170,13 @@ def test_bad_expert_parallel_size_is_a_typed_error(arch, options, match):
     assert e.value.field == "expert_parallel_size"
 
 
-# (architecture, tensor_parallel_size, expert_parallel_size)
+# (architecture, tensor_parallel_size, expert_parallel_size); DeepSeek: latent attention
+# split by head over whole latent pages (docs/decisions/0025-latent-attention-replicated.md),
+# V3's dense first layer and shared experts split like dense MLPs, the experts by "ep"
 PARALLEL_CASES = (("MixtralForCausalLM", 2, 2), ("Qwen2MoeForCausalLM", 1, 2),
-                  ("Gemma2ForCausalLM", 2, 1), (GPT_OSS, 2, 2))
+                  ("Gemma2ForCausalLM", 2, 1), (GPT_OSS, 2, 2), (DEEPSEEK_V2, 2, 2),
+                  (DEEPSEEK_V3, 2, 2))
+LATENT_WEIGHTS = ("wkv_a", "wkv_b", "wo", "ws_up")  # the latent's own projection replicated
 SUBPROCESS_TIMEOUT_S = 600
 
 
@@ -185,12 +191,54 @@ def _run_parallel(model_dirs: dict) -> dict:
         res = llm.generate([_prompts()[0]], SamplingParams(max_tokens=MAX_TOKENS,
                                                            temperature=0, ignore_eos=True),
                            use_tqdm=False)
-        layers = llm.engine.runner.params["layers"]
+        runner = llm.engine.runner
+        layers = runner.params["layers"]
         spec = (list(layers["we_gate"].sharding.spec) if "we_gate" in layers else None)
         out[f"{arch}/{tp}/{ep}"] = {"tokens": list(res[0].token_ids), "we_gate": spec,
-                                    "experts": [r.expert_tokens for r in llm.engine.trace]}
+                                    "experts": [r.expert_tokens for r in llm.engine.trace],
+                                    "cache_split": runner.parallel.cache_split(runner.cfg)}
+        if runner.cfg.is_mla:
+            arrays = {**{n: layers[n] for n in LATENT_WEIGHTS}, "cache": runner.cache["k"],
+                      **({"dense_w_gate": runner.params["dense_layers"]["w_gate"]}
+                         if "dense_layers" in runner.params else {})}
+            out[f"{arch}/{tp}/{ep}"]["specs"] = {
+                name: ("replicated" if x.sharding.is_fully_replicated
+                       else [str(a) for a in x.sharding.spec]) for name, x in arrays.items()}
     out["int8"] = _quantized_experts_split(model_dirs["MixtralForCausalLM"])
+    out["mxfp4"] = _mxfp4_experts_split(model_dirs["mxfp4"])
+    out["lora"] = _lora_with_experts_split(model_dirs["MixtralForCausalLM"],
+                                           model_dirs["lora"])
     return out
+
+
+def _mxfp4_experts_split(model_dir: str) -> dict:
+    """gpt-oss's MXFP4 experts kept packed under tp = ep = 2: the greedy tokens, and the
+    shardings and dtype of the gate and down blocks."""
+    llm = LLM(model_dir, tensor_parallel_size=2, expert_parallel_size=2, **GEOMETRY)
+    res = llm.generate([_prompts()[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                       ignore_eos=True), use_tqdm=False)
+    layers = llm.engine.runner.params["layers"]
+    return {"tokens": list(res[0].token_ids), "dtype": str(layers["we_gate"].blocks.dtype),
+            **{k: [str(a) for a in layers[k].blocks.sharding.spec]
+               for k in ("we_gate", "we_down")}}
+
+
+def _lora_with_experts_split(model_dir: str, adapter: str) -> dict:
+    """Mixtral at tp=2, ep=2 with a LoRA adapter on its attention: the base model's prompt
+    and the adapter's in one call; how wq's B slots split."""
+    from arcjax import LoRARequest
+
+    llm = LLM(model_dir, tensor_parallel_size=2, expert_parallel_size=2, enable_lora=True,
+              max_loras=1, max_lora_rank=8, **GEOMETRY)
+    prompts = _prompts()[1:]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                ignore_eos=True), use_tqdm=False,
+                        lora_request=[None, LoRARequest("attn", 1, adapter)])
+    b = llm.engine.runner.lora.buffers["wq"]["b"]  # [L, S, r, Hq * D]
+    wq = llm.engine.runner.params["layers"]["wq"]  # [L, H, Hq * D]
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "wq_b": [str(a) for a in getattr(b.sharding, "spec", ())],
+            "wq": [str(a) for a in getattr(wq.sharding, "spec", ())]}
 
 
 def _quantized_experts_split(model_dir: str) -> dict:
@@ -229,7 +277,12 @@ def _quantized_experts_split(model_dir: str) -> dict:
 
 
 def test_tensor_and_expert_parallel_equal_transformers():
+    from support.lora_adapters import ATTENTION_TARGETS, peft_adapter_dir, peft_greedy
+
     dirs = {arch: tiny_model_dir(arch) for arch, _, _ in PARALLEL_CASES}
+    dirs["mxfp4"], decoded = mxfp4_twins()
+    adapter = peft_adapter_dir("MixtralForCausalLM", rank=8, seed=7, targets=ATTENTION_TARGETS)
+    dirs["lora"] = adapter
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=2",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE),
@@ -246,12 +299,39 @@ def test_tensor_and_expert_parallel_equal_transformers():
     assert got["MixtralForCausalLM/2/2"]["we_gate"] == [None, "ep", None, "tp"]
     assert got["Qwen2MoeForCausalLM/1/2"]["we_gate"] == [None, ["ep", "tp"], None, None]
     assert all(len(r) == 2 for r in got["MixtralForCausalLM/2/2"]["experts"])
+    # latent attention: the heads' projections split, the latent's own and its pages whole
+    for arch in (DEEPSEEK_V2, DEEPSEEK_V3):
+        specs, tp_ep = got[f"{arch}/2/2"]["specs"], "('ep', 'tp')"
+        assert specs["wkv_a"] == specs["cache"] == "replicated", arch
+        assert specs["wkv_b"] == ["None", "None", tp_ep] and specs["wo"] == ["None", tp_ep,
+                                                                              "None"], arch
+        assert specs["ws_up"] == ["None", "None", tp_ep], arch  # shared experts: a dense MLP
+    assert got[f"{DEEPSEEK_V3}/2/2"]["specs"]["dense_w_gate"] == ["None", "None", "('ep', 'tp')"]
+    assert got[f"{DEEPSEEK_V3}/2/2"]["we_gate"] == [None, "ep", None, "tp"]
+    # what the cache sizing divides a block's bytes by: the KV heads' split, latents' none
+    assert got["MixtralForCausalLM/2/2"]["cache_split"] == 2
+    assert got[f"{DEEPSEEK_V3}/2/2"]["cache_split"] == 1
     q = got["int8"]  # quantized experts split: one device's output, specs covering scales
     for key in ("2/1", "1/2"):
         np.testing.assert_allclose(q[key]["out"], q["1/1"]["out"], atol=1e-5, err_msg=key)
     assert q["2/1"]["values"] == ["None", "None", "tp", "None"]
     assert q["2/1"]["scale"] in (["None", "None", "None", "None"], [])
     assert q["1/2"]["values"][:2] == q["1/2"]["scale"][:2] == ["None", "('ep', 'tp')"]
+    mx = got["mxfp4"]  # MXFP4 experts stay packed, split by expert (gate/up rows by tp)
+    assert mx["tokens"] == hf_greedy(decoded, _prompts()[0], MAX_TOKENS)
+    assert mx["dtype"] == "uint8"
+    assert mx["we_gate"] == ["None", "ep", "tp", "None", "None"]
+    assert mx["we_down"][:2] == ["None", "ep"]
+    # a LoRA adapter on the attention of experts split over "ep": the base model's row and
+    # the adapter's row in one call, each its own transformers (+ PEFT) tokens; B of wq
+    # splits its out axis like wq
+    lora = got["lora"]
+    mixtral = tiny_model_dir("MixtralForCausalLM")
+    want = [peft_greedy(mixtral, a, p, MAX_TOKENS)
+            for a, p in zip((None, adapter), _prompts()[1:])]
+    assert want[1] != peft_greedy(mixtral, None, _prompts()[2], MAX_TOKENS)
+    assert lora["tokens"] == want
+    assert lora["wq_b"][:3] == ["None"] * 3 and lora["wq_b"][3] == lora["wq"][2] != "None"
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """The engine's batch-invariant mode (`batch_invariant=True`, docs/design/batch-invariance.md):
 a probe request's per-token logprobs are bitwise equal to its solo run whatever else the
-engine does around it (random other requests arriving at random steps, chunked prompts,
-prefix-cache hits, overlapped scheduling, n-gram speculation), and the same workload with
-the mode off does differ (so the property can fail); the option's checks and its flag."""
+engine does around it (random other requests arriving at random steps, some aborted,
+crowds that preempt the probe, chunked prompts, prefix-cache hits, overlapped scheduling,
+n-gram speculation), on the tiny Llama in float32 and on each of `CASES` (bfloat16 with
+soft-caps and sliding windows; a mixture of experts with a sliding window on FP8 KV pages);
+the same workload with the mode off does differ (so the property can fail); the option's
+checks and its flag."""
 
 from __future__ import annotations
 
-import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -14,16 +17,25 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from arcjax import LLM, SamplingParams
 from arcjax.errors import EngineConfigError
+from support.device_caches import device_cache
 from support.engines import GEOMETRY as ENGINE_GEOMETRY, SCHEDULES
 from support.hf_models import DEEPSEEK_V2, tiny_model_dir
 
-ARCH = "LlamaForCausalLM"
+# (architecture, dtype, kv_cache_dtype) of a model and its cache.
+LLAMA_F32 = ("LlamaForCausalLM", "float32", "auto")
+# Two cases cover bfloat16, experts, sliding windows, soft-caps and FP8 pages (each case
+# compiles its own steps: the suite's time budget).
+CASES = [("Gemma2ForCausalLM", "bfloat16", "auto"),  # soft-caps, sliding and full layers
+         ("MixtralForCausalLM", "float32", "fp8")]  # experts, a sliding window, FP8 KV pages
 # The engine tests' cache geometry and first schedule: the mode-off engines share their
-# compiled steps with the other engine tests (and every engine here with each other).
+# compiled steps with the other engine tests (and every engine of a case here with each
+# other: the variations change scheduling only).
 GEOMETRY = {**ENGINE_GEOMETRY, **SCHEDULES[0]}
+SMALL_POOL = SCHEDULES[3]["num_kv_blocks"]  # the engine tests' preempting pool: 12 blocks of 8
 PROBE_TOKENS = 6
 PROBE = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
 SPEC = {"method": "ngram", "num_speculative_tokens": 2}
+_PROBES = itertools.count()  # request ids: engines are reused across examples
 
 
 def probe_prompt() -> list[int]:
@@ -39,57 +51,84 @@ def _bits(output) -> np.ndarray:
     return np.asarray(lp, np.float32).view(np.int32)
 
 
-@functools.lru_cache(maxsize=None)
-def _engine(invariant: bool, chunk: int | None, overlapped: bool, speculative: bool) -> LLM:
-    """One engine per schedule, reused across examples (what an earlier example left in its
-    prefix cache is one more variation the probe must not see)."""
-    options = dict(GEOMETRY, batch_invariant=invariant, async_scheduling=overlapped,
+def _options(case, invariant: bool) -> dict:
+    arch, dtype, kv_dtype = case
+    return dict(GEOMETRY, dtype=dtype, kv_cache_dtype=kv_dtype, batch_invariant=invariant)
+
+
+@device_cache
+def _engine(invariant: bool, chunk: int | None, overlapped: bool, speculative: bool,
+            case=LLAMA_F32, small_pool: bool = False) -> LLM:
+    """One engine per case and schedule, reused across examples (what an earlier example
+    left in its prefix cache is one more variation the probe must not see); `small_pool`:
+    the preempting schedule's KV pool (`SMALL_POOL`)."""
+    options = dict(_options(case, invariant), async_scheduling=overlapped,
                    enable_prefix_caching=True)
+    if small_pool:
+        options["num_kv_blocks"] = SMALL_POOL
     if chunk is not None:
         options["long_prefill_token_threshold"] = chunk
     if speculative:
         options["speculative_config"] = SPEC
-    return LLM(tiny_model_dir(ARCH), **options)
+    return LLM(tiny_model_dir(case[0]), **options)
 
 
-@functools.lru_cache(maxsize=None)
-def solo(invariant: bool) -> tuple[tuple[int, ...], bytes]:
+@device_cache
+def solo(invariant: bool, case=LLAMA_F32) -> tuple[tuple[int, ...], bytes]:
     """The probe alone on a fresh engine: one chunk, serial, no prefix cache."""
-    llm = LLM(tiny_model_dir(ARCH), **GEOMETRY, batch_invariant=invariant,
-              async_scheduling=False, enable_prefix_caching=False)
+    llm = LLM(tiny_model_dir(case[0]), **_options(case, invariant), async_scheduling=False,
+              enable_prefix_caching=False)
     out = llm.generate([probe_prompt()], PROBE, use_tqdm=False)[0]
     return tuple(out.outputs[0].token_ids), _bits(out).tobytes()
 
 
-def run_probe(llm: LLM, others: list[tuple[int, int, int]], prefix_hit: int, seed: int):
-    """The probe among `others` ((arrival step, prompt length, new tokens) each), after a
-    request that leaves its first `prefix_hit` tokens in the prefix cache. Returns the
-    probe's (tokens, logprob bits)."""
+def run_probe(llm: LLM, others: list[tuple[int, int, int, int | None]], prefix_hit: int,
+              seed: int, preempted: set | None = None):
+    """The probe among `others` ((arrival step, prompt length, new tokens, steps after its
+    arrival it is aborted at or None) each), after a request that leaves its first
+    `prefix_hit` tokens in the prefix cache. Returns the probe's (tokens, logprob bits);
+    the ids of the requests the scheduler preempted are added to `preempted`."""
     rs = np.random.RandomState(seed)
     prompt = probe_prompt()
     if prefix_hit:
         warm = prompt[:prefix_hit] + rs.randint(3, 384, 3).tolist()
         llm.generate([warm], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
-    pending = sorted(others)
-    probe_id = f"probe-{seed}-{prefix_hit}"
-    llm.add_request(prompt, PROBE, request_id=probe_id)
-    final, step = None, 0
-    while llm.has_unfinished() or pending:
-        while pending and pending[0][0] <= step:
-            _, length, new = pending.pop(0)
-            llm.add_request(rs.randint(3, 384, length).tolist(),
-                            SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
-        for out in llm.step():
-            if out.request_id == probe_id and out.finished:
-                final = out
-        step += 1
+    pending, aborts = sorted(others, key=lambda o: o[:3]), []
+    probe_id = f"probe-{next(_PROBES)}"
+    if preempted is not None:
+        llm.engine.trace_sink = lambda record: preempted.update(
+            record.engaged.get("preempted") or ())
+    final, step = None, -1  # requests arriving at step -1 come before the probe
+    try:
+        while step < 1 or llm.has_unfinished() or pending:
+            if step == 0:
+                llm.add_request(prompt, PROBE, request_id=probe_id)
+            while pending and pending[0][0] <= step:
+                _, length, new, abort_after = pending.pop(0)
+                rid = llm.add_request(rs.randint(3, 384, length).tolist(), SamplingParams(
+                    max_tokens=new, temperature=0, ignore_eos=True))
+                if abort_after is not None:
+                    aborts.append((step + abort_after, rid))
+            for at, rid in [a for a in aborts if a[0] <= step]:
+                llm.abort(rid)
+                aborts.remove((at, rid))
+            for out in llm.step() if step >= 0 else ():
+                if out.request_id == probe_id and out.finished:
+                    final = out
+            step += 1
+    finally:
+        llm.engine.trace_sink = None
     assert final is not None
     return tuple(final.outputs[0].token_ids), _bits(final).tobytes()
 
 
+# Other requests: (arrival step, -1 before the probe; prompt length; new tokens; aborted that
+# many steps after arrival, or never).
+_abort_after = st.one_of(st.none(), st.integers(0, 4))
+_others = st.lists(st.tuples(st.integers(-1, 3), st.integers(1, 60), st.integers(1, 6),
+                             _abort_after), max_size=4)
 workloads = st.fixed_dictionaries(dict(
-    others=st.lists(st.tuples(st.integers(0, 3), st.integers(1, 60), st.integers(1, 6)),
-                    max_size=4),
+    others=_others,
     chunk=st.sampled_from([None, 16, 32]),
     prefix_hit=st.sampled_from([0, 8, 16, 24]),
     overlapped=st.booleans(),
@@ -106,13 +145,40 @@ def test_probe_logprobs_are_bitwise_its_solo_run(w):
     assert (tokens, bits) == solo(True)
 
 
+case_workloads = st.fixed_dictionaries(dict(
+    others=_others, chunk=st.sampled_from([None, 16]), prefix_hit=st.sampled_from([0, 16, 24]),
+    overlapped=st.booleans(), seed=st.integers(0, 2 ** 16)))
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
+@settings(max_examples=2, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(w=case_workloads)
+def test_probe_logprobs_are_bitwise_its_solo_run_on_each_case(case, w):
+    llm = _engine(True, w["chunk"], w["overlapped"], False, case)
+    tokens, bits = run_probe(llm, w["others"], w["prefix_hit"], w["seed"])
+    assert (tokens, bits) == solo(True, case)
+
+
+def test_a_preempted_probe_is_bitwise_its_solo_run(case=LLAMA_F32):
+    """In the small pool an earlier request's growth preempts the probe (the largest key):
+    its prompt and the tokens it had are computed again as one prefill, beside the other's
+    decodes; in the second run the other request is aborted mid-run instead of finishing."""
+    llm = _engine(True, 16, False, False, case, small_pool=True)
+    for other in ((-1, 47, 8, None), (-1, 47, 20, 8)):
+        preempted: set = set()
+        tokens, bits = run_probe(llm, [other], 0, 0, preempted)
+        assert any(rid.startswith("probe-") for rid in preempted), preempted
+        assert (tokens, bits) == solo(True, case)
+
+
 def test_the_same_workloads_differ_with_the_mode_off():
     """Without the mode the probe's bits follow its batch and its chunking (XLA:CPU's
     products follow the row count; the attention's tiles follow the chunk), while its
     greedy tokens do not: what the property above would catch if the mode broke."""
     base_tokens, base_bits = solo(False)
     tokens, bits = run_probe(_engine(False, None, False, False),
-                             [(0, 30, 6), (0, 50, 6), (1, 12, 6)], 0, 1)
+                             [(0, 30, 6, None), (0, 50, 6, None), (1, 12, 6, None)], 0, 1)
     assert tokens == base_tokens
     assert bits != base_bits
 
@@ -122,12 +188,10 @@ def test_the_mode_is_a_checked_option_and_a_server_flag():
     from arcjax.entrypoints.cli import parse_serve
 
     for options, field in ((dict(batch_invariant="yes"), "batch_invariant"),
-                           (dict(batch_invariant=True, attention_impl="pallas_gpu"),
-                            "attention_impl"),
                            (dict(batch_invariant=True, packed_matmul_impl="w4a16"),
                             "packed_matmul_impl"),
                            (dict(batch_invariant=True, enable_lora=True), "enable_lora"),
-                           (dict(batch_invariant=True, tensor_parallel_size=2),
+                           (dict(batch_invariant=True, tensor_parallel_size=4),
                             "tensor_parallel_size"),
                            (dict(batch_invariant=True, expert_parallel_size=2),
                             "expert_parallel_size")):
@@ -139,6 +203,8 @@ def test_the_mode_is_a_checked_option_and_a_server_flag():
     assert e.value.field == "batch_invariant"
     config = EngineConfig.from_options(None, batch_invariant=True)
     assert config.step_attention_impl == "xla"
+    config = EngineConfig.from_options(None, batch_invariant=True, attention_impl="triton")
+    assert config.step_attention_impl == "triton"  # the kernel's batch-invariant plan
     assert EngineConfig.from_options(None).step_attention_impl == "auto"
     assert parse_serve(["serve", "--batch-invariant"]).engine_options == {
         "batch_invariant": True}

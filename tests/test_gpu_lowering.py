@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import AttentionInputs, gpu_plan, lowering, pallas_gpu, ragged_paged_attention
+from pallas_kernels import AttentionInputs, api, gpu_plan, lowering, pallas_gpu
+from pallas_kernels import ragged_paged_attention
 
 _UNAVAILABLE = lowering.cuda_lowering_unavailable()
 pytestmark = pytest.mark.skipif(_UNAVAILABLE is not None, reason=_UNAVAILABLE or "")
@@ -149,3 +150,21 @@ def test_sliding_window_and_softcap_variants_lower(kind, dtype, softcap):
     ir = modules[0].ir
     assert ir.count("scf.for") == 3  # the window's left edge, the middle, the diagonal
     assert ("tanh" in ir) == (softcap is not None)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("max_q_len", [1, NUM_TOKENS], ids=["decode", "mixed"])
+def test_batch_invariant_kernel_lowers(max_q_len, dtype):
+    # The batch-invariant plan (one plan per cache geometry, no split-K, every key step
+    # masked), through the dispatch as the decoder calls it, with a window and a soft-cap.
+    inputs = _inputs(_abstract_args(4, 64, 16, dtype), sm_scale=64**-0.5,
+                     sliding_window=jax.ShapeDtypeStruct((), jnp.int32), logit_softcap=30.0,
+                     max_q_len=max_q_len, batch_invariant=True)
+    plan = api.gpu_plan_for(inputs, batch_invariant=True)
+    assert plan.num_splits == 1 and plan.all_masked
+    with lowering.capture_triton_ir() as modules:
+        text = lowering.lower_for_cuda(api.paged_attention, inputs, impl="pallas_gpu")
+    assert lowering.triton_kernel_calls(text) == 1
+    if not modules:
+        pytest.skip(IR_HIDDEN)
+    assert modules[0].ir.count("tt.dot ") >= 2

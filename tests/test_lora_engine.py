@@ -110,7 +110,7 @@ def test_bad_adapters_are_refused_at_submission_and_disturb_nothing(lora_llm):
     assert _generate(lora_llm) == _expected()
 
 
-def test_lora_requests_need_enable_lora_and_unsupported_mixes_are_refused():
+def test_lora_requests_need_enable_lora_and_bad_options_are_refused():
     llm = tiny_llm(ARCH)
     with pytest.raises(LoRAAdapterError) as e:
         llm.generate([5, 6, 7], GREEDY, use_tqdm=False,
@@ -119,6 +119,3 @@ def test_lora_requests_need_enable_lora_and_unsupported_mixes_are_refused():
     with pytest.raises(EngineConfigError) as e:
         tiny_llm(ARCH, enable_lora=True, max_lora_rank=0)
     assert e.value.field == "max_lora_rank"
-    with pytest.raises(EngineConfigError) as e:  # speculation: tests/test_lora_matrix.py
-        tiny_llm(ARCH, enable_lora=True, tensor_parallel_size=2)
-    assert e.value.field == "tensor_parallel_size"

@@ -3,8 +3,8 @@ for six adapters (ranks 2 to 16, all projections, attention or MLP only, rsLoRA)
 base model mixed in one `generate` call, in two device slots and three host slots: 48
 requests at once (token_budget, overlapped), every other
 policy (serial, overlapped), preemption; a structured-output constraint and
-log-probabilities with an adapter; n-gram speculative decoding verified with each row's
-adapter (a draft model is refused with adapters). The
+log-probabilities with an adapter; speculative decoding verified with each row's adapter,
+drafts from n-grams or from a draft model run without adapters. The
 engines have tests/test_lora_engine.py's shapes (`LORA_OPTIONS`): compiled steps are shared."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import pytest
 
 from arcjax import LLM, LoRARequest, SamplingParams
 from arcjax.engine.trace import summarize
-from arcjax.errors import EngineConfigError
 from arcjax.sampling_params import StructuredOutputsParams
 from support.engines import GEOMETRY
 from support.hf_models import tiny_model_dir, tiny_model_with_tokenizer
@@ -157,8 +156,7 @@ def test_logprobs_with_adapters_equal_peft(llm):
 
 def test_ngram_drafts_are_verified_with_each_rows_adapter():
     """Drafts from each request's own tokens, verified by the target with the row's
-    adapter: every output is PEFT's, drafts both accepted and rejected. A draft model is
-    refused with adapters (typed)."""
+    adapter: every output is PEFT's, drafts both accepted and rejected."""
     llm = _llm(speculative_config=NGRAM, async_scheduling=False)
     cases = _cases(len(NAMES))
     outs = _run(llm, cases)
@@ -167,7 +165,69 @@ def test_ngram_drafts_are_verified_with_each_rows_adapter():
     assert counts["num_draft_tokens"] > counts["num_accepted_tokens"] > 0
     assert llm.engine.adapters.pinned() == 0
     llm.engine.check_trace()
-    with pytest.raises(EngineConfigError) as e:
-        _llm(speculative_config={"method": "draft_model", "model": tiny_model_dir(ARCH),
-                                 "num_speculative_tokens": 3})
-    assert e.value.field == "speculative_config"
+
+
+def test_a_draft_model_proposes_without_adapters_and_the_target_verifies_with_them():
+    """The draft model is the base model itself, run without adapters: the base model's rows
+    accept every draft, the adapters' rows reject some (a draft run with the row's adapter
+    would be accepted in full), and every output is PEFT's."""
+    llm = _llm(speculative_config={"method": "draft_model", "model": tiny_model_dir(ARCH),
+                                   "num_speculative_tokens": 3}, async_scheduling=False)
+    cases = _cases(len(NAMES))
+    outs = _run(llm, cases)
+    assert [tuple(o.outputs[0].token_ids) for o in outs] == [_expected(n, i) for n, i in cases]
+    drafted = {True: [0, 0], False: [0, 0]}  # adapter row? -> [draft tokens, accepted]
+    for (name, _), out in zip(cases, outs):
+        drafted[name is not None][0] += out.metrics.num_draft_tokens
+        drafted[name is not None][1] += out.metrics.num_accepted_tokens
+    assert drafted[False][0] == drafted[False][1] > 0
+    assert drafted[True][0] > drafted[True][1]
+    assert llm.engine.adapters.pinned() == 0
+    llm.engine.check_trace()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_quantized_base_weights_with_adapters_equal_peft_on_the_dequantized_model(fmt):
+    """An FP8 / INT8 checkpoint (per output channel) stays quantized on the device, the
+    adapter's slots in the compute dtype: each row's tokens are PEFT's on the same weights
+    dequantized in float32."""
+    from support.quantized_models import quantized_checkpoint
+
+    qdir, fdir = quantized_checkpoint("channel", fmt, src=tiny_model_dir(ARCH))
+    adapters = {"q4": peft_adapter_dir(ARCH, rank=4, seed=80, model_dir=fdir),
+                "q16": peft_adapter_dir(ARCH, rank=16, seed=81, model_dir=fdir)}
+    llm = LLM(qdir, **{**GEOMETRY, **LORA_OPTIONS})
+    layers = llm.engine.runner.params["layers"]
+    assert str(layers["wq"].values.dtype) == ("float8_e4m3fn" if fmt == "fp8" else "int8")
+    assert {str(b.dtype) for pair in llm.engine.runner.lora.buffers.values()
+            for b in pair.values()} == {"float32"}
+    cases = [(name, _prompts()[name][1]) for name in (None, "a4", "a16")]
+    names = [None, "q4", "q16"]
+    outs = llm.generate([list(ids) for _, ids in cases], GREEDY, use_tqdm=False,
+                        lora_request=[None if n is None else LoRARequest(n, 200 + i, adapters[n])
+                                      for i, n in enumerate(names)])
+    want = [peft_greedy(fdir, adapters[n] if n else None, ids, MAX_TOKENS)
+            for n, (_, ids) in zip(names, cases)]
+    assert len({tuple(w) for w in want}) == len(want)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_bfloat16_adapters_score_like_peft_in_float32():
+    """bfloat16 weights and slots: a prompt of the adapter's PEFT greedy continuation is
+    scored (prompt log-probabilities) within bfloat16's error of PEFT's float32 scores,
+    which the base model's scores are not (greedy tokens in bfloat16 may differ)."""
+    llm = LLM(tiny_model_dir(ARCH), **{**GEOMETRY, **LORA_OPTIONS, "dtype": "bfloat16"})
+    assert {str(b.dtype) for pair in llm.engine.runner.lora.buffers.values()
+            for b in pair.values()} == {"bfloat16"}
+    name, ids = "a16", _prompts()["a16"][1]
+    continuation = _expected(name, ids)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    seq = [*ids, *continuation]
+    out = _run(llm, [(name, tuple(seq))], params)[0]
+    got = np.array([out.prompt_logprobs[len(ids) + i][t].logprob
+                    for i, t in enumerate(continuation)])
+    want = np.array(peft_logprobs(tiny_model_dir(ARCH), _dirs()[name], ids, continuation))
+    base = np.array(peft_logprobs(tiny_model_dir(ARCH), None, ids, continuation))
+    tolerance = 0.1
+    assert np.abs(got - want).max() < tolerance
+    assert np.abs(base - want).max() > 2 * tolerance, "the adapter changes too little"

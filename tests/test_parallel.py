@@ -1,5 +1,5 @@
-"""Tensor parallelism (arcjax.parallel) on 8 forced CPU devices, and two processes joined by
-jax.distributed on 127.0.0.1.
+"""Tensor parallelism (arcjax.parallel) on 8 forced CPU devices (LoRA adapters included), and
+two processes joined by jax.distributed on 127.0.0.1.
 
 The multi-device runs happen in subprocesses (this file run as a script): the test process
 keeps its single CPU device. Every subprocess is bounded by a timeout.
@@ -102,7 +102,34 @@ def _run_tensor_parallel(model_dirs: dict) -> dict:
             errors[tp] = e.field
     out["errors"] = errors
     out["spec"] = _run_speculative(model_dirs["LlamaForCausalLM"])
+    out["invariant"] = _run_batch_invariant(model_dirs["LlamaForCausalLM"])
     return out
+
+
+def _run_batch_invariant(model_dir: str) -> list:
+    """tp=2 with batch_invariant: a probe's greedy tokens and logprob bits alone, then last
+    in two batch mixes of random other requests (the second with prompts chunked at 16)."""
+    import numpy as np
+
+    import arcjax
+
+    probe = (np.random.default_rng(5).integers(3, 380, 7).tolist() * 6)[:40]
+    params = arcjax.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
+                                   logprobs=0)
+    rng, runs = np.random.default_rng(1), []
+    for chunk, others in ((None, 0), (None, 3), (16, 4)):
+        options = dict(GEOMETRY, tensor_parallel_size=2, batch_invariant=True)
+        if chunk is not None:
+            options["long_prefill_token_threshold"] = chunk
+        llm = arcjax.LLM(model_dir, **options)
+        prompts = [rng.integers(3, 380, size=int(n)).tolist()
+                   for n in rng.integers(1, 60, others)]
+        done = llm.generate([*prompts, probe], params, use_tqdm=False)[-1].outputs[0]
+        bits = np.asarray([e[t].logprob for e, t in zip(done.logprobs, done.token_ids)],
+                          np.float32).view(np.int32)
+        runs.append([list(done.token_ids), bits.tolist()])
+        del llm
+    return runs
 
 
 def _run_speculative(model_dir: str) -> dict:
@@ -122,6 +149,35 @@ def _run_speculative(model_dir: str) -> dict:
                       "accepted": sum(r.spec_accepted_tokens for r in llm.engine.trace)}
         del llm
     return runs
+
+
+def _lora_cases(adapters: dict) -> tuple[list[list[int]], list]:
+    """Prompts of the base model (None) and of every adapter, mixed."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    names = [None, *adapters]
+    return [rng.integers(3, 380, size=n).tolist() for n in (23, 9, 40, 5)], names
+
+
+def _run_lora(model_dir: str, adapters: dict) -> dict:
+    """Three LoRA adapters and the base model mixed in one call under tp=2, in two slots
+    (slots written under the mesh), and how the slot buffers are split."""
+    import arcjax
+
+    prompts, names = _lora_cases(adapters)
+    requests = [None if n is None else arcjax.LoRARequest(n, i + 1, adapters[n])
+                for i, n in enumerate(names)]
+    llm = arcjax.LLM(model_dir, tensor_parallel_size=2, enable_lora=True, max_loras=2,
+                     max_lora_rank=16, **GEOMETRY)
+    outs = llm.generate(prompts, arcjax.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                       ignore_eos=True),
+                        use_tqdm=False, lora_request=requests)
+    table = llm.engine.runner.lora
+    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "swaps": table.swaps,
+            "specs": {key: {part: [str(a) for a in getattr(buf.sharding, "spec", ())]
+                            for part, buf in pair.items()}
+                      for key, pair in table.buffers.items()}}
 
 
 def _run_host(model_dir: str, process_id: int, port: int) -> dict:
@@ -154,9 +210,23 @@ def _run_host(model_dir: str, process_id: int, port: int) -> dict:
 def model_dirs():
     from support.hf_models import tiny_llama_8_heads_dir, tiny_model_dir, tiny_model_with_tokenizer
 
+    from support.lora_adapters import ATTENTION_TARGETS, peft_adapter_dir
+
     dirs = {arch: tiny_model_dir(arch) for arch, _ in CASES if arch.endswith("CausalLM")}
-    return dirs | {"Llama8Heads": tiny_llama_8_heads_dir(),
+    lora = {"r4": peft_adapter_dir(rank=4, seed=41), "r16": peft_adapter_dir(rank=16, seed=42),
+            "attn8": peft_adapter_dir(rank=8, seed=43, targets=ATTENTION_TARGETS)}
+    return dirs | {"Llama8Heads": tiny_llama_8_heads_dir(), "lora": lora,
                    "LlamaWithTokenizer": tiny_model_with_tokenizer("LlamaForCausalLM")}
+
+
+@pytest.fixture(scope="module")
+def lora_results(model_dirs):
+    """The LoRA run: its own subprocess (the tp one is long already)."""
+    proc = subprocess.run([sys.executable, __file__, "lora", json.dumps(model_dirs)],
+                          env=_env(2), capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +288,39 @@ def test_structured_outputs_under_tensor_parallelism(tp_results):
 
 
 @pytest.mark.slow
+def test_batch_invariant_under_tensor_parallelism(tp_results):
+    # the probe's tokens and logprob bits under tp=2 do not follow its batch or chunking
+    alone, *mixed = tp_results["invariant"]
+    assert len(alone[0]) == MAX_TOKENS and mixed == [alone] * len(mixed)
+
+
+@pytest.mark.slow
 def test_bad_tensor_parallel_size_names_the_field(tp_results):
     assert tp_results["errors"] == {"3": "tensor_parallel_size", "8": "tensor_parallel_size"}
+
+
+@pytest.mark.slow
+def test_lora_adapters_under_tensor_parallelism_equal_peft(lora_results, model_dirs):
+    """Slot buffers split like their base weights (column-parallel q/k/v/gate/up: B's out;
+    row-parallel o/down: A's in), and each row's greedy tokens are transformers + PEFT's."""
+    from support.lora_adapters import peft_greedy
+
+    adapters = model_dirs["lora"]
+    prompts, names = _lora_cases(adapters)
+    base = model_dirs["LlamaForCausalLM"]
+    want = [peft_greedy(base, None if n is None else adapters[n], p, MAX_TOKENS)
+            for p, n in zip(prompts, names)]
+    assert any(w != peft_greedy(base, None, p, MAX_TOKENS)
+               for p, w, n in zip(prompts, want, names) if n), "the adapters change nothing"
+    run = lora_results
+    assert run["tokens"] == want
+    assert run["swaps"] > 2, "three adapters in two slots must swap"
+    column, row = [None, None, None, "tp"], [None, None, "tp", None]
+    for key, pair in run["specs"].items():
+        split = "a" if key in ("wo", "w_down") else "b"
+        whole = "b" if split == "a" else "a"
+        assert pair[split] == [str(a) for a in (row if split == "a" else column)], key
+        assert pair[whole] in ([], ["None"] * 4), key
 
 
 def _free_port() -> int:
@@ -256,6 +357,9 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "tp":
         result = _run_tensor_parallel(json.loads(sys.argv[2]))
+    elif mode == "lora":
+        dirs = json.loads(sys.argv[2])
+        result = _run_lora(dirs["LlamaForCausalLM"], dirs["lora"])
     else:
         result = _run_host(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     print(json.dumps(result))

@@ -65,6 +65,51 @@ def test_shardings_derived_from_specs():
     assert tuple(tp_v.param_shardings(_cfg())["embed"].spec) == ("tp", None)
 
 
+def _deepseek_v3(**kw):
+    """A DeepSeek-V3 config (latent attention, a dense first layer, shared experts)."""
+    d = dict(architectures=["DeepseekV3ForCausalLM"], vocab_size=384, hidden_size=64,
+             intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=4, max_position_embeddings=512, kv_lora_rank=32,
+             q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
+             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             n_shared_experts=2, first_k_dense_replace=1, n_group=4, topk_group=2,
+             norm_topk_prob=True)
+    return ModelConfig.from_hf_dict({**d, **kw})
+
+
+def test_latent_attention_splits_by_head_over_whole_latent_pages():
+    """Latent attention under tp = 2 (docs/decisions/0025-latent-attention-replicated.md):
+    the query, key/value up-projections and output split by head, the latent projection and
+    its norm replicated, the latent pages whole on every device (no KV head to repeat),
+    the dense layer and shared experts split like dense MLPs, the experts by "ep"."""
+    cfg = _deepseek_v3()
+    check_tensor_parallel(cfg, 2, 2)
+    assert kv_repeat(cfg, 4) == 1 and sharded_config(cfg, 4) is cfg
+    mesh = TensorParallel.create(cfg, 1).mesh
+    tp = TensorParallel(mesh, logical_rules(cfg, 2))
+    sh = tp.param_shardings(cfg)
+    layers, dense = sh["layers"], sh["dense_layers"]
+    for stack in (layers, dense):
+        assert tuple(stack["wq_b"].spec) == (None, None, "tp")
+        assert tuple(stack["wkv_b"].spec) == (None, None, "tp")
+        assert tuple(stack["wo"].spec) == (None, "tp", None)
+        assert all(a is None for a in stack["wkv_a"].spec)
+        assert all(a is None for a in stack["wq_a"].spec)
+        assert all(a is None for a in stack["kv_a_norm"].spec)
+    assert tuple(dense["w_gate"].spec) == (None, None, "tp")
+    assert tuple(layers["ws_down"].spec) == (None, "tp", None)
+    assert tuple(layers["we_gate"].spec) == (None, None, None, "tp")  # each expert's width
+    cache = tp.shardings(cache_specs(cfg, 4, 8))
+    assert all(a is None for a in cache["k"].spec) and all(a is None for a in cache["v"].spec)
+    ep, specs = TensorParallel(mesh, logical_rules(cfg, 2, 2)), param_specs(cfg)
+    assert tuple(ep.pspec(specs["layers"]["we_gate"].axes)) == (None, "ep", None, "tp")
+    assert tuple(ep.pspec(specs["layers"]["wkv_b"].axes)) == (None, None, ("ep", "tp"))
+    # tp must divide the dense layer's width too (a mixture of experts with dense layers)
+    with pytest.raises(EngineConfigError, match="intermediate_size 126") as e:
+        check_tensor_parallel(_deepseek_v3(intermediate_size=126), 4)
+    assert e.value.field == "tensor_parallel_size"
+
+
 def _pair(**kw):
     t = LocalTransport()
     return t, StepSync(t, 0, 2, **kw), StepSync(t, 1, 2, **kw)

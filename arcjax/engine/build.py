@@ -99,7 +99,8 @@ def _default_num_blocks(cfg, dtype, block_size: int, max_blocks: int, max_num_se
     gpu_memory_utilization) what `utilization` of its whole memory leaves once the
     weights are in; on a device that reports no memory (CPU), room for max_num_seqs
     sequences (at most `cpu_kv_cache_bytes()`)."""
-    # Per device: the cache is split by KV head over tp devices (cfg: the sharded config).
+    # Per device: the cache is split `tp` ways (by KV head, cfg the sharded config; latent
+    # attention's pages are whole on every device: `TensorParallel.cache_split`).
     # A block holds `num_slots` layers' pages (arcjax/model/kv_layout.py).
     slots = cfg.num_layers if num_slots is None else num_slots
     per_block = (slots * block_size * cfg.kv_values_per_token() * dtype.itemsize) // tp
@@ -184,7 +185,8 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
     kv = kv_layout(cfg, hybrid=not config.disable_hybrid_kv_cache_manager)
     num_blocks = config.num_kv_blocks or _default_num_blocks(
         cfg, kv_dtype, config.scheduler.block_size, kv.num_groups * max_blocks,
-        config.scheduler.max_num_seqs, config.kv_memory_fraction, config.tensor_parallel_size,
+        config.scheduler.max_num_seqs, config.kv_memory_fraction,
+        1 if parallel is None else parallel.cache_split(cfg),
         kv.num_slots, config.gpu_memory_utilization)
     pages = page_shapes(cfg, config.scheduler.block_size)  # K's and V's, every device's
     host_blocks = HostKVPool.slots_for(int(config.kv_offloading_size * (1 << 30)),
@@ -248,8 +250,7 @@ def _check_latent_attention(config: EngineConfig, source: ModelSource) -> None:
     scales), weights quantized at load (`quant.quantize_params` walks one layer stack) and
     packed checkpoints (untested), LoRA adapters (none target its projections),
     batch-invariant mode (the latent kernels have no fixed tiles), and attention
-    implementations other than `pallas_kernels.mla`'s. Tensor and expert parallelism are
-    refused by `arcjax.parallel.layout.check_tensor_parallel`."""
+    implementations other than `pallas_kernels.mla`'s."""
     cfg = model_config(source)
     if not cfg.is_mla:
         return

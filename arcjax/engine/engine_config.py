@@ -71,8 +71,8 @@ class EngineConfig:
         default model.
       revision: a Hub id's branch, tag or commit (None = "main"); ignored for local paths.
       quantization: None = the checkpoint's weights as stored (FP8/INT8 checkpoints stay
-        quantized; AWQ, GPTQ and compressed-tensors pack-quantized checkpoints and GGUF
-        files stay packed); "fp8" (e4m3, per-channel scales) or "int8" (per-channel)
+        quantized; AWQ, GPTQ and compressed-tensors pack-quantized checkpoints, GGUF
+        files and gpt-oss's MXFP4 experts stay packed); "fp8" (e4m3, per-channel scales) or "int8" (per-channel)
         quantizes a float checkpoint (or a GGUF file, dequantized first) at load;
         "dequantize" stores every weight in the compute dtype (the comparison baseline).
         Weights stay quantized or packed on the device; the step dequantizes them inside
@@ -164,10 +164,11 @@ class EngineConfig:
       batch_invariant: every request's logprobs bitwise the same whatever else the engine
         runs beside it, however its prompt is chunked, whatever the prefix cache held and
         whether its drafts are verified (docs/design/batch-invariance.md): every row-wise
-        operation runs over fixed row tiles and attention on the xla path's fixed query
-        tiles and position-aligned key blocks. attention_impl and packed_matmul_impl "auto"
-        then mean "xla" (the GPU kernels refuse it); not with enable_lora or a mesh (tensor_parallel_size or
-        expert_parallel_size > 1).
+        operation runs over fixed row tiles and attention over fixed query tiles and
+        position-aligned key blocks (the xla path's, or the GPU kernels' batch-invariant
+        plan when attention_impl names one). attention_impl and packed_matmul_impl "auto"
+        then mean "xla"; tensor_parallel_size 1 or 2; not with enable_lora or
+        expert_parallel_size > 1.
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
         prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
@@ -309,14 +310,6 @@ class EngineConfig:
             raise EngineConfigError("enable_lora", f"must be a bool, got {self.enable_lora!r}")
         if self.enable_lora:
             self.lora_config()  # its fields checked now
-            # n-gram drafts are verified with each row's adapter; a draft model is not tested
-            if spec is not None and spec.method != "ngram":
-                raise EngineConfigError("speculative_config", "a draft model is not "
-                                        "supported with enable_lora yet (method 'ngram' is)")
-            for name, on in (("tensor_parallel_size", self.tensor_parallel_size > 1),
-                             ("expert_parallel_size", self.expert_parallel_size > 1)):
-                if on:
-                    raise EngineConfigError(name, "not supported with enable_lora yet")
             if _joined_processes() > 1:
                 raise EngineConfigError("enable_lora", "not supported across several "
                                         "processes yet")
@@ -334,21 +327,23 @@ class EngineConfig:
             raise EngineConfigError("packed_matmul_impl", f"batch_invariant runs XLA's "
                                     f"products (the W4A16 kernel's tiles are not fixed), got "
                                     f"{self.packed_matmul_impl!r}")
-        if self.attention_impl not in ("auto", "xla"):
-            raise EngineConfigError("attention_impl", f"batch_invariant is built on the xla "
-                                    f"attention path only (the GPU kernels' tiles follow the "
-                                    f"batch), got {self.attention_impl!r}")
+        if self.tensor_parallel_size > 2:
+            raise EngineConfigError("tensor_parallel_size", f"batch_invariant is built for 1 "
+                                    f"or 2 devices: from 3 on, an all-reduce sums a row's "
+                                    f"partials in an order set by its place in the buffer, "
+                                    f"got {self.tensor_parallel_size}")
         for name, on in (("enable_lora", self.enable_lora),
-                         ("tensor_parallel_size", self.tensor_parallel_size > 1),
                          ("expert_parallel_size", self.expert_parallel_size > 1)):
             if on:
                 raise EngineConfigError(name, "not supported with batch_invariant yet")
 
     @property
     def step_attention_impl(self) -> str:
-        """The attention implementation the steps run: "xla" in batch-invariant mode,
-        else `attention_impl`."""
-        return "xla" if self.batch_invariant else self.attention_impl
+        """The attention implementation the steps run: `attention_impl`, "auto" meaning
+        "xla" in batch-invariant mode (the GPU kernels' mode has had no GPU run yet)."""
+        if self.batch_invariant and self.attention_impl == "auto":
+            return "xla"
+        return self.attention_impl
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA options as one `LoRAConfig`, or None without enable_lora."""

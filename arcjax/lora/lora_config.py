@@ -3,7 +3,7 @@
 The fields carry vLLM's option names (`max_loras`, `max_lora_rank`, `max_cpu_loras`) plus
 `lora_impl`; frozen and hashable. `max_loras` is also the scheduler's
 (`SchedulerConfig.max_loras`): the adapters that may run at once, one device slot each.
-(The engine does not take these options yet: docs/design/lora.md.)
+`EngineConfig.lora_config` builds it from the engine options (docs/design/lora.md).
 """
 
 from __future__ import annotations

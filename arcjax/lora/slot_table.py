@@ -63,10 +63,10 @@ def lora_specs(cfg: ModelConfig, num_slots: int, rank: int) -> dict[str, dict[st
     return out
 
 
-@jax.jit
 def _set_slot(buffers, slot, values):
     """`buffers` with slot `slot` of every array replaced by `values` (same tree, no slot
-    axis). Not donated: a step in flight may still read the old buffers."""
+    axis). Jitted per table (its shardings); not donated: a step in flight may still read
+    the old buffers."""
     return jax.tree.map(lambda buf, v: buf.at[:, slot].set(v.astype(buf.dtype)), buffers, values)
 
 
@@ -86,21 +86,19 @@ class SlotTable:
         self.num_slots = max_loras + 1
         self.specs = lora_specs(cfg, self.num_slots, rank)
         self._parallel = parallel
+        # every buffer's sharding, from its spec's logical axes (None: one device)
+        self.shardings = None if parallel is None else parallel.shardings(self.specs)
+        placed = {} if parallel is None else {"out_shardings": self.shardings}
+        self._set_slot = jax.jit(_set_slot, **placed)
+        self._zeros = jax.jit(lambda: jax.tree.map(
+            lambda spec: jnp.zeros(spec.shape, self.dtype), self.specs,
+            is_leaf=lambda x: isinstance(x, ParamSpec)), **placed)
         self.buffers = self._zeros()
         self.slot_of: dict[int, int] = {}  # adapter key -> slot
         self._holder: list[int | None] = [None] * self.num_slots  # slot -> adapter key
         self._recent: OrderedDict[int, None] = OrderedDict()  # keys, least recent first
         self.swaps = 0  # adapters written into a slot
         self.load_seconds = 0.0  # host time spent writing them (dispatch, copies)
-
-    def _zeros(self):
-        def make(spec: ParamSpec):
-            if self._parallel is None:
-                return jnp.zeros(spec.shape, self.dtype)
-            return jax.jit(lambda: jnp.zeros(spec.shape, self.dtype),
-                           out_shardings=self._parallel.sharding(spec.axes))()
-
-        return jax.tree.map(make, self.specs, is_leaf=lambda x: isinstance(x, ParamSpec))
 
     def reset(self) -> None:
         """Every slot empty (the device state was lost)."""
@@ -151,7 +149,7 @@ class SlotTable:
             values = {name: {part: jax.device_put(v, self._parallel.sharding(
                 self.specs[name][part].axes[:1] + self.specs[name][part].axes[2:]))
                 for part, v in pair.items()} for name, pair in values.items()}
-        self.buffers = _set_slot(self.buffers, np.int32(slot), values)
+        self.buffers = self._set_slot(self.buffers, np.int32(slot), values)
         self.slot_of[key] = slot
         self._holder[slot] = key
         self._recent[key] = None

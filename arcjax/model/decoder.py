@@ -149,7 +149,7 @@ def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: 
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     if cfg.is_mla:  # latent attention: its own implementations (`pallas_kernels.mla`)
         return _latent_choice(cache, cfg=cfg, attn_impl=attn_impl, tokens=tokens,
-                              max_q_len=max_q_len, dtype=dtype, platform=platform)
+                              max_q_len=max_q_len, dtype=dtype, platform=platform, tp=tp)
     q = sds((tokens, cfg.num_heads // tp, cfg.head_dim), dtype)
     pages = sds((k.shape[0], k.shape[1], k.shape[2] // tp, k.shape[3]), k.dtype)
     scale = sds((), jnp.float32) if "k_scale" in cache else None
@@ -174,14 +174,16 @@ def _latent_inputs(cfg: ModelConfig, *, q_latent, q_rope, latent_pages, rope_pag
 
 
 def _latent_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: int,
-                   max_q_len: int | None, dtype, platform: str | None) -> Choice:
+                   max_q_len: int | None, dtype, platform: str | None, tp: int) -> Choice:
     """`attention_choice` of a latent attention model (`pallas_kernels.mla.MLA_IMPLS`; a
-    GPU kernel no recorded pass vouches for yet: verified False)."""
+    GPU kernel no recorded pass vouches for yet: verified False): per device, its
+    `num_heads // tp` heads over the whole latent pages."""
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     latent, rope = cache["k"], cache["v"]  # [P * num_blocks, block_size, 1, Dl / Dr]
+    heads = cfg.num_heads // tp
     inputs = _latent_inputs(
-        cfg, q_latent=sds((tokens, cfg.num_heads, latent.shape[3]), dtype),
-        q_rope=sds((tokens, cfg.num_heads, rope.shape[3]), dtype),
+        cfg, q_latent=sds((tokens, heads, latent.shape[3]), dtype),
+        q_rope=sds((tokens, heads, rope.shape[3]), dtype),
         latent_pages=sds(latent.shape[:2] + latent.shape[3:], latent.dtype),
         rope_pages=sds(rope.shape[:2] + rope.shape[3:], rope.dtype),
         block_tables=sds((1, 1), i32), kv_lens=sds((1,), i32), cu_seqlens_q=sds((2,), i32),
@@ -268,6 +270,17 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
             dataclasses.replace(inputs, k_pages=kc, v_pages=vc), impl=attn_impl)
         return out.astype(inputs.q.dtype), kc, vc
 
+    def paged_latent(inputs: MLAInputs, latent: jax.Array, k_pe: jax.Array,
+                     slots: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """This step's latents and rope keys into the pages, then latent attention over
+        them. latent [T, Dl], k_pe [T, Dr]; slots [T]. Returns (out [T, Hq, Dl] in the
+        latent space, latent_pages, rope_pages)."""
+        lat, rope = mla_kernels.write_latent(inputs.latent_pages, inputs.rope_pages, latent,
+                                             k_pe, slots)
+        out = mla_kernels.mla_attention(
+            dataclasses.replace(inputs, latent_pages=lat, rope_pages=rope), impl=attn_impl)
+        return out.astype(inputs.q_latent.dtype), lat, rope
+
     def layer(block, carry, xs):
         x, k_cache, v_cache = carry
         l, const, lora_ab = xs
@@ -297,16 +310,20 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
         def attend_latent(q, latent, k_pe):  # q [T, Hq, dn+dr], latent / k_pe [T, 1, D]
             lat_pages, rope_pages = (c.reshape(c.shape[0], c.shape[1], c.shape[3])
                                      for c in (k_cache, v_cache))  # drop the unit head axis
-            lat_pages, rope_pages = mla_kernels.write_latent(lat_pages, rope_pages,
-                                                             latent[:, 0], k_pe[:, 0], slots)
-            q_latent, q_rope = block.attn.absorb(q)
+            q_latent, q_rope = block.attn.absorb(q)  # [T, Hq, Dl], [T, Hq, Dr]
             inputs = _latent_inputs(
                 cfg, q_latent=q_latent, q_rope=q_rope, latent_pages=lat_pages,
                 rope_pages=rope_pages,
                 block_tables=batch.block_tables[group] + slot * num_blocks,
                 kv_lens=batch.kv_lens, cu_seqlens_q=batch.cu_seqlens_q,
                 num_seqs=batch.num_seqs, max_q_len=max_q_len)
-            out = mla_kernels.mla_attention(inputs, impl=attn_impl).astype(q.dtype)
+            if parallel is None:
+                out, lat_pages, rope_pages = paged_latent(inputs, latent[:, 0], k_pe[:, 0],
+                                                          slots)
+            else:  # per device: its heads over the whole (replicated) latent pages
+                out, lat_pages, rope_pages = parallel.attention_map(
+                    paged_latent, inputs, latent[:, 0], k_pe[:, 0], slots,
+                    args_axes=((None, None), (None, None), ()))
             return block.attn.values(out), (lat_pages.reshape(k_cache.shape),
                                             rope_pages.reshape(v_cache.shape))
 

@@ -41,8 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from arcjax.model.expert_ffn import ExpertAct, activation, dense_ffn, down_bias_sum, experts_ffn
-from arcjax.model.packed import PackedWeight
-from arcjax.model.quant import QuantizedWeight, dense, weight_axes
+from arcjax.model.quant import PACKED, QuantizedWeight, dense, weight_axes
 from arcjax.model.routing import RouterConfig, select
 
 IMPLS = ("auto", "ragged_dot", "tiled", "dense")
@@ -100,9 +99,10 @@ def _shardable(w, dtype, width_split: bool, row_split: int = 1):
     axis is the width; gate's and up's is not). A quantized weight stays quantized when its
     scales split with its values: one scale per column (or per tensor) when only columns
     split, one per channel (or per tensor) when rows split too; a packed one when each
-    device's rows keep their groups' scales (`PackedWeight.splits_rows`). Others are
+    device's rows keep their groups' scales (`splits_rows`: `PackedWeight`'s, MXFP4's whole
+    blocks). Others are
     dequantized first (GSPMD). A split by expert alone keeps every matrix whole."""
-    if isinstance(w, PackedWeight):
+    if isinstance(w, PACKED):
         return w if row_split == 1 or w.splits_rows(row_split) else dense(w, dtype)
     if not isinstance(w, QuantizedWeight) or not width_split:
         return w
@@ -144,8 +144,8 @@ def moe_mlp(h: jax.Array, lp: dict, experts: dict, layer: jax.Array, *, num_expe
         router_correction [E] (DeepSeek-V3's e_score_correction_bias), ws_gate/ws_up
         [H, Is], ws_down [Is, H] (shared experts) and ws_router [H, 1] (Qwen2-MoE's gate).
       experts: every layer's expert weights (`EXPERT_WEIGHTS`): we_gate/we_up [L, E, H, I],
-        we_down [L, E, I, H]; arrays, `QuantizedWeight`s or `PackedWeight`s (scales
-        [L, E, ...]); with `EXPERT_BIASES` (gpt-oss) be_gate/be_up [L, E, I], be_down
+        we_down [L, E, I, H]; arrays, `QuantizedWeight`s, `PackedWeight`s or `Mxfp4Weight`s
+        (scales [L, E, ...]); with `EXPERT_BIASES` (gpt-oss) be_gate/be_up [L, E, I], be_down
         [L, E, H].
       layer: scalar int32, this layer.
       num_experts, top_k, renormalize: from the model config.

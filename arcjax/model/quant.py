@@ -19,7 +19,8 @@ grouped GEMMs. Embeddings, norms, biases, routers and the LM head stay in the co
 dtype (as FP8 checkpoints on the Hub keep them).
 
 Packed low-bit weights (`arcjax.model.packed.PackedWeight`: GGUF's quant types, AWQ, GPTQ,
-compressed-tensors W4A16) go through the same three functions (`dense`, `dense_at`, the
+compressed-tensors W4A16; `arcjax.model.mxfp4_weight.Mxfp4Weight`: gpt-oss's MXFP4
+experts, both `PACKED`) go through the same three functions (`dense`, `dense_at`, the
 specs); a GGUF file's embedding and LM head stay packed too (`embedding_rows` gathers
 the step's token rows, `tied_head` is the tied LM head).
 
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from arcjax.model.layer_arrays import LayerArrays
+from arcjax.model.mxfp4_weight import Mxfp4Weight
 from arcjax.model.packed import PackedWeight
 
 FP8 = jnp.float8_e4m3fn
@@ -47,6 +49,7 @@ SCALE_CANDIDATES = 32  # FP8 block scales tried, spread over one octave
 # Layer weights that may be stored quantized (the linear projections): attention, the dense
 # MLP, the stacked experts [L, E, in, out] and Qwen2-MoE's shared expert. A model has a
 # subset of them (a mixture of experts has no w_gate).
+PACKED = (PackedWeight, Mxfp4Weight)  # the packed kinds: one protocol (map_arrays, leaf_axes)
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
                   "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down",
                   "wq_a", "wq_b", "wkv_a", "wkv_b")  # the last four: latent attention's
@@ -83,7 +86,7 @@ class QuantizedWeight:
 
 def dense(w, dtype) -> jax.Array:
     """A linear weight in `dtype`: cast, or dequantized when stored quantized or packed."""
-    if isinstance(w, (QuantizedWeight, PackedWeight)):
+    if isinstance(w, (QuantizedWeight, *PACKED)):
         return w.dequantize(dtype)
     return w.astype(dtype)
 
@@ -94,7 +97,7 @@ def dense_at(w, index: tuple, dtype) -> jax.Array:
     share the values' leading axes) and is dequantized here."""
     if isinstance(w, QuantizedWeight):
         return QuantizedWeight(w.values[index], w.scale[index], w.block).dequantize(dtype)
-    if isinstance(w, PackedWeight):
+    if isinstance(w, PACKED):
         return w.map_arrays(lambda x: x[index]).dequantize(dtype)
     return w[index].astype(dtype)
 
@@ -136,7 +139,7 @@ def weight_axes(w, axes: tuple, degree=None):
     an axis splits over, which decides whether a packed weight's rows split)."""
     if isinstance(w, QuantizedWeight):
         return QuantizedWeight(axes, scale_axes(w, axes), w.block)
-    if isinstance(w, PackedWeight):
+    if isinstance(w, PACKED):
         return w.leaf_axes(axes, degree)
     return axes
 
@@ -192,7 +195,7 @@ def quantize_params(params: dict, fmt: str, shardings=None) -> dict:
     layers = dict(params["layers"])
     for name in LINEAR_WEIGHTS:
         w = layers.get(name)
-        if w is None or isinstance(w, (QuantizedWeight, PackedWeight)):
+        if w is None or isinstance(w, (QuantizedWeight, *PACKED)):
             continue
         out = None if shardings is None else shardings["layers"][name]
         layers[name] = jax.jit(quantize, static_argnums=1, out_shardings=out)(w, fmt)
@@ -215,7 +218,7 @@ def quantized_specs(specs: dict, params: dict, degree=None) -> dict:
 
     layers = dict(specs["layers"])
     for name, w in params["layers"].items():
-        if isinstance(w, (QuantizedWeight, PackedWeight)):
+        if isinstance(w, (QuantizedWeight, *PACKED)):
             layers[name] = spec_of(w, layers[name], layers[name].axes)
     out = {**specs, "layers": layers}
     for name in ("embed", "lm_head"):
@@ -226,19 +229,25 @@ def quantized_specs(specs: dict, params: dict, degree=None) -> dict:
     return out
 
 
-def weight_dtype(params: dict) -> str:
-    """The storage dtype of the layer weights ("float8_e4m3fn", "int8", "bfloat16", or a
-    packed format: "q4_1", "awq", ...)."""
-    w = params["layers"]["wo"]  # every attention has its output projection
+def weight_dtype(params: dict, name: str = "wo") -> str:
+    """The storage dtype of layer weight `name` ("float8_e4m3fn", "int8", "bfloat16", or a
+    packed format: "q4_1", "awq", "mxfp4", ...); by default the attention output
+    projection's (every attention has one): the layer weights'."""
+    w = params["layers"][name]
     if isinstance(w, LayerArrays):  # held one array per layer (the unrolled layer loop)
         w = w[0]
-    return w.dtype if isinstance(w, PackedWeight) else str(jnp.dtype(w.dtype))
+    return w.dtype if isinstance(w, PACKED) else str(jnp.dtype(w.dtype))
 
 
 def storage_dtypes(params: dict, cache: dict) -> dict[str, str]:
     """What the trace summary and /v1/models report: the layer weights' and KV pages'
-    storage dtypes."""
-    return {"weight_dtype": weight_dtype(params), "kv_cache_dtype": str(cache["k"].dtype)}
+    storage dtypes, and for a mixture of experts its experts' (`expert_weight_dtype`:
+    "mxfp4" for gpt-oss's MXFP4 experts kept packed, the compute dtype when they were
+    decoded at load)."""
+    out = {"weight_dtype": weight_dtype(params), "kv_cache_dtype": str(cache["k"].dtype)}
+    if "we_up" in params["layers"]:
+        out["expert_weight_dtype"] = weight_dtype(params, "we_up")
+    return out
 
 
 def param_bytes(params) -> int:

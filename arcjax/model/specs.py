@@ -27,6 +27,9 @@ Params = dict  # {"embed", "layers": {...stacked [L, ...]}, "final_norm", "lm_he
 # attention: "k" [L * num_blocks, block_size, 1, kv_lora_rank], "v" [..., 1, qk_rope_head_dim]
 Cache = dict
 CACHE_AXES = ("pages", None, "kv_heads", None)  # logical axes of a cache array
+# latent attention's pages: one latent (and rope key) per token shared by every head, so
+# never split by head (every device holds them whole under tensor parallelism)
+LATENT_CACHE_AXES = ("pages", None, None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +80,15 @@ def cache_specs(cfg: ModelConfig, num_blocks: int, block_size: int, *,
     latent and one rope key per token and layer, shared by every head: its "k" pages hold
     the latents (one "head" of kv_lora_rank) and its "v" pages the rope keys (one of
     qk_rope_head_dim). They are pages like any other (blocks, slots, the host tier, prefix
-    caching); only attention reads them differently (`arcjax.model.mla_layers`).
+    caching); only attention reads them differently (`arcjax.model.mla_layers`). Their
+    axes (`LATENT_CACHE_AXES`) name no head: a mesh holds them whole on every device.
     """
     slots = cfg.num_layers if num_slots is None else num_slots
     pages = (slots * num_blocks, block_size)
     k_shape, v_shape = page_shapes(cfg, block_size)
-    specs = {"k": ParamSpec(pages + k_shape[1:], "zeros", CACHE_AXES),
-             "v": ParamSpec(pages + v_shape[1:], "zeros", CACHE_AXES)}
+    axes = LATENT_CACHE_AXES if cfg.is_mla else CACHE_AXES
+    specs = {"k": ParamSpec(pages + k_shape[1:], "zeros", axes),
+             "v": ParamSpec(pages + v_shape[1:], "zeros", axes)}
     if not scaled:
         return specs
     scale = ParamSpec((cfg.num_layers,), "ones", (None,))

@@ -27,7 +27,10 @@ NOTE: in the step, matmuls split over the tensor axis follow from the weights' s
 (GSPMD inserts the all-reduce after wo / w_down and the gather of vocab-sharded logits);
 attention and `write_kv` run under `shard_map` over the KV-head axis (`attention_map`, one
 `AttentionInputs` split as `ATTENTION_AXES` says), so a Pallas kernel, which GSPMD cannot
-partition, sees exactly the single-device problem on its heads.
+partition, sees exactly the single-device problem on its heads. Latent attention (DeepSeek's
+MLA, `LATENT_ATTENTION_AXES`): the absorbed queries split by head, the latent pages (one
+latent per token, shared by every head) whole on every device; its projections split by
+head like any attention's, the latent's own (`wkv_a`) replicated.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import (CACHE_AXES, cache_specs, is_scaled, is_spec, make_cache,
                                 param_specs)
 from pallas_kernels.attention_inputs import AttentionInputs
+from pallas_kernels.mla_inputs import MLAInputs
 
 TP_AXIS = "tp"
 EP_AXIS = "ep"
@@ -55,6 +59,17 @@ TENSOR_AXES = ("heads", "kv_heads", "mlp", "vocab")
 # (tables, lengths, window, scales) is replicated.
 ATTENTION_AXES = {"q": (None, "heads", None), "k_pages": CACHE_AXES, "v_pages": CACHE_AXES,
                   "sinks": ("heads",)}
+# Latent attention (`pallas_kernels.mla_inputs.MLAInputs`; DeepSeek's MLA): the absorbed
+# queries by head, the latent and rope pages [pages, block, D] whole on every device (one
+# latent per token, shared by every head: docs/decisions/0025-latent-attention-replicated.md).
+LATENT_ATTENTION_AXES = {"q_latent": (None, "heads", None), "q_rope": (None, "heads", None),
+                         "latent_pages": ("pages", None, None),
+                         "rope_pages": ("pages", None, None)}
+# Per kind of attention inputs: (how its fields split, the fields the mapped function's
+# three outputs (out, pages, pages) are split like).
+ATTENTION_SPLITS = {AttentionInputs: (ATTENTION_AXES, ("q", "k_pages", "v_pages")),
+                    MLAInputs: (LATENT_ATTENTION_AXES, ("q_latent", "latent_pages",
+                                                        "rope_pages"))}
 
 
 def _size(field: str, value) -> None:
@@ -67,7 +82,9 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
     dense MLP) and its experts over `ep`.
 
     Requires num_heads % tp == 0, num_kv_heads % tp == 0 or tp % num_kv_heads == 0 (then KV
-    heads are replicated), the dense (or shared-expert) width % tp == 0. The vocabulary is
+    heads are replicated; latent attention has no KV heads to split), the dense and
+    shared-expert widths % tp == 0 (a mixture of experts' dense width only when it has
+    dense layers, DeepSeek's `first_k_dense_replace`). The vocabulary is
     split when vocab_size % tp == 0 and replicated otherwise (never padded). With ep > 1:
     a mixture-of-experts model, one of tp and ep a multiple of the other, num_experts %
     ep == 0, and each expert's width divisible by tp / ep when ep < tp.
@@ -75,22 +92,20 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
     field = "tensor_parallel_size"
     _size(field, tp)
     _size("expert_parallel_size", ep)
-    if cfg.is_mla and max(tp, ep) > 1:  # docs/decisions/0018-latent-attention-on-one-device.md
-        raise EngineConfigError(field if tp > 1 else "expert_parallel_size",
-                                f"{max(tp, ep)}: {cfg.architecture}'s latent attention runs "
-                                "on one device for now (its latent cache is not split by "
-                                "heads)", limit=1)
     if cfg.num_heads % tp:
         raise EngineConfigError(field, f"{tp} does not divide the model's {cfg.num_heads} "
                                        "attention heads")
-    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+    # latent attention: one latent per token, shared by every head (replicated, never split)
+    if not cfg.is_mla and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         raise EngineConfigError(field, f"{tp} must divide the model's {cfg.num_kv_heads} KV "
                                        "heads or be a multiple of them")
-    dense = cfg.shared_expert_intermediate_size if cfg.is_moe else cfg.intermediate_size
-    if dense % tp:
-        raise EngineConfigError(field, f"{tp} does not divide the model's "
-                                       f"{'shared_expert_' if cfg.is_moe else ''}"
-                                       f"intermediate_size {dense}")
+    widths = ((("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size),)
+              if cfg.is_moe else ())
+    if not cfg.is_moe or cfg.num_dense_layers:  # a dense model, or DeepSeek's dense layers
+        widths += (("intermediate_size", cfg.intermediate_size),)
+    for name, width in widths:
+        if width % tp:
+            raise EngineConfigError(field, f"{tp} does not divide the model's {name} {width}")
     if ep == 1:
         if cfg.is_moe and cfg.moe_intermediate_size % tp:
             raise EngineConfigError(field, f"{tp} does not divide the experts' "
@@ -131,8 +146,9 @@ def logical_rules(cfg: ModelConfig, tp: int, ep: int = 1) -> tuple[tuple[str, ob
 
 
 def kv_repeat(cfg: ModelConfig, tp: int) -> int:
-    """How many times each KV head is stored (1 unless tp exceeds the KV heads)."""
-    return max(1, tp // cfg.num_kv_heads)
+    """How many times each KV head is stored (1 unless tp exceeds the KV heads; 1 for
+    latent attention, whose one latent per token every device holds whole)."""
+    return 1 if cfg.is_mla else max(1, tp // cfg.num_kv_heads)
 
 
 def sharded_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -214,6 +230,13 @@ class TensorParallel:
         attention's degree, `tp`, which with expert parallelism may be below the mesh's)."""
         return kv_repeat(cfg, self.tp)
 
+    def cache_split(self, cfg: ModelConfig) -> int:
+        """How many ways the paged cache of `cfg` (the sharded config) is split, read from
+        its specs' axes: by KV head over the attention's devices; 1 for latent attention's
+        pages, whole on every device."""
+        axes = cache_specs(cfg, 1, 1)["k"].axes
+        return int(np.prod([self.degree(a) for a in axes if a is not None], dtype=np.int64))
+
     def param_shardings(self, cfg: ModelConfig):
         """Shardings of the params of `cfg` (the sharded config)."""
         return self.shardings(param_specs(cfg))
@@ -239,18 +262,20 @@ class TensorParallel:
 
         return jax.tree.map(put, tree)
 
-    def attention_map(self, fn, inputs: AttentionInputs, *args,
+    def attention_map(self, fn, inputs: AttentionInputs | MLAInputs, *args,
                       args_axes: Sequence[Sequence[str | None]]):
         """Runs `fn(inputs, *args) -> (out, k_pages, v_pages)` under shard_map: each field of
-        `inputs` split as `ATTENTION_AXES` says (the rest replicated), each of `args` by its
-        entry of `args_axes`, `out` like q and the pages like the cache. Per device it is
-        exactly the single-device computation on that device's heads."""
+        `inputs` split as `ATTENTION_SPLITS` says for its kind (the rest replicated), each
+        of `args` by its entry of `args_axes`, `out` like the query and the pages like the
+        cache (per-head `AttentionInputs`: by KV head; latent attention's `MLAInputs`: whole
+        on every device). Per device it is exactly the single-device computation on that
+        device's heads."""
+        field_axes, out_fields = ATTENTION_SPLITS[type(inputs)]
         specs = jax.tree.map(lambda _: PartitionSpec(), inputs)  # the structure of `inputs`
         specs = dataclasses.replace(specs, **{name: self.pspec(axes)
-                                              for name, axes in ATTENTION_AXES.items()
+                                              for name, axes in field_axes.items()
                                               if getattr(inputs, name) is not None})
-        out = (self.pspec(ATTENTION_AXES["q"]), self.pspec(ATTENTION_AXES["k_pages"]),
-               self.pspec(ATTENTION_AXES["v_pages"]))
+        out = tuple(self.pspec(field_axes[name]) for name in out_fields)
         mapped = jax.shard_map(fn, mesh=self.mesh,
                                in_specs=(specs, *(self.pspec(a) for a in args_axes)),
                                out_specs=out, check_vma=False)

@@ -1,10 +1,12 @@
 """Quantized checkpoints written from the tiny test models, as the quantizers that make them
 would: FP8 (e4m3) or INT8 weights with per-tensor, per-channel or 128 x 128 block scales
-(compressed-tensors, or block FP8's `weight_scale_inv`), optional FP8 KV-cache scales; each
-with a float twin holding the same weights dequantized (the transformers reference)."""
+(compressed-tensors, or block FP8's `weight_scale_inv`), optional FP8 KV-cache scales, and
+gpt-oss with MXFP4 experts in the published layout (`mxfp4_twins`); each with a float twin
+holding the same weights dequantized (the transformers reference)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -102,3 +104,41 @@ def quantized_checkpoint(layout: str, fmt: str = "fp8", kv_scales: bool = False,
     with open(os.path.join(qdir, "config.json"), "w") as f:
         json.dump(cfg, f)
     return qdir, fdir
+
+
+@functools.lru_cache(maxsize=None)
+def mxfp4_twins() -> tuple[str, str]:
+    """The tiny random gpt-oss with its experts in the published MXFP4 layout
+    (`quant_method: "mxfp4"`, `*_blocks` / `*_scales`), and its float twin whose experts are
+    the decoded values: what transformers runs as the reference."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from arcjax.model.formats import mxfp4
+    from support.hf_models import GPT_OSS, tiny_model_dir
+
+    src = tiny_model_dir(GPT_OSS)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    packed, decoded = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.rsplit(".", 1)[-1] in mxfp4.EXPERT_TENSORS:  # [E, in, out] -> [E, out, in]
+            blocks, scales = mxfp4.encode(np.swapaxes(w, 1, 2))
+            del packed[name]
+            packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+            decoded[name] = np.ascontiguousarray(
+                np.swapaxes(mxfp4.decode(blocks, scales), 1, 2).astype(w.dtype))
+    dirs = []
+    for kind, weights in (("mxfp4", packed), ("decoded", decoded)):
+        path = scratch_dir(f"arcjax-gpt-oss-{kind}-")
+        shutil.copy(os.path.join(src, "config.json"), path)
+        save_file(weights, os.path.join(path, "model.safetensors"))
+        dirs.append(path)
+    with open(os.path.join(dirs[0], "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    with open(os.path.join(dirs[0], "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dirs[0], dirs[1]

@@ -34,7 +34,7 @@ from safetensors.numpy import save_file
 from arcjax.errors import WeightsError
 from arcjax.model.formats import fused_experts
 from arcjax.model.formats.hf_layout import (TOP_NAMES, HostModel, assemble_host, hf_entries,
-                                            layer_names, read_config, tree_at)
+                                            layer_names, layer_stacks, read_config, tree_at)
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import Params, is_spec, param_specs
 
@@ -117,19 +117,21 @@ def load_hf(model_dir: str | os.PathLike, dtype=jnp.float32,
     return cfg, params
 
 
-def hf_host(model_dir: str | os.PathLike, dtype) -> HostModel:
+def hf_host(model_dir: str | os.PathLike, dtype, mxfp4_packed: bool = False) -> HostModel:
     """The whole checkpoint in host memory, in the params' dtype (gpt-oss: its fused experts,
-    MXFP4 ones decoded, `fused_experts`), for the loader to place on one device or in shards.
+    `fused_experts`), for the loader to place on one device or in shards. MXFP4 experts
+    stay as stored (`Mxfp4Weight`s: `fused_experts.packed_experts`) with `mxfp4_packed`,
+    else they are decoded into the params' dtype.
 
     Raises:
       ModelConfigError, WeightsError: as `load_hf`.
     """
     model_dir = Path(model_dir)
     cfg = read_config(model_dir)
-    return HostModel(cfg, _assemble(model_dir, cfg, dtype))
+    return HostModel(cfg, _assemble(model_dir, cfg, dtype, mxfp4_packed))
 
 
-def _assemble(model_dir: Path, cfg: ModelConfig, dtype) -> Params:
+def _assemble(model_dir: Path, cfg: ModelConfig, dtype, mxfp4_packed: bool = False) -> Params:
     """The params tree in host memory (`hf_layout.assemble_host` over the checkpoint)."""
     tensors = _open_checkpoint(model_dir)
 
@@ -139,10 +141,19 @@ def _assemble(model_dir: Path, cfg: ModelConfig, dtype) -> Params:
         file, handle = tensors[name]
         return _read_tensor(file, handle, name)
 
+    def where(name: str):
+        return tensors[name][0] if name in tensors else model_dir
+
+    packed = {}
     if cfg.architecture == fused_experts.ARCHITECTURE:
+        if mxfp4_packed:
+            packed = fused_experts.packed_experts(cfg, read, where)
         read = fused_experts.reader(read)
-    return assemble_host(cfg, read, dtype,
-                         lambda name: tensors[name][0] if name in tensors else model_dir)
+    skip = tuple(k for stack in packed.values() for k in stack)
+    host = assemble_host(cfg, read, dtype, where, skip=skip)
+    for stack, weights in packed.items():
+        host[stack].update(weights)
+    return host
 
 
 def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, shardings, repeat: int):
@@ -151,21 +162,22 @@ def _load_sharded(model_dir: Path, cfg: ModelConfig, dtype, shardings, repeat: i
     scfg = cfg.with_kv_repeat(repeat)
     specs, orig_specs = param_specs(scfg), param_specs(cfg)
     names_of = layer_names(cfg)
+    stacks = layer_stacks(cfg)  # {"layers": 0} or {"dense_layers": 0, "layers": K}
     out = {}
     for key in specs:
-        if key == "layers":
-            out["layers"] = {}
-            for lkey, spec in specs["layers"].items():
+        if key in stacks:
+            out[key] = {}
+            for lkey, spec in specs[key].items():
                 pattern, t = names_of[lkey]
+                layers = range(stacks[key], stacks[key] + spec.shape[0])  # model layers
                 if spec.axes[1] == "expert":
                     names = np.array([[pattern.format(i=i, e=e) for e in range(cfg.num_experts)]
-                                      for i in range(cfg.num_layers)], dtype=object)
+                                      for i in layers], dtype=object)
                 else:
-                    names = np.array([pattern.format(i=i) for i in range(cfg.num_layers)],
-                                     dtype=object)
-                out["layers"][lkey] = _sharded_array(
-                    model_dir, tensors, names, t, spec, orig_specs["layers"][lkey],
-                    shardings["layers"][lkey], np_dtype, repeat, cfg)
+                    names = np.array([pattern.format(i=i) for i in layers], dtype=object)
+                out[key][lkey] = _sharded_array(
+                    model_dir, tensors, names, t, spec, orig_specs[key][lkey],
+                    shardings[key][lkey], np_dtype, repeat, cfg)
         else:
             name, t = TOP_NAMES[key]
             out[key] = _sharded_array(model_dir, tensors, np.array(name, dtype=object), t,

@@ -15,8 +15,9 @@ its own files completely (the config.json and tensor-name layout they share is
    checkpoint has them; then `_place`.
 3. gpt-oss's MXFP4 checkpoints (`quant_method: "mxfp4"`), and gpt-oss under tensor or
    expert parallelism: `hf_checkpoint.hf_host` reads the whole checkpoint into host memory
-   (its experts fused per layer read per expert, MXFP4 decoded: `fused_experts`), then
-   `_place`.
+   (its experts fused per layer read per expert: `fused_experts`), then `_place`. MXFP4
+   experts stay MXFP4 on the devices (`Mxfp4Weight`, dequantized inside the grouped
+   GEMMs); `quantization="dequantize"` decodes them at load into the compute dtype.
 4. Any other Hugging Face directory: `hf_checkpoint.load_hf` returns params already on the
    devices (its orbax cache, and its sharded reads with tensor parallelism: the shardings
    come from `parallel` here).
@@ -51,7 +52,7 @@ from arcjax.model.formats.quant_config import checkpoint_quantization
 from arcjax.model.formats.quantized_checkpoint import quantized_host
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.packed import PackedWeight
-from arcjax.model.quant import (LINEAR_WEIGHTS, QuantizedWeight, dense, quantize,
+from arcjax.model.quant import (LINEAR_WEIGHTS, PACKED, QuantizedWeight, dense, quantize,
                                 quantize_params, quantized_specs)
 from arcjax.model.specs import Params, param_specs
 
@@ -115,9 +116,10 @@ def load_model(source: ModelSource, *, dtype, cache_dir=None, parallel=None,
             if quantization == "dequantize":
                 params = _dequantize(params, cfg, dtype, parallel)
         elif ckpt is not None or (fused and parallel is not None):
-            # MXFP4 experts decoded at load (already the compute dtype); fused experts
+            # MXFP4 experts kept packed (or decoded at load: "dequantize"); fused experts
             # sharded from host memory (the sharded reader reads one tensor per expert)
-            cfg, params = _place(hf_host(source.path, dtype), parallel)
+            packed = ckpt is not None and quantization != "dequantize"
+            cfg, params = _place(hf_host(source.path, dtype, mxfp4_packed=packed), parallel)
         else:
             cfg, params = _load_safetensors(source, dtype, cache_dir, parallel)
     if quantization in ("fp8", "int8"):
@@ -133,13 +135,13 @@ def quantize_params_shapes(params: Params, fmt: str) -> Params:
     """`quantize_params` for `jax.eval_shape` (shapes only; deletes nothing)."""
     layers = dict(params["layers"])
     for name in LINEAR_WEIGHTS:
-        if name in layers and not isinstance(layers[name], QuantizedWeight):
+        if name in layers and not isinstance(layers[name], (QuantizedWeight, *PACKED)):
             layers[name] = quantize(layers[name], fmt)
     return {**params, "layers": layers}
 
 
 def _is_stored(x) -> bool:
-    return isinstance(x, (QuantizedWeight, PackedWeight))
+    return isinstance(x, (QuantizedWeight, *PACKED))
 
 
 def _dequantize(params: Params, cfg: ModelConfig, dtype, parallel) -> Params:

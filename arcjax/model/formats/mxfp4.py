@@ -16,9 +16,11 @@ rows interleave gate and up (row 2j is gate j, row 2j + 1 is up j), as the bf16
 checkpoints' `gate_up_proj` [E, H, 2I] columns do.
 
 `decode` is transformers' `convert_moe_packed_tensors` (bit-exact; the products are exact
-in float32), `encode` its inverse for a weight the format can hold and the nearest FP4
-value otherwise (what tests use to write a checkpoint in the published layout),
-`codes` / `exponents` the raw fields (what the device keeps), `split_gate_up` the
+in float32) through `arcjax.model.mxfp4_weight.block_values`, the decoding the step runs
+on the device too (where the experts stay packed: `Mxfp4Weight`, built per layer by
+`fused_experts.packed_experts`); `encode` its inverse for a weight the format can hold
+and the nearest FP4 value otherwise (what tests use to write a checkpoint in the
+published layout), `codes` / `exponents` the raw fields, `split_gate_up` the
 de-interleave.
 """
 
@@ -27,33 +29,31 @@ from __future__ import annotations
 import numpy as np
 
 from arcjax.errors import WeightsError
+from arcjax.model.mxfp4_weight import (BLOCK, E8M0_BIAS, FMT, FP4_VALUES, block_values,
+                                       unpack_codes)
 
-BLOCK = 32  # values per scale
-E8M0_BIAS = 127
-# e2m1 code -> value (bit 3 the sign): the OCP FP4 table.
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 FP4_MAX = 6.0
-QUANT_METHOD = "mxfp4"
+QUANT_METHOD = FMT
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
 
 
-def _check(blocks: np.ndarray, scales: np.ndarray, name: str) -> None:
+def check(blocks: np.ndarray, scales: np.ndarray, name: str) -> None:
+    """Refuses blocks and scales that are not uint8 `[..., G, 16]` and `[..., G]`, and the
+    NaN scale byte 0xFF (e8m0 has no other special value)."""
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise WeightsError(name, f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} "
                                  f"and {scales.dtype}")
     if blocks.ndim < 2 or blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
         raise WeightsError(name, f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not "
                                  f"match ([..., G, {BLOCK // 2}] and [..., G])")
+    if np.any(scales == 0xFF):
+        raise WeightsError(name, "MXFP4 scale 0xFF (NaN) in the checkpoint")
 
 
 def codes(blocks: np.ndarray, name: str = "mxfp4") -> np.ndarray:
     """uint8 [..., G, 16] blocks -> uint8 [..., G * 32] e2m1 codes (low nibble first)."""
-    _check(blocks, np.zeros(blocks.shape[:-1], np.uint8), name)
-    out = np.empty(blocks.shape[:-1] + (BLOCK,), np.uint8)
-    out[..., 0::2] = blocks & 0x0F
-    out[..., 1::2] = blocks >> 4
-    return out.reshape(*blocks.shape[:-2], -1)
+    check(blocks, np.zeros(blocks.shape[:-1], np.uint8), name)
+    return unpack_codes(blocks).reshape(*blocks.shape[:-2], -1)
 
 
 def exponents(scales: np.ndarray) -> np.ndarray:
@@ -63,12 +63,8 @@ def exponents(scales: np.ndarray) -> np.ndarray:
 
 def decode(blocks: np.ndarray, scales: np.ndarray, name: str = "mxfp4") -> np.ndarray:
     """float32 [..., G * 32]: the values of `blocks` [..., G, 16] scaled by `scales` [..., G]."""
-    _check(blocks, scales, name)
-    if np.any(scales == 0xFF):
-        raise WeightsError(name, "MXFP4 scale 0xFF (NaN) in the checkpoint")
-    lut = np.asarray(FP4_VALUES, np.float32)
-    values = lut[codes(blocks, name)].reshape(blocks.shape[:-1] + (BLOCK,))
-    return np.ldexp(values, exponents(scales)[..., None]).reshape(*blocks.shape[:-2], -1)
+    check(blocks, scales, name)
+    return block_values(blocks, scales)
 
 
 def encode(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

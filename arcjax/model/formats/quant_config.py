@@ -15,7 +15,8 @@ Read (`quant_method`):
   parallelism a device's rows read the whole, unsplit scales), `checkpoint_format`
   "gptq" (zero points stored minus one, as AutoGPTQ packs them) or "gptq_v2".
 - `mxfp4` (gpt-oss's published checkpoints; `GptOssForCausalLM` only): the experts'
-  `*_blocks` / `*_scales`, decoded at load (`fused_experts`, `mxfp4`).
+  `*_blocks` / `*_scales`, kept packed on the device (`fused_experts.packed_experts`), or
+  decoded at load with `quantization="dequantize"` (`fused_experts.reader`, `mxfp4`).
 
 Refused with a `QuantizationConfigError` naming the field: other methods; 3-bit (and any
 width but 2, 4, 8) packing; AWQ's GEMV / Marlin / ExLlama layouts and AWQ without zero
@@ -45,7 +46,7 @@ class CheckpointQuant:
 
     Attributes:
       fmt: "fp8", "int8" (values + scales), a packed method of `PACKED_METHODS`, or
-        "mxfp4" (gpt-oss's experts, decoded at load).
+        "mxfp4" (gpt-oss's experts in MXFP4).
       block: the block size of block-scaled FP8/INT8 weights (rows, columns) in [out, in]
         terms, or None when scales are per tensor or per channel.
       bits: bits per packed code.
