@@ -6,10 +6,13 @@ copying each layer's slice out of the stack before its matmul (a `dynamic-slice`
 per weight and layer: 53% of a lone SmolLM2 decode step, docs/design/cpu-step-profile.md);
 a static slice of a stacked argument is worse (the slice fuses into the dot's operand,
 which then leaves XLA's matmul kernel). An array that is an argument of its own is read in
-place. So where the layer loop is "unrolled" (`resolve_layer_loop`: the CPU's default for
-a model without experts), the runner holds each layer parameter as a `LayerArrays` of L
-arrays (`split_layers`) and `Decoder.scan_layers` runs the layers one after the other in
-Python: one copy of the layer per layer in the program, so compile time grows with depth.
+place. So where some bucket unrolls (`unrolled_max_tokens`: on the CPU, for one device and
+a model without experts, the buckets of at most AUTO_UNROLLED_TOKENS rows), the runner holds
+each layer parameter as a `LayerArrays` of L arrays (`split_layers`), and those buckets'
+steps run the layers one after the other in Python (`Decoder.scan_layers(unrolled=True)`):
+one copy of the layer per layer in the program, so compile time grows with depth. The other
+buckets scan, picking each layer's arrays by index (`select_layer`: one copy per layer, as
+a scan's slice of a stack is, which many rows amortize).
 
 Expert weights (`ExpertWeight`, `[L, E, ...]`) stay stacked: the layer scan hands them
 whole to every layer either way (arcjax/model/layers.py's NOTE).
