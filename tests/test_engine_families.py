@@ -25,7 +25,7 @@ from support.device_caches import device_cache
 from support.hf_models import (DEEPSEEK_V2, DEEPSEEK_V3, GPT_OSS, NEW_ARCHS, WINDOW,
                                hf_greedy, hf_logits, tiny_model_dir)
 from support.hf_models import tiny_model_with_chat_template
-from support.quantized_models import mxfp4_twins
+from support.quantized_models import mxfp4_twins, quantized_checkpoint
 
 HERE = Path(__file__).resolve().parent
 # One token bucket (32) for every chunk: each engine compiles few steps.
@@ -206,6 +206,7 @@ def _run_parallel(model_dirs: dict) -> dict:
                        else [str(a) for a in x.sharding.spec]) for name, x in arrays.items()}
     out["int8"] = _quantized_experts_split(model_dirs["MixtralForCausalLM"])
     out["mxfp4"] = _mxfp4_experts_split(model_dirs["mxfp4"])
+    out["deepseek_fp8"] = _fp8_latent_split(model_dirs["deepseek_fp8"])
     out["lora"] = _lora_with_experts_split(model_dirs["MixtralForCausalLM"],
                                            model_dirs["lora"])
     return out
@@ -221,6 +222,18 @@ def _mxfp4_experts_split(model_dir: str) -> dict:
     return {"tokens": list(res[0].token_ids), "dtype": str(layers["we_gate"].blocks.dtype),
             **{k: [str(a) for a in layers[k].blocks.sharding.spec]
                for k in ("we_gate", "we_down")}}
+
+
+def _fp8_latent_split(model_dir: str) -> dict:
+    """DeepSeek-V3's block-scaled FP8 checkpoint (16 x 16 tiles) loaded as stored under
+    tp = ep = 2: the greedy tokens, and how wkv_b's values and scales split."""
+    llm = LLM(model_dir, tensor_parallel_size=2, expert_parallel_size=2, **GEOMETRY)
+    res = llm.generate([_prompts()[0]], SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                                       ignore_eos=True), use_tqdm=False)
+    w = llm.engine.runner.params["layers"]["wkv_b"]
+    return {"tokens": list(res[0].token_ids), "dtype": str(w.values.dtype),
+            **{k: [str(a) for a in getattr(x.sharding, "spec", ())]
+               for k, x in (("values", w.values), ("scale", w.scale))}}
 
 
 def _lora_with_experts_split(model_dir: str, adapter: str) -> dict:
@@ -281,6 +294,8 @@ def test_tensor_and_expert_parallel_equal_transformers():
 
     dirs = {arch: tiny_model_dir(arch) for arch, _, _ in PARALLEL_CASES}
     dirs["mxfp4"], decoded = mxfp4_twins()
+    dirs["deepseek_fp8"], fp8_twin = quantized_checkpoint(
+        "block", src=tiny_model_dir(DEEPSEEK_V3), block=16)
     adapter = peft_adapter_dir("MixtralForCausalLM", rank=8, seed=7, targets=ATTENTION_TARGETS)
     dirs["lora"] = adapter
     env = dict(os.environ, JAX_PLATFORMS="cpu",
@@ -322,6 +337,13 @@ def test_tensor_and_expert_parallel_equal_transformers():
     assert mx["dtype"] == "uint8"
     assert mx["we_gate"] == ["None", "ep", "tp", "None", "None"]
     assert mx["we_down"][:2] == ["None", "ep"]
+    # DeepSeek-V3's FP8 format as stored: transformers on the dequantized twin; wkv_b's
+    # values split by head, its tiles' scales whole on every device (`quant.scale_axes`)
+    fp8 = got["deepseek_fp8"]
+    assert fp8["tokens"] == hf_greedy(fp8_twin, _prompts()[0], MAX_TOKENS)
+    assert fp8["dtype"] == "float8_e4m3fn"
+    assert fp8["values"] == ["None", "None", "('ep', 'tp')"]
+    assert fp8["scale"] == ["None", "None", "None"]
     # a LoRA adapter on the attention of experts split over "ep": the base model's row and
     # the adapter's row in one call, each its own transformers (+ PEFT) tokens; B of wq
     # splits its out axis like wq

@@ -15,6 +15,9 @@ ARCH = "LlamaForCausalLM"
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
                 attention_impl="xla")
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+# A cache small enough to force preemption: 12 blocks, the preempting geometry of the other
+# engine tests (tests/support/engines.py), so its steps are compiled once per suite run.
+PREEMPTING_BLOCKS = 12
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -40,6 +43,8 @@ def _run(llm, prompts):
     second = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.blocks_in_use() == 0
     llm.engine.check_trace()
+    if llm.engine.runner.num_blocks == PREEMPTING_BLOCKS:  # the small cache did preempt
+        assert sum(len(r.engaged["preempted"]) for r in llm.engine.trace) > 0
     return first, second
 
 
@@ -47,7 +52,7 @@ SCHEDULES = st.tuples(
     st.sampled_from(["prefill_first", "alternate", "token_budget"]),
     st.sampled_from([8, 16, 32]),  # chunk tile
     st.sampled_from([32, 64, 256]),  # token budget
-    st.sampled_from([96, 14]),  # KV blocks: 14 forces preemption
+    st.sampled_from([96, PREEMPTING_BLOCKS]),  # KV blocks
     st.integers(0, 3))  # prompt seed
 
 

@@ -203,8 +203,9 @@ def quantize_params(params: dict, fmt: str, shardings=None) -> dict:
 
 
 def quantized_specs(specs: dict, params: dict, degree=None) -> dict:
-    """The spec tree of `params` where a weight is quantized or packed: a tree like the
-    weight with one spec per array, axes from `weight_axes` (values keep the weight's
+    """The spec tree of `params` where a weight is quantized or packed (in every layer
+    stack): a tree like the weight with one spec per array, axes from `weight_axes` (values
+    keep the weight's
     axes; scales per `scale_axes`; a packed weight's arrays per `PackedWeight.leaf_axes`
     under `degree`). A packed embedding is stored transposed ([H, V]): its axes too."""
 
@@ -215,11 +216,14 @@ def quantized_specs(specs: dict, params: dict, degree=None) -> dict:
         return jax.tree.map(lambda x, a: dataclasses.replace(
             spec, shape=tuple(x.shape), init="zeros", axes=tuple(a)), w, tree)
 
-    layers = dict(specs["layers"])
-    for name, w in params["layers"].items():
-        if isinstance(w, (QuantizedWeight, *PACKED)):
-            layers[name] = spec_of(w, layers[name], layers[name].axes)
-    out = {**specs, "layers": layers}
+    out = dict(specs)
+    for stack, tree in params.items():  # the layer stacks: "layers", DeepSeek's "dense_layers"
+        if not isinstance(tree, dict):
+            continue
+        layers = out[stack] = dict(specs[stack])
+        for name, w in tree.items():
+            if isinstance(w, (QuantizedWeight, *PACKED)):
+                layers[name] = spec_of(w, layers[name], layers[name].axes)
     for name in ("embed", "lm_head"):
         w = params.get(name)
         if isinstance(w, PackedWeight):
