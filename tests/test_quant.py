@@ -137,7 +137,7 @@ def test_fp8_kv_cache_doubles_the_blocks_memory_holds():
     from arcjax.model.formats.hf_layout import read_config
 
     cfg = read_config(tiny_gguf_model_dir("LlamaForCausalLM"))
-    # Memory-bound (the CPU cap, 256 MiB): one byte a value holds twice the blocks.
+    # Memory-bound (the CPU cap, a power of two): one byte a value holds twice the blocks.
     f32, bf16, fp8 = (_default_num_blocks(cfg, jnp.dtype(d), 16, 8, 1 << 20, 0.5)
                       for d in (jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn))
     assert fp8 == 2 * bf16 == 4 * f32

@@ -39,7 +39,10 @@ from arcjax.spec_decode.draft_model import DraftModelProposer
 from arcjax.spec_decode.ngram_proposer import NgramProposer
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
-CPU_KV_CACHE_BYTES = 256 << 20  # default KV cache cap on CPU
+# The default KV cache cap on CPU (`cpu_kv_cache_bytes`): a sixteenth of the host's memory,
+# rounded down to a power of two, within these bounds (4 GiB: vLLM's CPU default space).
+CPU_KV_CACHE_MIN_BYTES, CPU_KV_CACHE_MAX_BYTES = 256 << 20, 4 << 30
+CPU_KV_MEMORY_SHARE = 16
 # What latent attention runs under jit: `MLA_IMPLS` less the oracle (it reads host values).
 LATENT_ATTENTION_IMPLS = tuple(impl for impl in MLA_IMPLS if impl != "reference")
 # Checkpoint formats a latent attention model loads (besides float): values + scales, read
@@ -72,13 +75,30 @@ def _overlap_pays() -> bool:
         return (os.cpu_count() or 1) > 1
 
 
+def cpu_kv_cache_bytes(host_bytes: int | None = None) -> int:
+    """The default KV cache cap on CPU: `host_bytes` (default: this host's physical memory)
+    over CPU_KV_MEMORY_SHARE, as a power of two, clamped to [CPU_KV_CACHE_MIN_BYTES,
+    CPU_KV_CACHE_MAX_BYTES]. 24 GB give 1 GiB: the 32 requests of scripts/bench_throughput.py's
+    SmolLM2 workload at once (401 MiB in float32), where the old fixed 256 MiB preempted a
+    third of its steps (docs/design/cpu-step-profile.md); a sixteenth leaves room for the
+    weights and for several engines on one host."""
+    if host_bytes is None:
+        try:
+            host_bytes = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):  # not reported: the lower bound
+            host_bytes = 0
+    share = host_bytes // CPU_KV_MEMORY_SHARE
+    cap = 1 << (share.bit_length() - 1) if share > 0 else 0
+    return min(CPU_KV_CACHE_MAX_BYTES, max(CPU_KV_CACHE_MIN_BYTES, cap))
+
+
 def _default_num_blocks(cfg, dtype, block_size: int, max_blocks: int, max_num_seqs: int,
                         fraction: float, tp: int = 1, num_slots: int | None = None,
                         utilization: float | None = None) -> int:
     """Blocks for the KV cache: `fraction` of the device's free memory, or (vLLM's
     gpu_memory_utilization) what `utilization` of its whole memory leaves once the
     weights are in; on a device that reports no memory (CPU), room for max_num_seqs
-    sequences (at most CPU_KV_CACHE_BYTES)."""
+    sequences (at most `cpu_kv_cache_bytes()`)."""
     # Per device: the cache is split `tp` ways (by KV head, cfg the sharded config; latent
     # attention's pages are whole on every device: `TensorParallel.cache_split`).
     # A block holds `num_slots` layers' pages (arcjax/model/kv_layout.py).
@@ -97,7 +117,7 @@ def _default_num_blocks(cfg, dtype, block_size: int, max_blocks: int, max_num_se
                                     f"({used} bytes) are in: less than one max_model_len "
                                     f"sequence needs ({max_blocks * per_block})")
         return int(budget) // per_block
-    return max(max_blocks, min(max_blocks * max_num_seqs, CPU_KV_CACHE_BYTES // per_block))
+    return max(max_blocks, min(max_blocks * max_num_seqs, cpu_kv_cache_bytes() // per_block))
 
 
 def build_engine(config: EngineConfig, clock=None) -> Engine:
@@ -203,7 +223,8 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                                           config.packed_matmul_impl, params,
                                           platform=jax.default_backend(),
                                           parallel=parallel is not None)),
-                         batch_invariant=config.batch_invariant)
+                         batch_invariant=config.batch_invariant,
+                         layer_loop=config.layer_loop)
     speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None
                   else None)
     options = {} if clock is None else {"clock": clock}

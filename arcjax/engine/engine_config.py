@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import scheduler
 from arcjax.errors import ConfigError, EngineConfigError
 from arcjax.lora.lora_config import LoRAConfig
+from arcjax.model.layer_arrays import LAYER_LOOPS
 from arcjax.model.packed_matmul import IMPLS as PACKED_MATMUL_IMPLS
 from arcjax.reasoning import NO_PARSER
 from arcjax.reasoning import PARSERS as REASONING_PARSERS
@@ -88,7 +89,8 @@ class EngineConfig:
       max_model_len: longest prompt + output; None = min(model's limit, 4096).
       num_kv_blocks: KV cache size in blocks; None = from gpu_memory_utilization (or
         kv_memory_fraction) of the device's memory on a device that reports it (GPU), room
-        for max_num_seqs full sequences (at most 256 MiB) on CPU.
+        for max_num_seqs full sequences on CPU (at most a sixteenth of the host's
+        memory, 256 MiB to 4 GiB: `build.cpu_kv_cache_bytes`).
       kv_memory_fraction: share of free device memory the KV cache takes (GPU default).
       kv_offloading_size: GiB of host memory for KV blocks the device's prefix cache evicts
         (the host tier, vLLM's option): they are copied there instead of being dropped, and
@@ -113,6 +115,13 @@ class EngineConfig:
         matmuls on a GPU with one device, XLA's dequantize-then-dot elsewhere; the trace
         summary names it) | "xla" | "w4a16" (the kernel; NVIDIA GPU, one device) |
         "w4a16_interpret" (the kernel in Pallas' interpreter, on any platform: tests).
+      layer_loop: how the step runs the decoder's layers (arcjax/model/layer_arrays.py):
+        "auto" ("unrolled" on the CPU for one device and a model without experts, "scan"
+        elsewhere; the trace summary names it) | "scan" (one `lax.scan` over the stacked
+        layer weights: compile time flat in depth) | "unrolled" (the layers one after the
+        other over weights held one array per layer: XLA:CPU reads them in place instead of
+        copying each layer's slice out of the stack; compile time grows with depth). The
+        same tokens either way.
       seed: seeds requests whose SamplingParams have no seed.
       cache_dir: where converted params are cached (orbax); None = no cache.
       trace_capacity: engine steps the trace ring keeps (oldest dropped first).
@@ -183,6 +192,7 @@ class EngineConfig:
     tokenizer: str | None = None
     attention_impl: str = "auto"
     packed_matmul_impl: str = "auto"
+    layer_loop: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
     trace_capacity: int = 10_000
@@ -270,6 +280,9 @@ class EngineConfig:
         if self.packed_matmul_impl not in PACKED_MATMUL_IMPLS:
             raise EngineConfigError("packed_matmul_impl", f"must be one of "
                                     f"{PACKED_MATMUL_IMPLS}, got {self.packed_matmul_impl!r}")
+        if self.layer_loop not in LAYER_LOOPS:
+            raise EngineConfigError("layer_loop", f"must be one of {LAYER_LOOPS}, got "
+                                                  f"{self.layer_loop!r}")
         if self.runner not in RUNNERS:
             raise EngineConfigError("runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _int("seed", self.seed, 0)

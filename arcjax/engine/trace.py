@@ -34,7 +34,7 @@ from pallas_kernels.verified import VERIFY_COMMAND
 from scheduler.metrics import StepRecord, engagement, knob_report, spec_decode_summary
 
 __all__ = ["StepRecord", "StepTrace", "attention_report", "busy_time", "device_idle_gaps",
-           "summarize", "write_jsonl"]
+           "layer_loop_report", "summarize", "write_jsonl"]
 
 
 class StepTrace:
@@ -214,6 +214,27 @@ def attention_report(configured: str, impls: Mapping[tuple[int, int, int], str],
         if unverified:
             report |= {"unverified": unverified, "verify_command": VERIFY_COMMAND}
     return report
+
+
+def layer_loop_report(configured: str, loops: Mapping[tuple[int, int, int], str],
+                      records: Iterable[StepRecord]) -> dict:
+    """How the engine's steps ran the decoder's layers (arcjax/model/layer_arrays.py).
+
+    Args:
+      configured: the engine's `layer_loop` ("auto", "scan" or "unrolled").
+      loops: (T, S, max_q_len) -> "scan" | "unrolled", per bucket acquired
+        (`ModelRunner.layer_loops`).
+      records: the steps to report on (only the buckets they ran in).
+
+    Returns:
+      {"configured", "decode": the layer loops of the decode-only buckets (max_q_len 1),
+      "prefill": those of the buckets with prompt chunks}, sorted lists (empty when no
+      such bucket ran).
+    """
+    kinds: dict[str, set[str]] = {"decode": set(), "prefill": set()}
+    for b in {r.bucket for r in records if r.bucket in loops}:
+        kinds["decode" if b[2] == 1 else "prefill"].add(loops[b])
+    return {"configured": configured, **{k: sorted(v) for k, v in kinds.items()}}
 
 
 def write_jsonl(records: Iterable[StepRecord], path) -> None:

@@ -38,6 +38,7 @@ from arcjax.engine.engine_config import (ATTENTION_IMPLS, DTYPES, KV_CACHE_DTYPE
                                          default_scheduler)
 from arcjax.entrypoints.openai.tool_parsers import PARSERS
 from arcjax.errors import ConfigError
+from arcjax.model.layer_arrays import LAYER_LOOPS
 from arcjax.model.packed_matmul import IMPLS as PACKED_MATMUL_IMPLS
 from arcjax.reasoning import NO_PARSER
 from arcjax.reasoning import PARSERS as REASONING_PARSERS
@@ -45,7 +46,7 @@ from arcjax.reasoning import PARSERS as REASONING_PARSERS
 _CHOICES = {"attention_impl": ATTENTION_IMPLS, "quantization": QUANTIZATIONS,
             "policy": scheduler.POLICIES, "runner": RUNNERS,
             "reasoning_parser": (*REASONING_PARSERS, NO_PARSER),
-            "packed_matmul_impl": PACKED_MATMUL_IMPLS}
+            "packed_matmul_impl": PACKED_MATMUL_IMPLS, "layer_loop": LAYER_LOOPS}
 # vLLM's dtype and KV-cache dtype names -> arcjax's (None: the engine's default)
 _DTYPES = {"auto": None, "half": "float16", "float": "float32",
            **{d: d for d in DTYPES}}

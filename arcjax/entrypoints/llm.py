@@ -22,7 +22,7 @@ import numpy as np
 from arcjax.engine.build import build_engine
 from arcjax.engine.engine_config import SCHEDULER_OPTIONS, EngineConfig
 from arcjax.outputs import EmbeddingRequestOutput, RequestOutput
-from arcjax.engine.trace import attention_report, summarize, write_jsonl
+from arcjax.engine.trace import attention_report, layer_loop_report, summarize, write_jsonl
 from arcjax.entrypoints.chat_template import ChatTemplate, ChatTemplateError
 from arcjax.errors import EngineDeadError, RequestError
 from arcjax.lora.lora_request import LoRARequest
@@ -260,8 +260,10 @@ class LLM:
         """The trace's run summary (`arcjax.engine.trace.summarize`) with the weights' and
         KV pages' storage dtypes, the KV bytes per token (`kv_cache_report`), how packed
         weights multiply (`packed_matmul`: "xla" or the W4A16 kernel,
-        `arcjax.model.packed_matmul`) and the attention implementation the traced steps ran
-        (`attention`, per bucket kind: `arcjax.engine.trace.attention_report`)."""
+        `arcjax.model.packed_matmul`), how the traced steps ran the layers (`layer_loop`,
+        per bucket kind: `arcjax.engine.trace.layer_loop_report`) and the attention
+        implementation they ran (`attention`, per bucket kind:
+        `arcjax.engine.trace.attention_report`)."""
         configured = {k: v for k, v in self.scheduler_options.items()
                       if k in ("prefill_max_seqs", "prefill_floor_steps",
                                "long_prefill_token_threshold") and v}
@@ -271,6 +273,8 @@ class LLM:
         return {**summary, **storage_dtypes(runner.params, runner.cache),
                 **kv_cache_report(runner.cfg, runner.kv_cache_dtype),
                 "packed_matmul": runner.matmul_impl,
+                "layer_loop": layer_loop_report(runner.layer_loop, dict(runner.layer_loops),
+                                                records),
                 "attention": attention_report(runner.attn_impl, dict(runner.attention_impls),
                                               records, dict(runner.attention_verified))}
 

@@ -24,7 +24,8 @@ import functools
 from flax import nnx
 
 from arcjax.errors import WeightsError
-from arcjax.model.layers import Decoder, value
+from arcjax.model.layer_arrays import split_layers
+from arcjax.model.layers import Decoder, ExpertWeight, value
 from arcjax.model.mla_layers import MLAAttention
 from arcjax.model.model_config import ModelConfig
 
@@ -114,3 +115,10 @@ def bind(cfg: ModelConfig, params: dict) -> Decoder:
     state = nnx.from_flat_state([(d.path, d.variable.replace(_lookup(params, d.key)))
                                  for d in declared])
     return nnx.merge(graphdef, state)
+
+
+def split_layer_params(cfg: ModelConfig, params: dict) -> dict:
+    """`params` with its layer parameters held one array per layer (`LayerArrays`, for the
+    unrolled layer loop: arcjax/model/layer_arrays.py), expert weights stacked as they are."""
+    experts = frozenset(d.key for d in declarations(cfg) if isinstance(d.variable, ExpertWeight))
+    return split_layers(params, LAYER_STACKS, experts)

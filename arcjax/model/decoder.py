@@ -13,7 +13,9 @@ differ only in attention:
 2. `forward_dense(params, cfg, token_ids)`: plain causal attention over whole
    sequences `[B, L]`, for training and as an independent check.
 
-The layer loop is one `lax.scan` over the stacked layers (`Decoder.scan_layers`). Per-layer
+The layer loop is one `lax.scan` over the stacked layers (`Decoder.scan_layers`), or, on
+the CPU, the layers unrolled over weights held one array per layer (`layer_loop`,
+arcjax/model/layer_arrays.py). Per-layer
 differences ride along it as arrays: each layer's attention window (sliding or global,
 `ModelConfig.layer_windows`), which rope it uses (Gemma 3's local and global bases), and its
 KV cache group and slot (arcjax/model/kv_layout.py: a hybrid model's sliding and full layers
@@ -211,7 +213,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
                        max_q_len: int | None = None, parallel=None, moe_impl: str = "auto",
                        head: bool = True, kv: KVLayout | None = None,
                        lora: LoRAWeights | None = None, lora_impl: str = "masked",
-                       matmul_impl: str = "xla", batch_invariant: bool = False
+                       matmul_impl: str = "xla", batch_invariant: bool = False,
+                       layer_loop: str = "scan"
                        ) -> tuple[jax.Array, Cache, jax.Array | None]:
     """One ragged step over the paged cache.
 
@@ -237,6 +240,9 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     holds (docs/design/batch-invariance.md): the row-wise parts of each layer and the head
     over fixed row tiles (`token_rows`, `head_rows`), attention on the xla path's fixed
     tiles and key blocks; not with LoRA or a mesh.
+    `layer_loop` (static): "scan" (one `lax.scan` over the layers) or "unrolled" (the
+    layers one after the other, over layer parameters held one array per layer:
+    arcjax/model/layer_arrays.py); the same values either way.
 
     Returns:
       logits [S, V] float32 at `batch.logits_rows` (or hidden states, see `head`), the
@@ -331,7 +337,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     lora_ab = None if lora is None else (lora.a, lora.b)  # [L, S, ...]: one layer each
     (x, k_new, v_new), stats = model.scan_layers(layer, (x, cache["k"], cache["v"]),
-                                                 (layer_ids, layer_constants(cfg, kv), lora_ab))
+                                                 (layer_ids, layer_constants(cfg, kv), lora_ab),
+                                                 unrolled=layer_loop == "unrolled")
     x = x[batch.logits_rows]  # [S, H]: the rows some caller reads, never all T
     if head:
         x = (model.head(x, parallel, matmul_impl) if not batch_invariant

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from arcjax.model.layer_arrays import layer_slice, select_layer, split_state
 from arcjax.model.lora_delta import LayerLoRA
 from arcjax.model import moe
 from arcjax.model.expert_ffn import ExpertAct
@@ -408,10 +409,15 @@ class Decoder(nnx.Module):
         out = [(0, dense, self.dense_layers)] if dense else []
         return out + [(dense, self.cfg.num_layers - dense, self.layers)]
 
-    def scan_layers(self, step, carry, xs):
+    def scan_layers(self, step, carry, xs, unrolled: bool = False):
         """`jax.lax.scan` of `step(block, carry, x) -> (carry, y)` over the layers, where
         `block` is one layer's `Block` (its expert weights whole, see the NOTE) and `x` the
-        layer's slice of `xs` ([L, ...] arrays). Returns (carry, ys stacked [L, ...])."""
+        layer's slice of `xs` ([L, ...] arrays). Returns (carry, ys stacked [L, ...]).
+
+        Parameters held one array per layer (`LayerArrays`, arcjax/model/layer_arrays.py):
+        with `unrolled` (static), the layers run one after the other, each reading its own
+        arrays in place; else the scan's body picks layer i's arrays (`select_layer`: one
+        copy of them, as a scan's slice of a stack is). `unrolled` needs them held so."""
         ys = []
         for first, count, layers in self._stacks():
             graphdef, experts, stacked = nnx.split(layers, ExpertWeight, ...)
@@ -421,7 +427,24 @@ class Decoder(nnx.Module):
                 return step(nnx.merge(graphdef, experts, layer_state), carry, x)
 
             part = jax.tree.map(lambda a, first=first, count=count: a[first:first + count], xs)
-            carry, y = jax.lax.scan(body, carry, (stacked, part))
+            split = split_state(stacked)
+            if unrolled and not split:
+                raise ValueError("the unrolled layer loop reads the layer parameters held "
+                                 "one array per layer (layer_arrays.split_layers)")
+            if unrolled:
+                outs = []
+                for i in range(count):
+                    carry, y = body(carry, (layer_slice(stacked, i),
+                                            jax.tree.map(lambda a, i=i: a[i], part)))
+                    outs.append(y)
+                y = jax.tree.map(lambda *y: jnp.stack(y), *outs)
+            elif split:  # the scan carries layer i's index; its arrays are picked by it
+                carry, y = jax.lax.scan(
+                    lambda carry, xs, stacked=stacked, body=body: body(
+                        carry, (select_layer(stacked, xs[0]), xs[1])),
+                    carry, (jnp.arange(count), part))
+            else:
+                carry, y = jax.lax.scan(body, carry, (stacked, part))
             ys.append(y)
         return carry, (ys[0] if len(ys) == 1
                        else jax.tree.map(lambda *y: jnp.concatenate(y), *ys))
@@ -431,8 +454,9 @@ class Decoder(nnx.Module):
         whole), for a caller that runs one layer outside the scan (a benchmark)."""
         first, _, layers = next(s for s in reversed(self._stacks()) if s[0] <= index)
         graphdef, experts, stacked = nnx.split(layers, ExpertWeight, ...)
-        return nnx.merge(graphdef, experts,
-                         jax.tree.map(lambda w: w[index - first], stacked))
+        return nnx.merge(graphdef, experts, layer_slice(stacked, index - first)
+                         if split_state(stacked)
+                         else jax.tree.map(lambda w: w[index - first], stacked))
 
     def head(self, h: jax.Array, parallel=None, matmul_impl: str = "xla") -> jax.Array:
         """Final norm, vocabulary projection and (Gemma 2) soft-cap: h [..., H] (the last

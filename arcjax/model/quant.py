@@ -38,6 +38,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from arcjax.model.layer_arrays import LayerArrays
 from arcjax.model.mxfp4_weight import Mxfp4Weight
 from arcjax.model.packed import PackedWeight
 
@@ -237,6 +238,8 @@ def weight_dtype(params: dict, name: str = "wo") -> str:
     packed format: "q4_1", "awq", "mxfp4", ...); by default the attention output
     projection's (every attention has one): the layer weights'."""
     w = params["layers"][name]
+    if isinstance(w, LayerArrays):  # held one array per layer (the unrolled layer loop)
+        w = w[0]
     return w.dtype if isinstance(w, PACKED) else str(jnp.dtype(w.dtype))
 
 

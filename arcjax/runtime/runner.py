@@ -45,6 +45,7 @@ import numpy as np
 from arcjax.lora.slot_table import SlotTable, token_slots
 from arcjax.model import decoder
 from arcjax.model.kv_layout import KVLayout, kv_layout
+from arcjax.model.layer_arrays import bucket_layer_loop, unrolled_max_tokens
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.specs import make_cache
 from arcjax.runtime.batching import PreparedStep, prepare_step, warmup_step
@@ -68,7 +69,7 @@ class ModelRunner:
                  kv_cache_dtype=None, kv_scales=None, kv: KVLayout | None = None,
                  host_slots: int = 0, pooling: bool = False, lora: SlotTable | None = None,
                  lora_impl: str = "masked", matmul_impl: str = "xla",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, layer_loop: str = "auto"):
         # parallel: an arcjax.parallel.TensorParallel (params already in its shardings,
         # cfg its sharded_config); the cache is created in its shards, inputs replicated.
         # kv_cache_dtype: the pages' dtype (None: dtype); float8_e4m3fn pages carry a K and
@@ -84,6 +85,9 @@ class ModelRunner:
         # resolved: the W4A16 kernel in decode-sized matmuls, or XLA).
         # batch_invariant: each row computed alike whatever else its step holds (fixed row
         # tiles, the xla attention's fixed blocks; the engine checks what it excludes).
+        # layer_loop: "scan" over the stacked layer weights, or "unrolled": the layers one
+        # after the other over weights held per layer (arcjax/model/layer_arrays.py);
+        # "auto": unrolled in the CPU's small buckets (`unrolled_max_tokens`).
         self.cfg, self.params, self.parallel = cfg, params, parallel
         self.batch_invariant = batch_invariant
         self.kv = kv if kv is not None else kv_layout(cfg, hybrid=False)
@@ -96,6 +100,15 @@ class ModelRunner:
         self.pooling = pooling
         self.cache = self._new_cache()
         self.platform = next(iter(self.cache["k"].devices())).platform  # "cpu", "gpu", ...
+        self.layer_loop = layer_loop
+        # buckets of at most this many rows run the layers unrolled (0: none)
+        self.unrolled_max_tokens = unrolled_max_tokens(
+            layer_loop, platform=self.platform, meshed=parallel is not None,
+            experts=cfg.is_moe)
+        if self.unrolled_max_tokens:  # held one array per layer (every bucket reads them)
+            from arcjax.model.binding import split_layer_params  # flax: where a model is built
+
+            self.params = split_layer_params(cfg, params)
         k = self.cache["k"]
         self.host_pool = HostKVPool(
             host_slots, num_slots=self.kv.num_slots, num_blocks=num_blocks,
@@ -109,6 +122,8 @@ class ModelRunner:
         # steps run, what they were compiled with ("auto" resolved; see `_attention_impl`
         # and `arcjax.engine.trace.attention_report`)
         self.attention_impls: dict[tuple[int, int, int], str] = {}
+        # (T, S, max_q_len) of each bucket acquired -> its layer loop, "scan" or "unrolled"
+        self.layer_loops: dict[tuple[int, int, int], str] = {}
         # ... and whether a recorded GPU pass vouches for it (None: nothing to verify)
         self.attention_verified: dict[tuple[int, int, int], bool | None] = {}
         self._noted: set[tuple[str, str | None]] = set()  # unverified (impl, class) logged
@@ -204,12 +219,15 @@ class ModelRunner:
         """The static arguments `bucket`'s forward is compiled with
         (`step_program.STATIC_ARGS`): the model, the attention implementation ("auto"
         resolved), the dtype, the chunk bound, the mesh, the KV layout, the LoRA delta's and
-        the packed matmuls' implementations, batch invariance. A tool that traces a bucket's
+        the packed matmuls' implementations, batch invariance, the layer loop
+        (`layer_arrays.bucket_layer_loop`). A tool that traces a bucket's
         forward again (arcjax/bench/step_replay.py) reads them here."""
+        loop = bucket_layer_loop(self.unrolled_max_tokens, bucket.tokens)
+        self.layer_loops[(bucket.tokens, bucket.seqs, bucket.max_q_len)] = loop
         return dict(cfg=self.cfg, attn_impl=self._attention_impl(bucket), dtype=self.dtype,
                     max_q_len=bucket.max_q_len, parallel=self.parallel, kv=self.kv,
                     lora_impl=self.lora_impl, matmul_impl=self.matmul_impl,
-                    batch_invariant=self.batch_invariant)
+                    batch_invariant=self.batch_invariant, layer_loop=loop)
 
     def _attention_impl(self, bucket: Bucket) -> str:
         """The attention implementation of `bucket`'s steps: `attn_impl`, "auto" resolved

@@ -23,11 +23,12 @@ from arcjax.runtime.step_output import StepOutput
 
 
 STATIC_ARGS = ("cfg", "attn_impl", "dtype", "max_q_len", "parallel", "kv", "lora_impl",
-           "matmul_impl", "batch_invariant")
+               "matmul_impl", "batch_invariant", "layer_loop")
 
 
 def model_outputs(params, cache, batch, prompt, pooling, lora, *, cfg, attn_impl, dtype,
-                  max_q_len, parallel, kv, lora_impl, matmul_impl, batch_invariant):
+                  max_q_len, parallel, kv, lora_impl, matmul_impl, batch_invariant,
+                  layer_loop):
     """The forward: (logits [R, V] at the sampled positions, prompt logprobs or None, pooled
     sums [S, H] or None, the cache, tokens per expert [L, E] or None). `lora`: the adapters'
     `LoRAWeights`, or None. `batch_invariant`: fixed row tiles (`decoder.forward_with_stats`)."""
@@ -35,7 +36,7 @@ def model_outputs(params, cache, batch, prompt, pooling, lora, *, cfg, attn_impl
     out, cache, expert_counts = decoder.forward_with_stats(
         params, cache, batch, cfg=cfg, attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
         parallel=parallel, head=not every_row, kv=kv, lora=lora, lora_impl=lora_impl,
-        matmul_impl=matmul_impl, batch_invariant=batch_invariant)
+        matmul_impl=matmul_impl, batch_invariant=batch_invariant, layer_loop=layer_loop)
     if not every_row:  # [R, V] at `batch.logits_rows`
         return out, None, None, cache, expert_counts
     # hidden states at every token row [T, H]; sampling reads its rows
@@ -76,7 +77,8 @@ def sample_tiles(num_seqs, sample_width: int, batch_invariant: bool) -> RowTiles
                    donate_argnames=("cache", "counts"))
 def step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None,
          pooling=None, lora=None, *, cfg, attn_impl, dtype, max_q_len, parallel=None, kv=None,
-         sample_width=1, lora_impl="masked", matmul_impl="xla", batch_invariant=False):
+         sample_width=1, lora_impl="masked", matmul_impl="xla", batch_invariant=False,
+         layer_loop="scan"):
     # cfg/attn_impl/dtype/max_q_len/parallel/kv/sample_width/lora_impl/matmul_impl are
     # static: one executable per bucket, no recompiles from the traced metadata (num_seqs, kv_lens,
     # ...). `prompt` (prompt logprobs) is None or not: at most a second executable per
@@ -86,11 +88,12 @@ def step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None
     # unconstrained rows): structured outputs need no other executable. `lora` (LoRA
     # adapters' slots and each token's slot) is None, or an input of every step: adapters
     # change no executable. `batch_invariant`: every row computed alike whatever else the
-    # step holds (fixed row tiles; docs/design/batch-invariance.md).
+    # step holds (fixed row tiles; docs/design/batch-invariance.md). `layer_loop`: the
+    # bucket's layer loop, "scan" or "unrolled" (arcjax/model/layer_arrays.py).
     logits, prompt_lp, pooled, cache, experts = model_outputs(
         params, cache, batch, prompt, pooling, lora, cfg=cfg, attn_impl=attn_impl, dtype=dtype,
         max_q_len=max_q_len, parallel=parallel, kv=kv, lora_impl=lora_impl,
-        matmul_impl=matmul_impl, batch_invariant=batch_invariant)
+        matmul_impl=matmul_impl, batch_invariant=batch_invariant, layer_loop=layer_loop)
     tokens, yielded, logprobs, counts = sampled(
         logits, sampling, counts, bitmask, spec, sample_width,
         sample_tiles(batch.num_seqs, sample_width, batch_invariant))
@@ -101,12 +104,13 @@ def step(params, cache, batch, sampling, counts, bitmask, prompt=None, spec=None
 @functools.partial(jax.jit, static_argnames=STATIC_ARGS, donate_argnames=("cache",))
 def forward(params, cache, batch, prompt=None, pooling=None, lora=None, *, cfg, attn_impl,
             dtype, max_q_len, parallel=None, kv=None, lora_impl="masked",
-            matmul_impl="xla", batch_invariant=False):
+            matmul_impl="xla", batch_invariant=False, layer_loop="scan"):
     """`step` without its sampling: for a step whose bitmask is not known at launch."""
     return model_outputs(params, cache, batch, prompt, pooling, lora, cfg=cfg,
                          attn_impl=attn_impl, dtype=dtype, max_q_len=max_q_len,
                          parallel=parallel, kv=kv, lora_impl=lora_impl,
-                         matmul_impl=matmul_impl, batch_invariant=batch_invariant)
+                         matmul_impl=matmul_impl, batch_invariant=batch_invariant,
+                         layer_loop=layer_loop)
 
 
 @functools.partial(jax.jit, static_argnames=("sample_width", "batch_invariant"),
