@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from pallas_kernels import backends
 from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import plan as plan_lib
+from pallas_kernels import verified
 from pallas_kernels.api import XLA_BLOCK_Q, XLA_BLOCK_K, XLA_DECODE_BLOCK_K
 from pallas_kernels.kernel_errors import KernelArgumentError, require
 from pallas_kernels.kv import drop_padding_slots
@@ -41,18 +42,43 @@ def _gpu_tiles(latent_dim: int, rope_dim: int, block_size: int) -> bool:
                 for d in (latent_dim, rope_dim)) and plan_lib.is_pow2(block_size))
 
 
-def resolve_mla_impl(impl: str, inputs: MLAInputs, *, platform: str | None = None) -> str:
-    """The implementation `mla_attention(inputs, impl=impl)` runs on `platform` (None: the
-    default backend): `impl` itself, or for "auto" the Pallas GPU kernel on a GPU where
-    Pallas' Triton backend is current and the dims tile, "xla" otherwise."""
+def mla_shape_class(inputs: MLAInputs) -> verified.ShapeClass:
+    """The shape class a GPU pass of the MLA kernel is specific to: the latent as one KV
+    head of every query head (e.g. DeepSeek-V2-Lite per device: "d512-r64-p16-g16")."""
+    return verified.ShapeClass(head_dim=inputs.latent_dim, rope_dim=inputs.rope_dim,
+                               page_size=inputs.block_size, gqa=inputs.num_heads)
+
+
+def choose_mla_impl(impl: str, inputs: MLAInputs, *, platform: str | None = None,
+                    kind: str | None = None) -> backends.Choice:
+    """What `mla_attention(inputs, impl=impl)` runs on `platform` (None: the default
+    backend), and whether a recorded GPU pass vouches for it: `impl` itself, or for
+    "auto" the Pallas GPU kernel on a GPU where Pallas' Triton backend is current, the dims
+    tile and a record of `verified.MLA_KERNEL` on this device kind (`kind`, default the
+    device's) and shape class (`mla_shape_class`) vouches for it; "xla" otherwise (like
+    "mosaic_gpu", never chosen unverified)."""
     _check_impl(impl)
-    if impl != "auto":
-        return impl
-    on_gpu = (platform or jax.default_backend()) in ("gpu", "cuda")
-    if (on_gpu and backends.pallas_triton_state() == "current"
-            and _gpu_tiles(inputs.latent_dim, inputs.rope_dim, inputs.block_size)):
-        return "pallas_gpu"
-    return "xla"
+    shape = mla_shape_class(inputs)
+
+    def passed() -> bool:
+        return verified.has_passed(verified.MLA_KERNEL, kind or backends.device_kind(), shape)
+
+    if impl == "auto":
+        run = ((platform or jax.default_backend()) in ("gpu", "cuda")
+               and backends.pallas_triton_state() == "current"
+               and _gpu_tiles(inputs.latent_dim, inputs.rope_dim, inputs.block_size)
+               and passed())
+        impl = "pallas_gpu" if run else "xla"
+        return backends.Choice(impl=impl, verified=True if run else None,
+                               shape_class=shape.key)
+    return backends.Choice(impl=impl, verified=passed() if impl == "pallas_gpu" else None,
+                           shape_class=shape.key)
+
+
+def resolve_mla_impl(impl: str, inputs: MLAInputs, *, platform: str | None = None,
+                     kind: str | None = None) -> str:
+    """The implementation `mla_attention(inputs, impl=impl)` runs: `choose_mla_impl`'s."""
+    return choose_mla_impl(impl, inputs, platform=platform, kind=kind).impl
 
 
 def mla_attention(inputs: MLAInputs, *, impl: str = "auto",

@@ -13,7 +13,8 @@ passed there, writes one record per shape class its cases covered:
 A record vouches only for the same implementation, on the same kind of device, under the
 same jax/jaxlib and the implementation's own libraries (`library_versions`), for the same
 shape class (`ShapeClass`: head dim, page size, GQA ratio, window / soft-cap / FP8 pages /
-sinks),
+sinks; for latent attention's kernel, "mla_pallas_gpu", latent dim, rope dim, page size and
+heads: its records are written by the device check's `kernel_table.mla` row),
 with the kernel's source byte for byte as it was (`source_digest`): edit the kernel and
 its records no longer count until the check passes again.
 
@@ -50,9 +51,14 @@ SOURCES = {
     "triton": ("triton_kernel.py", "triton_gpu.py", "gpu_plan.py", "plan.py",
                "attention_inputs.py"),
     "pallas_gpu": ("pallas_gpu.py", "gpu_plan.py", "plan.py", "attention_inputs.py"),
+    # latent attention's Pallas GPU kernel (`mla.py`'s impl="pallas_gpu")
+    "mla_pallas_gpu": ("mla_pallas_gpu.py", "mla_inputs.py", "pallas_gpu.py", "gpu_plan.py",
+                       "plan.py"),
 }
+MLA_KERNEL = "mla_pallas_gpu"  # latent attention's Pallas GPU kernel, in SOURCES' names
 # Distributions each implementation runs on besides jax and jaxlib.
-LIBRARIES = {"mosaic_gpu": (), "pallas_gpu": (), "triton": ("jax-triton", "triton")}
+LIBRARIES = {"mosaic_gpu": (), "pallas_gpu": (), "triton": ("jax-triton", "triton"),
+             "mla_pallas_gpu": ()}
 
 
 class RecordPathError(ValueError):
@@ -61,11 +67,14 @@ class RecordPathError(ValueError):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShapeClass:
-    """The facts of a call a GPU pass is specific to."""
+    """The facts of a call a GPU pass is specific to. Latent attention (MLA) is one KV
+    "head" shared by every query head: `head_dim` its latent dim, `rope_dim` its rope
+    dim, `gqa` the query heads."""
 
     head_dim: int
     page_size: int
     gqa: int  # query heads per KV head
+    rope_dim: int = 0  # MLA's rope key dim (0: not latent attention)
     window: bool = False  # a sliding window
     softcap: bool = False  # a logit soft-cap
     fp8: bool = False  # 1-byte pages (with k/v scales)
@@ -73,20 +82,23 @@ class ShapeClass:
 
     @property
     def key(self) -> str:
-        """e.g. "d128-p16-g4" or "d128-p16-g4-window-softcap"."""
+        """e.g. "d128-p16-g4", "d128-p16-g4-window-softcap" or (MLA) "d512-r64-p16-g16"."""
         flags = [name for name in ("window", "softcap", "fp8", "sinks") if getattr(self, name)]
-        return "-".join([f"d{self.head_dim}", f"p{self.page_size}", f"g{self.gqa}", *flags])
+        rope = [f"r{self.rope_dim}"] if self.rope_dim else []
+        return "-".join([f"d{self.head_dim}", *rope, f"p{self.page_size}", f"g{self.gqa}",
+                         *flags])
 
     @classmethod
     def from_key(cls, key: str) -> "ShapeClass":
         """The class `key` names (the inverse of `key`); ValueError if it names none."""
-        match = re.fullmatch(r"d(\d+)-p(\d+)-g(\d+)((?:-window)?)((?:-softcap)?)((?:-fp8)?)"
-                             r"((?:-sinks)?)", key)
+        match = re.fullmatch(r"d(\d+)(?:-r(\d+))?-p(\d+)-g(\d+)((?:-window)?)((?:-softcap)?)"
+                             r"((?:-fp8)?)((?:-sinks)?)", key)
         if match is None:
-            raise ValueError(f"shape_class: {key!r} is not like 'd128-p16-g4[-window]"
+            raise ValueError(f"shape_class: {key!r} is not like 'd128[-r64]-p16-g4[-window]"
                              f"[-softcap][-fp8][-sinks]'")
-        d, p, g, window, softcap, fp8, sinks = match.groups()
-        return cls(head_dim=int(d), page_size=int(p), gqa=int(g), window=bool(window),
+        d, r, p, g, window, softcap, fp8, sinks = match.groups()
+        return cls(head_dim=int(d), rope_dim=int(r or 0), page_size=int(p), gqa=int(g),
+                   window=bool(window),
                    softcap=bool(softcap), fp8=bool(fp8), sinks=bool(sinks))
 
 

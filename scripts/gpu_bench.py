@@ -225,7 +225,9 @@ def mla_decode(task: Task, emit: Emitter) -> dict:
     at 1k, 4k and 16k tokens of context: checked against the float64 oracle
     (`mla_reference`) with the attention kernels' bf16 tolerance, timed beside XLA's MLA
     path (`mla_xla`, what runs off the kernel); TB/s of the latent and rope pages each
-    reads once (`kv_bytes`), set against the copy ceiling and the data sheet."""
+    reads once (`kv_bytes`), set against the copy ceiling and the data sheet. Each row
+    names its shape class (`mla_shape_class`): when every kernel case passed on the GPU,
+    `gpu_summary.close_section` records the kernel's passes (`verified.MLA_KERNEL`)."""
     import functools
 
     import jax
@@ -234,7 +236,7 @@ def mla_decode(task: Task, emit: Emitter) -> dict:
 
     from gpu_kernels import TOLERANCES, compare
     from pallas_kernels import testing
-    from pallas_kernels.mla import mla_attention
+    from pallas_kernels.mla import mla_attention, mla_shape_class
     from pallas_kernels.mla_pallas_gpu import make_mla_plan
     from pallas_kernels.mla_reference import mla_attention_float64
 
@@ -244,8 +246,9 @@ def mla_decode(task: Task, emit: Emitter) -> dict:
         case = f"mla_decode_{n}x{ctx}"
         row = dict(case=case, kind="decode", seqs=n, context=ctx, heads=hq, latent_dim=dl,
                    rope_dim=dr, tolerance=TOLERANCES["bfloat16"])
-        if task.seconds_left() < 5:
-            emit.row(row | dict(impl="pallas_gpu", skipped="time budget spent"))
+        if task.seconds_left() < 5:  # a case not checked: nothing is recorded
+            emit.row(row | dict(impl="pallas_gpu", skipped="time budget spent",
+                                blocks_record=True))
             continue
         emit.start(case)
         batch = testing.make_mla_device_batch([(1, ctx)] * n, **shape, dtype=jnp.bfloat16,
@@ -253,7 +256,8 @@ def mla_decode(task: Task, emit: Emitter) -> dict:
         inputs = batch.inputs(sm_scale=192**-0.5, max_q_len=1)
         kv_bytes = n * ctx * (dl + dr) * 2  # [ctx, Dl + Dr] bf16 per sequence
         plan = make_mla_plan(inputs)
-        row |= dict(rows=plan.rows, block_k=plan.tiles.block_k, num_splits=plan.num_splits)
+        row |= dict(shape_class=mla_shape_class(inputs).key, rows=plan.rows,
+                    block_k=plan.tiles.block_k, num_splits=plan.num_splits)
         ref = mla_attention_float64(inputs)  # [T, Hq, Dl] float64
         real = int(batch.cu_seqlens_q[batch.num_seqs])
         for impl in ("pallas_gpu", "xla"):
@@ -262,12 +266,13 @@ def mla_decode(task: Task, emit: Emitter) -> dict:
                 got = compare(np.asarray(fn(inputs), np.float32), ref, real)
                 timing = time_call(fn, (inputs,), smoke=task.smoke)
             except Exception as e:  # noqa: BLE001 - a kernel that fails is a result
-                emit.row(row | dict(impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                emit.row(row | dict(impl=impl, ok=False,
+                                    error=f"{type(e).__name__}: {str(e)[:300]}"))
                 continue
             ok = (got["max_rel_err"] <= row["tolerance"] and not got["nan"]
                   and got["padding_exact_zero"])
             bad = {} if ok else {"error": f"{impl} against the oracle: {got}"}
-            emit.row(row | got | bad | timing | dict(impl=impl, kv_bytes=kv_bytes,
+            emit.row(row | got | bad | timing | dict(impl=impl, ok=ok, kv_bytes=kv_bytes,
                                                      tbps=kv_bytes / timing["ms"] / 1e9))
         del batch, inputs
     return {}

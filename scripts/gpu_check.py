@@ -10,7 +10,8 @@ Sections, in order (each flushed to `--out`/gpu_check.json and .md as it changes
      (`pallas_kernels.verified`).
   3. kernel_table: the machine's ceilings (matmul, copy), each implementation's default
      tiling, cuDNN on the prefill shapes, the MoE grouped GEMM, the W4A16 kernel, the
-     MLA kernel on DeepSeek-V2-Lite decode batches (scripts/gpu_bench.py); each GPU
+     MLA kernel on DeepSeek-V2-Lite decode batches (scripts/gpu_bench.py; recorded like
+     an implementation of step 2 when every kernel case matched the oracle); each GPU
      kernel's batch-invariant plan, a probe's rows bitwise their lone decodes
      (scripts/gpu_invariance.py).
   4. end_to_end: one throughput row and one token_budget burst arm (scripts/gpu_e2e.py).

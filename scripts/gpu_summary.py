@@ -50,10 +50,13 @@ def passes(rows: list[dict]) -> dict[str, int] | None:
     return dict(collections.Counter(r["shape_class"] for r in ran))
 
 
-def record(cfg: CheckConfig, report: gpu_report.Report, impl: str, result: dict) -> None:
-    """Records the GPU passes of one implementation's finished correctness task."""
-    found = passes(result.get("rows", [])) if result["status"] == "ok" else None
-    sec = report.sections["correctness"]
+def record(cfg: CheckConfig, report: gpu_report.Report, impl: str, result: dict,
+           rows: list[dict] | None = None, section: str = "correctness") -> None:
+    """Records the GPU passes of one implementation's finished task (its correctness task,
+    or `rows`: its rows of a task of `section`), listed under that section's records."""
+    rows = result.get("rows", []) if rows is None else rows
+    found = passes(rows) if result["status"] == "ok" else None
+    sec = report.sections[section]
     records = sec.setdefault("records", [])
     if found is None:
         return
@@ -85,6 +88,12 @@ def close_section(cfg: CheckConfig, report: gpu_report.Report, spec: TaskSpec) -
                                                    gpu_report.ceilings(report))
     if spec.section == "correctness":
         record(cfg, report, spec.name, result)
+    if spec.key == "kernel_table.mla":  # latent attention's kernel against its oracle
+        from pallas_kernels import verified
+
+        record(cfg, report, verified.MLA_KERNEL, result,
+               [r for r in result.get("rows", []) if r.get("impl") == "pallas_gpu"],
+               section=spec.section)
     result["ok"] = task_ok(cfg, spec.section, result)
     sec["ok"] = all(t.get("ok", False) for t in sec["tasks"].values())
     report.write()
@@ -186,7 +195,7 @@ def finish(cfg: CheckConfig, report: gpu_report.Report) -> bool:
                 text = f"{text}; {res['error']}" if text else res["error"]
             lines.append(f"{section + '.' + name:26s} {status:9s} "
                          f"{res.get('seconds', 0):6.0f}  {text}"[:240])
-    records = report.sections.get("correctness", {}).get("records", [])
+    records = [r for sec in report.sections.values() for r in sec.get("records", [])]
     written = [r for r in records if r["written"]]
     lines.append(f"verified records: {len(written)} written"
                  + (f" to {written[0]['path']}" if written else "")

@@ -187,6 +187,7 @@ def test_mla_row_checks_the_kernel_against_the_oracle_and_reports_its_bandwidth(
         for impl in ("pallas_gpu", "xla")]
     for r in rows:
         assert "error" not in r and r["max_rel_err"] <= r["tolerance"] and r["padding_exact_zero"]
+        assert r["ok"] and r["shape_class"] == "d64-r16-p16-g16"  # what a GPU pass records
         assert r["kv_bytes"] == r["seqs"] * r["context"] * (r["latent_dim"] + r["rope_dim"]) * 2
         assert r["tbps_of_sheet"] == r["tbps"] / 4.8 and r["tbps_of_measured"] == r["tbps"]
     assert any(r["num_splits"] > 1 for r in rows)  # the split decode path ran
@@ -197,7 +198,8 @@ def test_mla_row_checks_the_kernel_against_the_oracle_and_reports_its_bandwidth(
     monkeypatch.setattr(gpu_bench, "MLA_SMOKE_CASES", gpu_bench.MLA_SMOKE_CASES[:1])
     monkeypatch.setattr(reference, "mla_attention_float64", lambda x: oracle(x) + 0.1)
     bad = _mla_rows(tmp_path, "bad.jsonl")
-    assert len(bad) == 2 and all("against the oracle" in r["error"] for r in bad)
+    assert len(bad) == 2 and all("against the oracle" in r["error"] and r["ok"] is False
+                                 for r in bad)
 
 
 def test_gpu_tests_may_skip_only_for_a_missing_package(tmp_path):
@@ -257,3 +259,39 @@ def test_cpu_smoke_writes_every_section_whatever_breaks(tmp_path):
     assert all(r["attention"] == {"configured": "auto", "decode": ["xla"], "prefill": ["xla"],
                                   "verified": True} for r in e2e)
     assert report["sections"]["gpu_tests"]["counts"]["failed"] == 0
+
+
+def test_mla_row_records_the_kernel_when_every_case_passed_on_a_gpu(tmp_path, monkeypatch):
+    from pallas_kernels import verified
+
+    path = tmp_path / "records.json"
+    monkeypatch.setenv("ARCJAX_VERIFIED_KERNELS", str(path))
+    spec = next(s for s in gpu_check.plan() if s.key == "kernel_table.mla")
+    cls = "d512-r64-p16-g16"
+
+    def rows(*oks, skipped=False):
+        out = [dict(case=f"mla_decode_{i}", kind="decode", impl=impl, shape_class=cls, ok=ok,
+                    tbps=1.0) for i, ok in enumerate(oks) for impl in ("pallas_gpu", "xla")]
+        return out + ([dict(case="late", impl="pallas_gpu", skipped="time budget spent",
+                            blocks_record=True)] if skipped else [])
+
+    def close(rows, backend="gpu"):
+        report = gpu_report.Report(str(tmp_path / "out"), {})
+        report.task("kernel_table", "mla", dict(status="ok", rows=rows, info=dict(
+            backend=backend, device_kind="NVIDIA H200")))
+        gpu_summary.close_section(_cfg(), report, spec)
+        return report.sections["kernel_table"].get("records", [])
+
+    # A failed case, a case skipped for time, or a CPU run: nothing is written.
+    assert close(rows(True, False)) == [] and close(rows(True, skipped=True)) == []
+    assert close(rows(True), backend="cpu") == [] and not path.exists()
+    # Every kernel case passed on the GPU: one record for its shape class, its cases counted
+    # (the xla rows beside them are not the kernel's).
+    assert [(r["impl"], r["shape_class"], r["cases"]) for r in close(rows(True, True))] == [
+        (verified.MLA_KERNEL, cls, 2)]
+    written = json.loads(path.read_text())
+    assert [(r["impl"], r["shape_class"], r["device_kind"]) for r in written] == [
+        (verified.MLA_KERNEL, cls, "NVIDIA H200")]
+    assert verified.has_passed(verified.MLA_KERNEL, "NVIDIA H200",
+                               verified.ShapeClass.from_key(cls))
+    assert not verified.has_passed("pallas_gpu", "NVIDIA H200", verified.ShapeClass.from_key(cls))

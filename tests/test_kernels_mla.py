@@ -129,16 +129,53 @@ def test_bad_inputs_name_the_field(change, field):
         mla_attention(MLAInputs.create(**args), impl="triton")
 
 
-def test_auto_is_xla_off_the_gpu_and_the_kernel_on_it(monkeypatch):
-    from pallas_kernels import backends
+def test_auto_runs_the_kernel_on_a_gpu_only_with_a_recorded_pass(monkeypatch, tmp_path):
+    import json
 
-    batch = make_mla_batch([(1, 5)], num_heads=4, latent_dim=32, rope_dim=16, block_size=4)
-    inputs = batch.inputs(sm_scale=0.1)
-    assert resolve_mla_impl("auto", inputs, platform="cpu") == "xla"
+    from pallas_kernels import backends, verified
+    from pallas_kernels.mla import choose_mla_impl, mla_shape_class
+
+    path = tmp_path / "records.json"
+    monkeypatch.setenv(verified.ENV, str(path))
     monkeypatch.setattr(backends, "pallas_triton_state", lambda: "current")
-    assert resolve_mla_impl("auto", inputs, platform="gpu") == "pallas_gpu"
+    kind = backends.device_kind()  # what a pretend GPU's records are keyed by
+    inputs = make_mla_batch([(1, 5)], num_heads=4, latent_dim=32, rope_dim=16,
+                            block_size=4).inputs(sm_scale=0.1)
+    shape = mla_shape_class(inputs)
+    assert shape.key == "d32-r16-p4-g4" and verified.ShapeClass.from_key(shape.key) == shape
+    assert resolve_mla_impl("auto", inputs, platform="cpu") == "xla"
+    # No record: "auto" stays on xla; an explicit "pallas_gpu" runs, reported unverified.
+    assert choose_mla_impl("auto", inputs, platform="gpu") == backends.Choice(
+        impl="xla", verified=None, shape_class=shape.key)
+    assert choose_mla_impl("pallas_gpu", inputs, platform="gpu").verified is False
+    # Records that do not vouch: the attention kernel's name, another shape class (8 heads),
+    # another device kind, a stale source digest (the 8 heads' record is its own).
+    fields = verified.current(verified.MLA_KERNEL, kind, shape) | dict(when="x", cases=1)
+    other = verified.ShapeClass(head_dim=32, rope_dim=16, page_size=4, gqa=8).key
+    path.write_text(json.dumps([fields | dict(impl="pallas_gpu"), fields | dict(
+        shape_class=other), fields | dict(device_kind="NVIDIA H200"), fields | dict(
+        source="0" * 64)]))
+    assert resolve_mla_impl("auto", inputs, platform="gpu") == "xla"
+    eight = make_mla_batch([(1, 5)], num_heads=8, latent_dim=32, rope_dim=16, block_size=4)
+    assert resolve_mla_impl("auto", eight.inputs(sm_scale=0.1), platform="gpu") == "pallas_gpu"
+    # A record of this kernel, kind, source and class: "auto" runs it, verified.
+    verified.record_pass(verified.MLA_KERNEL, kind, {shape: 2})
+    assert choose_mla_impl("auto", inputs, platform="gpu") == backends.Choice(
+        impl="pallas_gpu", verified=True, shape_class=shape.key)
+    assert choose_mla_impl("pallas_gpu", inputs, platform="gpu").verified is True
+    assert resolve_mla_impl("auto", inputs, platform="cpu") == "xla"
+    # Still only where the dims tile and Pallas' Triton backend is current.
     odd = make_mla_batch([(1, 5)], num_heads=4, latent_dim=48, rope_dim=16, block_size=4)
-    assert resolve_mla_impl("auto", odd.inputs(sm_scale=0.1), platform="gpu") == "xla"
+    odd_inputs = odd.inputs(sm_scale=0.1)
+    verified.record_pass(verified.MLA_KERNEL, kind, {mla_shape_class(odd_inputs): 1})
+    assert resolve_mla_impl("auto", odd_inputs, platform="gpu") == "xla"
+    monkeypatch.setattr(backends, "pallas_triton_state", lambda: "deprecated")
+    assert resolve_mla_impl("auto", inputs, platform="gpu") == "xla"
+    # Editing the kernel's sources invalidates its records.
+    assert "mla_pallas_gpu.py" in verified.SOURCES[verified.MLA_KERNEL]
+    monkeypatch.setattr(backends, "pallas_triton_state", lambda: "current")
+    monkeypatch.setattr(verified, "source_digest", lambda impl: "edited")
+    assert resolve_mla_impl("auto", inputs, platform="gpu") == "xla"
 
 
 _NO_CUDA = lowering.cuda_lowering_unavailable()

@@ -175,9 +175,9 @@ def _latent_inputs(cfg: ModelConfig, *, q_latent, q_rope, latent_pages, rope_pag
 
 def _latent_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: int,
                    max_q_len: int | None, dtype, platform: str | None, tp: int) -> Choice:
-    """`attention_choice` of a latent attention model (`pallas_kernels.mla.MLA_IMPLS`; a
-    GPU kernel no recorded pass vouches for yet: verified False): per device, its
-    `num_heads // tp` heads over the whole latent pages."""
+    """`attention_choice` of a latent attention model (`pallas_kernels.mla.MLA_IMPLS`,
+    `choose_mla_impl`: verified when a recorded GPU pass vouches for the kernel): per
+    device, its `num_heads // tp` heads over the whole latent pages."""
     sds, i32 = jax.ShapeDtypeStruct, jnp.int32
     latent, rope = cache["k"], cache["v"]  # [P * num_blocks, block_size, 1, Dl / Dr]
     heads = cfg.num_heads // tp
@@ -188,9 +188,7 @@ def _latent_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: in
         rope_pages=sds(rope.shape[:2] + rope.shape[3:], rope.dtype),
         block_tables=sds((1, 1), i32), kv_lens=sds((1,), i32), cu_seqlens_q=sds((2,), i32),
         num_seqs=sds((), i32), max_q_len=max_q_len)
-    impl = mla_kernels.resolve_mla_impl(attn_impl, inputs, platform=platform)
-    return Choice(impl=impl, verified=None if impl in ("xla", "reference") else False,
-                  shape_class="mla")
+    return mla_kernels.choose_mla_impl(attn_impl, inputs, platform=platform)
 
 
 def forward(params: Params, cache: Cache, batch: StepBatch, *, cfg: ModelConfig,
