@@ -6,8 +6,8 @@ sequence rows past `num_seqs` and query rows past `cu_seqlens_q[num_seqs]`
 are padding. `Batch.args()` gives its arrays in `ragged_paged_attention`'s
 order, `Batch.inputs(...)` the `AttentionInputs` the implementations take.
 `make_mla_batch` is the same for latent attention (`MLABatch.inputs(...)`: `MLAInputs`).
-`make_device_batch`, `attention_work` and `time_ms` serve the benchmarks
-(`scripts/bench_kernels.py`, `scripts/gpu_check.py`).
+`make_device_batch` (`make_mla_device_batch` for latent attention), `attention_work` and
+`time_ms` serve the benchmarks (`scripts/bench_kernels.py`, `scripts/gpu_check.py`).
 """
 
 import dataclasses
@@ -197,6 +197,18 @@ def make_device_batch(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_hea
                  kv_lens=jnp.asarray(layout.kv_lens),
                  cu_seqlens_q=jnp.asarray(layout.cu_seqlens_q),
                  num_seqs=jnp.int32(layout.num_seqs))
+
+
+def make_mla_device_batch(seqs: list[tuple[int, int]], *, num_heads: int, latent_dim: int,
+                          rope_dim: int, block_size: int, dtype, key: jax.Array) -> MLABatch:
+    """`make_device_batch`'s layout (buckets, random page order) for latent attention: one
+    latent "head" of `latent_dim` and rope keys of `rope_dim` per token."""
+    lat, pe = (make_device_batch(seqs, num_heads=num_heads, num_kv_heads=1, head_dim=d,
+                                 block_size=block_size, dtype=dtype, key=key)
+               for d in (latent_dim, rope_dim))  # one key: the same pages and tables
+    return MLABatch(q_latent=lat.q, q_rope=pe.q, latent_pages=lat.k_pages[:, :, 0],
+                    rope_pages=pe.k_pages[:, :, 0], block_tables=lat.block_tables,
+                    kv_lens=lat.kv_lens, cu_seqlens_q=lat.cu_seqlens_q, num_seqs=lat.num_seqs)
 
 
 def attention_work(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_heads: int,

@@ -13,6 +13,8 @@
     with `ragged_dot` and the tiled grouped GEMM, at decode and prefill token counts.
   - `w4a16_decode`: the W4A16 kernel against its oracle, XLA's dequantize-then-dot and a
     bf16 weight on 8B-model decode shapes (`W4A16_SHAPES`).
+  - `mla_decode`: the Pallas GPU MLA kernel against its float64 oracle, and XLA's MLA path
+    beside it, on DeepSeek-V2-Lite decode batches (`MLA_CASES`), TB/s of the latent pages.
 """
 
 from __future__ import annotations
@@ -207,4 +209,65 @@ def w4a16_decode(task: Task, emit: Emitter) -> dict:
                     ("bf16", lambda x, w: x @ w, (ops["x"], dense), 2 * k * n)):
                 t = time_call(jax.jit(fn), inputs, smoke=task.smoke)
                 emit.row(row | t | dict(impl=impl, tbps=nbytes / t["ms"] / 1e9))
+    return {}
+
+
+# DeepSeek-V2-Lite's attention per device: 16 heads, kv_lora_rank 512, qk_rope_head_dim 64,
+# softmax scale (qk_nope 128 + rope 64) ** -0.5; bf16 latent pages of 16 tokens.
+MLA_SHAPE = dict(num_heads=16, latent_dim=512, rope_dim=64, block_size=16)
+MLA_CASES = ((64, 1024), (32, 4096), (16, 16384))  # (sequences, context): one decode step
+MLA_SMOKE = dict(num_heads=16, latent_dim=64, rope_dim=16, block_size=16)
+MLA_SMOKE_CASES = ((4, 96), (2, 300))  # the CPU smoke: the kernel interpreted
+
+
+def mla_decode(task: Task, emit: Emitter) -> dict:
+    """The MLA kernel (`pallas_kernels.mla_pallas_gpu`) on DeepSeek-V2-Lite decode batches
+    at 1k, 4k and 16k tokens of context: checked against the float64 oracle
+    (`mla_reference`) with the attention kernels' bf16 tolerance, timed beside XLA's MLA
+    path (`mla_xla`, what runs off the kernel); TB/s of the latent and rope pages each
+    reads once (`kv_bytes`), set against the copy ceiling and the data sheet."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from gpu_kernels import TOLERANCES, compare
+    from pallas_kernels import testing
+    from pallas_kernels.mla import mla_attention
+    from pallas_kernels.mla_pallas_gpu import make_mla_plan
+    from pallas_kernels.mla_reference import mla_attention_float64
+
+    shape = MLA_SMOKE if task.smoke else MLA_SHAPE
+    hq, dl, dr = shape["num_heads"], shape["latent_dim"], shape["rope_dim"]
+    for i, (n, ctx) in enumerate(MLA_SMOKE_CASES if task.smoke else MLA_CASES):
+        case = f"mla_decode_{n}x{ctx}"
+        row = dict(case=case, kind="decode", seqs=n, context=ctx, heads=hq, latent_dim=dl,
+                   rope_dim=dr, tolerance=TOLERANCES["bfloat16"])
+        if task.seconds_left() < 5:
+            emit.row(row | dict(impl="pallas_gpu", skipped="time budget spent"))
+            continue
+        emit.start(case)
+        batch = testing.make_mla_device_batch([(1, ctx)] * n, **shape, dtype=jnp.bfloat16,
+                                              key=jax.random.key(i))
+        inputs = batch.inputs(sm_scale=192**-0.5, max_q_len=1)
+        kv_bytes = n * ctx * (dl + dr) * 2  # [ctx, Dl + Dr] bf16 per sequence
+        plan = make_mla_plan(inputs)
+        row |= dict(rows=plan.rows, block_k=plan.tiles.block_k, num_splits=plan.num_splits)
+        ref = mla_attention_float64(inputs)  # [T, Hq, Dl] float64
+        real = int(batch.cu_seqlens_q[batch.num_seqs])
+        for impl in ("pallas_gpu", "xla"):
+            fn = jax.jit(functools.partial(mla_attention, impl=impl, interpret=task.smoke))
+            try:
+                got = compare(np.asarray(fn(inputs), np.float32), ref, real)
+                timing = time_call(fn, (inputs,), smoke=task.smoke)
+            except Exception as e:  # noqa: BLE001 - a kernel that fails is a result
+                emit.row(row | dict(impl=impl, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                continue
+            ok = (got["max_rel_err"] <= row["tolerance"] and not got["nan"]
+                  and got["padding_exact_zero"])
+            bad = {} if ok else {"error": f"{impl} against the oracle: {got}"}
+            emit.row(row | got | bad | timing | dict(impl=impl, kv_bytes=kv_bytes,
+                                                     tbps=kv_bytes / timing["ms"] / 1e9))
+        del batch, inputs
     return {}

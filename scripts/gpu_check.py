@@ -9,9 +9,10 @@ Sections, in order (each flushed to `--out`/gpu_check.json and .md as it changes
      recorded per shape class where `$ARCJAX_VERIFIED_KERNELS` says
      (`pallas_kernels.verified`).
   3. kernel_table: the machine's ceilings (matmul, copy), each implementation's default
-     tiling, cuDNN on the prefill shapes, the MoE grouped GEMM, the W4A16 kernel
-     (scripts/gpu_bench.py); each GPU kernel's batch-invariant plan, a probe's rows bitwise
-     their lone decodes (scripts/gpu_invariance.py).
+     tiling, cuDNN on the prefill shapes, the MoE grouped GEMM, the W4A16 kernel, the
+     MLA kernel on DeepSeek-V2-Lite decode batches (scripts/gpu_bench.py); each GPU
+     kernel's batch-invariant plan, a probe's rows bitwise their lone decodes
+     (scripts/gpu_invariance.py).
   4. end_to_end: one throughput row and one token_budget burst arm (scripts/gpu_e2e.py).
   5. alt_tilings: the Pallas and Triton kernels' alternative tilings, if time is left.
   6. gpu_tests: `pytest -m gpu` over the GPU test files only, last.
@@ -56,12 +57,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_TEST_FILES = ("tests/test_kernels_pallas_gpu.py", "tests/test_kernels_triton.py",
                   "tests/test_gpu_lowering_mosaic.py")
 IMPLS = ("pallas_gpu", "triton", "mosaic_gpu")
+GPU_BUDGET_S = 555.0  # the whole run on the H200 (scripts/gpu_check.sh's budget table)
 
 _OUT = flags.DEFINE_string("out", None, "directory for gpu_check.json, gpu_check.md, rows/")
 _CPU_SMOKE = flags.DEFINE_boolean("cpu_smoke", False,
                                   "tiny shapes on the CPU, kernels in interpret mode")
-_BUDGET_S = flags.DEFINE_float("budget_s", None, "seconds for the whole run (default: 540 "
-                               "on the GPU; 1,700 for --cpu_smoke, whose interpreters are slow)")
+_BUDGET_S = flags.DEFINE_float("budget_s", None, f"seconds for the whole run (default: "
+                               f"{GPU_BUDGET_S:.0f} on the GPU; 1,700 for --cpu_smoke, whose "
+                               f"interpreters are slow)")
 _INJECT = flags.DEFINE_list("inject", [], "SECTION.NAME:MODE tasks that fail on purpose")
 _TIMEOUT = flags.DEFINE_list("timeout", [], "SECTION.NAME=SECONDS timeout overrides")
 _REHEARSAL = flags.DEFINE_boolean(
@@ -103,6 +106,8 @@ def plan() -> list[TaskSpec]:
         t(section="kernel_table", name="moe", kind="moe", expect_s=25, timeout_s=60, min_s=20),
         t(section="kernel_table", name="w4a16", kind="w4a16", expect_s=25, timeout_s=50,
           min_s=15),
+        t(section="kernel_table", name="mla", kind="mla", expect_s=15, timeout_s=40,
+          min_s=12),
         t(section="kernel_table", name="invariance", kind="invariance", expect_s=20,
           timeout_s=60, min_s=15),
         t(section="end_to_end", name="e2e", kind="e2e", expect_s=170, timeout_s=220, min_s=90,
@@ -350,7 +355,7 @@ def main(argv):
     del argv
     if not _OUT.value:
         raise app.UsageError("--out DIR is required")
-    budget = _BUDGET_S.value or (1700.0 if _CPU_SMOKE.value else 540.0)
+    budget = _BUDGET_S.value or (1700.0 if _CPU_SMOKE.value else GPU_BUDGET_S)
     cfg = parse_config(out=_OUT.value, cpu_smoke=_CPU_SMOKE.value, budget_s=budget,
                        inject=_INJECT.value, timeout=_TIMEOUT.value, rehearsal=_REHEARSAL.value)
     report = gpu_report.Report(cfg.out, dataclasses.asdict(cfg))

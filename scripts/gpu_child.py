@@ -144,7 +144,8 @@ def _runners(kind: str):
     return {"environment": environment, "correctness": gpu_kernels.correctness,
             "table": gpu_kernels.table, "ceilings": gpu_bench.ceilings,
             "cudnn": gpu_bench.cudnn_reference, "moe": gpu_bench.moe_grouped_gemm,
-            "w4a16": gpu_bench.w4a16_decode, "invariance": gpu_invariance.invariance,
+            "w4a16": gpu_bench.w4a16_decode, "mla": gpu_bench.mla_decode,
+            "invariance": gpu_invariance.invariance,
             "e2e": gpu_e2e.run}[kind]
 
 

@@ -142,7 +142,8 @@ def _call(impl: str, smoke: bool):
     return jax.jit(functools.partial(paged_attention, impl=impl, interpret=smoke))
 
 
-def _compare(out, ref, real: int) -> dict:
+def compare(out, ref, real: int) -> dict:
+    """NaNs, exact-zero padding rows past `real`, max |out - ref| / (1 + |ref|) of the rest."""
     import numpy as np
 
     err = np.abs(out[:real] - ref[:real]) / (1 + np.abs(ref[:real]))
@@ -175,7 +176,7 @@ def correctness(task: Task, emit: Emitter) -> dict:
         try:
             inputs, ref, real = _inputs(case, seed)
             out = np.asarray(_call(impl, task.smoke)(inputs), np.float32)
-            row.update(_compare(out, ref, real))
+            row.update(compare(out, ref, real))
             row["ok"] = (not row["nan"] and row["padding_exact_zero"]
                          and row["max_rel_err"] <= row["tolerance"])
         except Exception as e:  # noqa: BLE001 - a kernel that fails is a result

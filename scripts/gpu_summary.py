@@ -149,6 +149,9 @@ def figures(section: str, name: str, result: dict) -> str:
         if name == "w4a16":  # the kernel's rows (xla and bf16 beside them in the table)
             parts = [f"{r['shape']} {r['zero']} {_num(r['tbps'])} TB/s{_pct(r, 'tbps')}"
                      for r in rows if r.get("impl") == "w4a16" and "tbps" in r]
+        if name == "mla":  # the kernel's rows (xla's beside them in the table)
+            parts = [f"{r['seqs']}x{r['context']} {_num(r['tbps'])} TB/s{_pct(r, 'tbps')}"
+                     for r in rows if r.get("impl") == "pallas_gpu" and "tbps" in r]
         return "; ".join(parts)
     if section == "end_to_end":
         parts = []

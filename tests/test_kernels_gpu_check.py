@@ -13,12 +13,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
+import gpu_bench  # noqa: E402
 import gpu_check  # noqa: E402
 import gpu_report  # noqa: E402
 import gpu_summary  # noqa: E402
@@ -96,7 +98,8 @@ def _spec(**kw):
 
 
 def _cfg(**kw):
-    base = dict(out="/nonexistent", cpu_smoke=False, budget_s=540.0, inject={}, timeouts={})
+    base = dict(out="/nonexistent", cpu_smoke=False, budget_s=gpu_check.GPU_BUDGET_S, inject={},
+                timeouts={})
     return gpu_check.CheckConfig(**(base | kw))
 
 
@@ -108,13 +111,14 @@ def test_allotment_keeps_time_for_end_to_end_and_the_gpu_tests():
     # A kernel task late in its section gets its cap only while e2e and the tests still fit.
     moe = keys.index("kernel_table.moe")
     assert gpu_check.allotment(cfg, specs, moe, elapsed=100) == 60
-    assert gpu_check.allotment(cfg, specs, moe, elapsed=300) == 540 - 300 - 170 - 50 - 3
+    budget = cfg.budget_s
+    assert gpu_check.allotment(cfg, specs, moe, elapsed=300) == budget - 300 - 170 - 50 - 3
     # End to end gets its cap, less what the GPU tests need after it.
     assert gpu_check.allotment(cfg, specs, e2e, elapsed=250) == 220
-    assert gpu_check.allotment(cfg, specs, e2e, elapsed=330) == 540 - 330 - 50 - 3
+    assert gpu_check.allotment(cfg, specs, e2e, elapsed=330) == budget - 330 - 50 - 3
     # Late, the alternative tilings give their time up; the GPU tests still run.
-    assert gpu_check.allotment(cfg, specs, alt, elapsed=480) < cfg.min_s(specs[alt])
-    assert gpu_check.allotment(cfg, specs, tests, elapsed=480) >= cfg.min_s(specs[tests])
+    assert gpu_check.allotment(cfg, specs, alt, elapsed=budget - 60) < cfg.min_s(specs[alt])
+    assert gpu_check.allotment(cfg, specs, tests, elapsed=budget - 60) >= cfg.min_s(specs[tests])
     # The plan's expected times fit the budget with the alternatives trimmed.
     protected = sum(s.expect_s for s in specs if s.section != "alt_tilings")
     assert protected + 5 < cfg.budget_s < 600
@@ -162,6 +166,38 @@ def test_records_only_what_passed_on_a_gpu(tmp_path, monkeypatch):
     assert len(json.loads(path.read_text())) == 2
     assert [r["written"] for r in report.sections["correctness"]["records"]] == [
         True, True, False]
+
+
+def _mla_rows(tmp_path, name):
+    from gpu_child import Emitter, Task
+
+    task = Task(section="kernel_table", name="mla", kind="mla", rows=str(tmp_path / name),
+                deadline=time.time() + 300, smoke=True)
+    gpu_bench.mla_decode(task, Emitter(task))
+    rows, _, _ = gpu_check.read_events(task.rows)
+    return gpu_report.with_fractions(rows, {"tbps": 1.0})
+
+
+def test_mla_row_checks_the_kernel_against_the_oracle_and_reports_its_bandwidth(
+        tmp_path, monkeypatch):
+    assert "kernel_table.mla" in {s.key for s in gpu_check.plan()}
+    rows = _mla_rows(tmp_path, "ok.jsonl")  # the kernel interpreted, tiny shapes
+    assert [(r["case"], r["impl"]) for r in rows] == [
+        (f"mla_decode_{n}x{c}", impl) for n, c in gpu_bench.MLA_SMOKE_CASES
+        for impl in ("pallas_gpu", "xla")]
+    for r in rows:
+        assert "error" not in r and r["max_rel_err"] <= r["tolerance"] and r["padding_exact_zero"]
+        assert r["kv_bytes"] == r["seqs"] * r["context"] * (r["latent_dim"] + r["rope_dim"]) * 2
+        assert r["tbps_of_sheet"] == r["tbps"] / 4.8 and r["tbps_of_measured"] == r["tbps"]
+    assert any(r["num_splits"] > 1 for r in rows)  # the split decode path ran
+    # An oracle the kernel does not match: every row says so.
+    import pallas_kernels.mla_reference as reference
+
+    oracle = reference.mla_attention_float64
+    monkeypatch.setattr(gpu_bench, "MLA_SMOKE_CASES", gpu_bench.MLA_SMOKE_CASES[:1])
+    monkeypatch.setattr(reference, "mla_attention_float64", lambda x: oracle(x) + 0.1)
+    bad = _mla_rows(tmp_path, "bad.jsonl")
+    assert len(bad) == 2 and all("against the oracle" in r["error"] for r in bad)
 
 
 def test_gpu_tests_may_skip_only_for_a_missing_package(tmp_path):

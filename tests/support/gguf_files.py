@@ -263,14 +263,14 @@ def write_gguf(hf_dir: str, qtype_name: str, path: str | None = None, *,
         if "ffn_gate_inp" in gname:  # routers stay F32; the shared gate as [H]
             w.add_tensor(gname, t.reshape(-1) if "shexp" in gname else t)
             continue
-        _add_weight(w, gname, t, qtype_name)
+        add_weight(w, gname, t, qtype_name)
     for (layer, kind), by_expert in sorted(experts.items()):
         if not merge_experts:
             for e in sorted(by_expert):
-                _add_weight(w, f"blk.{layer}.ffn_{kind}.{e}.weight", by_expert[e], qtype_name)
+                add_weight(w, f"blk.{layer}.ffn_{kind}.{e}.weight", by_expert[e], qtype_name)
             continue
         merged = np.stack([by_expert[e] for e in sorted(by_expert)])
-        _add_weight(w, f"blk.{layer}.ffn_{kind}_exps.weight", merged, qtype_name)
+        add_weight(w, f"blk.{layer}.ffn_{kind}_exps.weight", merged, qtype_name)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -278,7 +278,7 @@ def write_gguf(hf_dir: str, qtype_name: str, path: str | None = None, *,
     return path
 
 
-def _add_weight(w, name: str, t: np.ndarray, qtype_name: str) -> None:
+def add_weight(w, name: str, t: np.ndarray, qtype_name: str) -> None:
     """A 2-D or 3-D weight in `qtype_name` when its rows fit the type's block, else F32."""
     import gguf
 

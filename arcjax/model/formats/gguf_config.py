@@ -15,6 +15,19 @@ which tensors exist, read the way llama.cpp reads them.
   query scale is `attention.scale` when written, else llama.cpp's rule (head_dim, or
   hidden / heads for the 27B models: 46-layer Gemma 2, 62-layer Gemma 3).
 
+- deepseek2 (DeepSeek-V2/V3 as llama.cpp's converter writes them): latent attention
+  (`attention.q_lora_rank`, absent or 0: no query bottleneck; `attention.kv_lora_rank`;
+  the per-head widths from `attention.key_length_mla` / `value_length_mla`, or in files
+  from before the MQA rewrite `attention.key_length` / `value_length`; the rope width
+  `rope.dimension_count`), `leading_dense_block_count` dense layers, the experts
+  (`expert_shared_count`, `expert_weights_scale`, `expert_weights_norm`, groups
+  `expert_group_count` / `expert_group_used_count`), V3 told from V2 by
+  `expert_gating_func` (2, sigmoid: V3's noaux_tc router; 1 or absent, softmax: V2, as
+  llama.cpp defaults), YaRN with `rope.scaling.yarn_log_multiplier` = 0.1 * mscale_all_dim
+  (llama.cpp's cos/sin carry no attention factor, as transformers' do when mscale equals
+  mscale_all_dim). Read into a config.json and through `ModelConfig.from_hf_dict`, so the
+  checks of `deepseek_config` apply.
+
 Sliding windows are read for Gemma only: llama.cpp ignores a window on the other
 architectures, so a GGUF Mixtral attends fully (as llama.cpp runs it).
 """
@@ -36,6 +49,7 @@ ARCHITECTURES = {
     "qwen3moe": ("Qwen3MoeForCausalLM", False),
     "gemma2": ("Gemma2ForCausalLM", False),
     "gemma3": ("Gemma3ForCausalLM", False),
+    "deepseek2": ("DeepseekV2ForCausalLM", False),  # V3 by its gating function (`_deepseek`)
 }
 # llama.cpp renormalizes the top-k router weights per architecture (no metadata key).
 _NORM_TOPK = {"MixtralForCausalLM": True, "Qwen2MoeForCausalLM": False,
@@ -146,6 +160,79 @@ def _windows(f, arch: str, layers: int) -> dict:
     return out
 
 
+def _deepseek_rope(f) -> dict | None:
+    kind = str(_field(f, "rope.scaling.type", "none", required=False))
+    if kind in ("none", ""):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _f32(_field(f, "rope.scaling.factor"))}
+    if kind != "yarn":
+        raise ModelConfigError(f.path, f"rope scaling {kind!r} is not supported for "
+                                       "deepseek2 (linear, yarn)")
+    out = {"rope_type": "yarn", "factor": _f32(_field(f, "rope.scaling.factor")),
+           "original_max_position_embeddings": int(_field(
+               f, "rope.scaling.original_context_length")), "attention_factor": 1.0}
+    for key in ("beta_fast", "beta_slow"):
+        value = _field(f, f"rope.scaling.yarn_{key}", 0.0, required=False)
+        if value:
+            out[key] = _f32(value)
+    log_mul = float(_field(f, "rope.scaling.yarn_log_multiplier", 0.0, required=False))
+    if log_mul:
+        out["mscale"] = out["mscale_all_dim"] = _f32(np.float32(log_mul) / 0.1)
+    return out
+
+
+def _deepseek(f) -> dict:
+    """The config.json of a `deepseek2` file (DeepSeek-V2 or V3), for `from_hf_dict`."""
+    gating = int(_field(f, "expert_gating_func", 1, required=False))
+    if gating not in (1, 2):  # gguf.ExpertGatingFuncType: SOFTMAX, SIGMOID
+        raise ModelConfigError(f.path, f"GGUF metadata {f.architecture}.expert_gating_func "
+                                       f"{gating} is not supported (1 softmax: DeepSeek-V2, "
+                                       "2 sigmoid: DeepSeek-V3)")
+    v3 = gating == 2
+    rope = int(_field(f, "rope.dimension_count"))
+    qk = _field(f, "attention.key_length_mla", 0, required=False) or _field(
+        f, "attention.key_length")
+    v = _field(f, "attention.value_length_mla", 0, required=False) or _field(
+        f, "attention.value_length")
+    groups = int(_field(f, "expert_group_count", 1, required=False) or 1)
+    width = int(_field(f, "expert_feed_forward_length"))
+    eos = [f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    return {
+        "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        "vocab_size": int(f.tensors["token_embd.weight"].shape[1]),
+        "hidden_size": int(_field(f, "embedding_length")),
+        "intermediate_size": int(_field(f, "feed_forward_length", width, required=False)),
+        "num_hidden_layers": int(_field(f, "block_count")),
+        "num_attention_heads": int(_field(f, "attention.head_count")),
+        "rms_norm_eps": _f32(_field(f, "attention.layer_norm_rms_epsilon", 1e-6,
+                                    required=False)),
+        "rope_theta": _f32(_field(f, "rope.freq_base", 10000.0, required=False)),
+        "rope_scaling": _deepseek_rope(f),
+        "max_position_embeddings": int(_field(f, "context_length", 2048, required=False)),
+        "tie_word_embeddings": "output.weight" not in f.tensors,
+        "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(dict.fromkeys(int(i) for i in eos if i is not None)),
+        "q_lora_rank": int(_field(f, "attention.q_lora_rank", 0, required=False)) or None,
+        "kv_lora_rank": int(_field(f, "attention.kv_lora_rank")),
+        "qk_nope_head_dim": int(qk) - rope, "qk_rope_head_dim": rope, "v_head_dim": int(v),
+        "n_routed_experts": int(_field(f, "expert_count")),
+        "num_experts_per_tok": int(_field(f, "expert_used_count")),
+        "moe_intermediate_size": width,
+        "n_shared_experts": int(_field(f, "expert_shared_count", 0, required=False)),
+        "first_k_dense_replace": int(_field(f, "leading_dense_block_count", 0,
+                                            required=False)),
+        # llama.cpp: no scale, no renormalization when the keys are absent
+        "routed_scaling_factor": _f32(_field(f, "expert_weights_scale", 1.0, required=False)),
+        "norm_topk_prob": bool(_field(f, "expert_weights_norm", False, required=False)),
+        "n_group": groups,
+        "topk_group": int(_field(f, "expert_group_used_count", groups, required=False)),
+        "scoring_func": "sigmoid" if v3 else "softmax",
+        "topk_method": "noaux_tc" if v3 else "group_limited_greedy" if groups > 1
+        else "greedy",
+    }
+
+
 def gguf_config(f) -> ModelConfig:
     """The model configuration of `f` (an `arcjax.model.formats.gguf_file.GGUFFile`).
 
@@ -155,6 +242,13 @@ def gguf_config(f) -> ModelConfig:
     if f.architecture not in ARCHITECTURES:
         raise ModelConfigError(f.path, f"GGUF architecture {f.architecture!r} is not "
                                        f"supported; supported: {', '.join(ARCHITECTURES)}")
+    if "token_embd.weight" not in f.tensors:
+        raise ModelConfigError(f.path, "tensor token_embd.weight is missing")
+    if f.architecture == "deepseek2":
+        try:
+            return ModelConfig.from_hf_dict(_deepseek(f))
+        except ModelConfigError as e:
+            raise ModelConfigError(f.path, e.reason) from e
     arch = ARCHITECTURES[f.architecture][0]
     experts = int(_field(f, "expert_count", 0, required=False))
     if arch == "LlamaForCausalLM" and experts > 0:
@@ -162,8 +256,6 @@ def gguf_config(f) -> ModelConfig:
     elif experts > 0 and arch not in MOE_ARCHITECTURES:
         raise ModelConfigError(f.path, f"GGUF architecture {f.architecture!r} with experts "
                                        "is not supported")
-    if "token_embd.weight" not in f.tensors:
-        raise ModelConfigError(f.path, "tensor token_embd.weight is missing")
     hidden = int(_field(f, "embedding_length"))
     heads = int(_field(f, "attention.head_count"))
     head_dim = int(_field(f, "attention.key_length", hidden // heads, required=False))

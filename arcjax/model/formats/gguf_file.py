@@ -9,7 +9,9 @@
    undoes llama.cpp's rotary permutation of q/k for the `llama` architecture (Mixtral
    included: its converter interleaves each head's halves for GGML's rope mode 0; qwen
    and gemma use NEOX mode and are stored unpermuted), splits the merged expert tensors
-   `ffn_{gate,up,down}_exps` [E, out, in] into the stacked expert weights, takes 1 off
+   `ffn_{gate,up,down}_exps` [E, out, in] into the stacked expert weights, joins
+   DeepSeek's split `attn_k_b` / `attn_v_b` back into `kv_b_proj` (`deepseek2`: stored
+   unpermuted, GGML's rope mode 0 rotates DeepSeek's interleaved pairs), takes 1 off
    Gemma's norm weights (llama.cpp stores 1 + w, as transformers' GGUF loader undoes too),
    and fills the params tree through the same assembly as safetensors checkpoints
    (`hf_layout.assemble_host`, by Hugging Face tensor name: `gguf_name` maps each to its
@@ -35,7 +37,8 @@ from arcjax.model.formats.gguf_config import ARCHITECTURES, gguf_config
 from arcjax.model.formats.gguf_packed import (BLOCKS, PACKED_TYPES, BlockCodes, common_layout,
                                               decode_blocks, packed_tensor, permute_rows,
                                               to_common)
-from arcjax.model.formats.hf_layout import TOP_NAMES, HostModel, assemble_host, hf_layer_name
+from arcjax.model.formats.hf_layout import (TOP_NAMES, HostModel, assemble_host, hf_layer_name,
+                                            layer_stacks, tree_at)
 from arcjax.model.model_config import ModelConfig
 from arcjax.model.packed import stack_packed
 from arcjax.model.quant import LINEAR_WEIGHTS
@@ -64,6 +67,18 @@ _LAYER_TENSORS = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    # DeepSeek-V2/V3: latent attention, the noaux_tc correction, the shared experts
+    # (kv_b_proj: `attn_kv_b`, or split in newer files: `_split_kv_b`)
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
     # Gemma (post_attention_layernorm: `_GEMMA_TENSORS`)
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
@@ -248,6 +263,21 @@ def unpermute_rotary(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _split_kv_b(f: GGUFFile, name: str) -> np.ndarray | None:
+    """`attn_kv_b` [Hq * (dn + dv), Dl] from llama.cpp's split `attn_k_b` [Hq, Dl, dn]
+    (transposed) and `attn_v_b` [Hq, dv, Dl] (files converted for its absorbed MLA, which
+    drop `attn_kv_b`); None when they are absent too."""
+    k_name, v_name = (name.replace("attn_kv_b", part) for part in ("attn_k_b", "attn_v_b"))
+    if k_name not in f.tensors or v_name not in f.tensors:
+        return None
+    k_b, v_b = f.read(k_name), f.read(v_name)
+    if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[:2] != (v_b.shape[0], v_b.shape[2]):
+        raise WeightsError(f.path, f"tensors {k_name} {k_b.shape[::-1]} and {v_name} "
+                                   f"{v_b.shape[::-1]} do not split one kv_b")
+    kv_b = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1)  # [Hq, dn + dv, Dl]
+    return kv_b.reshape(-1, kv_b.shape[-1])
+
+
 def gguf_host(f: GGUFFile, dtype=jnp.float32, packed: bool = False) -> HostModel:
     """A GGUF model in host memory: every tensor dequantized, or with `packed` the linear
     weights, embedding and LM head of `gguf_packed.PACKED_TYPES` kept packed
@@ -286,7 +316,7 @@ def gguf_host(f: GGUFFile, dtype=jnp.float32, packed: bool = False) -> HostModel
         if expert is not None:
             return read_expert(name, expert)
         if name not in f.tensors:
-            return None
+            return _split_kv_b(f, name) if name.endswith(".attn_kv_b.weight") else None
         w = f.read(name)
         if rotary_heads(name):
             w = unpermute_rotary(w, rotary_heads(name))
@@ -297,40 +327,43 @@ def gguf_host(f: GGUFFile, dtype=jnp.float32, packed: bool = False) -> HostModel
         return w
 
     sources = _packable(f, cfg, gemma) if packed else {}
-    host = assemble_host(cfg, read, dtype, lambda _: f.path, skip=tuple(sources))
+    host = assemble_host(cfg, read, dtype, lambda _: f.path,
+                         skip=tuple(dict.fromkeys(path[-1] for path in sources)))
     specs = param_specs(cfg)
-    for key, tensors in sources.items():
-        spec = specs["layers"][key] if key in specs["layers"] else specs[key]
-        want = spec.shape[::-1] if key == "embed" else spec.shape  # embed: stored [H, V]
-        w = _packed_weight(f, tensors, want, rotary_heads)
-        if key in specs["layers"]:
-            host["layers"][key] = w
-        else:
-            host[key] = w
+    for path, tensors in sources.items():
+        shape = tree_at(specs, path).shape
+        want = shape[::-1] if path == ("embed",) else shape  # embed: stored [H, V]
+        tree_at(host, path[:-1])[path[-1]] = _packed_weight(f, tensors, want, rotary_heads)
     return HostModel(cfg, host)
 
 
-def _packable(f: GGUFFile, cfg: ModelConfig, gemma: bool) -> dict[str, list[str]]:
-    """The weights kept packed: key -> its GGUF tensors (one per layer, or per layer and
-    expert in files that predate merged experts), when all of them are packable."""
+def _packable(f: GGUFFile, cfg: ModelConfig, gemma: bool) -> dict[tuple[str, ...], list[str]]:
+    """The weights kept packed: path in the params tree -> its GGUF tensors (one per
+    layer, or per layer and expert in files that predate merged experts), when all of
+    them are packable (a layer weight in every layer stack holding it, or in none)."""
     specs = param_specs(cfg)
+    ok = lambda names: all(n in f.tensors and f.type_name(n) in PACKED_TYPES for n in names)
     out = {}
-    keys = [k for k in LINEAR_WEIGHTS if k in specs["layers"]]
-    for key in keys + [k for k in ("embed", "lm_head") if k in specs]:
-        if key in ("embed", "lm_head"):
-            names = [gguf_name(TOP_NAMES[key][0])[0]]
-        else:
-            experts = specs["layers"][key].axes[1] == "expert"
-            names = []
-            for layer in range(cfg.num_layers):
+    for key in ("embed", "lm_head"):
+        names = [gguf_name(TOP_NAMES[key][0])[0]]
+        if key in specs and ok(names):
+            out[(key,)] = names
+    for key in LINEAR_WEIGHTS:
+        paths = {}
+        for stack, first in layer_stacks(cfg).items():
+            if key not in specs[stack]:
+                continue
+            spec, names = specs[stack][key], []
+            for layer in range(first, first + spec.shape[0]):
                 name, _ = gguf_name(hf_layer_name(cfg, key, layer), gemma)
-                if experts and name not in f.tensors:  # blk.N.ffn_gate.E, one per expert
+                if spec.axes[1] == "expert" and name not in f.tensors:  # blk.N.ffn_gate.E
                     names += [name.replace("_exps.weight", f".{e}.weight")
                               for e in range(cfg.num_experts)]
                 else:
                     names.append(name)
-        if all(n in f.tensors and f.type_name(n) in PACKED_TYPES for n in names):
-            out[key] = names
+            paths[(stack, key)] = names
+        if paths and all(ok(names) for names in paths.values()):
+            out |= paths
     return out
 
 
