@@ -197,8 +197,8 @@ def test_quantized_base_weights_with_adapters_equal_peft_on_the_dequantized_mode
     adapters = {"q4": peft_adapter_dir(ARCH, rank=4, seed=80, model_dir=fdir),
                 "q16": peft_adapter_dir(ARCH, rank=16, seed=81, model_dir=fdir)}
     llm = LLM(qdir, **{**GEOMETRY, **LORA_OPTIONS})
-    layers = llm.engine.runner.params["layers"]
-    assert str(layers["wq"].values.dtype) == ("float8_e4m3fn" if fmt == "fp8" else "int8")
+    wq = llm.engine.runner.params["layers"]["wq"].layers[0]  # one CPU device: per layer
+    assert str(wq.values.dtype) == ("float8_e4m3fn" if fmt == "fp8" else "int8")
     assert {str(b.dtype) for pair in llm.engine.runner.lora.buffers.values()
             for b in pair.values()} == {"float32"}
     cases = [(name, _prompts()[name][1]) for name in (None, "a4", "a16")]

@@ -71,6 +71,8 @@ def _run_tensor_parallel(model_dirs: dict) -> dict:
             out["tokens"][f"{arch}/{tp}"] = _greedy(llm)
             runner = llm.engine.runner
             wq, k = runner.params["layers"]["wq"], runner.cache["k"]
+            if tp == 1:  # one CPU device holds the layers one array each (layer_arrays)
+                wq = jax.numpy.stack(wq.layers)
             out["checks"][f"{arch}/{tp}"] = {
                 "wq_spec": list(getattr(wq.sharding, "spec", ())),
                 "wq_shard_shape": list(wq.addressable_shards[0].data.shape),

@@ -19,6 +19,8 @@ from arcjax import LLM, SamplingParams
 from arcjax.bench.packed_checkpoints import packed_checkpoint
 from arcjax.errors import EngineConfigError
 from arcjax.model import packed_matmul
+from arcjax.model.binding import LAYER_STACKS
+from arcjax.model.layer_arrays import split_layers
 from arcjax.model.formats.hub import resolve_model
 from arcjax.model.formats.loader import load_model
 from arcjax.model.specs import cache_specs, is_spec
@@ -105,6 +107,9 @@ def test_auto_picks_the_kernel_only_on_one_gpu_with_packed_weights():
     assert packed_matmul.kernel_weights(packed) == ("wq", "wk", "wv", "wo", "w_gate",
                                                     "w_up", "w_down")
     assert packed_matmul.kernel_weights(float_params) == ()
+    # the same weights held one array per layer (the unrolled layer loop)
+    held = split_layers(packed, LAYER_STACKS, frozenset())
+    assert packed_matmul.kernel_weights(held) == packed_matmul.kernel_weights(packed)
     resolve = packed_matmul.resolve_impl
     assert resolve("auto", packed, platform="gpu", parallel=False) == "w4a16"
     assert resolve("auto", packed, platform="gpu", parallel=True) == "xla"

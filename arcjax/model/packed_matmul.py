@@ -31,6 +31,7 @@ import math
 
 import jax
 
+from arcjax.model.layer_arrays import LayerArrays
 from arcjax.model.packed import PackedWeight, w4a16_layout, w4a16_operands
 from arcjax.model.quant import LINEAR_WEIGHTS, dense
 from pallas_kernels.backends import pallas_triton_state
@@ -57,9 +58,10 @@ def matmul(x: jax.Array, w, impl: str = "xla") -> jax.Array:
 def kernel_weights(params: dict) -> tuple[str, ...]:
     """The names of the weights "w4a16" may send through the kernel: the layer weights
     (and a packed embedding / LM head) in its layout."""
+    layers = {name: w[0] if isinstance(w, LayerArrays) else w  # held one per layer
+              for name, w in params["layers"].items()}
     names = [name for name in LINEAR_WEIGHTS
-             if isinstance(params["layers"].get(name), PackedWeight)
-             and w4a16_layout(params["layers"][name])]
+             if isinstance(layers.get(name), PackedWeight) and w4a16_layout(layers[name])]
     return tuple(names + [name for name in ("embed", "lm_head")
                           if isinstance(params.get(name), PackedWeight)
                           and w4a16_layout(params[name])])
