@@ -18,8 +18,14 @@ from pallas_kernels.xla import ragged_paged_attention_xla
 
 IMPLS = ("auto", "reference", "xla", "pallas_gpu", "triton", "mosaic_gpu")
 GPU_IMPLS = ("pallas_gpu", "triton", "mosaic_gpu")  # need the GPU tiling constraints
-XLA_BLOCK_Q = 128  # query tokens per tile on the xla path
-XLA_BLOCK_K = 512  # keys per online-softmax step on the xla path
+# Query tokens per tile and keys per online-softmax step on the xla path. Measured on the
+# 2-core CPU (one layer of SmolLM2's geometry, 9 query / 3 KV heads of 64, in a 2048-token
+# bucket; ms, 128 x 512 -> 256 x 128): 14 prompts of 80-200 tokens 40.3 -> 20.1, four of
+# 512 34.2 -> 22.3, one of 2048 65.5 -> 52.7, two 512-token chunks after 1024 cached keys
+# beside 8 decodes 46.5 -> 37.0. Fewer, wider tiles cost less loop overhead; shorter key
+# steps waste less past each tile's causal frontier (docs/design/cpu-step-profile.md).
+XLA_BLOCK_Q = 256
+XLA_BLOCK_K = 128
 # Decode-only batches (max_q_len == 1) step through keys in smaller blocks: every tile
 # walks to the batch's furthest key, so a smaller block wastes less past each row's
 # kv_len (64 decodes, kv 16-768, one CPU core: 8.6 ms with 512, 6.9 ms with 128).

@@ -21,7 +21,7 @@ from pallas_kernels import backends
 from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import plan as plan_lib
 from pallas_kernels import verified
-from pallas_kernels.api import XLA_BLOCK_Q, XLA_BLOCK_K, XLA_DECODE_BLOCK_K
+from pallas_kernels.api import XLA_DECODE_BLOCK_K
 from pallas_kernels.kernel_errors import KernelArgumentError, require
 from pallas_kernels.kv import drop_padding_slots
 from pallas_kernels.mla_inputs import MLAInputs
@@ -29,6 +29,11 @@ from pallas_kernels.mla_reference import mla_attention_reference
 from pallas_kernels.mla_xla import mla_attention_xla
 
 MLA_IMPLS = ("auto", "reference", "xla", "pallas_gpu")
+# The XLA path's tiles for prefill chunks: query tokens x heads per tile (block_q is this
+# over the head count) and keys per online-softmax step. Not retuned with the paged path's
+# (api.XLA_BLOCK_Q / XLA_BLOCK_K): a latent tile's width multiplies by the heads.
+MLA_XLA_BLOCK_Q = 128
+MLA_XLA_BLOCK_K = 512
 
 
 def _check_impl(impl: str) -> None:
@@ -109,8 +114,8 @@ def mla_attention(inputs: MLAInputs, *, impl: str = "auto",
     tiles = plan_lib.make_plan(
         num_tokens=inputs.num_tokens, num_seqs=inputs.seq_bucket, page_size=inputs.block_size,
         max_blocks=inputs.max_blocks, max_q_len=inputs.max_q_len,
-        block_q=max(1, XLA_BLOCK_Q // inputs.num_heads),
-        block_k=XLA_DECODE_BLOCK_K if inputs.max_q_len == 1 else XLA_BLOCK_K)
+        block_q=max(1, MLA_XLA_BLOCK_Q // inputs.num_heads),
+        block_k=XLA_DECODE_BLOCK_K if inputs.max_q_len == 1 else MLA_XLA_BLOCK_K)
     return mla_attention_xla(inputs, tiles)
 
 

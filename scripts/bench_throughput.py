@@ -169,12 +169,17 @@ def run_arcjax(llm, wl: Workload) -> dict:
             "tokens": [list(o.token_ids) for o in outs]}
 
 
+def lone_prompt(vocab: int) -> list[int]:
+    """The lone request's prompt (the same for every engine)."""
+    rs = np.random.RandomState(_SEED.value + 1)
+    return rs.randint(3, vocab, _LONE_PROMPT.value).tolist()
+
+
 def run_lone(llm, vocab: int) -> float:
     """Time per output token (ms) of one request alone (metrics.tpot)."""
     import arcjax
 
-    rs = np.random.RandomState(_SEED.value + 1)
-    prompt = rs.randint(3, vocab, _LONE_PROMPT.value).tolist()
+    prompt = lone_prompt(vocab)
     params = arcjax.SamplingParams(max_tokens=_LONE_TOKENS.value, temperature=0,
                                    ignore_eos=True)
     return 1e3 * llm.generate([prompt], params, use_tqdm=False)[0].metrics.tpot
@@ -210,7 +215,8 @@ def run_transformers(model_dir, wl: Workload, batch: int) -> dict:
             "tokens": [results[j] for j in order]}
 
 
-def run_vllm(python: str | None, model_dir: str, wl: Workload, max_len: int) -> dict | None:
+def run_vllm(python: str | None, model_dir: str, wl: Workload, max_len: int,
+             vocab: int) -> dict | None:
     """The workload on vLLM (scripts/vllm_peer.py under `python`, its own environment), or
     None, with the reason printed, where that is not possible."""
     import subprocess
@@ -230,7 +236,9 @@ def run_vllm(python: str | None, model_dir: str, wl: Workload, max_len: int) -> 
             json.dump({"model": model_dir, "prompts": wl.prompts, "outputs": wl.outputs,
                        "max_model_len": max_len, "max_num_seqs": _SEQS.value,
                        "max_num_batched_tokens": _BUDGET.value,
-                       "dtype": _DTYPE.value or "float32"}, f)
+                       "dtype": _DTYPE.value or "float32", "repeats": _REPEATS.value,
+                       "lone": ({"prompt": lone_prompt(vocab), "tokens": _LONE_TOKENS.value,
+                                 "repeats": _LONE_REPEATS.value} if _LONE.value else None)}, f)
         try:
             proc = subprocess.run([python, peer, src, dst], capture_output=True, text=True)
         except OSError as e:
@@ -298,12 +306,23 @@ def main(argv):
             line += (f"; lone request {float(np.median(lone[on])):.2f} ms/token "
                      f"(median of {len(lone[on])})")
         print(line)
-    vllm = run_vllm(_VLLM_PYTHON.value, model_dir, wl, _max_len(wl))
+    vllm = run_vllm(_VLLM_PYTHON.value, model_dir, wl, _max_len(wl), vocab)
     if vllm is not None:
         res["vllm"] = vllm
-        print(f"vLLM CPU {vllm['version']}: {vllm['tok_s']:9.1f} tok/s ({vllm['wall_s']:.1f} s)")
+        each = ", ".join(f"{t:.0f}" for t in vllm["tok_s_all"])
+        line = (f"vLLM CPU {vllm['version']}: {vllm['tok_s']:9.1f} tok/s (median of "
+                f"{len(vllm['tok_s_all'])}: {each})")
+        if vllm.get("lone_tpot_ms"):
+            line += (f"; lone request {float(np.median(vllm['lone_tpot_ms'])):.2f} ms/token "
+                     f"(median of {len(vllm['lone_tpot_ms'])})")
+        print(line)
         for name, arm in res["arms"].items():
             arm["ratio_vs_vllm"] = arm["tok_s_median"] / vllm["tok_s"]
+            if vllm.get("lone_tpot_ms") and arm.get("lone_tpot_ms"):
+                arm["lone_ratio_vs_vllm"] = (float(np.median(arm["lone_tpot_ms"]))
+                                             / float(np.median(vllm["lone_tpot_ms"])))
+                print(f"{name}: lone request {arm['lone_ratio_vs_vllm']:.2f}x vLLM CPU's "
+                      f"time per token")
             arm["identical_to_vllm"] = sum(a == b for a, b in zip(arm["tokens"],
                                                                   vllm["tokens"]))
             print(f"{name}: {arm['ratio_vs_vllm']:.2f}x vLLM CPU; identical greedy outputs: "

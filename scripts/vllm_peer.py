@@ -4,9 +4,15 @@
   python scripts/vllm_peer.py WORKLOAD.json RESULT.json
 
 WORKLOAD.json: {"model", "prompts" (token ids per request), "outputs" (tokens per request),
-"max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype"}. Every request is
-greedy with EOS ignored, all submitted at once, after one unmeasured warm-up run of the
-same workload. RESULT.json: {"wall_s", "output_tokens", "tok_s", "tokens", "version"}.
+"max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype", and optionally
+"gpu_memory_utilization" (default 0.5: on the CPU the share of host memory vLLM takes), "repeats"
+and "lone": {"prompt", "tokens", "repeats"}}. Every request is greedy with EOS ignored, all
+submitted at once, after one unmeasured warm-up run of the same workload; the workload runs
+"repeats" times (default 1). The lone request's time per output token is measured as arcjax's
+`metrics.tpot` means it, without the first token: (wall of `tokens` tokens - wall of one
+token) / (tokens - 1), once per repeat. RESULT.json: {"wall_s", "output_tokens",
+"tok_s" (the median run's), "tok_s_all", "tokens", "lone_tpot_ms" (a list, one per repeat, where
+asked), "version"}.
 Exit status 3 (and nothing written) when vLLM cannot be imported.
 """
 
@@ -27,20 +33,46 @@ def main(workload_path: str, result_path: str) -> int:
         wl = json.load(f)
     llm = vllm.LLM(model=wl["model"], dtype=wl["dtype"], max_model_len=wl["max_model_len"],
                    max_num_seqs=wl["max_num_seqs"],
-                   max_num_batched_tokens=wl["max_num_batched_tokens"], seed=0)
+                   max_num_batched_tokens=wl["max_num_batched_tokens"], seed=0,
+                   # On the CPU this is the share of host memory vLLM reserves (its KV cache
+                   # included); its default, 0.92, refuses to start beside any other process.
+                   gpu_memory_utilization=float(wl.get("gpu_memory_utilization", 0.5)))
     prompts = [{"prompt_token_ids": p} for p in wl["prompts"]]
     params = [vllm.SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0,
                                   ignore_eos=True) for n in wl["outputs"]]
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: first-use costs
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
-    n = sum(len(t) for t in tokens)
+    runs = []
+    for _ in range(int(wl.get("repeats", 1))):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs.append((time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]))
+    n = sum(len(t) for t in runs[0][1])
+    wall, tokens = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    res = {"wall_s": wall, "output_tokens": n, "tok_s": n / wall,
+           "tok_s_all": [n / w for w, _ in runs], "tokens": tokens,
+           "version": getattr(vllm, "__version__", None)}
+    lone = wl.get("lone")
+    if lone:
+        res["lone_tpot_ms"] = [_lone_tpot_ms(vllm, llm, lone) for _ in range(lone["repeats"])]
     with open(result_path, "w") as f:
-        json.dump({"wall_s": wall, "output_tokens": n, "tok_s": n / wall, "tokens": tokens,
-                   "version": getattr(vllm, "__version__", None)}, f)
+        json.dump(res, f)
     return 0
+
+
+def _lone_tpot_ms(vllm, llm, lone: dict) -> float:
+    """One request alone: ms per output token after the first."""
+    prompt = [{"prompt_token_ids": lone["prompt"]}]
+
+    def wall(n: int) -> float:
+        params = vllm.SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0,
+                                     ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompt, params, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    n = int(lone["tokens"])
+    wall(n)  # unmeasured: this length's first use
+    return 1e3 * (wall(n) - wall(1)) / (n - 1)
 
 
 if __name__ == "__main__":
