@@ -173,11 +173,13 @@ def test_a_preempted_probe_is_bitwise_its_solo_run(case=LLAMA_F32):
 
 
 def test_the_same_workloads_differ_with_the_mode_off():
-    """Without the mode the probe's bits follow its batch and its chunking (XLA:CPU's
-    products follow the row count; the attention's tiles follow the chunk), while its
-    greedy tokens do not: what the property above would catch if the mode broke."""
+    """Without the mode the probe's bits follow its chunking (its prompt in 16-token
+    chunks runs in narrower attention tiles than its solo prefill, and XLA:CPU's products
+    follow a tile's row count), while its greedy tokens do not: what the property above
+    would catch if the mode broke. (On this tiny model the batches tried without chunking
+    leave the bits alone: every key step is 128 keys from position 0, prefill or decode.)"""
     base_tokens, base_bits = solo(False)
-    tokens, bits = run_probe(_engine(False, None, False, False),
+    tokens, bits = run_probe(_engine(False, 16, False, False),
                              [(0, 30, 6, None), (0, 50, 6, None), (1, 12, 6, None)], 0, 1)
     assert tokens == base_tokens
     assert bits != base_bits
