@@ -53,26 +53,26 @@ def main(workload_path: str, result_path: str) -> int:
            "version": getattr(vllm, "__version__", None)}
     lone = wl.get("lone")
     if lone:
+        _lone_wall(vllm, llm, lone["prompt"], int(lone["tokens"]))  # unmeasured: first use
         res["lone_tpot_ms"] = [_lone_tpot_ms(vllm, llm, lone) for _ in range(lone["repeats"])]
     with open(result_path, "w") as f:
         json.dump(res, f)
     return 0
 
 
+def _lone_wall(vllm, llm, prompt: list[int], n: int) -> float:
+    """Seconds to generate `n` greedy tokens for `prompt` alone."""
+    params = vllm.SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
 def _lone_tpot_ms(vllm, llm, lone: dict) -> float:
     """One request alone: ms per output token after the first."""
-    prompt = [{"prompt_token_ids": lone["prompt"]}]
-
-    def wall(n: int) -> float:
-        params = vllm.SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0,
-                                     ignore_eos=True)
-        t0 = time.perf_counter()
-        llm.generate(prompt, params, use_tqdm=False)
-        return time.perf_counter() - t0
-
     n = int(lone["tokens"])
-    wall(n)  # unmeasured: this length's first use
-    return 1e3 * (wall(n) - wall(1)) / (n - 1)
+    full = _lone_wall(vllm, llm, lone["prompt"], n)
+    return 1e3 * (full - _lone_wall(vllm, llm, lone["prompt"], 1)) / (n - 1)
 
 
 if __name__ == "__main__":
