@@ -18,6 +18,10 @@ thread: `ModelRunner.watch_completion`), and whether its outputs equal the other
 side in one run.
 `--lone` also times one request alone (`--lone_prompt` tokens, `--lone_tokens` new):
 time per output token (median over `--lone_repeats`), per arm.
+`--phase_split` splits each engine's wall into its prefill and its decode: the same
+workload with one output token per request (its prompts, all in flight: "prefill_s", the
+median of `--repeats` runs) against the full run; "decode_s" is the difference and
+"decode_tok_s" the tokens after each request's first per second of it (vLLM's peer too).
 
   python scripts/bench_throughput.py --num_requests=256 --out=runs/throughput.json
   python scripts/bench_throughput.py --skip_hf --num_requests=64 --lone
@@ -74,6 +78,8 @@ _LONE = flags.DEFINE_bool("lone", False, "also time one request alone per arm")
 _LONE_PROMPT = flags.DEFINE_integer("lone_prompt", 128, "--lone: prompt tokens")
 _LONE_TOKENS = flags.DEFINE_integer("lone_tokens", 64, "--lone: new tokens")
 _LONE_REPEATS = flags.DEFINE_integer("lone_repeats", 10, "--lone: runs per arm (alternating)")
+_SPLIT = flags.DEFINE_bool("phase_split", False, "also time the workload's prompts alone (one "
+                           "output token each): the wall split into prefill and decode")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -146,6 +152,27 @@ def build_engines(model_dir, wl: Workload) -> dict:
             run_arcjax(llm, wl)
             engines[on, inv, loop] = (llm, time.perf_counter() - t0)
     return engines
+
+
+def prefill_only(wl: Workload) -> Workload:
+    """The workload's prompts with one output token each (`--phase_split`)."""
+    return dataclasses.replace(wl, outputs=[1] * len(wl.outputs))
+
+
+def phase_split(full_wall: float, prefill_walls: list[float], wl: Workload) -> dict:
+    """A run's wall split into prefill (the median of the prompt-only runs) and decode."""
+    prefill = statistics.median(prefill_walls)
+    decode = full_wall - prefill
+    after_first = sum(wl.outputs) - len(wl.outputs)
+    return {"wall_s": full_wall, "prefill_s": prefill, "prefill_s_all": prefill_walls,
+            "decode_s": decode,
+            "decode_tok_s": after_first / decode if decode > 0 else None}
+
+
+def _split_line(split: dict) -> str:
+    rate = split["decode_tok_s"]
+    return (f"; prefill {split['prefill_s']:.2f} s, decode {split['decode_s']:.2f} s"
+            + (f" ({rate:.1f} tok/s)" if rate else ""))
 
 
 def run_arcjax(llm, wl: Workload) -> dict:
@@ -237,6 +264,7 @@ def run_vllm(python: str | None, model_dir: str, wl: Workload, max_len: int,
                        "max_model_len": max_len, "max_num_seqs": _SEQS.value,
                        "max_num_batched_tokens": _BUDGET.value,
                        "dtype": _DTYPE.value or "float32", "repeats": _REPEATS.value,
+                       "phase_split": _SPLIT.value,
                        "lone": ({"prompt": lone_prompt(vocab), "tokens": _LONE_TOKENS.value,
                                  "repeats": _LONE_REPEATS.value} if _LONE.value else None)}, f)
         try:
@@ -276,6 +304,13 @@ def main(argv):
     for _ in range(_REPEATS.value):
         for on, (llm, _) in engines.items():
             runs[on].append(run_arcjax(llm, wl))
+    prefill_walls = {on: [] for on in engines}
+    if _SPLIT.value:
+        for llm, _ in engines.values():  # unmeasured: a bucket only a prompt-only run uses
+            run_arcjax(llm, prefill_only(wl))
+        for _ in range(_REPEATS.value):
+            for on, (llm, _) in engines.items():
+                prefill_walls[on].append(run_arcjax(llm, prefill_only(wl))["wall_s"])
     if _LONE.value:  # without the completion watcher: what a user gets
         for llm, _ in engines.values():
             llm.engine.runner.watch_completion = False
@@ -301,6 +336,10 @@ def main(argv):
                 f"{each}), device idle between "
                 f"steps {best['idle_gap_mean_ms']:.2f} ms/step = "
                 f"{100 * best['idle_fraction_of_wall']:.1f}% of wall, outputs equal: {same}")
+        if prefill_walls[on]:
+            res["arms"][name]["phase_split"] = split = phase_split(best["wall_s"],
+                                                                   prefill_walls[on], wl)
+            line += _split_line(split)
         if lone[on]:
             res["arms"][name]["lone_tpot_ms"] = lone[on]
             line += (f"; lone request {float(np.median(lone[on])):.2f} ms/token "
@@ -312,6 +351,9 @@ def main(argv):
         each = ", ".join(f"{t:.0f}" for t in vllm["tok_s_all"])
         line = (f"vLLM CPU {vllm['version']}: {vllm['tok_s']:9.1f} tok/s (median of "
                 f"{len(vllm['tok_s_all'])}: {each})")
+        if vllm.get("prefill_s_all"):
+            vllm["phase_split"] = phase_split(vllm["wall_s"], vllm.pop("prefill_s_all"), wl)
+            line += _split_line(vllm["phase_split"])
         if vllm.get("lone_tpot_ms"):
             line += (f"; lone request {float(np.median(vllm['lone_tpot_ms'])):.2f} ms/token "
                      f"(median of {len(vllm['lone_tpot_ms'])})")

@@ -5,8 +5,9 @@
 
 WORKLOAD.json: {"model", "prompts" (token ids per request), "outputs" (tokens per request),
 "max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype", and optionally
-"gpu_memory_utilization" (default 0.5: on the CPU the share of host memory vLLM takes), "repeats"
-and "lone": {"prompt", "tokens", "repeats"}}. Every request is greedy with EOS ignored, all
+"gpu_memory_utilization" (default 0.5: on the CPU the share of host memory vLLM takes), "repeats",
+"phase_split" (also run the prompts with one output token each, "repeats" times, after one
+unmeasured such run: "prefill_s_all") and "lone": {"prompt", "tokens", "repeats"}}. Every request is greedy with EOS ignored, all
 submitted at once, after one unmeasured warm-up run of the same workload; the workload runs
 "repeats" times (default 1). The lone request's time per output token is measured as arcjax's
 `metrics.tpot` means it, without the first token: (wall of `tokens` tokens - wall of one
@@ -48,9 +49,20 @@ def main(workload_path: str, result_path: str) -> int:
         runs.append((time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]))
     n = sum(len(t) for t in runs[0][1])
     wall, tokens = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    if wl.get("phase_split"):
+        one = [vllm.SamplingParams(max_tokens=1, min_tokens=1, temperature=0.0,
+                                   ignore_eos=True)] * len(prompts)
+        llm.generate(prompts, one, use_tqdm=False)
+        prefill = []
+        for _ in range(int(wl.get("repeats", 1))):
+            t0 = time.perf_counter()
+            llm.generate(prompts, one, use_tqdm=False)
+            prefill.append(time.perf_counter() - t0)
     res = {"wall_s": wall, "output_tokens": n, "tok_s": n / wall,
            "tok_s_all": [n / w for w, _ in runs], "tokens": tokens,
            "version": getattr(vllm, "__version__", None)}
+    if wl.get("phase_split"):
+        res["prefill_s_all"] = prefill
     lone = wl.get("lone")
     if lone:
         _lone_wall(vllm, llm, lone["prompt"], int(lone["tokens"]))  # unmeasured: first use

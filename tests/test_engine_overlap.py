@@ -161,7 +161,8 @@ def test_option_is_validated_and_reported():
 
 def test_bench_throughput_script_reports_both_arms(tmp_path):
     """scripts/bench_throughput.py on a tiny model: both arms run, their outputs agree (and
-    agree with transformers), idle gaps and the lone-request figure are reported."""
+    agree with transformers), idle gaps, the lone-request figure and the prefill/decode split
+    are reported."""
     import json
     import subprocess
     import sys
@@ -173,7 +174,7 @@ def test_bench_throughput_script_reports_both_arms(tmp_path):
         [sys.executable, str(script), f"--model={tiny_model_dir()}", "--num_requests=6",
          "--prompt_len=4,40", "--output_len=2,12", "--max_num_seqs=8",
          "--max_num_batched_tokens=128", "--hf_batch=4", "--lone", "--lone_prompt=16",
-         "--lone_tokens=6", "--lone_repeats=2", f"--out={out}"],
+         "--lone_tokens=6", "--lone_repeats=2", "--phase_split", f"--out={out}"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -184,6 +185,9 @@ def test_bench_throughput_script_reports_both_arms(tmp_path):
         # the device's idle time between steps is a part of the wall time (in seconds)
         assert 0 <= arm["idle_fraction_of_wall"] < 1 and len(arm["lone_tpot_ms"]) == 2
         assert arm["tok_s_median"] > 0 and arm["ratio_vs_transformers"] > 0
+        split = arm["phase_split"]  # the prompt-only runs' median, and the rest of the wall
+        assert len(split["prefill_s_all"]) == 1 and split["prefill_s"] > 0
+        assert split["prefill_s"] + split["decode_s"] == pytest.approx(split["wall_s"])
 
 
 def test_a_failing_trace_sink_fails_its_step_and_is_detached():
