@@ -264,7 +264,7 @@ def run_vllm(python: str | None, model_dir: str, wl: Workload, max_len: int,
                        "max_model_len": max_len, "max_num_seqs": _SEQS.value,
                        "max_num_batched_tokens": _BUDGET.value,
                        "dtype": _DTYPE.value or "float32", "repeats": _REPEATS.value,
-                       "phase_split": _SPLIT.value,
+                       "phase_split": _SPLIT.value, "enable_prefix_caching": _PREFIX.value,
                        "lone": ({"prompt": lone_prompt(vocab), "tokens": _LONE_TOKENS.value,
                                  "repeats": _LONE_REPEATS.value} if _LONE.value else None)}, f)
         try:

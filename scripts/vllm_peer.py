@@ -6,8 +6,10 @@
 WORKLOAD.json: {"model", "prompts" (token ids per request), "outputs" (tokens per request),
 "max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype", and optionally
 "gpu_memory_utilization" (default 0.5: on the CPU the share of host memory vLLM takes), "repeats",
-"phase_split" (also run the prompts with one output token each, "repeats" times, after one
-unmeasured such run: "prefill_s_all") and "lone": {"prompt", "tokens", "repeats"}}. Every request is greedy with EOS ignored, all
+"enable_prefix_caching" (default: vLLM's own, which is on: pass arcjax's setting, so a
+repeated prompt is recomputed by both or by neither), "phase_split" (also run the prompts with
+one output token each, "repeats" times, after one unmeasured such run: "prefill_s_all") and
+"lone": {"prompt", "tokens", "repeats"}}. Every request is greedy with EOS ignored, all
 submitted at once, after one unmeasured warm-up run of the same workload; the workload runs
 "repeats" times (default 1). The lone request's time per output token is measured as arcjax's
 `metrics.tpot` means it, without the first token: (wall of `tokens` tokens - wall of one
@@ -32,12 +34,15 @@ def main(workload_path: str, result_path: str) -> int:
         return 3
     with open(workload_path) as f:
         wl = json.load(f)
+    prefix = ({"enable_prefix_caching": bool(wl["enable_prefix_caching"])}
+              if wl.get("enable_prefix_caching") is not None else {})
     llm = vllm.LLM(model=wl["model"], dtype=wl["dtype"], max_model_len=wl["max_model_len"],
                    max_num_seqs=wl["max_num_seqs"],
                    max_num_batched_tokens=wl["max_num_batched_tokens"], seed=0,
                    # On the CPU this is the share of host memory vLLM reserves (its KV cache
                    # included); its default, 0.92, refuses to start beside any other process.
-                   gpu_memory_utilization=float(wl.get("gpu_memory_utilization", 0.5)))
+                   gpu_memory_utilization=float(wl.get("gpu_memory_utilization", 0.5)),
+                   **prefix)
     prompts = [{"prompt_token_ids": p} for p in wl["prompts"]]
     params = [vllm.SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0,
                                   ignore_eos=True) for n in wl["outputs"]]
