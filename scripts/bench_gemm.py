@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 from absl import app, flags
@@ -138,4 +137,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    sys.exit(app.run(main))
+    app.run(main)

@@ -329,6 +329,7 @@ def main(argv):
             "tok_s_all": [r["tok_s"] for r in arm_runs],
             "idle_gap_mean_ms": best["idle_gap_mean_ms"],
             "idle_fraction_of_wall": best["idle_fraction_of_wall"], "steps": best["steps"],
+            "output_tokens": best["output_tokens"],
             "outputs_equal_first_arm": same, "tokens": best["tokens"]}
         each = ", ".join(f"{r['tok_s']:.0f}" for r in arm_runs)
         line = (f"arcjax {name}: {res['arms'][name]['tok_s_median']:9.1f} tok/s (median of "

@@ -46,23 +46,17 @@ def main(workload_path: str, result_path: str) -> int:
     prompts = [{"prompt_token_ids": p} for p in wl["prompts"]]
     params = [vllm.SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0,
                                   ignore_eos=True) for n in wl["outputs"]]
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up: first-use costs
-    runs = []
-    for _ in range(int(wl.get("repeats", 1))):
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append((time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]))
+    repeats = int(wl.get("repeats", 1))
+    _timed(llm, prompts, params)  # warm-up: first-use costs
+    runs = [_timed(llm, prompts, params) for _ in range(repeats)]
+    runs = [(w, [list(o.outputs[0].token_ids) for o in outs]) for w, outs in runs]
     n = sum(len(t) for t in runs[0][1])
     wall, tokens = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     if wl.get("phase_split"):
         one = [vllm.SamplingParams(max_tokens=1, min_tokens=1, temperature=0.0,
                                    ignore_eos=True)] * len(prompts)
-        llm.generate(prompts, one, use_tqdm=False)
-        prefill = []
-        for _ in range(int(wl.get("repeats", 1))):
-            t0 = time.perf_counter()
-            llm.generate(prompts, one, use_tqdm=False)
-            prefill.append(time.perf_counter() - t0)
+        _timed(llm, prompts, one)  # unmeasured, as the full run's warm-up
+        prefill = [_timed(llm, prompts, one)[0] for _ in range(repeats)]
     res = {"wall_s": wall, "output_tokens": n, "tok_s": n / wall,
            "tok_s_all": [n / w for w, _ in runs], "tokens": tokens,
            "version": getattr(vllm, "__version__", None)}
@@ -77,12 +71,17 @@ def main(workload_path: str, result_path: str) -> int:
     return 0
 
 
+def _timed(llm, prompts: list[dict], params) -> tuple[float, list]:
+    """(seconds, outputs) of one `generate` of every prompt at once."""
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0, outs
+
+
 def _lone_wall(vllm, llm, prompt: list[int], n: int) -> float:
     """Seconds to generate `n` greedy tokens for `prompt` alone."""
     params = vllm.SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    return time.perf_counter() - t0
+    return _timed(llm, [{"prompt_token_ids": prompt}], params)[0]
 
 
 def _lone_tpot_ms(vllm, llm, lone: dict) -> float:
