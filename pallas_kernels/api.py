@@ -6,7 +6,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import backends
+from pallas_kernels import backends, cpu_attention
 from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import pallas_gpu
 from pallas_kernels import plan as plan_lib
@@ -16,7 +16,7 @@ from pallas_kernels.kernel_errors import require
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.xla import ragged_paged_attention_xla
 
-IMPLS = ("auto", "reference", "xla", "pallas_gpu", "triton", "mosaic_gpu")
+IMPLS = ("auto", "reference", "xla", "cpu", "pallas_gpu", "triton", "mosaic_gpu")
 GPU_IMPLS = ("pallas_gpu", "triton", "mosaic_gpu")  # need the GPU tiling constraints
 # Query tokens per tile and keys per online-softmax step on the xla path. Measured on the
 # 2-core CPU (one layer of SmolLM2's geometry, 9 query / 3 KV heads of 64, in a 2048-token
@@ -36,9 +36,10 @@ XLA_DECODE_BLOCK_K = 128
 # its tile, its chunk or its step.
 INVARIANT_BLOCK_Q = 8
 INVARIANT_BLOCK_K = 128
-# The implementations with a batch-invariant mode ("auto" means "xla" in it; the GPU
-# kernels' mode is `gpu_plan.make_gpu_plan(batch_invariant=True)`).
-INVARIANT_IMPLS = ("auto", "xla", "pallas_gpu", "triton")
+# The implementations with a batch-invariant mode ("auto" means "cpu" in it where that
+# kernel runs, else "xla"; "cpu" is invariant by construction; the GPU kernels' mode is
+# `gpu_plan.make_gpu_plan(batch_invariant=True)`).
+INVARIANT_IMPLS = ("auto", "xla", "cpu", "pallas_gpu", "triton")
 
 
 def _check_impl(impl: str) -> None:
@@ -73,11 +74,27 @@ def resolve_impl(impl: str, **shapes) -> str:
     return impl if impl != "auto" else choose_impl(impl, **shapes).impl
 
 
+def cpu_kernel_unavailable(*, head_dim: int, block_size: int, num_heads: int,
+                           num_kv_heads: int, kv_dtype, platform: str | None = None) -> str | None:
+    """Why the compiled CPU kernel ("cpu") cannot run a call of these shapes on `platform`
+    (None: the default backend), or None if it can (building it on first use)."""
+    platform = platform or jax.default_backend()
+    if platform != "cpu":
+        return f'impl="cpu" runs on the CPU, and this runs on {platform}'
+    reason = cpu_attention.unsupported(head_dim=head_dim, block_size=block_size,
+                                       num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                       kv_dtype=kv_dtype)
+    if reason is not None:
+        return f'impl="cpu" does not take {reason}'
+    return cpu_attention.kernel_unavailable()
+
+
 def choose_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
                 plain: bool = True, dtype=jnp.bfloat16, kv_dtype=None, num_heads: int = 1,
                 num_kv_heads: int = 1, pallas_gpu_ok: bool | None = None,
                 platform: str | None = None,
-                options: frozenset[str] | None = None) -> backends.Choice:
+                options: frozenset[str] | None = None,
+                batch_invariant: bool = False) -> backends.Choice:
     """The implementation a call with these shapes runs, `impl` itself or what "auto"
     picks on this machine's default backend (see `backends.choose`), and whether a
     recorded GPU pass vouches for it (`pallas_kernels.verified`).
@@ -96,6 +113,8 @@ def choose_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | N
             backend.
         options: the names of the options the call gives (the shape class's flags); None:
             none when `plain`, else unknown (no record vouches for an unknown class).
+        batch_invariant: the call's `AttentionInputs.batch_invariant`: "auto" then picks
+            only an implementation whose invariant mode has run ("cpu", else "xla").
     """
     _check_impl(impl)
     kv_dtype = kv_dtype or dtype
@@ -108,12 +127,18 @@ def choose_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | N
     if impl != "auto":
         return backends.verification(impl, shape)
     on_gpu = _is_gpu(platform or jax.default_backend())
+    cpu_ok = not on_gpu and cpu_kernel_unavailable(
+        head_dim=head_dim, block_size=block_size, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, kv_dtype=kv_dtype, platform=platform) is None
+    if batch_invariant:
+        return backends.Choice(impl="cpu" if cpu_ok else "xla", verified=None,
+                               shape_class=shape.key if shape else None)
     mosaic_ok = on_gpu and max_q_len == 1 and backends.mosaic_gpu_unsupported(
         head_dim=head_dim, block_size=block_size, num_heads=num_heads,
         num_kv_heads=num_kv_heads, dtype=dtype, kv_dtype=kv_dtype) is None
     return backends.choose(on_gpu=on_gpu, can_tile=_gpu_can_tile(head_dim, block_size),
                            decode_only=mosaic_ok, plain=plain, pallas_gpu_ok=pallas_gpu_ok,
-                           shape=shape)
+                           shape=shape, cpu_ok=cpu_ok)
 
 
 def resolve_call(impl: str, q, k_pages, **call) -> str:
@@ -170,16 +195,18 @@ def choose_inputs(impl: str, inputs: AttentionInputs, *,
         A `backends.Choice` whose impl is one of `IMPLS` other than "auto".
     """
     return _choose(impl, inputs.q, inputs.k_pages, max_q_len=inputs.max_q_len,
-                   options=inputs.options(), platform=platform)
+                   options=inputs.options(), platform=platform,
+                   batch_invariant=inputs.batch_invariant)
 
 
 def _choose(impl: str, q, k_pages, *, max_q_len: int, options: frozenset[str],
-            platform: str | None) -> backends.Choice:
+            platform: str | None, batch_invariant: bool = False) -> backends.Choice:
     return choose_impl(impl, head_dim=q.shape[2], block_size=k_pages.shape[1],
                        max_q_len=max_q_len, plain=not options,
                        pallas_gpu_ok=options <= set(PALLAS_GPU_OPTIONS), dtype=q.dtype,
                        kv_dtype=k_pages.dtype, num_heads=q.shape[1],
-                       num_kv_heads=k_pages.shape[2], platform=platform, options=options)
+                       num_kv_heads=k_pages.shape[2], platform=platform, options=options,
+                       batch_invariant=batch_invariant)
 
 
 def impl_unavailable(impl: str, *, interpret: bool = False,
@@ -195,6 +222,10 @@ def impl_unavailable(impl: str, *, interpret: bool = False,
             for CUDA on a CPU host, `lowering.lower_for_cuda`, needs no GPU).
     """
     _check_impl(impl)
+    if impl == "cpu":
+        if platform is not None and platform != "cpu":
+            return f'impl="cpu" runs on the CPU, and this runs on {platform}'
+        return cpu_attention.kernel_unavailable()
     if impl not in GPU_IMPLS:
         return None
     if interpret:
@@ -218,6 +249,14 @@ def impl_unavailable(impl: str, *, interpret: bool = False,
         return None
     verb = "cannot launch" if impl == "triton" else "cannot be built"
     return f'impl="{impl}" {verb} here: {reason}'
+
+
+def _cpu(inputs: AttentionInputs) -> jax.Array:
+    reason = cpu_kernel_unavailable(
+        head_dim=inputs.head_dim, block_size=inputs.block_size, num_heads=inputs.num_heads,
+        num_kv_heads=inputs.num_kv_heads, kv_dtype=inputs.k_pages.dtype, platform="cpu")
+    require(reason is None, "impl", reason)
+    return cpu_attention.ragged_paged_attention_cpu(inputs)
 
 
 def _pallas_gpu(inputs: AttentionInputs, plan: gpu_plan_lib.GpuPlan, interpret: bool):
@@ -281,8 +320,11 @@ def paged_attention(inputs: AttentionInputs, *, impl: str = "auto",
     """
     if inputs.batch_invariant:
         require(impl in INVARIANT_IMPLS, "impl",
-                f"batch_invariant is built for {INVARIANT_IMPLS} (\"auto\" runs xla), "
-                f"got {impl!r}")
+                f"batch_invariant is built for {INVARIANT_IMPLS} (\"auto\" runs cpu, "
+                f"else xla), got {impl!r}")
+        impl = resolve_inputs(impl, inputs)
+        if impl == "cpu":
+            return _cpu(inputs)
         if impl in GPU_IMPLS:
             _validate_gpu_shapes(inputs, impl)
             plan = gpu_plan_for(inputs, batch_invariant=True)
@@ -296,6 +338,8 @@ def paged_attention(inputs: AttentionInputs, *, impl: str = "auto",
     impl = resolve_inputs(impl, inputs)
     if impl == "reference":
         return ragged_paged_attention_reference(inputs)
+    if impl == "cpu":
+        return _cpu(inputs)
     if impl in GPU_IMPLS:
         _validate_gpu_shapes(inputs, impl)
         return _GPU_LAUNCH[impl](inputs, gpu_plan_for(inputs), interpret)
@@ -350,11 +394,12 @@ def ragged_paged_attention(
         sinks: None, or `[Hq]` floats (traced): each query head's sink logit, one more
             term of every softmax denominator that attends to nothing (gpt-oss); a raw
             logit (not scaled by sm_scale, not soft-capped).
-        impl: "reference" (host-side oracle, not for jit), "xla", "pallas_gpu"
-            (Pallas-Triton), "triton" (a Triton kernel through jax_triton),
-            "mosaic_gpu" (decode-only batches), or "auto" (`resolve_impl`: a GPU
-            kernel this installation offers on a GPU when D and block_size are
-            powers of two, xla otherwise). Static.
+        impl: "reference" (host-side oracle, not for jit), "xla", "cpu" (the
+            compiled CPU kernel, `cpu_attention`), "pallas_gpu" (Pallas-Triton),
+            "triton" (a Triton kernel through jax_triton), "mosaic_gpu" (decode-only
+            batches), or "auto" (`resolve_impl`: a GPU kernel this installation offers
+            on a GPU when D and block_size are powers of two, "cpu" on the CPU where it
+            builds, xla otherwise). Static.
         interpret: run a GPU kernel on the CPU: Pallas interpret mode for
             "pallas_gpu", Triton's interpreter for "triton" (needs triton and
             torch); "mosaic_gpu" has none. Static.

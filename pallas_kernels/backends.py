@@ -24,7 +24,8 @@ The GPU implementations and what each needs:
    verifies it); "mosaic_gpu" is never chosen unverified (nothing on the CPU runs it);
 4. otherwise "xla". "auto" never selects a deprecated backend, so our call sites never
    emit the `jax-pallas-triton` warning (an explicit `impl="pallas_gpu"` still may).
-Off the GPU, "auto" is "xla".
+Off the GPU, "auto" is "cpu" (the compiled CPU kernel, `cpu_attention`) where it builds and
+takes the call's pages, else "xla".
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def verification(impl: str, shape: verified.ShapeClass | None,
 
 def choose(*, on_gpu: bool, can_tile: bool, decode_only: bool, plain: bool = True,
            kind: str | None = None, pallas_gpu_ok: bool | None = None,
-           shape: verified.ShapeClass | None = None) -> Choice:
+           shape: verified.ShapeClass | None = None, cpu_ok: bool = False) -> Choice:
     """The implementation "auto" runs (the rule in the module docstring).
 
     Args:
@@ -144,9 +145,11 @@ def choose(*, on_gpu: bool, can_tile: bool, decode_only: bool, plain: bool = Tru
         pallas_gpu_ok: the Pallas GPU kernel implements every option of this call (None:
             only when `plain`).
         shape: the call's shape class, for the records (None: unknown, none vouches).
+        cpu_ok: off the GPU, the compiled CPU kernel can take the call.
     """
     if not (on_gpu and can_tile):
-        return Choice(impl="xla", verified=None, shape_class=shape.key if shape else None)
+        return Choice(impl="cpu" if cpu_ok and not on_gpu else "xla", verified=None,
+                      shape_class=shape.key if shape else None)
     eligible = []
     if plain and decode_only and mosaic_gpu_unavailable() is None:
         eligible.append("mosaic_gpu")

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import arcjax
 from arcjax import LLM, RequestError, SamplingParams, UnknownRequestError
 from arcjax.errors import RequestTooLargeError
+from pallas_kernels import cpu_attention
 from support.engines import ARCH, GEOMETRY, GREEDY, MAX_TOKENS, PROMPT_LENS, engine_prompts
 from support.engines import expected_greedy, tiny_llm
 from support.hf_models import tiny_model_dir, tiny_model_with_tokenizer
@@ -178,7 +179,7 @@ def test_abort_frees_blocks_at_once():
 
 def test_trace_metrics_summary_and_jsonl(tmp_path):
     llm = tiny_llm(chunk_tile=16, max_num_batched_tokens=64, prefill_max_seqs=2,
-               long_prefill_token_threshold=32, attention_impl="auto")  # xla's executables
+               long_prefill_token_threshold=32, attention_impl="auto")
     outs = llm.generate(engine_prompts(), GREEDY, use_tqdm=False)
     for o in outs:
         m = o.metrics
@@ -195,11 +196,12 @@ def test_trace_metrics_summary_and_jsonl(tmp_path):
     # The attention each bucket kind ran ("auto" resolved when the bucket compiled).
     attention = summary["attention"]
     assert attention["configured"] == "auto"
-    assert attention["decode"] == ["xla"] and attention["prefill"] == ["xla"]
+    expected = "cpu" if cpu_attention.kernel_unavailable() is None else "xla"
+    assert attention["decode"] == [expected] and attention["prefill"] == [expected]
     assert {(b["tokens"], b["seqs"], b["max_q_len"]) for b in attention["buckets"]} == {
         r.bucket for r in trace}
     assert sum(b["steps"] for b in attention["buckets"]) == len(trace)
-    # xla on the CPU: nothing a GPU record would vouch for, nothing unverified
+    # the CPU's kernel: nothing a GPU record would vouch for, nothing unverified
     assert attention["verified"] is True and "verify_command" not in attention
     assert all(b["verified"] is None for b in attention["buckets"])
     llm.export_trace(tmp_path / "trace.jsonl")

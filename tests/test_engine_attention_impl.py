@@ -22,7 +22,7 @@ from arcjax.engine.trace import attention_report
 from arcjax.model import decoder
 from arcjax.model.model_config import ModelConfig
 from arcjax.runtime.buckets import BucketSet
-from pallas_kernels import backends
+from pallas_kernels import backends, cpu_attention
 from support.engines import GEOMETRY
 from support.hf_models import tiny_model_dir
 
@@ -104,9 +104,13 @@ def test_auto_per_bucket_kind_on_a_simulated_gpu(monkeypatch, pallas, triton, ve
 
 def test_explicit_and_cpu_resolution(monkeypatch):
     _gpu(monkeypatch, pallas="deprecated", triton=None, mosaic_verified=True)
-    # Off the GPU "auto" is xla whatever is installed; an explicit choice is itself.
+    # Off the GPU "auto" is the compiled CPU kernel whatever GPU kernels are installed
+    # (xla where the kernel cannot build, or cannot read the pages); an explicit choice is
+    # itself.
+    assert _summary(_cfg(), _cache(), platform="cpu") == {"decode": ["cpu"], "prefill": ["cpu"]}
+    monkeypatch.setattr(cpu_attention, "kernel_unavailable", lambda: "no compiler")
     assert _summary(_cfg(), _cache(), platform="cpu") == {"decode": ["xla"], "prefill": ["xla"]}
-    for impl in ("xla", "pallas_gpu", "triton"):
+    for impl in ("xla", "cpu", "pallas_gpu", "triton"):
         assert _summary(_cfg(), _cache(), impl=impl) == {"decode": [impl], "prefill": [impl]}
 
 

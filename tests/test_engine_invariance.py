@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import itertools
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import pallas_kernels
 from arcjax import LLM, SamplingParams
 from arcjax.errors import EngineConfigError
 from support.device_caches import device_cache
@@ -203,10 +205,13 @@ def test_the_mode_is_a_checked_option_and_a_server_flag():
     with pytest.raises(EngineConfigError) as e:  # latent attention: refused before loading
         LLM(tiny_model_dir(DEEPSEEK_V2), batch_invariant=True)
     assert e.value.field == "batch_invariant"
-    config = EngineConfig.from_options(None, batch_invariant=True)
-    assert config.step_attention_impl == "xla"
-    config = EngineConfig.from_options(None, batch_invariant=True, attention_impl="triton")
-    assert config.step_attention_impl == "triton"  # the kernel's batch-invariant plan
-    assert EngineConfig.from_options(None).step_attention_impl == "auto"
+    # "auto" in the mode: the compiled CPU kernel (invariant by construction) on the CPU,
+    # the xla path's fixed tiles on a GPU (the GPU kernels' mode has had no GPU run yet);
+    # an explicit GPU kernel keeps its own invariant plan.
+    shapes = dict(head_dim=64, block_size=16, max_q_len=None, dtype=jnp.float32,
+                  num_heads=4, num_kv_heads=2, batch_invariant=True)
+    assert pallas_kernels.choose_impl("auto", platform="cpu", **shapes).impl == "cpu"
+    assert pallas_kernels.choose_impl("auto", platform="gpu", **shapes).impl == "xla"
+    assert pallas_kernels.choose_impl("triton", platform="gpu", **shapes).impl == "triton"
     assert parse_serve(["serve", "--batch-invariant"]).engine_options == {
         "batch_invariant": True}

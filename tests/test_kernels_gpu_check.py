@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from pallas_kernels import cpu_attention
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
@@ -231,7 +233,8 @@ def test_cpu_smoke_writes_every_section_whatever_breaks(tmp_path):
     report, tasks = _check_faults(res, out, faults)
     assert tasks["kernel_table.ceilings"]["rows"][0]["case"].startswith("matmul")
     env = tasks["environment.jax"]["rows"][0]
-    assert env["jax"] and env["devices"] and env["attention"]["auto_decode"]["impl"] == "xla"
+    cpu_auto = "cpu" if cpu_attention.kernel_unavailable() is None else "xla"
+    assert env["jax"] and env["devices"] and env["attention"]["auto_decode"]["impl"] == cpu_auto
     checked = [r for k in ("correctness.pallas_gpu", "correctness.triton")
                for r in tasks[k]["rows"] if "skipped" not in r]
     assert {r["dtype"] for r in checked} == {"bfloat16", "float32"}
@@ -255,9 +258,9 @@ def test_cpu_smoke_writes_every_section_whatever_breaks(tmp_path):
     e2e = tasks["end_to_end.e2e"]["rows"]
     assert [r["part"] for r in e2e] == ["throughput", "burst"]
     assert e2e[0]["output_tok_s"] > 0 and e2e[1]["users_with_first_token"] == e2e[1]["users"]
-    # what ran, not "auto": xla on the CPU, nothing unverified
-    assert all(r["attention"] == {"configured": "auto", "decode": ["xla"], "prefill": ["xla"],
-                                  "verified": True} for r in e2e)
+    # what ran, not "auto": the CPU's kernel, nothing unverified
+    assert all(r["attention"] == {"configured": "auto", "decode": [cpu_auto],
+                                  "prefill": [cpu_auto], "verified": True} for r in e2e)
     assert report["sections"]["gpu_tests"]["counts"]["failed"] == 0
 
 

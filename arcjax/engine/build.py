@@ -212,7 +212,7 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
         lora_impl = resolve_impl(lora.lora_impl, jax.default_backend())
     runner = ModelRunner(cfg, params, num_blocks=num_blocks, block_size=sched.block_size,
                          max_blocks_per_seq=max_blocks, buckets=buckets, dtype=dtype,
-                         attn_impl=config.step_attention_impl,
+                         attn_impl=config.attention_impl,
                          executables=SHARED_EXECUTABLES, parallel=parallel,
                          kv_cache_dtype=kv_dtype,
                          kv_scales=_kv_scales(config, model, tokenizer, dtype),

@@ -29,10 +29,11 @@ from arcjax.reasoning import PARSERS as REASONING_PARSERS
 from arcjax.spec_decode.speculative_config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
-# "auto" resolves per bucket (`pallas_kernels.choose_inputs`); the GPU kernels: Pallas-Triton
-# and the Triton kernel through jax-triton. Not engine-wide: "mosaic_gpu" (decode-only
-# batches: "auto" runs it in decode buckets once verified) and "reference" (host numpy).
-ATTENTION_IMPLS = ("auto", "xla", "pallas_gpu", "triton")
+# "auto" resolves per bucket (`pallas_kernels.choose_inputs`); "cpu": the compiled CPU
+# kernel (pallas_kernels/cpu_attention.py); the GPU kernels: Pallas-Triton and the Triton
+# kernel through jax-triton. Not engine-wide: "mosaic_gpu" (decode-only batches: "auto"
+# runs it in decode buckets once verified) and "reference" (host numpy).
+ATTENTION_IMPLS = ("auto", "xla", "cpu", "pallas_gpu", "triton")
 # What `quantization` may ask at load: a float checkpoint quantized to FP8 / INT8, or every
 # weight of a quantized checkpoint or GGUF file dequantized to the compute dtype.
 QUANTIZATIONS = ("fp8", "int8", "dequantize")
@@ -107,9 +108,11 @@ class EngineConfig:
       tokenizer: a directory with the tokenizer (tokenizer.json, its configs and chat
         template) to use instead of the model's; None = the model's.
       attention_impl: "auto" (per bucket, what this installation runs best: a GPU kernel
-        on a GPU, xla elsewhere; the trace summary names it) | "xla" | "pallas_gpu"
-        (Pallas-Triton) | "triton" (the Triton kernel through jax-triton). A GPU kernel
-        off the GPU, or without its packages, is refused when the engine is built.
+        on a GPU, the compiled CPU kernel on the CPU where it builds, xla elsewhere; the
+        trace summary names it) | "xla" | "cpu" (the compiled CPU kernel,
+        pallas_kernels/cpu_attention.py) | "pallas_gpu" (Pallas-Triton) | "triton" (the
+        Triton kernel through jax-triton). A kernel that cannot run on this machine is
+        refused when the engine is built.
       packed_matmul_impl: how packed 4-bit weights multiply inside the step
         (`arcjax.model.packed_matmul`): "auto" (the W4A16 Pallas kernel in decode-sized
         matmuls on a GPU with one device, XLA's dequantize-then-dot elsewhere; the trace
@@ -337,13 +340,6 @@ class EngineConfig:
             if on:
                 raise EngineConfigError(name, "not supported with batch_invariant yet")
 
-    @property
-    def step_attention_impl(self) -> str:
-        """The attention implementation the steps run: `attention_impl`, "auto" meaning
-        "xla" in batch-invariant mode (the GPU kernels' mode has had no GPU run yet)."""
-        if self.batch_invariant and self.attention_impl == "auto":
-            return "xla"
-        return self.attention_impl
 
     def lora_config(self) -> LoRAConfig | None:
         """The LoRA options as one `LoRAConfig`, or None without enable_lora."""

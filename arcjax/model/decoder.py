@@ -133,7 +133,7 @@ def attention_impl(cache: Cache, **bucket) -> str:
 
 def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: int,
                      max_q_len: int | None, dtype, parallel=None,
-                     platform: str | None = None) -> Choice:
+                     platform: str | None = None, batch_invariant: bool = False) -> Choice:
     """The attention implementation `forward_with_stats` runs for a bucket of `tokens`
     rows whose chunks are at most `max_q_len` long: `attn_impl` itself, or what "auto"
     resolves to for the same inputs, per device under `parallel`, and whether a recorded
@@ -143,6 +143,8 @@ def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: 
       cache: the paged cache the step runs over (its page shape and dtype, its scales).
       dtype: the compute dtype (q's).
       platform: where the step runs; None = the default backend.
+      batch_invariant: the step's batch-invariant mode ("auto" picks among the
+        implementations that have one).
     """
     k = cache["k"]  # [P * num_blocks, block_size, Hkv, D] (P slots)
     tp = parallel.tp if parallel is not None else 1
@@ -160,7 +162,8 @@ def attention_choice(cache: Cache, *, cfg: ModelConfig, attn_impl: str, tokens: 
         kv_lens=sds((1,), i32), cu_seqlens_q=sds((2,), i32), num_seqs=sds((), i32),
         window=sds((), i32) if cfg.layer_windows() is not None else None, k_scale=scale,
         v_scale=scale, max_q_len=max_q_len,
-        sinks=sds((cfg.num_heads // tp,), jnp.float32) if cfg.attention_sinks else None)
+        sinks=sds((cfg.num_heads // tp,), jnp.float32) if cfg.attention_sinks else None,
+        batch_invariant=batch_invariant)
     return pallas_kernels.choose_inputs(attn_impl, inputs, platform=platform)
 
 

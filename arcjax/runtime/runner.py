@@ -239,7 +239,7 @@ class ModelRunner:
             choice = decoder.attention_choice(
                 self.cache, cfg=self.cfg, attn_impl=self.attn_impl, tokens=bucket.tokens,
                 max_q_len=bucket.max_q_len, dtype=self.dtype, parallel=self.parallel,
-                platform=self.platform)
+                platform=self.platform, batch_invariant=self.batch_invariant)
             impl = choice.impl
             if choice.note is not None and (impl, choice.shape_class) not in self._noted:
                 self._noted.add((impl, choice.shape_class))
