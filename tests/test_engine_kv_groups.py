@@ -27,7 +27,7 @@ from arcjax.errors import EngineConfigError
 from support.hf_models import WINDOW, hf_greedy, tiny_model_dir
 
 GEOMETRY = dict(block_size=8, num_kv_blocks=64, max_model_len=128, max_num_seqs=4,
-                attention_impl="xla", chunk_tile=32, max_num_batched_tokens=32)
+                attention_impl="auto", chunk_tile=32, max_num_batched_tokens=32)
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 

@@ -13,7 +13,7 @@ from support.hf_models import hf_greedy, tiny_model_dir
 
 ARCH = "LlamaForCausalLM"
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
-                attention_impl="xla")
+                attention_impl="auto")
 GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
 # A cache small enough to force preemption: 12 blocks, the preempting geometry of the other
 # engine tests (tests/support/engines.py), so its steps are compiled once per suite run.

@@ -14,7 +14,7 @@ from support.hf_models import hf_greedy, tiny_model_dir, tiny_model_with_tokeniz
 
 ARCH = "LlamaForCausalLM"
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
-                attention_impl="xla", chunk_tile=16, max_num_batched_tokens=128)
+                attention_impl="auto", chunk_tile=16, max_num_batched_tokens=128)
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GEOMETRY = dict(block_size=8, num_kv_blocks=64, max_model_len=128, max_num_seqs=4,
-                attention_impl="xla", chunk_tile=16, max_num_batched_tokens=32,
+                attention_impl="auto", chunk_tile=16, max_num_batched_tokens=32,
                 dtype="float32")
 LIVENESS_S = 1.5
 FAIL_AT_COMMIT = 4  # the failing process fails in its 4th commit of a run

@@ -119,7 +119,7 @@ def test_fused_reader_decodes_the_published_mxfp4_layout_as_transformers_does():
 
 
 ENGINE = dict(block_size=8, num_kv_blocks=32, max_model_len=128, max_num_seqs=2,
-              attention_impl="xla", chunk_tile=32, max_num_batched_tokens=32)
+              attention_impl="auto", chunk_tile=32, max_num_batched_tokens=32)
 K = 2  # prompt logprobs per position
 
 

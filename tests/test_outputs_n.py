@@ -10,7 +10,7 @@ from support.hf_models import tiny_model_dir, tiny_model_with_chat_template
 
 ARCH = "LlamaForCausalLM"
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
-                attention_impl="xla")
+                attention_impl="auto")
 PROMPT = np.random.RandomState(2).randint(3, 384, 43).tolist()
 
 

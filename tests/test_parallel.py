@@ -19,7 +19,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=4,
-                attention_impl="xla", chunk_tile=16, max_num_batched_tokens=32,
+                attention_impl="auto", chunk_tile=16, max_num_batched_tokens=32,
                 dtype="float32")
 PROMPT_LENS = (40, 9)  # the 40-token prompt is chunked (32-token budget, 16-token tiles)
 MAX_TOKENS = 6

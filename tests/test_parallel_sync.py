@@ -177,7 +177,7 @@ def _engines(**follower_options):
     from arcjax.engine.engine_config import EngineConfig
 
     geometry = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=4,
-                    attention_impl="xla", chunk_tile=16, max_num_batched_tokens=32,
+                    attention_impl="auto", chunk_tile=16, max_num_batched_tokens=32,
                     async_scheduling=False)  # multi-host runs the serial step
     model = tiny_model_dir("LlamaForCausalLM")
     leader = build_engine(EngineConfig.from_options(model, **geometry))

@@ -27,7 +27,7 @@ PROMPT_LENS = (3, 40, 17, 66)
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
-                attention_impl="xla", chunk_tile=16, max_num_batched_tokens=64)
+                attention_impl="auto", chunk_tile=16, max_num_batched_tokens=64)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 # (model, packed_checkpoint options, tensor_parallel_size, expert_parallel_size)

@@ -56,7 +56,7 @@ def test_step_with_the_kernel_equals_transformers(monkeypatch):
     rs = np.random.RandomState(5)
     prompts = [rs.randint(3, 384, n).tolist() for n in (3, 20)]
     llm = LLM(qdir, packed_matmul_impl="w4a16_interpret", block_size=8, num_kv_blocks=64,
-              max_model_len=128, max_num_seqs=4, attention_impl="xla", chunk_tile=16,
+              max_model_len=128, max_num_seqs=4, attention_impl="auto", chunk_tile=16,
               max_num_batched_tokens=64, async_scheduling=False)
     outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                                 ignore_eos=True), use_tqdm=False)

@@ -24,7 +24,7 @@ from support.scratch import scratch_dir
 
 KEYS, VALUES = 1024.0, 1 / 64  # what the keys and the values are multiplied by
 ENGINE = dict(max_model_len=128, max_num_seqs=4, num_kv_blocks=64, async_scheduling=False,
-              block_size=8, attention_impl="xla")
+              block_size=8, attention_impl="auto")
 SCORED = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
 
 

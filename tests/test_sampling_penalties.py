@@ -13,7 +13,7 @@ from support.hf_models import hf_logits, tiny_model_dir
 
 ARCH = "LlamaForCausalLM"
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
-                attention_impl="xla")
+                attention_impl="auto")
 EOS = 2
 
 

@@ -18,7 +18,7 @@ MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 # One cache geometry for every engine here, so compiled steps are shared between them.
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
-                attention_impl="xla")
+                attention_impl="auto")
 # Engine options of four schedules (with GEOMETRY): each policy, and one that preempts.
 SCHEDULES = [
     dict(policy="token_budget", chunk_tile=16, max_num_batched_tokens=64),

@@ -13,7 +13,7 @@ import time
 from support.hf_models import tiny_model_with_chat_template
 
 GEOMETRY = dict(block_size=8, num_kv_blocks=96, max_model_len=256, max_num_seqs=8,
-                attention_impl="xla", chunk_tile=16, max_num_batched_tokens=128)
+                attention_impl="auto", chunk_tile=16, max_num_batched_tokens=128)
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] + ': ' + m['content'] + "
                  "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
 TOOLS_TEMPLATE = (  # the Hermes/Qwen tool format, tersely (tests/test_structured_serve.py)

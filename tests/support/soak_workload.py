@@ -14,7 +14,7 @@ from support.hf_models import hf_greedy, tiny_model_dir
 ARCH = "LlamaForCausalLM"
 # 12 blocks of 8 tokens for up to 16 running sequences of up to 24 tokens: preemption.
 GEOMETRY = dict(block_size=8, num_kv_blocks=12, max_model_len=64, max_num_seqs=16,
-                attention_impl="xla", chunk_tile=16, max_num_batched_tokens=128,
+                attention_impl="auto", chunk_tile=16, max_num_batched_tokens=128,
                 trace_capacity=64)
 NUM_PROMPTS, MAX_NEW = 40, 5
 
