@@ -12,6 +12,8 @@
 //      in key order.
 //   3. The accumulator is normalized (a sink logit joins the denominator when given) and
 //      written; rows of no live sequence are zero.
+// A second target, ArcjaxCpuWriteKV, copies this step's keys and values into their slots
+// in place (XLA:CPU's scatter into 16-bit pages converted the whole cache every layer).
 //
 // NOTE: a query vector's arithmetic depends on it alone (its query, its position, the keys
 // it sees, the page size): every vector runs the same code over the same groups in the
@@ -123,9 +125,24 @@ inline vf exp_approx(vf x) {
 
 inline float exp_approx(float x) { return exp_approx(splat(x))[0]; }
 
-// How the pages store a value: float32, bfloat16 (the upper half of a float32), or
-// 8 bits looked up in a 256-entry table (float8 pages: exact values, read from JAX).
-enum class PageKind : int32_t { kF32 = 0, kBF16 = 1, kByte = 2 };
+// How the pages store a value: float32, bfloat16 (the upper half of a float32), 8 bits
+// looked up in a 256-entry table (float8 pages: exact values, read from JAX), float16.
+enum class PageKind : int32_t { kF32 = 0, kBF16 = 1, kByte = 2, kF16 = 3 };
+
+// An IEEE half's exact float32 value.
+inline float half_value(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
+    const float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  const uint32_t bits = exponent == 31 ? sign | 0x7f800000u | (mantissa << 13)
+                                       : sign | ((exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 struct Call {
   const float* q;          // [T, Hq, D]
@@ -156,6 +173,8 @@ inline float page_value(const Call& c, const void* pages, int64_t index) {
       std::memcpy(&f, &bits, sizeof f);
       return f;
     }
+    case PageKind::kF16:
+      return half_value(static_cast<const uint16_t*>(pages)[index]);
     default:
       return c.lut[static_cast<const uint8_t*>(pages)[index]];
   }
@@ -380,7 +399,44 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// Writes row t of `k` / `v` (already in the pages' dtype) into slot `slots[t]` of the
+// pages, in place when XLA aliases the results with the pages (it does in the step: the
+// cache is donated); slots outside the pages are padding and write nothing.
+// `pages` with row j of `rows` in slot `slots[j]`, into `out` (the same buffer when XLA
+// aliased them; a copy of `pages` first otherwise).
+void write_rows(const ffi::AnyBuffer& pages, const ffi::AnyBuffer& rows, const int32_t* slots,
+                int64_t t, int64_t num_slots, size_t row, void* out) {
+  auto* dst = static_cast<char*>(out);
+  if (out != pages.untyped_data()) std::memcpy(dst, pages.untyped_data(), pages.size_bytes());
+  const auto* src = static_cast<const char*>(rows.untyped_data());
+  for (int64_t j = 0; j < t; ++j)
+    if (slots[j] >= 0 && slots[j] < num_slots) std::memcpy(dst + slots[j] * row, src + j * row, row);
+}
+
+ffi::Error WriteKV(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k,
+                   ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slots,
+                   ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
+  const auto kd = k_pages.dimensions();
+  const int64_t num_slots = kd[0] * kd[1], t = slots.dimensions()[0];
+  const size_t row = k_pages.size_bytes() / std::max<int64_t>(num_slots, 1);
+  if (k.size_bytes() != t * row || v.size_bytes() != t * row)
+    return ffi::Error::InvalidArgument("cpu write_kv: rows differ from the pages' rows");
+  write_rows(k_pages, k, slots.typed_data(), t, num_slots, row, k_out->untyped_data());
+  write_rows(v_pages, v, slots.typed_data(), t, num_slots, row, v_out->untyped_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ArcjaxCpuWriteKV, WriteKV,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // k_pages
+                                  .Arg<ffi::AnyBuffer>()          // v_pages
+                                  .Arg<ffi::AnyBuffer>()          // k rows
+                                  .Arg<ffi::AnyBuffer>()          // v rows
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slot_mapping
+                                  .Ret<ffi::AnyBuffer>()          // k_pages, aliased
+                                  .Ret<ffi::AnyBuffer>());        // v_pages, aliased
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ArcjaxCpuAttention, Attention,
                               ffi::Ffi::Bind()

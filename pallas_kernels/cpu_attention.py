@@ -12,6 +12,8 @@ Dataflow:
     3. The kernel splits the rows over XLA's intra-op thread pool (both cores of a
        2-core machine), walks each row's visible keys a page at a time and writes
        float32 rows (padding rows zero); the output is cast back to q's dtype here.
+    `write_kv_cpu` is the step's other half on the CPU: this step's keys and values
+    copied into their slots in place (the pages aliased with the result).
 
 Why a kernel of its own: XLA:CPU runs the xla path's tile loops on one core with a few
 microseconds of dispatch per op, so a 32-row decode step spent most of its attention time
@@ -43,10 +45,12 @@ import numpy as np
 from pallas_kernels.attention_inputs import AttentionInputs
 
 TARGET = "arcjax_cpu_paged_attention"
+WRITE_TARGET = "arcjax_cpu_write_kv"
 SOURCE = pathlib.Path(__file__).with_name("cpu_attention.cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
-# Page storage the kernel reads: float32, bfloat16, and 8-bit floats through a table.
-_PAGE_KIND = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1}
+# Page storage the kernel reads: float32, bfloat16, float16, and 8-bit floats through a
+# table (cpu_attention.cc PageKind).
+_PAGE_KIND = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 3}
 _BYTE_KIND = 2
 
 
@@ -111,6 +115,8 @@ def kernel_unavailable() -> str | None:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ArcjaxCpuAttention),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.ArcjaxCpuWriteKV),
+                                    platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         return f"the CPU attention kernel could not be built: {e}"
     return None
@@ -120,8 +126,10 @@ def unsupported(*, head_dim: int, block_size: int, num_heads: int, num_kv_heads:
                 kv_dtype) -> str | None:
     """Why the kernel cannot take a call of these shapes (None: it can)."""
     kv_dtype = jnp.dtype(kv_dtype)
-    if kv_dtype not in _PAGE_KIND and kv_dtype.itemsize != 1:
-        return f"pages of {kv_dtype} (the kernel reads float32, bfloat16 and 8-bit pages)"
+    if kv_dtype not in _PAGE_KIND and not (kv_dtype.itemsize == 1 and
+                                           jnp.issubdtype(kv_dtype, jnp.floating)):
+        return (f"pages of {kv_dtype} (the kernel reads float32, bfloat16, float16 and "
+                f"8-bit float pages)")
     del head_dim, block_size, num_heads, num_kv_heads  # any (Hq a multiple of Hkv)
     return None
 
@@ -159,3 +167,20 @@ def ragged_paged_attention_cpu(inputs: AttentionInputs) -> jax.Array:  # [T, Hq,
                page_kind=np.int32(_PAGE_KIND.get(kv_dtype, _BYTE_KIND)),
                has_sinks=inputs.sinks is not None)
     return out.astype(q.dtype)
+
+
+def write_kv_cpu(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
+                 slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Rows `k[t]`, `v[t]` ([T, Hkv, D], already in the pages' dtype) copied into slot
+    `slot_mapping[t]` of the pages (`kernel_unavailable()` must be None); slots outside
+    `[0, num_blocks * block_size)` write nothing. The results alias the pages, so under jit
+    with the cache donated the write is in place: XLA:CPU's own scatter into 16-bit
+    pages converts the whole cache to float32 and back.
+
+    Returns:
+        The updated `(k_pages, v_pages)`.
+    """
+    call = jax.ffi.ffi_call(WRITE_TARGET, (jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                                           jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+                            input_output_aliases={0: 0, 1: 1}, vmap_method="sequential")
+    return call(k_pages, v_pages, k, v, slot_mapping.astype(jnp.int32))

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_attention
 from pallas_kernels.kernel_errors import KernelArgumentError
 
 
@@ -15,6 +16,7 @@ def write_kv(
     *,
     k_scale: jax.Array | float | None = None,  # [] float32
     v_scale: jax.Array | float | None = None,  # [] float32
+    impl: str = "xla",
 ) -> tuple[jax.Array, jax.Array]:
     """Scatters token `t`'s key/value into slot `slot_mapping[t]` of the pages.
 
@@ -30,6 +32,8 @@ def write_kv(
         k, v: this step's keys and values, cast to the pages' dtype.
         slot_mapping: destination slot of every token.
         k_scale, v_scale: None, or the scalars the pages are quantized with (traced or not).
+        impl: "xla" (a scatter) or "cpu" (the CPU kernel's in-place copy,
+            `cpu_attention.write_kv_cpu`: what the engine runs beside impl="cpu" attention).
 
     Returns:
         The updated `(k_pages, v_pages)`.
@@ -52,6 +56,14 @@ def write_kv(
         raise KernelArgumentError(
             "slot_mapping", f"expected an integer dtype, got {slot_mapping.dtype}")
 
+    if impl == "cpu":
+        reason = cpu_attention.kernel_unavailable()
+        if reason is not None:
+            raise KernelArgumentError("impl", reason)
+        return cpu_attention.write_kv_cpu(k_pages, v_pages, quantize_kv(k, k_pages.dtype, k_scale),
+                                          quantize_kv(v, v_pages.dtype, v_scale), slot_mapping)
+    if impl != "xla":
+        raise KernelArgumentError("impl", f'expected "xla" or "cpu", got {impl!r}')
     block, offset = drop_padding_slots(slot_mapping, num_blocks, block_size)
     k_pages = k_pages.at[block, offset].set(quantize_kv(k, k_pages.dtype, k_scale), mode="drop")
     v_pages = v_pages.at[block, offset].set(quantize_kv(v, v_pages.dtype, v_scale), mode="drop")

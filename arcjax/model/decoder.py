@@ -266,7 +266,8 @@ def forward_with_stats(params: Params, cache: Cache, batch: StepBatch, *, cfg: M
         """This step's keys and values into the pages, then attention over them.
         k, v: [T, Hkv, D]; slots: [T]. Returns (out [T, Hq, D], k_pages, v_pages)."""
         kc, vc = pallas_kernels.write_kv(inputs.k_pages, inputs.v_pages, k, v, slots,
-                                         k_scale=inputs.k_scale, v_scale=inputs.v_scale)
+                                         k_scale=inputs.k_scale, v_scale=inputs.v_scale,
+                                         impl="cpu" if attn_impl == "cpu" else "xla")
         out = pallas_kernels.paged_attention(
             dataclasses.replace(inputs, k_pages=kc, v_pages=vc), impl=attn_impl)
         return out.astype(inputs.q.dtype), kc, vc
