@@ -35,12 +35,14 @@ SCHEDULES = st.one_of(
 
 
 @settings(max_examples=8, suppress_health_check=list(HealthCheck), deadline=None)
-@given(SCHEDULES)
-def test_greedy_is_identical_under_every_schedule_and_equals_transformers(schedule):
+@given(SCHEDULES, st.sampled_from(["auto", "xla"]))
+def test_greedy_is_identical_under_every_schedule_and_equals_transformers(schedule, attention):
+    """Every schedule, on the CPU's kernel ("auto") and on the xla path."""
     options, tile, budget = schedule
     if options.get("long_prefill_token_threshold", 0) and options["long_prefill_token_threshold"] < tile:
         options = {**options, "long_prefill_token_threshold": tile}
-    llm = tiny_llm(chunk_tile=tile, max_num_batched_tokens=budget, **options)
+    llm = tiny_llm(chunk_tile=tile, max_num_batched_tokens=budget, attention_impl=attention,
+                   **options)
     assert _run_greedy(llm) == expected_greedy()
 
 
