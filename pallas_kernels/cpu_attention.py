@@ -1,17 +1,18 @@
 """Ragged paged attention as a compiled CPU kernel (`cpu_attention.cc`, an XLA FFI call).
 
 Dataflow:
-    1. `kernel_unavailable()` builds the kernel once per machine: the C++ source beside this
-       file is compiled with the system's C++ compiler against jaxlib's FFI headers into a
-       per-user cache directory (named by a digest of the source, the flags, jaxlib's
-       version and the CPU), then loaded and registered as an FFI target. A machine
-       without a compiler, or a failed build, gets a reason (the xla path runs instead).
+    1. `kernel_unavailable()` builds the kernel once per machine (`cpu_build`: the C++
+       sources compiled with the machine's compiler into a per-user cache, loaded,
+       registered as FFI targets). A machine without a compiler, or a failed build, gets
+       a reason (the xla path runs instead).
     2. `ragged_paged_attention_cpu(inputs)` hands one call's arrays to the kernel: q as
-       float32, the pages as they are stored (float32, bfloat16 or 8-bit with their
-       value table), the options as small arrays (the window and scales may be traced).
+       float32, the pages as they are stored (float32, bfloat16, float16, or 8-bit with
+       their value table), the options as small arrays (the window and scales may be
+       traced).
     3. The kernel splits the rows over XLA's intra-op thread pool (both cores of a
-       2-core machine), walks each row's visible keys a page at a time and writes
-       float32 rows (padding rows zero); the output is cast back to q's dtype here.
+       2-core machine), walks each row's visible keys in groups of at most 16 aligned to
+       the pages and writes float32 rows (padding rows zero); the output is cast back to
+       q's dtype here.
     `write_kv_cpu` is the step's other half on the CPU: this step's keys and values
     copied into their slots in place (the pages aliased with the result).
 
@@ -27,99 +28,24 @@ construction (docs/design/batch-invariance.md).
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import os
-import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
-
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
+from pallas_kernels import cpu_build
 from pallas_kernels.attention_inputs import AttentionInputs
 
 TARGET = "arcjax_cpu_paged_attention"
 WRITE_TARGET = "arcjax_cpu_write_kv"
-SOURCE = pathlib.Path(__file__).with_name("cpu_attention.cc")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
 # Page storage the kernel reads: float32, bfloat16, float16, and 8-bit floats through a
 # table (cpu_attention.cc PageKind).
 _PAGE_KIND = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 3}
 _BYTE_KIND = 2
 
 
-def cache_dir() -> pathlib.Path:
-    """Where built kernels live: $ARCJAX_CACHE_DIR, else $XDG_CACHE_HOME/arcjax, else
-    ~/.cache/arcjax."""
-    root = os.environ.get("ARCJAX_CACHE_DIR")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME")
-                            or os.path.join(os.path.expanduser("~"), ".cache"), "arcjax")
-    return pathlib.Path(root) / "kernels"
-
-
-def _cpu_signature() -> str:
-    """What `-march=native` compiles for: the machine and its CPU's feature flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        pass
-    return platform.machine() + flags
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") \
-        or shutil.which("clang++")
-
-
-def _build() -> pathlib.Path:
-    """The kernel's shared library, compiled unless this machine already has it."""
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++, c++ or clang++ on PATH, or $CXX)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), cxx.encode(),
-                                     jaxlib.__version__.encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:20]
-    lib = cache_dir() / f"cpu_attention-{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent builders (test workers) never load
-    # a half-written library.
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        built = pathlib.Path(tmp) / lib.name
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
-        run = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if run.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{run.stderr[-2000:]}")
-        os.replace(built, lib)
-    return lib
-
-
-@functools.cache
 def kernel_unavailable() -> str | None:
-    """Why the CPU kernel cannot run in this process, or None once it is built, loaded and
-    registered (at most one build per process; the library is reused across processes)."""
-    if os.environ.get("ARCJAX_CPU_ATTENTION", "1") == "0":
-        return "disabled by ARCJAX_CPU_ATTENTION=0"
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.ArcjaxCpuAttention),
-                                    platform="cpu")
-        jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(lib.ArcjaxCpuWriteKV),
-                                    platform="cpu")
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        return f"the CPU attention kernel could not be built: {e}"
-    return None
+    """Why the kernel cannot run in this process (`cpu_build.kernels_unavailable`), or None."""
+    return cpu_build.kernels_unavailable()
 
 
 def unsupported(*, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int,

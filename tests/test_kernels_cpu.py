@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pallas_kernels import (KernelArgumentError, api, choose_impl, cpu_attention,
+from pallas_kernels import (KernelArgumentError, api, choose_impl, cpu_attention, cpu_build,
                             ragged_paged_attention, write_kv)
 from pallas_kernels.testing import make_batch
 from support.attention_batches import (FP8, FP8_MAX, LAYOUT_IDS, LAYOUTS, TOLERANCES,
@@ -171,7 +171,7 @@ def test_a_failed_build_is_a_reason(monkeypatch, tmp_path):
     monkeypatch.setenv("ARCJAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # a compiler that fails
     with pytest.raises(RuntimeError, match="failed"):
-        cpu_attention._build()
+        cpu_build.build()
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left to load
     monkeypatch.setattr(cpu_attention, "kernel_unavailable", lambda: "no compiler")
     shapes = dict(head_dim=64, block_size=16, max_q_len=None, dtype=jnp.float32, num_heads=4,
@@ -182,10 +182,10 @@ def test_a_failed_build_is_a_reason(monkeypatch, tmp_path):
 
 def test_the_build_is_cached_per_source(monkeypatch, tmp_path):
     monkeypatch.setenv("ARCJAX_CACHE_DIR", str(tmp_path))
-    lib = cpu_attention._build()
+    lib = cpu_build.build()
     assert lib.parent == tmp_path / "kernels" and lib.exists()
     mtime = lib.stat().st_mtime_ns
-    assert cpu_attention._build() == lib and lib.stat().st_mtime_ns == mtime
+    assert cpu_build.build() == lib and lib.stat().st_mtime_ns == mtime
 
 
 def test_inside_jit_scan_and_vmap():

@@ -55,8 +55,8 @@ from arcjax.model.lora_delta import LayerLoRA
 from arcjax.model import moe
 from arcjax.model.expert_ffn import ExpertAct
 from arcjax.model.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
-from arcjax.model.packed_matmul import matmul
-from arcjax.model.quant import embedding_rows, float_dtype, tied_head
+from arcjax.model.packed_matmul import matmul, tied_matmul
+from arcjax.model.quant import embedding_rows, float_dtype
 from arcjax.model.row_tiles import RowTiles
 
 NORMAL_STD = 0.02  # the "normal" initializer's standard deviation
@@ -464,9 +464,10 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         with jax.named_scope("lm_head"):
             h = self.final_norm(h)
-            w = (tied_head(value(self.embed.embedding)) if self.lm_head is None
-                 else value(self.lm_head.kernel))  # [H, V]
-            logits = matmul(h, w, matmul_impl).astype(jnp.float32)
+            logits = (tied_matmul(h, value(self.embed.embedding), matmul_impl)
+                      if self.lm_head is None
+                      else matmul(h, value(self.lm_head.kernel), matmul_impl))  # [..., V]
+            logits = logits.astype(jnp.float32)
             if cfg.final_logit_softcap is not None:
                 cap = cfg.final_logit_softcap
                 logits = cap * jnp.tanh(logits / cap)

@@ -14,10 +14,15 @@ Every projection of the decoder (attention's q, k, v, o, the dense MLP, the LM h
   step is traced (shapes are static), so each bucket's executable holds one or the other.
 - "w4a16_interpret": "w4a16" with the kernel in Pallas' interpreter: the same choices on
   any platform, for tests on the CPU (slow).
+- "cpu": a bfloat16 weight multiplied by at most `CPU_MAX_ROWS` rows (decode steps) goes
+  through the compiled CPU kernel (`pallas_kernels.cpu_matmul`), which reads the weight as
+  stored; XLA:CPU converts such a weight to float32 before the product, in every step (the
+  tied LM head's whole embedding table too). Other weights and wider steps take "xla"
+  (XLA's float32 products measured as fast or faster: RESULTS.md).
 
 "auto" (`resolve_impl`) is "w4a16" on a GPU for one device when some layer weight is in
-the kernel's layout and Pallas' Triton backend exists, else "xla" (the CPU keeps XLA: the
-interpreter is no kernel). NOTE: where JAX deprecates that backend (0.11), the kernel's
+the kernel's layout and Pallas' Triton backend exists; "cpu" on the CPU for one device when
+some weight is bfloat16 and the CPU kernels build; else "xla". NOTE: where JAX deprecates that backend (0.11), the kernel's
 lowering warns `jax-pallas-triton` (`pallas_kernels.backends`), once per step compiled. One device only: a Pallas call cannot be partitioned by GSPMD,
 so under tensor or expert parallelism the step stays on "xla". The grouped expert GEMMs
 (`arcjax.model.expert_ffn`) and Qwen2-MoE's shared expert keep "xla": the kernel is one
@@ -30,20 +35,33 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 from arcjax.model.layer_arrays import LayerArrays
 from arcjax.model.packed import PackedWeight, w4a16_layout, w4a16_operands
-from arcjax.model.quant import LINEAR_WEIGHTS, dense
+from arcjax.model.quant import LINEAR_WEIGHTS, dense, tied_head
+from pallas_kernels import cpu_build
 from pallas_kernels.backends import pallas_triton_state
+from pallas_kernels.cpu_matmul import cpu_matmul
 from pallas_kernels.w4a16 import w4a16_matmul, w4a16_unsupported
 
-IMPLS = ("auto", "xla", "w4a16", "w4a16_interpret")
+IMPLS = ("auto", "xla", "cpu", "w4a16", "w4a16_interpret")
 KERNEL_IMPLS = ("w4a16", "w4a16_interpret")
+CPU_MAX_ROWS = 64  # "cpu": products of at most this many rows (decode-sized buckets)
+
+
+def _cpu_kernel_takes(x: jax.Array, w) -> bool:
+    """"cpu" multiplies `x` by `w` with the kernel: a plain bfloat16 matrix, few rows."""
+    return (isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.bfloat16
+            and math.prod(x.shape[:-1]) <= CPU_MAX_ROWS)
 
 
 def matmul(x: jax.Array, w, impl: str = "xla") -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in x's dtype (`impl`: one of `IMPLS` but "auto",
     see the module docstring). `w`: an array, a `QuantizedWeight` or a `PackedWeight`."""
+    if impl == "cpu" and _cpu_kernel_takes(x, w):
+        out = cpu_matmul(x.reshape(-1, x.shape[-1]), w)  # [M, N] float32
+        return out.reshape(*x.shape[:-1], w.shape[1]).astype(x.dtype)
     if impl in KERNEL_IMPLS and isinstance(w, PackedWeight):
         ops = w4a16_operands(w)
         rows = math.prod(x.shape[:-1])
@@ -53,6 +71,15 @@ def matmul(x: jax.Array, w, impl: str = "xla") -> jax.Array:
                                interpret=impl == "w4a16_interpret")  # [M, N]
             return out.reshape(*x.shape[:-1], w.shape[-1])
     return x @ dense(w, x.dtype)
+
+
+def tied_matmul(x: jax.Array, embed, impl: str = "xla") -> jax.Array:
+    """x [..., H] @ the tied LM head (`embed` [V, H], the embedding table) -> [..., V] in
+    x's dtype: `matmul(x, tied_head(embed), impl)`, the table read in place by "cpu"."""
+    if impl == "cpu" and _cpu_kernel_takes(x, embed):
+        out = cpu_matmul(x.reshape(-1, x.shape[-1]), embed, transposed=True)  # [M, V]
+        return out.reshape(*x.shape[:-1], embed.shape[0]).astype(x.dtype)
+    return matmul(x, tied_head(embed), impl)
 
 
 def kernel_weights(params: dict) -> tuple[str, ...]:
@@ -72,6 +99,13 @@ def impl_unavailable(impl: str, *, platform: str, parallel: bool) -> str | None:
     (its interpreter runs anywhere), under a mesh, or without Pallas' Triton backend."""
     if impl not in IMPLS:
         return f"must be one of {IMPLS}, got {impl!r}"
+    if impl == "cpu":
+        if platform != "cpu":
+            return f'"cpu" runs on the CPU and this runs on {platform}'
+        if parallel:
+            return ('"cpu" runs on one device (GSPMD cannot partition its call); tensor and '
+                    'expert parallelism take "xla"')
+        return cpu_build.kernels_unavailable()
     if impl not in KERNEL_IMPLS:
         return None
     if parallel:
@@ -94,4 +128,8 @@ def resolve_impl(impl: str, params: dict, *, platform: str, parallel: bool) -> s
     if (platform in ("gpu", "cuda") and kernel_weights(params)
             and impl_unavailable("w4a16", platform=platform, parallel=parallel) is None):
         return "w4a16"
+    if (any(isinstance(w, jax.Array) and w.dtype == jnp.bfloat16
+            for w in jax.tree.leaves(params))
+            and impl_unavailable("cpu", platform=platform, parallel=parallel) is None):
+        return "cpu"
     return "xla"

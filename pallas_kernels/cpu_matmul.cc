@@ -1,0 +1,251 @@
+// x @ w for the CPU's decode-sized products: an XLA FFI custom call (see cpu_matmul.py).
+//
+// Dataflow:
+//   1. Work items are blocks of kColumnsPerItem output columns; the calling thread and
+//      tasks on XLA's intra-op thread pool claim them from one atomic counter.
+//   2. w stored [K, N] ("kn", a projection): an item's columns are computed for up to kRows
+//      rows at a time, in strips of 32-256 columns (narrower for more rows), each strip of
+//      w streamed once per row block: every output element is one chain of fused
+//      multiply-adds over k = 0 .. K-1.
+//      w stored [N, K] ("nk", a tied embedding as the LM head): each group of 16 columns is
+//      16 dot products per row: 16-lane partial sums over k, reduced by one fixed tree.
+//   3. float32 or bfloat16 weights (read as they are stored, widened in registers);
+//      float32 arithmetic; the output is float32.
+//
+// NOTE: an output element's arithmetic depends on its row of x and its column of w alone:
+// the same instructions in the same order whatever the number of rows or the row's place
+// among them. So the product is batch-invariant by construction, and a decode row's
+// product is computed as a prefill row's (docs/design/batch-invariance.md).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kRows = 8;               // rows of x per pass over a strip of w ("kn")
+constexpr int kColumnsPerItem = 256;   // columns per work item
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
+typedef uint16_t vh_unaligned __attribute__((vector_size(32), aligned(2)));
+
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
+#endif
+
+enum class WeightKind : int32_t { kF32 = 0, kBF16 = 1 };
+
+struct Call {
+  const float* x;  // [M, K]
+  const void* w;   // [K, N] or [N, K]
+  float* out;      // [M, N]
+  int64_t m, k, n;
+  WeightKind kind;
+  bool nk;
+};
+
+// 16 consecutive weights as float32.
+template <WeightKind kind>
+inline vf load_w(const void* w, int64_t index) {
+  if constexpr (kind == WeightKind::kF32) {
+    return *reinterpret_cast<const vf_unaligned*>(static_cast<const float*>(w) + index);
+  } else {
+    const vh h = *reinterpret_cast<const vh_unaligned*>(static_cast<const uint16_t*>(w) + index);
+    return (vf)(__builtin_convertvector(h, vi) << 16);
+  }
+}
+
+template <WeightKind kind>
+inline float scalar_w(const void* w, int64_t index) {
+  if constexpr (kind == WeightKind::kF32) {
+    return static_cast<const float*>(w)[index];
+  } else {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(w)[index]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+}
+
+// Vectors of columns per strip for a block of R rows: about 16 accumulators, so few rows
+// stream wide strips of w (a whole 1 KiB row segment for one row) and many rows narrow ones.
+constexpr int strip_vectors(int rows) { return rows == 1 ? 16 : rows == 2 ? 8 : rows <= 4 ? 4 : 2; }
+
+// "kn": rows [r0, r0 + R) x columns [c0, c0 + 16 V) (all inside the matrix).
+template <WeightKind kind, int R>
+void strip_kn(const Call& c, int64_t r0, int64_t c0) {
+  constexpr int V = strip_vectors(R);
+  vf acc[R][V] = {};
+  const float* x = c.x + r0 * c.k;
+  for (int64_t k = 0; k < c.k; ++k) {
+    vf w[V];
+    for (int v = 0; v < V; ++v) w[v] = load_w<kind>(c.w, k * c.n + c0 + v * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[r * c.k + k];
+      for (int v = 0; v < V; ++v) acc[r][v] += xr * w[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v)
+      *reinterpret_cast<vf_unaligned*>(c.out + (r0 + r) * c.n + c0 + v * kLanes) = acc[r][v];
+}
+
+// "kn", columns [c0, c1) of rows [r0, r0 + R): whole strips, then the last columns one
+// chain each (a fused multiply-add is exact: a column's bits are the same either way).
+template <WeightKind kind, int R>
+void block_kn(const Call& c, int64_t r0, int64_t c0, int64_t c1) {
+  constexpr int width = strip_vectors(R) * kLanes;
+  const int64_t full = c0 + (c1 - c0) / width * width;
+  for (int64_t col = c0; col < full; col += width) strip_kn<kind, R>(c, r0, col);
+  for (int64_t r = r0; r < r0 + R; ++r)
+    for (int64_t col = full; col < c1; ++col) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < c.k; ++k)
+        acc = __builtin_fmaf(c.x[r * c.k + k], scalar_w<kind>(c.w, k * c.n + col), acc);
+      c.out[r * c.n + col] = acc;
+    }
+}
+
+template <WeightKind kind>
+using BlockFn = void (*)(const Call&, int64_t, int64_t, int64_t);
+
+template <WeightKind kind, int... Rs>
+BlockFn<kind> block_for(int rows, std::integer_sequence<int, Rs...>) {
+  BlockFn<kind> fn = nullptr;
+  ((fn = rows == Rs + 1 ? &block_kn<kind, Rs + 1> : fn), ...);
+  return fn;
+}
+
+// "kn", columns [c0, c1) of every row, kRows rows at a time.
+template <WeightKind kind>
+void columns_kn(const Call& c, int64_t c0, int64_t c1) {
+  for (int64_t r0 = 0; r0 < c.m; r0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, c.m - r0));
+    block_for<kind>(rows, std::make_integer_sequence<int, kRows>{})(c, r0, c0, c1);
+  }
+}
+
+// out[j] = the lanes of p[j] summed by the tree (l, l + 8), (l, l + 4), (l, l + 2),
+// (l, l + 1).
+inline vf reduce16(const vf* p) {
+  vf a[8], b[4], c[2];
+  for (int k = 0; k < 8; ++k)
+    a[k] = SHUFFLE(p[2 * k], p[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
+                   23) +
+           SHUFFLE(p[2 * k], p[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                   30, 31);
+  for (int k = 0; k < 4; ++k)
+    b[k] = SHUFFLE(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
+                   27) +
+           SHUFFLE(a[2 * k], a[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
+                   31);
+  for (int k = 0; k < 2; ++k)
+    c[k] = SHUFFLE(b[2 * k], b[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
+                   29) +
+           SHUFFLE(b[2 * k], b[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
+                   31);
+  return SHUFFLE(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// "nk", columns [c0, c1) of every row: groups of 16 columns, each a dot product over k
+// (16-lane partials, the fixed tree, then the last k % 16 terms in order).
+template <WeightKind kind>
+void columns_nk(const Call& c, int64_t c0, int64_t c1) {
+  const int64_t kv = c.k / kLanes * kLanes;
+  for (int64_t g = c0; g < c1; g += kLanes) {
+    const int64_t cols = std::min<int64_t>(kLanes, c1 - g);
+    for (int64_t r = 0; r < c.m; ++r) {
+      const float* x = c.x + r * c.k;
+      vf part[kLanes] = {};
+      for (int64_t k = 0; k < kv; k += kLanes) {
+        const vf xk = *reinterpret_cast<const vf_unaligned*>(x + k);
+        if (cols == kLanes) {  // the same products, the 16 chains kept in registers
+          for (int j = 0; j < kLanes; ++j) part[j] += xk * load_w<kind>(c.w, (g + j) * c.k + k);
+        } else {
+          for (int64_t j = 0; j < cols; ++j)
+            part[j] += xk * load_w<kind>(c.w, (g + j) * c.k + k);
+        }
+      }
+      const vf s = reduce16(part);
+      for (int64_t j = 0; j < cols; ++j) {
+        float acc = s[j];
+        for (int64_t k = kv; k < c.k; ++k)
+          acc = __builtin_fmaf(x[k], scalar_w<kind>(c.w, (g + j) * c.k + k), acc);
+        c.out[r * c.n + g + j] = acc;
+      }
+    }
+  }
+}
+
+struct Work {
+  Call call;  // a copy: tasks that start after the call returned still read it
+  void (*fn)(const Call&, int64_t, int64_t);
+  int64_t num_items = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void run_items(Work& w) {
+  for (;;) {
+    const int64_t item = w.next.fetch_add(1);
+    if (item >= w.num_items) return;
+    const int64_t c0 = item * kColumnsPerItem;
+    w.fn(w.call, c0, std::min<int64_t>(c0 + kColumnsPerItem, w.call.n));
+    w.done.fetch_add(1);
+  }
+}
+
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                  ffi::ResultBuffer<ffi::F32> out, int32_t weight_kind, bool nk) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  Call c;
+  c.m = xd[0];
+  c.k = xd[1];
+  c.n = nk ? wd[0] : wd[1];
+  if ((nk ? wd[1] : wd[0]) != c.k)
+    return ffi::Error::InvalidArgument("cpu matmul: x's columns differ from w's inner dim");
+  c.x = x.typed_data();
+  c.w = w.untyped_data();
+  c.out = out->typed_data();
+  c.kind = static_cast<WeightKind>(weight_kind);
+  c.nk = nk;
+  if (c.m == 0 || c.n == 0) return ffi::Error::Success();
+  auto work = std::make_shared<Work>();
+  work->call = c;
+  const bool bf16 = c.kind == WeightKind::kBF16;
+  work->fn = nk ? (bf16 ? &columns_nk<WeightKind::kBF16> : &columns_nk<WeightKind::kF32>)
+                : (bf16 ? &columns_kn<WeightKind::kBF16> : &columns_kn<WeightKind::kF32>);
+  work->num_items = (c.n + kColumnsPerItem - 1) / kColumnsPerItem;
+  const int64_t helpers =
+      std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), work->num_items) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { run_items(*work); });
+  run_items(*work);
+  while (work->done.load() < work->num_items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ArcjaxCpuMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()         // w [K, N] or [N, K]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
+                                  .Attr<int32_t>("weight_kind")
+                                  .Attr<bool>("nk"));
