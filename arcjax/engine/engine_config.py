@@ -113,11 +113,14 @@ class EngineConfig:
         pallas_kernels/cpu_attention.py) | "pallas_gpu" (Pallas-Triton) | "triton" (the
         Triton kernel through jax-triton). A kernel that cannot run on this machine is
         refused when the engine is built.
-      packed_matmul_impl: how packed 4-bit weights multiply inside the step
-        (`arcjax.model.packed_matmul`): "auto" (the W4A16 Pallas kernel in decode-sized
-        matmuls on a GPU with one device, XLA's dequantize-then-dot elsewhere; the trace
-        summary names it) | "xla" | "w4a16" (the kernel; NVIDIA GPU, one device) |
-        "w4a16_interpret" (the kernel in Pallas' interpreter, on any platform: tests).
+      packed_matmul_impl: how the projections multiply inside the step
+        (`arcjax.model.packed_matmul`): "auto" (the W4A16 Pallas kernel for packed 4-bit
+        weights in decode-sized matmuls on a GPU with one device; the compiled CPU kernel
+        for bfloat16 weights in decode-sized matmuls on one CPU device; XLA's
+        dequantize-then-dot elsewhere; the trace summary names it) | "xla" | "cpu" (the
+        CPU kernel, `pallas_kernels.cpu_matmul`) | "w4a16" (the kernel; NVIDIA GPU, one
+        device) | "w4a16_interpret" (the kernel in Pallas' interpreter, on any platform:
+        tests).
       layer_loop: how the step runs the decoder's layers (arcjax/model/layer_arrays.py):
         "auto" ("unrolled" on the CPU for one device and a model without experts, "scan"
         elsewhere; the trace summary names it) | "scan" (one `lax.scan` over the stacked
