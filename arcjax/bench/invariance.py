@@ -33,7 +33,7 @@ PROBE = "probe"
 # One chunk holds the whole probe prompt in the baseline (max_num_batched_tokens >= its
 # length); chunk_tile 16 keeps the smallest chunk the report asks for (16) a tile.
 BASE_OPTIONS = dict(block_size=8, num_kv_blocks=640, max_model_len=512, max_num_seqs=8,
-                    attention_impl="xla", policy="token_budget", chunk_tile=16,
+                    attention_impl="auto", policy="token_budget", chunk_tile=16,
                     max_num_batched_tokens=512, enable_prefix_caching=False,
                     async_scheduling=False)
 

@@ -112,8 +112,8 @@ def _classify(op_name: str, functions: list[str], files: list[str], gathers: boo
     if not op_name and opcode == "dot":
         return "dot_unscoped"  # a matmul whose metadata XLA's passes dropped
     scope = "/" + op_name + "/"
-    if any(f == "write_kv" or f.startswith("write_kv.") for f in functions):
-        return "kv_scatter"
+    if any(f in ("write_kv", "write_kv_cpu") or f.startswith("write_kv.") for f in functions):
+        return "kv_scatter"  # XLA's scatter, or the CPU kernel's copy
     if "/attention/" in scope:
         return "page_gather" if gathers else "attention"
     for name in ("qkv", "o_proj", "mlp", "lm_head"):
