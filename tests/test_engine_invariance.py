@@ -162,6 +162,23 @@ def test_probe_logprobs_are_bitwise_its_solo_run_on_each_case(case, w):
     assert (tokens, bits) == solo(True, case)
 
 
+GEMMA2_F32 = ("Gemma2ForCausalLM", "float32", "auto")
+# Seven others beside the probe (max_num_seqs 8): its decode rows run in buckets of every
+# size from 1 to 8 rows as they arrive and finish.
+CROWD = [(-1, 30, 6, None), (0, 12, 2, None), (1, 50, 3, None), (1, 5, 8, None),
+         (2, 25, 4, None), (3, 9, 1, None), (3, 44, 5, None)]
+
+
+def test_gemma2_float32_rows_do_not_follow_the_bucket_size():
+    """Gemma 2 in float32 (soft-caps, sliding and full layers) in a crowd whose decode
+    buckets change size step by step: bitwise its solo run. The mode scans the layers
+    (`layer_arrays.unrolled_max_tokens`): with "auto"'s unrolled small buckets this case
+    differed in the last bit (RESULTS.md, "The mode with the CPU attention kernel")."""
+    llm = _engine(True, None, False, False, GEMMA2_F32)
+    assert llm.engine.runner.unrolled_max_tokens == 0
+    assert run_probe(llm, CROWD, 0, 3) == solo(True, GEMMA2_F32)
+
+
 def test_a_preempted_probe_is_bitwise_its_solo_run(case=LLAMA_F32):
     """In the small pool an earlier request's growth preempts the probe (the largest key):
     its prompt and the tokens it had are computed again as one prefill, beside the other's

@@ -10,7 +10,7 @@ from arcjax.bench.step_profile import op_parts
 from arcjax.engine.build import cpu_kv_cache_bytes
 from arcjax.engine.engine_config import EngineConfig
 from arcjax.errors import EngineConfigError
-from arcjax.model.layer_arrays import AUTO_UNROLLED_TOKENS, LayerArrays
+from arcjax.model.layer_arrays import AUTO_UNROLLED_TOKENS, LayerArrays, unrolled_max_tokens
 from support.engines import GREEDY, SCHEDULES, engine_prompts, expected_greedy, tiny_llm
 
 
@@ -62,6 +62,16 @@ def test_the_unrolled_step_copies_no_weight_slice():
         parts[loop] = list(op_parts(runner._compiled[decode].as_text()).values())
     assert parts["scan"].count("layer_loop") > 0
     assert parts["unrolled"].count("layer_loop") == 0 and "mlp" in parts["unrolled"]
+
+
+def test_auto_unrolls_only_where_it_may():
+    cpu = dict(platform="cpu", meshed=False, experts=False)
+    assert unrolled_max_tokens("auto", **cpu) == AUTO_UNROLLED_TOKENS
+    for other in (dict(platform="gpu"), dict(meshed=True), dict(experts=True),
+                  dict(batch_invariant=True)):  # the mode scans (batch-invariance.md)
+        assert unrolled_max_tokens("auto", **{**cpu, **other}) == 0
+    assert unrolled_max_tokens("unrolled", **cpu, batch_invariant=True) > 0  # asked by name
+    assert unrolled_max_tokens("scan", **cpu) == 0
 
 
 def test_bad_layer_loop_is_refused_by_name():
