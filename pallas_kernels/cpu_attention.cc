@@ -2,8 +2,8 @@
 //
 // Dataflow:
 //   1. Work items are (sequence, block of kRowsPerItem query rows of its chunk, KV
-//      head). The calling thread and tasks scheduled on XLA's intra-op thread pool claim
-//      them from one atomic counter, so every core works on one call.
+//      head), spread over XLA's intra-op thread pool (cpu_simd.h `parallel_for`), so
+//      every core works on one call.
 //   2. Inside an item, each query vector (one row, one of the G = Hq / Hkv query heads of
 //      the KV head) walks its visible keys in key groups: up to 16 consecutive keys of one
 //      page, groups aligned to the page's start (so to absolute positions). Per group:
@@ -25,81 +25,44 @@
 // NaN included) and masked before the softmax; their values are never read.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;        // floats per vector; keys per key group at most
+using namespace arcjax_cpu;  // kLanes (also the most keys in a key group), vf, reduce16, ...
+
 constexpr int kRowsPerItem = 16;  // query rows of one sequence per work item
 constexpr int kMaxVectors = 16;   // head dims up to 256 (16 vectors of 16 floats)
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
-
-inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
-inline void store(float* p, vf v) { *reinterpret_cast<vf_unaligned*>(p) = v; }
-inline vf splat(float x) { return vf{} + x; }
-
-#if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
-#endif
-
-// out[j] = the lanes of p[j] summed by the tree (l, l + 8), (l, l + 4), (l, l + 2),
-// (l, l + 1): the same tree for every key of every row.
-inline vf reduce16(const vf* p) {
-  vf a[8], b[4], c[2];
-  for (int k = 0; k < 8; ++k)
-    a[k] = SHUFFLE(p[2 * k], p[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
-                   23) +
-           SHUFFLE(p[2 * k], p[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                   30, 31);
-  for (int k = 0; k < 4; ++k)
-    b[k] = SHUFFLE(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
-                   27) +
-           SHUFFLE(a[2 * k], a[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                   31);
-  for (int k = 0; k < 2; ++k)
-    c[k] = SHUFFLE(b[2 * k], b[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
-                   29) +
-           SHUFFLE(b[2 * k], b[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                   31);
-  return SHUFFLE(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
 // The largest lane (exact, whatever the order).
 inline float lane_max(vf x) {
-  vf y = SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  vf y = ARCJAX_SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   x = x > y ? x : y;
-  y = SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  y = ARCJAX_SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   x = x > y ? x : y;
-  y = SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  y = ARCJAX_SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   x = x > y ? x : y;
-  y = SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  y = ARCJAX_SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   x = x > y ? x : y;
   return x[0];
 }
 
 // The lanes' sum by the tree (l, l + 8), (l, l + 4), (l, l + 2), (l, l + 1).
 inline float lane_sum(vf x) {
-  x += SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  x += SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  x += SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  x += SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  x += ARCJAX_SHUFFLE(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  x += ARCJAX_SHUFFLE(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  x += ARCJAX_SHUFFLE(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  x += ARCJAX_SHUFFLE(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return x[0];
 }
 
@@ -187,6 +150,12 @@ struct Scratch {
       : q(kRowsPerItem * (c.hq / c.hkv) * c.dv * kLanes), acc(q.size()),
         m(kRowsPerItem * (c.hq / c.hkv)), l(m.size()), kbuf(c.bs * c.dv * kLanes),
         vbuf(kbuf.size()) {}
+  // Whether it holds a call of `c`'s geometry (a thread keeps its scratch between calls).
+  bool fits(const Call& c) const {
+    return q.size() >= static_cast<size_t>(kRowsPerItem * (c.hq / c.hkv) * c.dv * kLanes) &&
+           m.size() >= static_cast<size_t>(kRowsPerItem * (c.hq / c.hkv)) &&
+           kbuf.size() >= static_cast<size_t>(c.bs * c.dv * kLanes);
+  }
 };
 
 // Head `h`'s rows of `n` keys of a page from key `first`: `(pointer, stride)` in floats.
@@ -311,33 +280,6 @@ AttendFn pick(int64_t dv, std::integer_sequence<int, DVs...>) {
   return fn;
 }
 
-struct Work {
-  Call call;  // a copy: tasks that start after the call returned still read it
-  AttendFn fn;
-  std::vector<int64_t> item_seq, item_row;  // per row block; items are blocks x KV heads
-  int64_t num_items = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void run_items(Work& w) {
-  const Call& c = w.call;
-  std::unique_ptr<Scratch> scratch;
-  for (;;) {
-    const int64_t item = w.next.fetch_add(1);
-    if (item >= w.num_items) return;
-    if (!scratch) scratch = std::make_unique<Scratch>(c);
-    const int64_t block = item / c.hkv, h = item % c.hkv;
-    const int64_t seq = w.item_seq[block], row0 = w.item_row[block];
-    const int64_t start = c.cu_q[seq];
-    const int64_t end = std::min<int64_t>(c.cu_q[seq + 1], c.t);
-    const int64_t first_pos = c.kv_lens[seq] - (c.cu_q[seq + 1] - start);
-    w.fn(c, seq, row0, std::min<int64_t>(end - row0, kRowsPerItem), first_pos + (row0 - start),
-         h, *scratch);
-    w.done.fetch_add(1);
-  }
-}
-
 ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
                      ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> tables,
                      ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> cu_q,
@@ -375,33 +317,28 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuff
              c.d % kLanes != 0;
 
   std::memset(c.out, 0, sizeof(float) * c.t * c.hq * c.d);  // rows of no sequence stay zero
-  auto work = std::make_shared<Work>();
-  work->call = c;
-  work->fn = pick(c.dv, std::make_integer_sequence<int, kMaxVectors>{});
-  // Rows of each live sequence, clipped to the buffer (lengths are the caller's data).
+  const AttendFn fn = pick(c.dv, std::make_integer_sequence<int, kMaxVectors>{});
+  // Work items: (block of up to kRowsPerItem rows of one live sequence) x KV head; rows
+  // clipped to the buffer (lengths are the caller's data).
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (sequence, first row)
   for (int64_t seq = 0; seq < c.num_seqs; ++seq) {
     const int64_t start = std::clamp<int64_t>(c.cu_q[seq], 0, c.t);
     const int64_t end = std::clamp<int64_t>(c.cu_q[seq + 1], start, c.t);
-    for (int64_t row = start; row < end; row += kRowsPerItem) {
-      work->item_seq.push_back(seq);
-      work->item_row.push_back(row);
-    }
+    for (int64_t row = start; row < end; row += kRowsPerItem) blocks.emplace_back(seq, row);
   }
-  work->num_items = static_cast<int64_t>(work->item_seq.size()) * c.hkv;
-  if (work->num_items == 0) return ffi::Error::Success();
-  const int64_t helpers =
-      std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), work->num_items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { run_items(*work); });
-  run_items(*work);
-  // Items claimed by helpers may still run: wait for them (tasks that start later
-  // find nothing left and return; `work` lives until the last of them drops it).
-  while (work->done.load() < work->num_items) std::this_thread::yield();
+  const int64_t items = static_cast<int64_t>(blocks.size()) * c.hkv;
+  parallel_for(pool, items, [c, fn, blocks = std::move(blocks)](int64_t item) {
+    thread_local std::unique_ptr<Scratch> scratch;  // a pool thread's, kept between calls
+    if (!scratch || !scratch->fits(c)) scratch = std::make_unique<Scratch>(c);
+    const auto [seq, row0] = blocks[item / c.hkv];
+    const int64_t start = c.cu_q[seq], end = std::min<int64_t>(c.cu_q[seq + 1], c.t);
+    const int64_t first_pos = c.kv_lens[seq] - (c.cu_q[seq + 1] - start);
+    fn(c, seq, row0, std::min<int64_t>(end - row0, kRowsPerItem), first_pos + (row0 - start),
+       item % c.hkv, *scratch);
+  });
   return ffi::Error::Success();
 }
 
-// Writes row t of `k` / `v` (already in the pages' dtype) into slot `slots[t]` of the
-// pages, in place when XLA aliases the results with the pages (it does in the step: the
-// cache is donated); slots outside the pages are padding and write nothing.
 // `pages` with row j of `rows` in slot `slots[j]`, into `out` (the same buffer when XLA
 // aliased them; a copy of `pages` first otherwise).
 void write_rows(const ffi::AnyBuffer& pages, const ffi::AnyBuffer& rows, const int32_t* slots,
@@ -413,6 +350,9 @@ void write_rows(const ffi::AnyBuffer& pages, const ffi::AnyBuffer& rows, const i
     if (slots[j] >= 0 && slots[j] < num_slots) std::memcpy(dst + slots[j] * row, src + j * row, row);
 }
 
+// Writes row t of `k` / `v` (already in the pages' dtype) into slot `slots[t]` of the
+// pages, in place when XLA aliases the results with the pages (it does in the step: the
+// cache is donated); slots outside the pages are padding and write nothing.
 ffi::Error WriteKV(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k,
                    ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slots,
                    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {

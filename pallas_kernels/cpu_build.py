@@ -1,7 +1,8 @@
 """Building and loading the CPU kernels: C++ behind XLA's FFI (decision 0026).
 
 `pallas_kernels/cpu_attention.cc` (attention, the KV write) and
-`pallas_kernels/cpu_matmul.cc` (decode-sized products) are compiled together, on first use,
+`pallas_kernels/cpu_matmul.cc` (decode-sized products), with what they share
+(`pallas_kernels/cpu_simd.h`), are compiled together, on first use,
 with the machine's C++ compiler against jaxlib's FFI headers into one shared library in a
 per-user cache directory, named by a digest of the sources, the flags, the compiler,
 jaxlib's version and the CPU's feature flags (`-march=native` compiles for this CPU); then
@@ -28,6 +29,7 @@ import jaxlib
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = (HERE / "cpu_attention.cc", HERE / "cpu_matmul.cc")
+HEADERS = (HERE / "cpu_simd.h",)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
          "-ffp-contract=fast")
 # FFI target name -> the library's handler symbol
@@ -67,7 +69,7 @@ def build() -> pathlib.Path:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++ on PATH, or $CXX)")
-    parts = [source.read_bytes() for source in SOURCES]
+    parts = [source.read_bytes() for source in SOURCES + HEADERS]
     parts += [" ".join(FLAGS).encode(), cxx.encode(), jaxlib.__version__.encode(),
               _cpu_signature().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:20]

@@ -1,8 +1,8 @@
 // x @ w for the CPU's decode-sized products: an XLA FFI custom call (see cpu_matmul.py).
 //
 // Dataflow:
-//   1. Work items are blocks of kColumnsPerItem output columns; the calling thread and
-//      tasks on XLA's intra-op thread pool claim them from one atomic counter.
+//   1. Work items are blocks of kColumnsPerItem output columns, spread over XLA's
+//      intra-op thread pool (cpu_simd.h `parallel_for`).
 //   2. w stored [K, N] ("kn", a projection): an item's columns are computed for up to kRows
 //      rows at a time, in strips of 32-256 columns (narrower for more rows), each strip of
 //      w streamed once per row block: every output element is one chain of fused
@@ -18,34 +18,24 @@
 // product is computed as a prefill row's (docs/design/batch-invariance.md).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
-#include <vector>
+#include <utility>
 
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;
+using namespace arcjax_cpu;  // kLanes, vf, vi, reduce16, parallel_for
+
 constexpr int kRows = 8;               // rows of x per pass over a strip of w ("kn")
 constexpr int kColumnsPerItem = 256;   // columns per work item
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
 typedef uint16_t vh __attribute__((vector_size(32)));
-typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t vh_unaligned __attribute__((vector_size(32), aligned(2)));
-
-#if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, vi{__VA_ARGS__})
-#endif
 
 enum class WeightKind : int32_t { kF32 = 0, kBF16 = 1 };
 
@@ -139,29 +129,6 @@ void columns_kn(const Call& c, int64_t c0, int64_t c1) {
   }
 }
 
-// out[j] = the lanes of p[j] summed by the tree (l, l + 8), (l, l + 4), (l, l + 2),
-// (l, l + 1).
-inline vf reduce16(const vf* p) {
-  vf a[8], b[4], c[2];
-  for (int k = 0; k < 8; ++k)
-    a[k] = SHUFFLE(p[2 * k], p[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
-                   23) +
-           SHUFFLE(p[2 * k], p[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
-                   30, 31);
-  for (int k = 0; k < 4; ++k)
-    b[k] = SHUFFLE(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26,
-                   27) +
-           SHUFFLE(a[2 * k], a[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30,
-                   31);
-  for (int k = 0; k < 2; ++k)
-    c[k] = SHUFFLE(b[2 * k], b[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28,
-                   29) +
-           SHUFFLE(b[2 * k], b[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30,
-                   31);
-  return SHUFFLE(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         SHUFFLE(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
 // "nk", columns [c0, c1) of every row: groups of 16 columns, each a dot product over k
 // (16-lane partials, the fixed tree, then the last k % 16 terms in order).
 template <WeightKind kind>
@@ -192,24 +159,6 @@ void columns_nk(const Call& c, int64_t c0, int64_t c1) {
   }
 }
 
-struct Work {
-  Call call;  // a copy: tasks that start after the call returned still read it
-  void (*fn)(const Call&, int64_t, int64_t);
-  int64_t num_items = 0;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void run_items(Work& w) {
-  for (;;) {
-    const int64_t item = w.next.fetch_add(1);
-    if (item >= w.num_items) return;
-    const int64_t c0 = item * kColumnsPerItem;
-    w.fn(w.call, c0, std::min<int64_t>(c0 + kColumnsPerItem, w.call.n));
-    w.done.fetch_add(1);
-  }
-}
-
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                   ffi::ResultBuffer<ffi::F32> out, int32_t weight_kind, bool nk) {
   const auto xd = x.dimensions(), wd = w.dimensions();
@@ -225,17 +174,14 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   c.kind = static_cast<WeightKind>(weight_kind);
   c.nk = nk;
   if (c.m == 0 || c.n == 0) return ffi::Error::Success();
-  auto work = std::make_shared<Work>();
-  work->call = c;
   const bool bf16 = c.kind == WeightKind::kBF16;
-  work->fn = nk ? (bf16 ? &columns_nk<WeightKind::kBF16> : &columns_nk<WeightKind::kF32>)
-                : (bf16 ? &columns_kn<WeightKind::kBF16> : &columns_kn<WeightKind::kF32>);
-  work->num_items = (c.n + kColumnsPerItem - 1) / kColumnsPerItem;
-  const int64_t helpers =
-      std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 1), work->num_items) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { run_items(*work); });
-  run_items(*work);
-  while (work->done.load() < work->num_items) std::this_thread::yield();
+  void (*columns)(const Call&, int64_t, int64_t) =
+      nk ? (bf16 ? &columns_nk<WeightKind::kBF16> : &columns_nk<WeightKind::kF32>)
+         : (bf16 ? &columns_kn<WeightKind::kBF16> : &columns_kn<WeightKind::kF32>);
+  parallel_for(pool, (c.n + kColumnsPerItem - 1) / kColumnsPerItem, [c, columns](int64_t item) {
+    const int64_t c0 = item * kColumnsPerItem;
+    columns(c, c0, std::min<int64_t>(c0 + kColumnsPerItem, c.n));
+  });
   return ffi::Error::Success();
 }
 
