@@ -3,7 +3,8 @@
 `ragged_paged_attention(q, k_pages, ...)` builds one `AttentionInputs` pytree
 (`AttentionInputs.create` validates it) and `paged_attention(inputs, impl=...)`
 dispatches it to an implementation: "reference" (the oracle), "xla" (vectorized
-jnp), "pallas_gpu" (Pallas-Triton kernel for NVIDIA GPUs), "triton" (a Triton
+jnp), "cpu" (a C++ kernel behind XLA's FFI, built on first use: `cpu_attention`),
+"pallas_gpu" (Pallas-Triton kernel for NVIDIA GPUs), "triton" (a Triton
 kernel through jax_triton), "mosaic_gpu" (a Pallas Mosaic GPU decode kernel);
 `resolve_impl` / `resolve_call` / `resolve_inputs` say which one "auto" runs here,
 `choose_impl` / `choose_call` / `choose_inputs` also whether a recorded GPU pass

@@ -22,8 +22,8 @@ Every projection of the decoder (attention's q, k, v, o, the dense MLP, the LM h
 
 "auto" (`resolve_impl`) is "w4a16" on a GPU for one device when some layer weight is in
 the kernel's layout and Pallas' Triton backend exists; "cpu" on the CPU for one device when
-some weight is bfloat16 and the CPU kernels build; else "xla". NOTE: where JAX deprecates that backend (0.11), the kernel's
-lowering warns `jax-pallas-triton` (`pallas_kernels.backends`), once per step compiled. One device only: a Pallas call cannot be partitioned by GSPMD,
+some weight is bfloat16 and the CPU kernels build; else "xla". NOTE: where JAX deprecates
+that backend (0.11), the kernel's lowering warns `jax-pallas-triton` (`pallas_kernels.backends`), once per step compiled. One device only: a Pallas call cannot be partitioned by GSPMD,
 so under tensor or expert parallelism the step stays on "xla". The grouped expert GEMMs
 (`arcjax.model.expert_ffn`) and Qwen2-MoE's shared expert keep "xla": the kernel is one
 matrix, not a grouped GEMM. The trace summary names the resolved choice
