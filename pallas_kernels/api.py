@@ -6,7 +6,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import backends, cpu_attention
+from pallas_kernels import backends, cpu_attention, cpu_build
 from pallas_kernels import gpu_plan as gpu_plan_lib
 from pallas_kernels import pallas_gpu
 from pallas_kernels import plan as plan_lib
@@ -86,7 +86,7 @@ def cpu_kernel_unavailable(*, head_dim: int, block_size: int, num_heads: int,
                                        kv_dtype=kv_dtype)
     if reason is not None:
         return f'impl="cpu" does not take {reason}'
-    return cpu_attention.kernel_unavailable()
+    return cpu_build.kernels_unavailable()
 
 
 def choose_impl(impl: str, *, head_dim: int, block_size: int, max_q_len: int | None,
@@ -225,7 +225,7 @@ def impl_unavailable(impl: str, *, interpret: bool = False,
     if impl == "cpu":
         if platform is not None and platform != "cpu":
             return f'impl="cpu" runs on the CPU, and this runs on {platform}'
-        return cpu_attention.kernel_unavailable()
+        return cpu_build.kernels_unavailable()
     if impl not in GPU_IMPLS:
         return None
     if interpret:

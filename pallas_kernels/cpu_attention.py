@@ -1,7 +1,7 @@
 """Ragged paged attention as a compiled CPU kernel (`cpu_attention.cc`, an XLA FFI call).
 
 Dataflow:
-    1. `kernel_unavailable()` builds the kernel once per machine (`cpu_build`: the C++
+    1. `cpu_build.kernels_unavailable()` builds the kernel once per machine (the C++
        sources compiled with the machine's compiler into a per-user cache, loaded,
        registered as FFI targets). A machine without a compiler, or a failed build, gets
        a reason (the xla path runs instead).
@@ -32,7 +32,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_build
 from pallas_kernels.attention_inputs import AttentionInputs
 
 TARGET = "arcjax_cpu_paged_attention"
@@ -41,11 +40,6 @@ WRITE_TARGET = "arcjax_cpu_write_kv"
 # table (cpu_attention.cc PageKind).
 _PAGE_KIND = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.bfloat16): 1, jnp.dtype(jnp.float16): 3}
 _BYTE_KIND = 2
-
-
-def kernel_unavailable() -> str | None:
-    """Why the kernel cannot run in this process (`cpu_build.kernels_unavailable`), or None."""
-    return cpu_build.kernels_unavailable()
 
 
 def unsupported(*, head_dim: int, block_size: int, num_heads: int, num_kv_heads: int,
@@ -68,7 +62,8 @@ def _byte_table(dtype) -> np.ndarray:
 
 
 def ragged_paged_attention_cpu(inputs: AttentionInputs) -> jax.Array:  # [T, Hq, D]
-    """`inputs`' attention by the compiled CPU kernel (`kernel_unavailable()` must be None).
+    """`inputs`' attention by the compiled CPU kernel (`cpu_build.kernels_unavailable()`
+    must be None).
 
     Returns:
         `[T, Hq, D]` in q's dtype; float32 arithmetic whatever the dtypes.
@@ -98,8 +93,8 @@ def ragged_paged_attention_cpu(inputs: AttentionInputs) -> jax.Array:  # [T, Hq,
 def write_kv_cpu(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
                  slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Rows `k[t]`, `v[t]` ([T, Hkv, D], already in the pages' dtype) copied into slot
-    `slot_mapping[t]` of the pages (`kernel_unavailable()` must be None); slots outside
-    `[0, num_blocks * block_size)` write nothing. The results alias the pages, so under jit
+    `slot_mapping[t]` of the pages (`cpu_build.kernels_unavailable()` must be None); slots
+    outside `[0, num_blocks * block_size)` write nothing. The results alias the pages, so under jit
     with the cache donated the write is in place: XLA:CPU's own scatter into 16-bit
     pages converts the whole cache to float32 and back.
 

@@ -3,7 +3,7 @@
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_attention, cpu_build
 from pallas_kernels.kernel_errors import KernelArgumentError
 
 
@@ -57,7 +57,7 @@ def write_kv(
             "slot_mapping", f"expected an integer dtype, got {slot_mapping.dtype}")
 
     if impl == "cpu":
-        reason = cpu_attention.kernel_unavailable()
+        reason = cpu_build.kernels_unavailable()
         if reason is not None:
             raise KernelArgumentError("impl", reason)
         return cpu_attention.write_kv_cpu(k_pages, v_pages, quantize_kv(k, k_pages.dtype, k_scale),

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 import arcjax
 from arcjax import LLM, RequestError, SamplingParams, UnknownRequestError
 from arcjax.errors import RequestTooLargeError
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_build
 from support.engines import ARCH, GEOMETRY, GREEDY, MAX_TOKENS, PROMPT_LENS, engine_prompts
 from support.engines import expected_greedy, tiny_llm
 from support.hf_models import tiny_model_dir, tiny_model_with_tokenizer
@@ -198,7 +198,7 @@ def test_trace_metrics_summary_and_jsonl(tmp_path):
     # The attention each bucket kind ran ("auto" resolved when the bucket compiled).
     attention = summary["attention"]
     assert attention["configured"] == "auto"
-    expected = "cpu" if cpu_attention.kernel_unavailable() is None else "xla"
+    expected = "cpu" if cpu_build.kernels_unavailable() is None else "xla"
     assert attention["decode"] == [expected] and attention["prefill"] == [expected]
     assert {(b["tokens"], b["seqs"], b["max_q_len"]) for b in attention["buckets"]} == {
         r.bucket for r in trace}

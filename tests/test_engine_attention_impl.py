@@ -22,7 +22,7 @@ from arcjax.engine.trace import attention_report
 from arcjax.model import decoder
 from arcjax.model.model_config import ModelConfig
 from arcjax.runtime.buckets import BucketSet
-from pallas_kernels import backends, cpu_attention
+from pallas_kernels import backends, cpu_build
 from support.engines import GEOMETRY
 from support.hf_models import tiny_model_dir
 
@@ -108,7 +108,7 @@ def test_explicit_and_cpu_resolution(monkeypatch):
     # (xla where the kernel cannot build, or cannot read the pages); an explicit choice is
     # itself.
     assert _summary(_cfg(), _cache(), platform="cpu") == {"decode": ["cpu"], "prefill": ["cpu"]}
-    monkeypatch.setattr(cpu_attention, "kernel_unavailable", lambda: "no compiler")
+    monkeypatch.setattr(cpu_build, "kernels_unavailable", lambda: "no compiler")
     assert _summary(_cfg(), _cache(), platform="cpu") == {"decode": ["xla"], "prefill": ["xla"]}
     for impl in ("xla", "cpu", "pallas_gpu", "triton"):
         assert _summary(_cfg(), _cache(), impl=impl) == {"decode": [impl], "prefill": [impl]}

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pallas_kernels import (KernelArgumentError, api, choose_impl, cpu_attention, cpu_build,
+from pallas_kernels import (KernelArgumentError, api, choose_impl, cpu_build,
                             ragged_paged_attention, write_kv)
 from pallas_kernels.testing import make_batch
 from support.attention_batches import (FP8, FP8_MAX, LAYOUT_IDS, LAYOUTS, TOLERANCES,
                                        attention, attention_with_options, draw_batch,
                                        nan_outside_windows)
 
-pytestmark = pytest.mark.skipif(cpu_attention.kernel_unavailable() is not None,
-                                reason=str(cpu_attention.kernel_unavailable()))
+pytestmark = pytest.mark.skipif(cpu_build.kernels_unavailable() is not None,
+                                reason=str(cpu_build.kernels_unavailable()))
 # float16 outputs round to 11 significant bits
 TOL = {**TOLERANCES, jnp.float16: dict(atol=3e-3, rtol=3e-3)}
 
@@ -173,7 +173,7 @@ def test_a_failed_build_is_a_reason(monkeypatch, tmp_path):
     with pytest.raises(RuntimeError, match="failed"):
         cpu_build.build()
     assert not list(tmp_path.rglob("*.so"))  # nothing half-built left to load
-    monkeypatch.setattr(cpu_attention, "kernel_unavailable", lambda: "no compiler")
+    monkeypatch.setattr(cpu_build, "kernels_unavailable", lambda: "no compiler")
     shapes = dict(head_dim=64, block_size=16, max_q_len=None, dtype=jnp.float32, num_heads=4,
                   num_kv_heads=2, platform="cpu")
     assert choose_impl("auto", **shapes).impl == "xla"

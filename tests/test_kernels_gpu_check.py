@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -233,7 +233,7 @@ def test_cpu_smoke_writes_every_section_whatever_breaks(tmp_path):
     report, tasks = _check_faults(res, out, faults)
     assert tasks["kernel_table.ceilings"]["rows"][0]["case"].startswith("matmul")
     env = tasks["environment.jax"]["rows"][0]
-    cpu_auto = "cpu" if cpu_attention.kernel_unavailable() is None else "xla"
+    cpu_auto = "cpu" if cpu_build.kernels_unavailable() is None else "xla"
     assert env["jax"] and env["devices"] and env["attention"]["auto_decode"]["impl"] == cpu_auto
     checked = [r for k in ("correctness.pallas_gpu", "correctness.triton")
                for r in tasks[k]["rows"] if "skipped" not in r]

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import (KernelArgumentError, backends, cpu_attention, ragged_paged_attention,
+from pallas_kernels import (KernelArgumentError, backends, cpu_build, ragged_paged_attention,
                             resolve_impl)
 from pallas_kernels.testing import make_batch
 from support.attention_batches import FP8, FP8_MAX, LAYOUT_IDS, LAYOUTS, TOLERANCES, attention
@@ -146,7 +146,7 @@ def test_auto_resolution_follows_what_is_installed(monkeypatch):
     # Off the GPU (this machine), "auto" is the compiled CPU kernel (xla where it cannot
     # build) whatever GPU kernels are installed.
     assert resolve_impl("auto", head_dim=64, block_size=16, max_q_len=None) == (
-        "cpu" if cpu_attention.kernel_unavailable() is None else "xla")
+        "cpu" if cpu_build.kernels_unavailable() is None else "xla")
     assert backends.resolve(on_gpu=False, can_tile=True, decode_only=False) == "xla"
     on_gpu = dict(on_gpu=True, can_tile=True, kind="NVIDIA H200")
     monkeypatch.setattr(backends.verified, "has_passed", lambda impl, kind, path=None: False)

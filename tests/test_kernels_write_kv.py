@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import KernelArgumentError, cpu_attention, write_kv
+from pallas_kernels import KernelArgumentError, cpu_build, write_kv
 
 IMPLS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(
-    cpu_attention.kernel_unavailable() is not None,
-    reason=str(cpu_attention.kernel_unavailable())))]
+    cpu_build.kernels_unavailable() is not None,
+    reason=str(cpu_build.kernels_unavailable())))]
 
 
 def _pages(num_blocks=3, block_size=4, hkv=2, d=8, dtype=jnp.float32):
@@ -61,8 +61,8 @@ def test_casts_to_page_dtype(impl):
 def test_the_cpu_copy_equals_the_scatter_in_place(dtype):
     """Every page dtype, FP8 scales included, inside a scan carrying donated pages (the
     step's shape: the pages aliased with the result) and outside it."""
-    if cpu_attention.kernel_unavailable() is not None:
-        pytest.skip(cpu_attention.kernel_unavailable())
+    if cpu_build.kernels_unavailable() is not None:
+        pytest.skip(cpu_build.kernels_unavailable())
     k_pages, v_pages = _pages(num_blocks=5, dtype=dtype)
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.normal(size=(2, 6, 2, 8)), jnp.float32)  # two layers' rows

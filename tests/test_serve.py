@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from arcjax import LLM, AsyncLLM, SamplingParams  # noqa: E402
 from arcjax.entrypoints.openai.api_server import OpenAIServer, ServeConfig  # noqa: E402
-from pallas_kernels import cpu_attention  # noqa: E402
+from pallas_kernels import cpu_build  # noqa: E402
 
 MODEL = "tiny"
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "Naïve café, 東京"]
@@ -100,7 +100,7 @@ def test_model_card_names_the_attention_its_buckets_run(server):
     _client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3)
     card = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
     attention = card["attention"]  # the buckets compiled so far, "auto" resolved
-    ran = "cpu" if cpu_attention.kernel_unavailable() is None else "xla"
+    ran = "cpu" if cpu_build.kernels_unavailable() is None else "xla"
     assert attention["configured"] == "auto"
     assert attention["decode"] == [ran] and attention["prefill"] == [ran]
     assert all(b["impl"] == ran for b in attention["buckets"])
