@@ -67,10 +67,9 @@ def test_the_unrolled_step_copies_no_weight_slice():
 def test_auto_unrolls_only_where_it_may():
     cpu = dict(platform="cpu", meshed=False, experts=False)
     assert unrolled_max_tokens("auto", **cpu) == AUTO_UNROLLED_TOKENS
-    for other in (dict(platform="gpu"), dict(meshed=True), dict(experts=True),
-                  dict(batch_invariant=True)):  # the mode scans (batch-invariance.md)
+    for other in (dict(platform="gpu"), dict(meshed=True), dict(experts=True)):
         assert unrolled_max_tokens("auto", **{**cpu, **other}) == 0
-    assert unrolled_max_tokens("unrolled", **cpu, batch_invariant=True) > 0  # asked by name
+    assert unrolled_max_tokens("unrolled", **cpu) > 0
     assert unrolled_max_tokens("scan", **cpu) == 0
 
 

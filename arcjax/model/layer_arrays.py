@@ -52,7 +52,7 @@ def is_layer_arrays(x) -> bool:
 
 
 def unrolled_max_tokens(layer_loop: str, *, platform: str, meshed: bool,
-                        experts: bool, batch_invariant: bool = False) -> int:
+                        experts: bool) -> int:
     """The largest bucket (in token rows) whose steps run the layers unrolled; 0 = none
     (the layer parameters then stay stacked). "scan": 0; "unrolled": every bucket;
     "auto": on the CPU for one device and a model without experts, buckets of at most
@@ -60,14 +60,12 @@ def unrolled_max_tokens(layer_loop: str, *, platform: str, meshed: bool,
     over many rows, scan: compile time stays flat in depth there), elsewhere 0
     (accelerators read a scanned slice in place; a mesh shards the stacks; a mixture of
     experts reads its stacked experts by layer, which the unrolled loop would turn into
-    static slices). In the batch-invariant mode "auto" scans: unrolled steps of different
-    bucket sizes computed a row of Gemma 2 in float32 differently (RESULTS.md, "The mode
-    with the CPU attention kernel"), scanned ones do not."""
+    static slices). The batch-invariant mode unrolls as well: its row tiles compute a row
+    alike under either loop (arcjax/model/row_tiles.py)."""
     if layer_loop not in LAYER_LOOPS:
         raise ValueError(f"layer_loop must be one of {LAYER_LOOPS}, got {layer_loop!r}")
     if layer_loop == "auto":
-        return (AUTO_UNROLLED_TOKENS if platform == "cpu" and not meshed and not experts
-                and not batch_invariant else 0)
+        return AUTO_UNROLLED_TOKENS if platform == "cpu" and not meshed and not experts else 0
     return sys.maxsize if layer_loop == "unrolled" else 0
 
 

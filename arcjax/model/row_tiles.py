@@ -10,10 +10,15 @@ depend on where in its tile it sits or what the other rows hold (XLA:CPU's produ
 reductions compute each row of a fixed-shape operand alike; the batch-invariance tests
 check it end to end).
 
-The loop's trip count is traced (`live`: the rows that hold real work): a loop whose count
-XLA knows could be simplified away (one tile inlined into its neighbours' fusions), which
-would give a one-tile bucket different arithmetic from a many-tile one. Rows past `live`
-are not computed; their outputs are zeros.
+The loop must stay a loop in every bucket: a tile whose computation XLA moves out of it is
+fused with its neighbours, whose shapes follow the bucket. Its trip count is traced
+(`live`: the rows that hold real work), so no count XLA knows lets it simplify the loop
+away; and the rows are padded with one tile more than they fill, so no bucket's tile is
+its whole operand (a dynamic slice as large as its operand starts at 0 whatever its index:
+XLA then hoists the body out of the loop as loop-invariant, and the unrolled layer loop's
+one-tile decode buckets computed a Gemma 2 row differently from their eight-row
+neighbours, RESULTS.md "The unrolled loop in the mode"). Rows past `live` are not
+computed; their outputs are zeros.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ class RowTiles:
         totals summed over the live tiles (integer counts: exact in any order)."""
         leaves = jax.tree.leaves(arrays)
         n = leaves[0].shape[0]
-        pad = -n % self.tile
+        pad = -n % self.tile + self.tile  # one spare tile: the slice is never the whole
         padded = jax.tree.map(
             lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)), arrays)
         first = jax.tree.map(lambda a: a[:self.tile], padded)

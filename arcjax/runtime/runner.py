@@ -104,7 +104,7 @@ class ModelRunner:
         # buckets of at most this many rows run the layers unrolled (0: none)
         self.unrolled_max_tokens = unrolled_max_tokens(
             layer_loop, platform=self.platform, meshed=parallel is not None,
-            experts=cfg.is_moe, batch_invariant=batch_invariant)
+            experts=cfg.is_moe)
         if self.unrolled_max_tokens:  # held one array per layer (every bucket reads them)
             from arcjax.model.binding import split_layer_params  # flax: where a model is built
 
