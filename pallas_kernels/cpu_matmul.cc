@@ -1,12 +1,18 @@
 // x @ w for the CPU's decode-sized products: an XLA FFI custom call (see cpu_matmul.py).
 //
 // Dataflow:
-//   1. Work items are blocks of kColumnsPerItem output columns, spread over XLA's
-//      intra-op thread pool (cpu_simd.h `parallel_for`).
-//   2. w stored [K, N] ("kn", a projection): an item's columns are computed for up to kRows
-//      rows at a time, in strips of 32-256 columns (narrower for more rows), each strip of
-//      w streamed once per row block: every output element is one chain of fused
-//      multiply-adds over k = 0 .. K-1.
+//   0. Only the first `rows` rows of x are multiplied (a batch-invariant row tile's live
+//      rows, else M); the output's other rows are zeros.
+//   1. Work items are blocks of output columns, spread over XLA's intra-op thread pool
+//      (cpu_simd.h `parallel_for`).
+//   2. w stored [K, N] ("kn", a projection): every output element is one chain of fused
+//      multiply-adds over k = 0 .. K-1, computed for up to kRows rows at a time.
+//      float32 w: an item's columns (at most kSweepColumns / rows, about N / threads) are
+//      swept kSweepRows rows of w at a time, each row segment read whole, so several
+//      contiguous streams of w are in flight (1.0x XLA's matrix-vector speed for one row,
+//      faster than XLA's for 2-8 rows: RESULTS.md); the accumulators wait in a buffer.
+//      bfloat16 w: strips of 32-256 columns (narrower for more rows), each strip of w
+//      streamed once per row block, the accumulators in registers.
 //      w stored [N, K] ("nk", a tied embedding as the LM head): each group of 16 columns is
 //      16 dot products per row: 16-lane partial sums over k, reduced by one fixed tree.
 //   3. float32 or bfloat16 weights (read as they are stored, widened in registers);
@@ -31,8 +37,12 @@ namespace {
 
 using namespace arcjax_cpu;  // kLanes, vf, vi, reduce16, parallel_for
 
-constexpr int kRows = 8;               // rows of x per pass over a strip of w ("kn")
-constexpr int kColumnsPerItem = 256;   // columns per work item
+constexpr int kRows = 8;               // rows of x per pass over w's columns ("kn")
+constexpr int kColumnsPerItem = 256;   // columns per work item (strips, "nk")
+constexpr int kSweepColumns = 1024;    // accumulators (rows x columns) of one sweep's item
+constexpr int kSweepRows = 8;          // rows of w a sweep reads at once
+constexpr int64_t kSmallBytes = 1 << 20;  // a float32 "kn" product below this (w's bytes
+                                          // times its rows, up to kRows) runs on one thread
 
 typedef uint16_t vh __attribute__((vector_size(32)));
 typedef uint16_t vh_unaligned __attribute__((vector_size(32), aligned(2)));
@@ -120,6 +130,65 @@ BlockFn<kind> block_for(int rows, std::integer_sequence<int, Rs...>) {
   return fn;
 }
 
+// "kn", rows [r0, r0 + R) x columns [c0, c1) (at most kSweepColumns / R): w's rows swept
+// kSweepRows at a time, each column vector's chains carried over those rows in order (so
+// kSweepRows streams of w are in flight, each read along its row), the accumulators in a
+// buffer between sweeps. The same chain per element as `strip_kn`:
+// acc += x[r, k] * w[k, col], k = 0 .. K-1.
+template <WeightKind kind, int R>
+void sweep_kn(const Call& c, int64_t r0, int64_t c0, int64_t c1) {
+  constexpr int kVectors = kSweepColumns / kLanes / R;
+  alignas(64) vf acc[R][kVectors] = {};
+  const int64_t vectors = (c1 - c0) / kLanes;
+  const float* x = c.x + r0 * c.k;
+  const int64_t kt = c.k / kSweepRows * kSweepRows;
+  for (int64_t k = 0; k < kt; k += kSweepRows) {
+    float xr[R][kSweepRows];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < kSweepRows; ++t) xr[r][t] = x[r * c.k + k + t];
+    for (int64_t v = 0; v < vectors; ++v) {
+      vf a[R];
+      for (int r = 0; r < R; ++r) a[r] = acc[r][v];
+      for (int t = 0; t < kSweepRows; ++t) {
+        const vf w = load_w<kind>(c.w, (k + t) * c.n + c0 + v * kLanes);
+        for (int r = 0; r < R; ++r) a[r] += xr[r][t] * w;
+      }
+      for (int r = 0; r < R; ++r) acc[r][v] = a[r];
+    }
+  }
+  for (int64_t k = kt; k < c.k; ++k)
+    for (int64_t v = 0; v < vectors; ++v) {
+      const vf w = load_w<kind>(c.w, k * c.n + c0 + v * kLanes);
+      for (int r = 0; r < R; ++r) acc[r][v] += x[r * c.k + k] * w;
+    }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t v = 0; v < vectors; ++v)
+      *reinterpret_cast<vf_unaligned*>(c.out + (r0 + r) * c.n + c0 + v * kLanes) = acc[r][v];
+    for (int64_t col = c0 + vectors * kLanes; col < c1; ++col) {
+      float a = 0.f;
+      for (int64_t k = 0; k < c.k; ++k)
+        a = __builtin_fmaf(x[r * c.k + k], scalar_w<kind>(c.w, k * c.n + col), a);
+      c.out[(r0 + r) * c.n + col] = a;
+    }
+  }
+}
+
+template <WeightKind kind, int... Rs>
+BlockFn<kind> sweep_for(int rows, std::integer_sequence<int, Rs...>) {
+  BlockFn<kind> fn = nullptr;
+  ((fn = rows == Rs + 1 ? &sweep_kn<kind, Rs + 1> : fn), ...);
+  return fn;
+}
+
+// "kn" by sweeps: columns [c0, c1) of every row, kRows rows at a time.
+template <WeightKind kind>
+void sweep_columns(const Call& c, int64_t c0, int64_t c1) {
+  for (int64_t r0 = 0; r0 < c.m; r0 += kRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(kRows, c.m - r0));
+    sweep_for<kind>(rows, std::make_integer_sequence<int, kRows>{})(c, r0, c0, c1);
+  }
+}
+
 // "kn", columns [c0, c1) of every row, kRows rows at a time.
 template <WeightKind kind>
 void columns_kn(const Call& c, int64_t c0, int64_t c1) {
@@ -160,24 +229,47 @@ void columns_nk(const Call& c, int64_t c0, int64_t c1) {
 }
 
 ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                  ffi::ResultBuffer<ffi::F32> out, int32_t weight_kind, bool nk) {
+                  ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out,
+                  int32_t weight_kind, bool nk) {
   const auto xd = x.dimensions(), wd = w.dimensions();
   Call c;
-  c.m = xd[0];
+  const int64_t m = xd[0];
   c.k = xd[1];
   c.n = nk ? wd[0] : wd[1];
   if ((nk ? wd[1] : wd[0]) != c.k)
     return ffi::Error::InvalidArgument("cpu matmul: x's columns differ from w's inner dim");
+  // the first `rows` rows are computed (clipped to [0, M]); the others are zeros
+  c.m = std::clamp<int64_t>(rows.typed_data()[0], 0, m);
   c.x = x.typed_data();
   c.w = w.untyped_data();
   c.out = out->typed_data();
   c.kind = static_cast<WeightKind>(weight_kind);
   c.nk = nk;
+  std::fill(c.out + c.m * c.n, c.out + m * c.n, 0.f);
   if (c.m == 0 || c.n == 0) return ffi::Error::Success();
   const bool bf16 = c.kind == WeightKind::kBF16;
+  // a small product runs on the calling thread: waking a helper costs more than it saves
+  const bool small = c.k * c.n * (bf16 ? 2 : 4) * std::min<int64_t>(c.m, kRows) < kSmallBytes;
+  if (!nk && !bf16) {  // float32 "kn": each item sweeps its columns' rows of w
+    const int64_t threads = small ? 1 : std::max<int64_t>(pool.num_threads(), 1);
+    const int64_t most = kSweepColumns / std::min<int64_t>(c.m, kRows) / kLanes * kLanes;
+    const int64_t per = std::clamp<int64_t>(
+        (c.n + threads * kLanes - 1) / (threads * kLanes) * kLanes, kLanes, most);
+    auto item = [c, per](int64_t i) {
+      const int64_t c0 = i * per;
+      sweep_columns<WeightKind::kF32>(c, c0, std::min<int64_t>(c0 + per, c.n));
+    };
+    const int64_t items = (c.n + per - 1) / per;
+    if (small) {
+      for (int64_t i = 0; i < items; ++i) item(i);
+    } else {
+      parallel_for(pool, items, item);
+    }
+    return ffi::Error::Success();
+  }
   void (*columns)(const Call&, int64_t, int64_t) =
       nk ? (bf16 ? &columns_nk<WeightKind::kBF16> : &columns_nk<WeightKind::kF32>)
-         : (bf16 ? &columns_kn<WeightKind::kBF16> : &columns_kn<WeightKind::kF32>);
+         : &columns_kn<WeightKind::kBF16>;
   parallel_for(pool, (c.n + kColumnsPerItem - 1) / kColumnsPerItem, [c, columns](int64_t item) {
     const int64_t c0 = item * kColumnsPerItem;
     columns(c, c0, std::min<int64_t>(c0 + kColumnsPerItem, c.n));
@@ -192,6 +284,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ArcjaxCpuMatmul, Matmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
                                   .Arg<ffi::AnyBuffer>()         // w [K, N] or [N, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows [] computed
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out [M, N]
                                   .Attr<int32_t>("weight_kind")
                                   .Attr<bool>("nk"));

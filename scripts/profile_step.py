@@ -46,6 +46,8 @@ _QUANT = flags.DEFINE_string("quantization", "dequantize",
 _KV_FIT = flags.DEFINE_bool("kv_fit", True, "size the KV cache for every request at once "
                             "(false: the engine's default, which on CPU may preempt)")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
+_INVARIANT = flags.DEFINE_bool("batch_invariant", False, "run the engine in the "
+                               "batch-invariant mode (docs/design/batch-invariance.md)")
 
 _SHOWN = ("qkv", "attention", "page_gather", "kv_scatter", "o_proj", "mlp", "dot_unscoped",
           "lm_head",
@@ -163,7 +165,7 @@ def profile_dtype(model_dir: str, dtype: str) -> dict:
     # no prefix caching: the measured runs recompute the prompts the first runs saw
     llm = arcjax.LLM(model_dir, dtype=dtype, max_model_len=max_len, max_num_seqs=_N.value,
                      async_scheduling=False, quantization=quant, enable_prefix_caching=False,
-                     **kv)
+                     batch_invariant=_INVARIANT.value, **kv)
     vocab = llm.engine.runner.cfg.vocab_size
     rs = np.random.RandomState(_SEED.value)
     prompts = [rs.randint(3, vocab, n).tolist() for n in rs.randint(lo, hi + 1, _N.value)]

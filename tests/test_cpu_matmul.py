@@ -2,8 +2,9 @@
 float64 over shapes (rows, lane tails, both weight layouts, float32 and bfloat16 weights); a
 row's bits the same whatever the other rows (batch-invariant by construction); where
 packed_matmul sends a product ("cpu" takes bfloat16 weights of decode-sized products, XLA
-the rest) and what "auto" resolves to; a bfloat16 engine's greedy tokens with the kernel
-equal to XLA's products."""
+the rest; inside a batch-invariant row tile every float matrix, for the tile's live rows)
+and what "auto" resolves to; `rows` (only the first rows computed, the others zeros); a
+bfloat16 engine's greedy tokens with the kernel equal to XLA's products."""
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,7 @@ from hypothesis import given, settings, strategies as st
 from arcjax import LLM, SamplingParams
 from arcjax.model import packed_matmul
 from arcjax.model.quant import tied_head
+from arcjax.model.row_tiles import RowTiles
 from pallas_kernels import KernelArgumentError, cpu_build
 from pallas_kernels.cpu_matmul import cpu_matmul
 
@@ -55,6 +57,42 @@ def test_a_row_is_bitwise_the_same_whatever_the_other_rows(transposed, dtype):
         np.testing.assert_array_equal(part.view(np.int32), full[rows])
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["kn", "nk"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_rows_computes_the_first_rows_and_zeros_the_rest(transposed, dtype):
+    x, w = _operands(11, 40, 70, transposed, dtype, seed=2)
+    full = np.asarray(kernel(x, w, transposed=transposed))
+    for rows in (0, 1, 5, 11, 12, -3):  # traced: one executable; clipped to [0, M]
+        got = np.asarray(kernel(x, w, transposed=transposed, rows=jnp.int32(rows)))
+        live = min(max(rows, 0), 11)
+        np.testing.assert_array_equal(got[:live].view(np.int32), full[:live].view(np.int32))
+        assert not got[live:].any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_inside_a_row_tile_every_float_matrix_takes_the_kernel_for_the_live_rows(dtype):
+    """"cpu" inside `RowTiles.map`: float32 weights too, each tile's product computed for
+    its live rows only; a live row's bits are the kernel's (so the same in every bucket)."""
+    x, w = _operands(13, 64, 96, False, dtype, seed=3)
+    table = _operands(1, 64, 50, True, dtype, seed=4)[1]  # [50, 64]: a tied head
+
+    @jax.jit
+    def tiled(x, live):
+        tiles = RowTiles(live)
+        return (tiles.map(lambda t: packed_matmul.matmul(t, w, "cpu"), x),
+                tiles.map(lambda t: packed_matmul.tied_matmul(t, table, "cpu"), x))
+
+    full, head = np.asarray(kernel(x, w)), np.asarray(kernel(x, table, transposed=True))
+    for live in (1, 8, 9, 13):
+        got, got_head = (np.asarray(a) for a in tiled(x, jnp.int32(live)))
+        np.testing.assert_array_equal(got[:live].view(np.int32), full[:live].view(np.int32))
+        np.testing.assert_array_equal(got_head[:live].view(np.int32),
+                                      head[:live].view(np.int32))
+        assert not got[live:].any() and not got_head[live:].any()
+    if dtype == jnp.float32:  # outside a tile float32 weights stay on XLA
+        np.testing.assert_array_equal(packed_matmul.matmul(x, w, "cpu"), x @ w)
+
+
 def test_packed_matmul_sends_bf16_decode_products_to_the_kernel():
     x, w = _operands(5, 64, 96, False, jnp.bfloat16)
     x = x.astype(jnp.bfloat16)
@@ -85,6 +123,13 @@ def test_auto_and_refusals():
     assert packed_matmul.resolve_impl("auto", bf16, platform="cpu", parallel=False) == "cpu"
     assert packed_matmul.resolve_impl("auto", f32, platform="cpu", parallel=False) == "xla"
     assert packed_matmul.resolve_impl("auto", bf16, platform="cpu", parallel=True) == "xla"
+    for params in (bf16, f32):  # the batch-invariant mode: the kernel for every weight
+        assert packed_matmul.resolve_impl("auto", params, platform="cpu", parallel=False,
+                                          batch_invariant=True) == "cpu"
+        assert packed_matmul.resolve_impl("auto", params, platform="gpu", parallel=False,
+                                          batch_invariant=True) == "xla"
+        assert packed_matmul.resolve_impl("xla", params, platform="cpu", parallel=False,
+                                          batch_invariant=True) == "xla"
     assert "runs on the CPU" in packed_matmul.impl_unavailable("cpu", platform="gpu",
                                                                parallel=False)
     assert "one device" in packed_matmul.impl_unavailable("cpu", platform="cpu", parallel=True)

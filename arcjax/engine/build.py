@@ -218,11 +218,10 @@ def build_engine(config: EngineConfig, clock=None) -> Engine:
                          kv_scales=_kv_scales(config, model, tokenizer, dtype),
                          kv=kv, host_slots=host_blocks, pooling=config.runner == "pooling",
                          lora=slots, lora_impl=lora_impl,
-                         matmul_impl=("xla" if config.batch_invariant  # XLA's products
-                                      else packed_matmul.resolve_impl(
-                                          config.packed_matmul_impl, params,
-                                          platform=jax.default_backend(),
-                                          parallel=parallel is not None)),
+                         matmul_impl=packed_matmul.resolve_impl(
+                             config.packed_matmul_impl, params,
+                             platform=jax.default_backend(), parallel=parallel is not None,
+                             batch_invariant=config.batch_invariant),
                          batch_invariant=config.batch_invariant,
                          layer_loop=config.layer_loop)
     speculator = (_speculator(config, draft, sched, max_model_len, dtype) if spec is not None

@@ -173,8 +173,10 @@ class EngineConfig:
         operation runs over fixed row tiles and attention over fixed query tiles and
         position-aligned key blocks (the xla path's, or the GPU kernels' batch-invariant
         plan when attention_impl names one). attention_impl and packed_matmul_impl "auto"
-        then mean "xla"; tensor_parallel_size 1 or 2; not with enable_lora or
-        expert_parallel_size > 1.
+        then mean the compiled CPU kernels on one CPU device (row-invariant by
+        construction; the products computed for a tile's live rows only), else "xla";
+        packed_matmul_impl "auto", "xla" or "cpu"; tensor_parallel_size 1 or 2; not with
+        enable_lora or expert_parallel_size > 1.
       scheduler: the scheduling knobs and the KV block size (`scheduler.SchedulerConfig`:
         policy, max_num_batched_tokens, max_num_seqs, prefill_max_seqs,
         prefill_floor_steps, chunk_tile, long_prefill_token_threshold,
@@ -329,10 +331,10 @@ class EngineConfig:
                                                        f"{self.batch_invariant!r}")
         if not self.batch_invariant:
             return
-        if self.packed_matmul_impl not in ("auto", "xla"):
+        if self.packed_matmul_impl not in ("auto", "xla", "cpu"):
             raise EngineConfigError("packed_matmul_impl", f"batch_invariant runs XLA's "
-                                    f"products (the W4A16 kernel's tiles are not fixed), got "
-                                    f"{self.packed_matmul_impl!r}")
+                                    f"products or the CPU kernel's (the W4A16 kernel's tiles "
+                                    f"are not fixed), got {self.packed_matmul_impl!r}")
         if self.tensor_parallel_size > 2:
             raise EngineConfigError("tensor_parallel_size", f"batch_invariant is built for 1 "
                                     f"or 2 devices: from 3 on, an all-reduce sums a row's "

@@ -18,11 +18,16 @@ Every projection of the decoder (attention's q, k, v, o, the dense MLP, the LM h
   through the compiled CPU kernel (`pallas_kernels.cpu_matmul`), which reads the weight as
   stored; XLA:CPU converts such a weight to float32 before the product, in every step (the
   tied LM head's whole embedding table too). Other weights and wider steps take "xla"
-  (XLA's float32 products measured as fast or faster: RESULTS.md).
+  (XLA's float32 products measured as fast or faster: RESULTS.md). Inside a
+  batch-invariant row tile (`row_tiles.tile_live_rows`) every float32 and bfloat16 matrix
+  goes through the kernel, for the tile's live rows only: its products are row-invariant
+  by construction, and a lone request's then stream the weights for one row instead of
+  XLA's product over the whole tile.
 
 "auto" (`resolve_impl`) is "w4a16" on a GPU for one device when some layer weight is in
 the kernel's layout and Pallas' Triton backend exists; "cpu" on the CPU for one device when
-some weight is bfloat16 and the CPU kernels build; else "xla". NOTE: where JAX deprecates
+some weight is bfloat16 and the CPU kernels build, or in the batch-invariant mode; else
+"xla". NOTE: where JAX deprecates
 that backend (0.11), the kernel's lowering warns `jax-pallas-triton` (`pallas_kernels.backends`), once per step compiled. One device only: a Pallas call cannot be partitioned by GSPMD,
 so under tensor or expert parallelism the step stays on "xla". The grouped expert GEMMs
 (`arcjax.model.expert_ffn`) and Qwen2-MoE's shared expert keep "xla": the kernel is one
@@ -40,6 +45,7 @@ import jax.numpy as jnp
 from arcjax.model.layer_arrays import LayerArrays
 from arcjax.model.packed import PackedWeight, w4a16_layout, w4a16_operands
 from arcjax.model.quant import LINEAR_WEIGHTS, dense, tied_head
+from arcjax.model.row_tiles import tile_live_rows
 from pallas_kernels import cpu_build
 from pallas_kernels.backends import pallas_triton_state
 from pallas_kernels.cpu_matmul import cpu_matmul
@@ -51,16 +57,27 @@ CPU_MAX_ROWS = 64  # "cpu": products of at most this many rows (decode-sized buc
 
 
 def _cpu_kernel_takes(x: jax.Array, w) -> bool:
-    """"cpu" multiplies `x` by `w` with the kernel: a plain bfloat16 matrix, few rows."""
-    return (isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.bfloat16
-            and math.prod(x.shape[:-1]) <= CPU_MAX_ROWS)
+    """"cpu" multiplies `x` by `w` with the kernel: a plain bfloat16 matrix and few rows, or
+    inside a batch-invariant row tile any float32 or bfloat16 matrix."""
+    if not (isinstance(w, jax.Array) and w.ndim == 2):
+        return False
+    if tile_live_rows() is not None:
+        return w.dtype in (jnp.float32, jnp.bfloat16)
+    return w.dtype == jnp.bfloat16 and math.prod(x.shape[:-1]) <= CPU_MAX_ROWS
+
+
+def _cpu_rows(x: jax.Array) -> jax.Array | None:
+    """The rows of `x` the kernel computes: a row tile's live rows when `x` is the tile's
+    [rows, K], else all (None)."""
+    live = tile_live_rows()
+    return live if live is not None and x.ndim == 2 else None
 
 
 def matmul(x: jax.Array, w, impl: str = "xla") -> jax.Array:
     """x [..., K] @ w [K, N] -> [..., N] in x's dtype (`impl`: one of `IMPLS` but "auto",
     see the module docstring). `w`: an array, a `QuantizedWeight` or a `PackedWeight`."""
     if impl == "cpu" and _cpu_kernel_takes(x, w):
-        out = cpu_matmul(x.reshape(-1, x.shape[-1]), w)  # [M, N] float32
+        out = cpu_matmul(x.reshape(-1, x.shape[-1]), w, rows=_cpu_rows(x))  # [M, N] float32
         return out.reshape(*x.shape[:-1], w.shape[1]).astype(x.dtype)
     if impl in KERNEL_IMPLS and isinstance(w, PackedWeight):
         ops = w4a16_operands(w)
@@ -77,7 +94,8 @@ def tied_matmul(x: jax.Array, embed, impl: str = "xla") -> jax.Array:
     """x [..., H] @ the tied LM head (`embed` [V, H], the embedding table) -> [..., V] in
     x's dtype: `matmul(x, tied_head(embed), impl)`, the table read in place by "cpu"."""
     if impl == "cpu" and _cpu_kernel_takes(x, embed):
-        out = cpu_matmul(x.reshape(-1, x.shape[-1]), embed, transposed=True)  # [M, V]
+        out = cpu_matmul(x.reshape(-1, x.shape[-1]), embed, transposed=True,
+                         rows=_cpu_rows(x))  # [M, V]
         return out.reshape(*x.shape[:-1], embed.shape[0]).astype(x.dtype)
     return matmul(x, tied_head(embed), impl)
 
@@ -120,11 +138,17 @@ def impl_unavailable(impl: str, *, platform: str, parallel: bool) -> str | None:
     return None
 
 
-def resolve_impl(impl: str, params: dict, *, platform: str, parallel: bool) -> str:
+def resolve_impl(impl: str, params: dict, *, platform: str, parallel: bool,
+                 batch_invariant: bool = False) -> str:
     """The implementation the step runs: `impl` itself, or what "auto" picks (see the
-    module docstring) for `params` on `platform` (`parallel`: a mesh splits the model)."""
+    module docstring) for `params` on `platform` (`parallel`: a mesh splits the model;
+    `batch_invariant`: the mode's row tiles, where "auto" is "cpu" wherever the CPU kernel
+    runs, whatever the weights' dtype, else "xla")."""
     if impl != "auto":
         return impl
+    if batch_invariant:
+        return ("cpu" if impl_unavailable("cpu", platform=platform, parallel=parallel) is None
+                else "xla")
     if (platform in ("gpu", "cuda") and kernel_weights(params)
             and impl_unavailable("w4a16", platform=platform, parallel=parallel) is None):
         return "w4a16"
