@@ -4,10 +4,13 @@ The step's dense products (the projections and the gated MLP of one layer) at th
 counts a bucket runs (`--rows`: a decode bucket, a prefill one), timed as jitted jnp
 products (arcjax's XLA path) and, with `--torch_python` (the Python of an environment
 with torch, e.g. vLLM's CPU build's), as torch products with as many threads as cores:
-the ceiling each engine's matrix products set on its step, side by side.
+the ceiling each engine's matrix products set on its step, side by side. `--impls=xla,cpu`
+times the compiled CPU kernel's products (`pallas_kernels.cpu_matmul`, packed_matmul's
+"cpu") beside XLA's, in the same loop.
 
   python scripts/bench_gemm.py --model=$MODEL_DIR --torch_python=VENV/bin/python
   python scripts/bench_gemm.py --rows=1,32,2048 --out=runs/gemm.json
+  python scripts/bench_gemm.py --model=$MODEL_DIR --rows=1,2,8,32 --impls=xla,cpu
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ _ITERS = flags.DEFINE_integer("iters", 30, "rounds per timing: XLA runs them in 
 _TORCH = flags.DEFINE_string("torch_python", None, "a Python with torch: the same products "
                              "in torch (skipped with a line where absent)")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
+_IMPLS = flags.DEFINE_list("impls", ["xla"], "jitted products timed: xla (jnp's) and/or cpu "
+                           "(the compiled CPU kernel)")
 
 # The torch side, run by `--torch_python` (argv[1]: the JSON of {"groups", "rows", "iters"}).
 _TORCH_CHILD = r"""
@@ -60,11 +65,15 @@ def product_groups(cfg) -> dict[str, list[tuple[int, int]]]:
             "mlp": [(h, i), (h, i), (i, h)]}
 
 
-def time_jax(groups, rows: list[int], iters: int) -> dict[str, float]:
+def time_jax(groups, rows: list[int], iters: int, impl: str = "xla") -> dict[str, float]:
     """ms per group of products, inside one compiled loop of `iters` rounds (as in a step:
-    no per-call dispatch); each round's input depends on the last round's products."""
+    no per-call dispatch); each round's input depends on the last round's products.
+    `impl`: "xla" (jnp's products) or "cpu" (`pallas_kernels.cpu_matmul`)."""
     import jax
     import jax.numpy as jnp
+    from pallas_kernels.cpu_matmul import cpu_matmul
+
+    product = cpu_matmul if impl == "cpu" else jnp.matmul
 
     out = {}
     key = jax.random.PRNGKey(0)
@@ -75,7 +84,7 @@ def time_jax(groups, rows: list[int], iters: int) -> dict[str, float]:
 
             def rounds(xs, ws, shapes=shapes):
                 def body(_, xs):
-                    ys = [xs[k] @ w for (k, _), w in zip(shapes, ws)]
+                    ys = [product(xs[k], w) for (k, _), w in zip(shapes, ws)]
                     tie = sum(jnp.sum(y[0, :1]) for y in ys) * 1e-30
                     return {k: x + tie for k, x in xs.items()}
                 return jax.lax.fori_loop(0, iters, body, xs)
@@ -117,19 +126,27 @@ def main(argv):
     model = _MODEL.value or str(arcjax.default_model_path())
     groups = product_groups(model_config(resolve_model(model)))
     rows = [int(r) for r in _ROWS.value]
-    jax_ms = time_jax(groups, rows, _ITERS.value)
+    if not _IMPLS.value or set(_IMPLS.value) - {"xla", "cpu"}:
+        raise app.UsageError(f"--impls: xla and/or cpu, got {_IMPLS.value}")
+    timed = {impl: time_jax(groups, rows, _ITERS.value, impl) for impl in _IMPLS.value}
+    jax_ms = timed.get("xla") or next(iter(timed.values()))
     torch_res = time_torch(_TORCH.value, groups, rows, _ITERS.value)
     res = {"model": model, "groups": groups, "rows": rows, "cores": os.cpu_count(),
-           "load_average": list(os.getloadavg()), "xla_ms": jax_ms,
-           "torch": torch_res}
-    for key, ms in jax_ms.items():
+           "load_average": list(os.getloadavg()), "xla_ms": timed.get("xla"),
+           "cpu_kernel_ms": timed.get("cpu"), "torch": torch_res}
+    for key in jax_ms:
         name, m = key.split("@")
         gflop = 2 * int(m) * sum(k * n for k, n in groups[name]) / 1e9
-        line = f"{key:>10}: XLA {ms:8.3f} ms = {gflop / ms * 1e3:6.1f} GFLOP/s"
+        line = f"{key:>10}:" + "".join(
+            f" {'XLA' if impl == 'xla' else 'kernel'} {t[key]:8.3f} ms = "
+            f"{gflop / t[key] * 1e3:6.1f} GFLOP/s |" for impl, t in timed.items())
+        if len(timed) == 2:
+            line += f" kernel / XLA time {timed['cpu'][key] / timed['xla'][key]:.2f}x"
+        ms = jax_ms[key]
         if torch_res:
             t = torch_res["ms"][key]
             line += (f" | torch {t:8.3f} ms = {gflop / t * 1e3:6.1f} GFLOP/s | "
-                     f"XLA / torch time {ms / t:.2f}x")
+                     f"{'XLA' if 'xla' in timed else 'kernel'} / torch time {ms / t:.2f}x")
         print(line)
     if _OUT.value:
         with open(_OUT.value, "w") as f:

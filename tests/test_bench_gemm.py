@@ -1,9 +1,14 @@
-"""scripts/bench_gemm.py: one layer's products timed under XLA and, in another Python, torch."""
+"""scripts/bench_gemm.py: one layer's products timed under XLA and, in another Python, torch;
+the compiled CPU kernel's beside XLA's (`--impls`)."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from pallas_kernels import cpu_build
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_gemm.py"
 
@@ -38,3 +43,21 @@ def test_bench_gemm_says_when_the_torch_peer_cannot_run(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "torch: skipped" in proc.stdout and "XLA" in proc.stdout
+
+
+@pytest.mark.skipif(cpu_build.kernels_unavailable() is not None,
+                    reason=str(cpu_build.kernels_unavailable()))
+def test_bench_gemm_times_the_cpu_kernel_beside_xla(tmp_path):
+    out = tmp_path / "gemm.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--rows=1,3", "--iters=2",
+                           "--impls=xla,cpu", f"--out={out}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    keys = {f"{g}@{m}" for g in ("qkv", "o", "mlp") for m in (1, 3)}
+    assert set(res["xla_ms"]) == keys and set(res["cpu_kernel_ms"]) == keys
+    assert all(ms > 0 for ms in res["cpu_kernel_ms"].values())
+    assert "kernel / XLA time" in proc.stdout
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--impls=xla,gpu"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--impls" in bad.stderr
