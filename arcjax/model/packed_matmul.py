@@ -18,7 +18,9 @@ Every projection of the decoder (attention's q, k, v, o, the dense MLP, the LM h
   through the compiled CPU kernel (`pallas_kernels.cpu_matmul`), which reads the weight as
   stored; XLA:CPU converts such a weight to float32 before the product, in every step (the
   tied LM head's whole embedding table too). Other weights and wider steps take "xla"
-  (XLA's float32 products measured as fast or faster: RESULTS.md). Inside a
+  (float32 weights too: the kernel's float32 sweeps match XLA's one-row speed and beat its
+  2-8-row products, RESULTS.md, but switching the engine's float32 products is not
+  measured yet). Inside a
   batch-invariant row tile (`row_tiles.tile_live_rows`) every float32 and bfloat16 matrix
   goes through the kernel, for the tile's live rows only: its products are row-invariant
   by construction, and a lone request's then stream the weights for one row instead of
@@ -27,12 +29,12 @@ Every projection of the decoder (attention's q, k, v, o, the dense MLP, the LM h
 "auto" (`resolve_impl`) is "w4a16" on a GPU for one device when some layer weight is in
 the kernel's layout and Pallas' Triton backend exists; "cpu" on the CPU for one device when
 some weight is bfloat16 and the CPU kernels build, or in the batch-invariant mode; else
-"xla". NOTE: where JAX deprecates
-that backend (0.11), the kernel's lowering warns `jax-pallas-triton` (`pallas_kernels.backends`), once per step compiled. One device only: a Pallas call cannot be partitioned by GSPMD,
-so under tensor or expert parallelism the step stays on "xla". The grouped expert GEMMs
-(`arcjax.model.expert_ffn`) and Qwen2-MoE's shared expert keep "xla": the kernel is one
-matrix, not a grouped GEMM. The trace summary names the resolved choice
-(`packed_matmul`).
+"xla". NOTE: where JAX deprecates that backend (0.11), the kernel's lowering warns
+`jax-pallas-triton` (`pallas_kernels.backends`), once per step compiled. One device only: a
+Pallas call cannot be partitioned by GSPMD, so under tensor or expert parallelism the step
+stays on "xla". The grouped expert GEMMs (`arcjax.model.expert_ffn`) and Qwen2-MoE's shared
+expert keep "xla": the kernel is one matrix, not a grouped GEMM. The trace summary names the
+resolved choice (`packed_matmul`).
 """
 
 from __future__ import annotations
