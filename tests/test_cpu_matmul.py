@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 from arcjax import LLM, SamplingParams
 from arcjax.model import packed_matmul
 from arcjax.model.quant import tied_head
-from arcjax.model.row_tiles import RowTiles
+from arcjax.model.row_tiles import RowTiles, tile_live_rows
 from pallas_kernels import KernelArgumentError, cpu_build
 from pallas_kernels.cpu_matmul import cpu_matmul
 
@@ -91,6 +91,23 @@ def test_inside_a_row_tile_every_float_matrix_takes_the_kernel_for_the_live_rows
         assert not got[live:].any() and not got_head[live:].any()
     if dtype == jnp.float32:  # outside a tile float32 weights stay on XLA
         np.testing.assert_array_equal(packed_matmul.matmul(x, w, "cpu"), x @ w)
+
+
+def test_the_live_rows_are_seen_only_inside_the_tile_being_traced_on_its_thread():
+    import threading
+
+    seen = {}
+
+    def fn(t):
+        seen["inside"] = tile_live_rows()
+        other = threading.Thread(target=lambda: seen.update(other=tile_live_rows()))
+        other.start()
+        other.join()
+        return t
+
+    jax.jit(lambda x: RowTiles(jnp.int32(3)).map(fn, x))(jnp.ones((5, 2)))
+    assert seen["inside"] is not None and seen["other"] is None
+    assert tile_live_rows() is None
 
 
 def test_packed_matmul_sends_bf16_decode_products_to_the_kernel():

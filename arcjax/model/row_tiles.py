@@ -24,20 +24,30 @@ computed; their outputs are zeros.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
 
 INVARIANT_ROWS = 8  # rows per tile in batch-invariant mode (the attention's query tile too)
-_TRACING: list = []  # the live rows of each tile whose function is being traced, innermost last
+# per thread (steps may be traced on several): the live rows of each tile whose function is
+# being traced, innermost last
+_TRACING = threading.local()
+
+
+def _tracing() -> list:
+    if not hasattr(_TRACING, "stack"):
+        _TRACING.stack = []
+    return _TRACING.stack
 
 
 def tile_live_rows() -> jax.Array | None:
-    """The live rows of the row tile whose function `RowTiles.map` is tracing now ([] int32,
-    traced, in [0, tile]), or None outside one. A row-invariant kernel called inside the
-    tile computes only those (`packed_matmul.matmul`'s "cpu": a lone request's products
-    then stream the weights for its one row, not for a whole tile)."""
-    return _TRACING[-1] if _TRACING else None
+    """The live rows of the row tile whose function `RowTiles.map` is tracing now on this
+    thread ([] int32, traced, in [0, tile]), or None outside one. A row-invariant kernel
+    called inside the tile computes only those (`packed_matmul.matmul`'s "cpu": a lone
+    request's products then stream the weights for its one row, not for a whole tile)."""
+    stack = _tracing()
+    return stack[-1] if stack else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +86,12 @@ class RowTiles:
             start = i * self.tile
             tiles = jax.tree.map(
                 lambda a: jax.lax.dynamic_slice_in_dim(a, start, self.tile), padded)
-            _TRACING.append(jnp.clip(self.live - start, 0, self.tile))
+            stack = _tracing()
+            stack.append(jnp.clip(self.live - start, 0, self.tile))
             try:
                 y, t = fn(*tiles)
             finally:
-                _TRACING.pop()
+                stack.pop()
             out = jax.tree.map(
                 lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v, start, 0), out, y)
             return out, jax.tree.map(jnp.add, acc, t)
