@@ -9,8 +9,8 @@
 //      multiply-adds over k = 0 .. K-1, computed for up to kRows rows at a time.
 //      float32 w: an item's columns (at most kSweepColumns / rows, about N / threads) are
 //      swept kSweepRows rows of w at a time, each row segment read whole, so several
-//      contiguous streams of w are in flight (1.0x XLA's matrix-vector speed for one row,
-//      faster than XLA's for 2-8 rows: RESULTS.md); the accumulators wait in a buffer.
+//      contiguous streams of w are in flight: about XLA's speed, RESULTS.md); the
+//      accumulators wait in a buffer.
 //      bfloat16 w: strips of 32-256 columns (narrower for more rows), each strip of w
 //      streamed once per row block, the accumulators in registers.
 //      w stored [N, K] ("nk", a tied embedding as the LM head): each group of 16 columns is
@@ -24,6 +24,7 @@
 // product is computed as a prefill row's (docs/design/batch-invariance.md).
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -62,7 +63,7 @@ struct Call {
 template <WeightKind kind>
 inline vf load_w(const void* w, int64_t index) {
   if constexpr (kind == WeightKind::kF32) {
-    return *reinterpret_cast<const vf_unaligned*>(static_cast<const float*>(w) + index);
+    return load(static_cast<const float*>(w) + index);
   } else {
     const vh h = *reinterpret_cast<const vh_unaligned*>(static_cast<const uint16_t*>(w) + index);
     return (vf)(__builtin_convertvector(h, vi) << 16);
@@ -79,6 +80,17 @@ inline float scalar_w(const void* w, int64_t index) {
     std::memcpy(&f, &bits, sizeof f);
     return f;
   }
+}
+
+// "kn": column `col` of row r as one scalar chain: the same fused multiply-adds in the same
+// order as a vector lane's (a fused multiply-add is exact: a column's bits are the same
+// either way). The columns past the last whole vector take it.
+template <WeightKind kind>
+inline float column_chain(const Call& c, int64_t r, int64_t col) {
+  float acc = 0.f;
+  for (int64_t k = 0; k < c.k; ++k)
+    acc = __builtin_fmaf(c.x[r * c.k + k], scalar_w<kind>(c.w, k * c.n + col), acc);
+  return acc;
 }
 
 // Vectors of columns per strip for a block of R rows: about 16 accumulators, so few rows
@@ -105,29 +117,14 @@ void strip_kn(const Call& c, int64_t r0, int64_t c0) {
 }
 
 // "kn", columns [c0, c1) of rows [r0, r0 + R): whole strips, then the last columns one
-// chain each (a fused multiply-add is exact: a column's bits are the same either way).
+// chain each.
 template <WeightKind kind, int R>
 void block_kn(const Call& c, int64_t r0, int64_t c0, int64_t c1) {
   constexpr int width = strip_vectors(R) * kLanes;
   const int64_t full = c0 + (c1 - c0) / width * width;
   for (int64_t col = c0; col < full; col += width) strip_kn<kind, R>(c, r0, col);
   for (int64_t r = r0; r < r0 + R; ++r)
-    for (int64_t col = full; col < c1; ++col) {
-      float acc = 0.f;
-      for (int64_t k = 0; k < c.k; ++k)
-        acc = __builtin_fmaf(c.x[r * c.k + k], scalar_w<kind>(c.w, k * c.n + col), acc);
-      c.out[r * c.n + col] = acc;
-    }
-}
-
-template <WeightKind kind>
-using BlockFn = void (*)(const Call&, int64_t, int64_t, int64_t);
-
-template <WeightKind kind, int... Rs>
-BlockFn<kind> block_for(int rows, std::integer_sequence<int, Rs...>) {
-  BlockFn<kind> fn = nullptr;
-  ((fn = rows == Rs + 1 ? &block_kn<kind, Rs + 1> : fn), ...);
-  return fn;
+    for (int64_t col = full; col < c1; ++col) c.out[r * c.n + col] = column_chain<kind>(c, r, col);
 }
 
 // "kn", rows [r0, r0 + R) x columns [c0, c1) (at most kSweepColumns / R): w's rows swept
@@ -164,38 +161,31 @@ void sweep_kn(const Call& c, int64_t r0, int64_t c0, int64_t c1) {
   for (int r = 0; r < R; ++r) {
     for (int64_t v = 0; v < vectors; ++v)
       *reinterpret_cast<vf_unaligned*>(c.out + (r0 + r) * c.n + c0 + v * kLanes) = acc[r][v];
-    for (int64_t col = c0 + vectors * kLanes; col < c1; ++col) {
-      float a = 0.f;
-      for (int64_t k = 0; k < c.k; ++k)
-        a = __builtin_fmaf(x[r * c.k + k], scalar_w<kind>(c.w, k * c.n + col), a);
-      c.out[(r0 + r) * c.n + col] = a;
-    }
+    for (int64_t col = c0 + vectors * kLanes; col < c1; ++col)
+      c.out[(r0 + r) * c.n + col] = column_chain<kind>(c, r0 + r, col);
   }
 }
 
-template <WeightKind kind, int... Rs>
-BlockFn<kind> sweep_for(int rows, std::integer_sequence<int, Rs...>) {
-  BlockFn<kind> fn = nullptr;
-  ((fn = rows == Rs + 1 ? &sweep_kn<kind, Rs + 1> : fn), ...);
-  return fn;
-}
-
-// "kn" by sweeps: columns [c0, c1) of every row, kRows rows at a time.
 template <WeightKind kind>
-void sweep_columns(const Call& c, int64_t c0, int64_t c1) {
-  for (int64_t r0 = 0; r0 < c.m; r0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, c.m - r0));
-    sweep_for<kind>(rows, std::make_integer_sequence<int, kRows>{})(c, r0, c0, c1);
+using BlockFn = void (*)(const Call&, int64_t, int64_t, int64_t);
+
+// The row blocks of one "kn" method: blocks[R - 1] computes R rows.
+template <WeightKind kind, bool sweep, int... Rs>
+constexpr std::array<BlockFn<kind>, kRows> row_blocks(std::integer_sequence<int, Rs...>) {
+  if constexpr (sweep) {
+    return {&sweep_kn<kind, Rs + 1>...};
+  } else {
+    return {&block_kn<kind, Rs + 1>...};
   }
 }
 
-// "kn", columns [c0, c1) of every row, kRows rows at a time.
-template <WeightKind kind>
+// "kn", columns [c0, c1) of every row, kRows rows at a time, by sweeps or by strips.
+template <WeightKind kind, bool sweep>
 void columns_kn(const Call& c, int64_t c0, int64_t c1) {
-  for (int64_t r0 = 0; r0 < c.m; r0 += kRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kRows, c.m - r0));
-    block_for<kind>(rows, std::make_integer_sequence<int, kRows>{})(c, r0, c0, c1);
-  }
+  static constexpr auto blocks =
+      row_blocks<kind, sweep>(std::make_integer_sequence<int, kRows>{});
+  for (int64_t r0 = 0; r0 < c.m; r0 += kRows)
+    blocks[std::min<int64_t>(kRows, c.m - r0) - 1](c, r0, c0, c1);
 }
 
 // "nk", columns [c0, c1) of every row: groups of 16 columns, each a dot product over k
@@ -248,32 +238,28 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
   std::fill(c.out + c.m * c.n, c.out + m * c.n, 0.f);
   if (c.m == 0 || c.n == 0) return ffi::Error::Success();
   const bool bf16 = c.kind == WeightKind::kBF16;
-  // a small product runs on the calling thread: waking a helper costs more than it saves
-  const bool small = c.k * c.n * (bf16 ? 2 : 4) * std::min<int64_t>(c.m, kRows) < kSmallBytes;
-  if (!nk && !bf16) {  // float32 "kn": each item sweeps its columns' rows of w
-    const int64_t threads = small ? 1 : std::max<int64_t>(pool.num_threads(), 1);
-    const int64_t most = kSweepColumns / std::min<int64_t>(c.m, kRows) / kLanes * kLanes;
-    const int64_t per = std::clamp<int64_t>(
-        (c.n + threads * kLanes - 1) / (threads * kLanes) * kLanes, kLanes, most);
-    auto item = [c, per](int64_t i) {
-      const int64_t c0 = i * per;
-      sweep_columns<WeightKind::kF32>(c, c0, std::min<int64_t>(c0 + per, c.n));
-    };
-    const int64_t items = (c.n + per - 1) / per;
-    if (small) {
-      for (int64_t i = 0; i < items; ++i) item(i);
-    } else {
-      parallel_for(pool, items, item);
-    }
-    return ffi::Error::Success();
-  }
   void (*columns)(const Call&, int64_t, int64_t) =
       nk ? (bf16 ? &columns_nk<WeightKind::kBF16> : &columns_nk<WeightKind::kF32>)
-         : &columns_kn<WeightKind::kBF16>;
-  parallel_for(pool, (c.n + kColumnsPerItem - 1) / kColumnsPerItem, [c, columns](int64_t item) {
-    const int64_t c0 = item * kColumnsPerItem;
-    columns(c, c0, std::min<int64_t>(c0 + kColumnsPerItem, c.n));
-  });
+         : (bf16 ? &columns_kn<WeightKind::kBF16, false> : &columns_kn<WeightKind::kF32, true>);
+  int64_t per = kColumnsPerItem;  // columns per work item
+  int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  if (!nk && !bf16) {  // float32 "kn": each item sweeps its columns' rows of w
+    // a small product runs on the calling thread: waking a helper costs more than it saves
+    if (c.k * c.n * 4 * std::min<int64_t>(c.m, kRows) < kSmallBytes) threads = 1;
+    const int64_t most = kSweepColumns / std::min<int64_t>(c.m, kRows) / kLanes * kLanes;
+    per = std::clamp<int64_t>((c.n + threads * kLanes - 1) / (threads * kLanes) * kLanes,
+                              kLanes, most);
+  }
+  auto item = [c, per, columns](int64_t i) {
+    const int64_t c0 = i * per;
+    columns(c, c0, std::min<int64_t>(c0 + per, c.n));
+  };
+  const int64_t items = (c.n + per - 1) / per;
+  if (threads == 1) {
+    for (int64_t i = 0; i < items; ++i) item(i);
+  } else {
+    parallel_for(pool, items, item);
+  }
   return ffi::Error::Success();
 }
 

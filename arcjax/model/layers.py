@@ -333,21 +333,19 @@ class Block(nnx.Module):
                                                               None, matmul_impl), x, positions)
         with jax.named_scope("attention"):
             attn, aux = attend(q, k, v)
-        mlp = functools.partial(self._mlp, layer=layer, moe_impl=moe_impl, parallel=parallel,
-                                matmul_impl=matmul_impl)
-        if rows is not None:  # one tile loop: the output projection, then the MLP
-            def after_attention(x, a, v):
-                with jax.named_scope("o_proj"):
-                    x = self._o_proj(x, a, None, matmul_impl)
-                with jax.named_scope("mlp"):
-                    return mlp(x, v, None)
 
-            x, stats = rows.map_summed(after_attention, x, attn, valid)
-            return x, aux, stats
-        with jax.named_scope("o_proj"):
-            x = self._o_proj(x, attn, lora, matmul_impl)
-        with jax.named_scope("mlp"):
-            x, stats = mlp(x, valid, lora)
+        def after_attention(x, attn, valid, lora):
+            with jax.named_scope("o_proj"):
+                x = self._o_proj(x, attn, lora, matmul_impl)
+            with jax.named_scope("mlp"):
+                return self._mlp(x, valid, lora, layer=layer, moe_impl=moe_impl,
+                                 parallel=parallel, matmul_impl=matmul_impl)
+
+        if rows is None:
+            x, stats = after_attention(x, attn, valid, lora)
+        else:  # one tile loop: the output projection, then the MLP
+            x, stats = rows.map_summed(lambda x, a, v: after_attention(x, a, v, None),
+                                       x, attn, valid)
         return x, aux, stats
 
     def _o_proj(self, x: jax.Array, attn: jax.Array, lora: LayerLoRA | None,

@@ -30,15 +30,15 @@ import jax
 import jax.numpy as jnp
 
 INVARIANT_ROWS = 8  # rows per tile in batch-invariant mode (the attention's query tile too)
-# per thread (steps may be traced on several): the live rows of each tile whose function is
-# being traced, innermost last
-_TRACING = threading.local()
+class _Tracing(threading.local):
+    """Per thread (steps may be traced on several): the live rows of each tile whose
+    function is being traced, innermost last."""
+
+    def __init__(self):
+        self.stack = []
 
 
-def _tracing() -> list:
-    if not hasattr(_TRACING, "stack"):
-        _TRACING.stack = []
-    return _TRACING.stack
+_TRACING = _Tracing()
 
 
 def tile_live_rows() -> jax.Array | None:
@@ -46,8 +46,7 @@ def tile_live_rows() -> jax.Array | None:
     thread ([] int32, traced, in [0, tile]), or None outside one. A row-invariant kernel
     called inside the tile computes only those (`packed_matmul.matmul`'s "cpu": a lone
     request's products then stream the weights for its one row, not for a whole tile)."""
-    stack = _tracing()
-    return stack[-1] if stack else None
+    return _TRACING.stack[-1] if _TRACING.stack else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +85,11 @@ class RowTiles:
             start = i * self.tile
             tiles = jax.tree.map(
                 lambda a: jax.lax.dynamic_slice_in_dim(a, start, self.tile), padded)
-            stack = _tracing()
-            stack.append(jnp.clip(self.live - start, 0, self.tile))
+            _TRACING.stack.append(jnp.clip(self.live - start, 0, self.tile))
             try:
                 y, t = fn(*tiles)
             finally:
-                stack.pop()
+                _TRACING.stack.pop()
             out = jax.tree.map(
                 lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, v, start, 0), out, y)
             return out, jax.tree.map(jnp.add, acc, t)
