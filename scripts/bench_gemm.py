@@ -11,6 +11,10 @@ times the compiled CPU kernel's products (`pallas_kernels.cpu_matmul`, packed_ma
   python scripts/bench_gemm.py --model=$MODEL_DIR --torch_python=VENV/bin/python
   python scripts/bench_gemm.py --rows=1,32,2048 --out=runs/gemm.json
   python scripts/bench_gemm.py --model=$MODEL_DIR --rows=1,2,8,32 --impls=xla,cpu
+  python scripts/bench_gemm.py --model=$MODEL_DIR --rows=1,8 --impls=xla,cpu --layers=30
+
+`--layers=L` gives each round L layers of distinct weights, as a step's layers are: with
+more weights than the caches hold, the products stream them from memory.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ _ITERS = flags.DEFINE_integer("iters", 30, "rounds per timing: XLA runs them in 
 _TORCH = flags.DEFINE_string("torch_python", None, "a Python with torch: the same products "
                              "in torch (skipped with a line where absent)")
 _OUT = flags.DEFINE_string("out", None, "write the results as JSON here")
+_LAYERS = flags.DEFINE_integer("layers", 1, "layers of distinct weights per round (times "
+                               "are per layer)")
 _IMPLS = flags.DEFINE_list("impls", ["xla"], "jitted products timed: xla (jnp's) and/or cpu "
                            "(the compiled CPU kernel)")
 
@@ -65,10 +71,12 @@ def product_groups(cfg) -> dict[str, list[tuple[int, int]]]:
             "mlp": [(h, i), (h, i), (i, h)]}
 
 
-def time_jax(groups, rows: list[int], iters: int, impl: str = "xla") -> dict[str, float]:
-    """ms per group of products, inside one compiled loop of `iters` rounds (as in a step:
-    no per-call dispatch); each round's input depends on the last round's products.
-    `impl`: "xla" (jnp's products) or "cpu" (`pallas_kernels.cpu_matmul`)."""
+def time_jax(groups, rows: list[int], iters: int, impl: str = "xla",
+             layers: int = 1) -> dict[str, float]:
+    """ms per group of products (per layer), inside one compiled loop of `iters` rounds (as
+    in a step: no per-call dispatch), each round over `layers` layers of distinct weights;
+    each layer's input depends on the last one's products. `impl`: "xla" (jnp's products)
+    or "cpu" (`pallas_kernels.cpu_matmul`)."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels.cpu_matmul import cpu_matmul
@@ -78,15 +86,18 @@ def time_jax(groups, rows: list[int], iters: int, impl: str = "xla") -> dict[str
     out = {}
     key = jax.random.PRNGKey(0)
     for name, shapes in groups.items():
-        ws = [jax.random.normal(jax.random.fold_in(key, j), s) for j, s in enumerate(shapes)]
+        ws = [[jax.random.normal(jax.random.fold_in(key, layer * len(shapes) + j), s)
+               for j, s in enumerate(shapes)] for layer in range(layers)]
         for m in rows:
             xs = {k: jax.random.normal(key, (m, k)) for k, _ in shapes}
 
             def rounds(xs, ws, shapes=shapes):
                 def body(_, xs):
-                    ys = [product(xs[k], w) for (k, _), w in zip(shapes, ws)]
-                    tie = sum(jnp.sum(y[0, :1]) for y in ys) * 1e-30
-                    return {k: x + tie for k, x in xs.items()}
+                    for layer_ws in ws:
+                        ys = [product(xs[k], w) for (k, _), w in zip(shapes, layer_ws)]
+                        tie = sum(jnp.sum(y[0, :1]) for y in ys) * 1e-30
+                        xs = {k: x + tie for k, x in xs.items()}
+                    return xs
                 return jax.lax.fori_loop(0, iters, body, xs)
 
             fn = jax.jit(rounds)
@@ -96,7 +107,7 @@ def time_jax(groups, rows: list[int], iters: int, impl: str = "xla") -> dict[str
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn(xs, ws))
                 ts.append(time.perf_counter() - t0)
-            out[f"{name}@{m}"] = 1e3 * statistics.median(ts) / iters
+            out[f"{name}@{m}"] = 1e3 * statistics.median(ts) / (iters * layers)
     return out
 
 
@@ -128,10 +139,12 @@ def main(argv):
     rows = [int(r) for r in _ROWS.value]
     if not _IMPLS.value or set(_IMPLS.value) - {"xla", "cpu"}:
         raise app.UsageError(f"--impls: xla and/or cpu, got {_IMPLS.value}")
-    timed = {impl: time_jax(groups, rows, _ITERS.value, impl) for impl in _IMPLS.value}
+    timed = {impl: time_jax(groups, rows, _ITERS.value, impl, _LAYERS.value)
+             for impl in _IMPLS.value}
     jax_ms = timed.get("xla") or next(iter(timed.values()))
     torch_res = time_torch(_TORCH.value, groups, rows, _ITERS.value)
-    res = {"model": model, "groups": groups, "rows": rows, "cores": os.cpu_count(),
+    res = {"model": model, "groups": groups, "rows": rows, "layers": _LAYERS.value,
+           "cores": os.cpu_count(),
            "load_average": list(os.getloadavg()), "xla_ms": timed.get("xla"),
            "cpu_kernel_ms": timed.get("cpu"), "torch": torch_res}
     for key in jax_ms:

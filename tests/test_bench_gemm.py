@@ -50,12 +50,13 @@ def test_bench_gemm_says_when_the_torch_peer_cannot_run(tmp_path):
 def test_bench_gemm_times_the_cpu_kernel_beside_xla(tmp_path):
     out = tmp_path / "gemm.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--rows=1,3", "--iters=2",
-                           "--impls=xla,cpu", f"--out={out}"],
+                           "--impls=xla,cpu", "--layers=2", f"--out={out}"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     keys = {f"{g}@{m}" for g in ("qkv", "o", "mlp") for m in (1, 3)}
     assert set(res["xla_ms"]) == keys and set(res["cpu_kernel_ms"]) == keys
+    assert res["layers"] == 2
     assert all(ms > 0 for ms in res["cpu_kernel_ms"].values())
     assert "kernel / XLA time" in proc.stdout
     bad = subprocess.run([sys.executable, str(SCRIPT), "--impls=xla,gpu"],

@@ -18,9 +18,9 @@ Every projection of the decoder (attention's q, k, v, o, the dense MLP, the LM h
   through the compiled CPU kernel (`pallas_kernels.cpu_matmul`), which reads the weight as
   stored; XLA:CPU converts such a weight to float32 before the product, in every step (the
   tied LM head's whole embedding table too). Other weights and wider steps take "xla"
-  (float32 weights too: the kernel's float32 sweeps match XLA's one-row speed and beat its
-  2-8-row products, RESULTS.md, but switching the engine's float32 products is not
-  measured yet). Inside a
+  (float32 weights too: the kernel's float32 sweeps run at about XLA's speed, faster for
+  some shapes and slower for others, RESULTS.md; switching the engine's float32 products
+  is not measured). Inside a
   batch-invariant row tile (`row_tiles.tile_live_rows`) every float32 and bfloat16 matrix
   goes through the kernel, for the tile's live rows only: its products are row-invariant
   by construction, and a lone request's then stream the weights for one row instead of
